@@ -1,0 +1,1 @@
+"""Example models for rannc: a BiT-style ResNet and small test models."""

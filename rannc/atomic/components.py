@@ -1,0 +1,128 @@
+"""Phase 1 (paper III-A): atomic components.
+
+A task is *non-constant* when its output depends on a model input (it is
+reachable from one); otherwise it is *constant* (it reads only parameters,
+buffers and constants). Every atomic component holds exactly one non-constant
+task plus the constant tasks that feed it, so that a stage made of components
+always depends on the input: replicating a stage that only transposes weights
+would waste devices.
+
+The paper's procedure walks the graph backwards from the outputs: a
+non-constant task opens a new component; a constant task joins the component
+its output goes to, and when its output goes to several components it is
+*cloned* into each of them (together with its constant predecessors, which
+then also feed several components). Two cases the paper does not meet, and
+what we do:
+- a constant task whose result no component reads (an in-place update such
+  as BatchNorm's `num_batches_tracked.add_(1)`, or a constant model output)
+  joins one component: the nearest non-constant task of the same module,
+  else the next non-constant task in topological order, else the last one;
+- a constant task that writes a value in place is never cloned (the update
+  must happen once): it joins the first component that reads it, and the
+  others read its result from there.
+
+Index conventions: t, u index `graph.tasks`; c indexes components.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rannc.graph.native import forward_reachable
+from rannc.graph.task_graph import TaskGraph, ValueKind
+
+
+@dataclass(frozen=True, slots=True)
+class AtomicComponent:
+    index: int
+    task: int  # its non-constant task
+    constant_tasks: tuple[int, ...]  # constant tasks folded in, in topological order
+
+    @property
+    def tasks(self) -> tuple[int, ...]:
+        """All its tasks in topological order."""
+        return tuple(sorted((*self.constant_tasks, self.task)))
+
+
+@dataclass(frozen=True, slots=True)
+class AtomicPartition:
+    components: tuple[AtomicComponent, ...]  # in topological order of their non-constant task
+    component_of: tuple[int, ...]  # per task: its component, or -1 for a constant task
+    holders: tuple[tuple[int, ...], ...]  # per task: the components that hold a copy of it
+
+    @property
+    def cloned_tasks(self) -> list[int]:
+        """Constant tasks held by more than one component."""
+        return [t for t, h in enumerate(self.holders) if len(h) > 1]
+
+    def component_edges(self, graph: TaskGraph) -> list[tuple[int, int]]:
+        """Data dependencies between components (from, to), without repeats or self-loops."""
+        out: set[tuple[int, int]] = set()
+        for comp in self.components:
+            for u in comp.tasks:
+                for v in graph.tasks[u].inputs:
+                    p = graph.producer(v)
+                    if p is None or comp.index in self.holders[p]:
+                        continue
+                    out.add((self.holders[p][0], comp.index))
+        return sorted(out)
+
+
+def non_constant_tasks(graph: TaskGraph) -> list[bool]:
+    """Per task: reachable from a model input."""
+    n = len(graph.tasks)
+    sources = sorted({c for v in graph.values_of_kind(ValueKind.INPUT) for c in graph.consumers(v)})
+    return forward_reachable(n, graph.edges(), sources)
+
+
+def atomic_components(graph: TaskGraph) -> AtomicPartition:
+    """Form the atomic components of `graph` (the tasks must be in topological order)."""
+    n = len(graph.tasks)
+    nc = non_constant_tasks(graph)
+    component_of = [-1] * n
+    nc_tasks = [t for t in range(n) if nc[t]]
+    if not nc_tasks:
+        raise ValueError("the graph has no task that depends on a model input; nothing to partition")
+    for c, t in enumerate(nc_tasks):
+        component_of[t] = c
+
+    holders: list[set[int]] = [set() for _ in range(n)]
+    for t in nc_tasks:
+        holders[t].add(component_of[t])
+    for t in reversed(range(n)):  # consumers come after producers, so they are settled first
+        if nc[t]:
+            continue
+        targets: set[int] = set()
+        for v in graph.tasks[t].outputs:
+            for u in graph.consumers(v):
+                targets |= holders[u]
+        if not targets:
+            targets = {_home_of_sink(graph, t, nc_tasks, component_of)}
+        elif graph.tasks[t].mutates and len(targets) > 1:
+            targets = {min(targets)}
+        holders[t] = targets
+
+    constant_of: list[list[int]] = [[] for _ in nc_tasks]
+    for t in range(n):
+        if not nc[t]:
+            for c in holders[t]:
+                constant_of[c].append(t)
+    components = tuple(
+        AtomicComponent(index=c, task=t, constant_tasks=tuple(constant_of[c]))
+        for c, t in enumerate(nc_tasks)
+    )
+    return AtomicPartition(
+        components=components,
+        component_of=tuple(component_of),
+        holders=tuple(tuple(sorted(h)) for h in holders),
+    )
+
+
+def _home_of_sink(graph: TaskGraph, t: int, nc_tasks: list[int], component_of: list[int]) -> int:
+    """The component for a constant task whose output no component reads."""
+    path = graph.tasks[t].module_path
+    same_module = [u for u in nc_tasks if graph.tasks[u].module_path == path] if path else []
+    if same_module:
+        return component_of[min(same_module, key=lambda u: abs(u - t))]
+    later = [u for u in nc_tasks if u > t]
+    return component_of[later[0] if later else nc_tasks[-1]]

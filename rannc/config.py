@@ -1,0 +1,126 @@
+"""rannc.Config: every setting in one dataclass; each field can also be set as RANNC_<FIELD>.
+
+Precedence, lowest first: the field's default, the environment variable
+`RANNC_<FIELD>` (e.g. `RANNC_PARTITION_NUM=2`), `config=` passed to
+RaNNCModule, then keyword options passed to RaNNCModule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from rannc.errors import ConfigError
+
+_SCHEDULES = ("auto", "gpipe", "1f1b")
+_CHECKPOINTING = ("auto", "on", "off", "stage_aware")
+_PROFILERS = ("auto", "measure", "estimate")
+
+
+@dataclass(kw_only=True, slots=True)
+class Config:
+    partition_num: int | None = None
+    """Force the number of pipeline stages (None: the planner chooses)."""
+    replicas: list[int] | None = None
+    """Force each stage's replica count, e.g. [2, 1]; must sum to the ranks of one pipeline."""
+    microbatches: int | None = None
+    """Force the number of microbatches per iteration."""
+    min_pipeline: int = 1
+    """Smallest microbatch count the planner considers."""
+    max_pipeline: int = 32
+    """Largest microbatch count the planner considers."""
+    blocks: int = 32
+    """k: the number of blocks phase 2 coarsens the atomic components into."""
+    mem_limit_gb: float | None = None
+    """Per-device memory to plan for (None: the device's own)."""
+    mem_margin: float = 0.1
+    """Fraction of device memory kept free."""
+    opt_param_factor: float | None = None
+    """Optimizer state per parameter element (None: read from the optimizer, Adam = 2)."""
+    schedule: str = "auto"
+    """Pipeline schedule: one of auto, gpipe, 1f1b."""
+    checkpointing: str = "auto"
+    """Recomputation: auto, on, off or stage_aware."""
+    profiler: str = "auto"
+    """Cost oracle: auto, measure or estimate."""
+    save_deployment: bool = False
+    """Write the plan to `deployment_file` after planning."""
+    load_deployment: bool = False
+    """Read the plan from `deployment_file` instead of planning."""
+    deployment_file: str = "rannc_deployment.json"
+    """Where plans are saved and loaded."""
+    profile_cache_dir: str | None = None
+    """Directory for cached profiles (None: no disk cache)."""
+    dry_run_np: int | None = None
+    """Plan for this many ranks without running (planning only)."""
+    timeout_s: float = 300.0
+    """Seconds before a collective that does not complete is reported as a failure."""
+    seed: int | None = None
+    """Seed for planning decisions and dropout replay."""
+    trace: bool = False
+    """Record per-rank runtime events."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Options for experimental features."""
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("schedule", _SCHEDULES), ("checkpointing", _CHECKPOINTING),
+                              ("profiler", _PROFILERS)):
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ConfigError(f"Config.{name}={value!r} is not one of {', '.join(allowed)}")
+        for name in ("partition_num", "microbatches", "dry_run_np"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"Config.{name}={value} must be at least 1 (or None for automatic)")
+        if self.replicas is not None and (not self.replicas or min(self.replicas) < 1):
+            raise ConfigError(f"Config.replicas={self.replicas} must list at least one count, each >= 1")
+        if self.blocks < 1:
+            raise ConfigError(f"Config.blocks={self.blocks} must be at least 1")
+        if not 0 <= self.mem_margin < 1:
+            raise ConfigError(f"Config.mem_margin={self.mem_margin} must be in [0, 1)")
+        if self.min_pipeline > self.max_pipeline:
+            raise ConfigError(
+                f"Config.min_pipeline ({self.min_pipeline}) exceeds max_pipeline ({self.max_pipeline})"
+            )
+
+    @classmethod
+    def resolve(cls, config: Config | None = None, environ: Mapping[str, str] | None = None,
+                **options: Any) -> Config:
+        """Defaults, then RANNC_* variables, then `config`'s non-default fields, then `options`."""
+        environ = os.environ if environ is None else environ
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - names)
+        if unknown:
+            raise ConfigError(f"unknown rannc option(s) {unknown}; valid names: {sorted(names)}")
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            key = f"RANNC_{f.name.upper()}"
+            if key in environ:
+                values[f.name] = _parse_env(f.name, key, environ[key])
+        if config is not None:
+            default = cls()
+            for f in fields(cls):
+                if getattr(config, f.name) != getattr(default, f.name):
+                    values[f.name] = getattr(config, f.name)
+        values.update(options)
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _parse_env(name: str, key: str, text: str) -> Any:
+    """RANNC_* values are JSON (numbers, lists, true/false, null) or bare strings."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = text
+    if name in {"save_deployment", "load_deployment", "trace"} and isinstance(value, str):
+        if value.lower() not in {"0", "1", "true", "false", "yes", "no"}:
+            raise ConfigError(f"{key}={text!r} is not a boolean (use 1/0/true/false)")
+        value = value.lower() in {"1", "true", "yes"}
+    return value

@@ -1,0 +1,94 @@
+"""RaNNCModule in one process equals the unwrapped model: outputs, gradients, AdamW steps."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+from model_zoo import BUILDERS, make_case
+
+import rannc
+
+RTOL, ATOL = 1e-6, 1e-7
+
+
+def assert_tree_close(a: object, b: object) -> None:
+    la, sa = pytree.tree_flatten(a)
+    lb, sb = pytree.tree_flatten(b)
+    assert str(sa) == str(sb), f"output structure differs: {sa} vs {sb}"
+    for x, y in zip(la, lb, strict=True):
+        if isinstance(x, torch.Tensor):
+            torch.testing.assert_close(x, y, rtol=RTOL, atol=ATOL)
+        else:
+            assert x == y
+
+
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_forward_backward_and_adamw_steps(name: str) -> None:
+    case = make_case(name)
+    ref = copy.deepcopy(case.model)
+    wrapped = rannc.RaNNCModule(case.model)
+    opt_w = torch.optim.AdamW(case.model.parameters(), lr=1e-2)
+    opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step in range(3):
+        out_w = wrapped(*case.args, **case.kwargs)
+        out_r = ref(*case.args, **case.kwargs)
+        assert type(out_w) is type(out_r)
+        assert_tree_close(out_w, out_r)
+        case.loss(out_w).backward()
+        case.loss(out_r).backward()
+        for (n, p), (_, q) in zip(wrapped.named_parameters(), ref.named_parameters(), strict=True):
+            assert (p.grad is None) == (q.grad is None), n
+            if p.grad is not None:
+                torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL, msg=f"{n} step {step}")
+        opt_w.step()
+        opt_r.step()
+        opt_w.zero_grad()
+        opt_r.zero_grad()
+    for (n, p), (_, q) in zip(wrapped.state_dict().items(), ref.state_dict().items(), strict=True):
+        torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL, msg=n)
+    assert list(wrapped.state_dict()) == list(ref.state_dict())
+
+
+def test_state_dict_keeps_names_and_loads_into_unwrapped_model() -> None:
+    case = make_case("bert")
+    wrapped = rannc.RaNNCModule(case.model)
+    wrapped(*case.args, **case.kwargs)
+    fresh = make_case("bert", seed=1).model
+    fresh.load_state_dict(wrapped.state_dict())
+    assert "cls.predictions.decoder.weight" in wrapped.state_dict()
+    assert all(not n.startswith("model.") for n, _ in wrapped.named_parameters())
+
+
+def test_new_sequence_length_recaptures_and_smaller_batch_reuses() -> None:
+    case = make_case("gpt2", batch=4)
+    ref = copy.deepcopy(case.model)
+    wrapped = rannc.RaNNCModule(case.model)
+    wrapped(**case.kwargs)
+    ids3 = case.kwargs["input_ids"][:3]
+    assert_tree_close(wrapped(input_ids=ids3, labels=ids3), ref(input_ids=ids3, labels=ids3))
+    assert len(wrapped._deployments) == 1  # a smaller batch reuses the capture
+    ids1 = case.kwargs["input_ids"][:1, :6]
+    assert_tree_close(wrapped(input_ids=ids1, labels=ids1), ref(input_ids=ids1, labels=ids1))
+    assert len(wrapped._deployments) == 2
+
+
+def test_batchnorm_statistics_updated_like_the_original() -> None:
+    case = make_case("resnet")
+    ref = copy.deepcopy(case.model)
+    wrapped = rannc.RaNNCModule(case.model)
+    for _ in range(2):
+        wrapped(*case.args)
+        ref(*case.args)
+    for (n, b), (_, c) in zip(wrapped.named_buffers(), ref.named_buffers(), strict=True):
+        torch.testing.assert_close(b, c, rtol=RTOL, atol=ATOL, msg=n)
+
+
+def test_eval_mode_and_no_grad() -> None:
+    case = make_case("resnet")
+    ref = copy.deepcopy(case.model).eval()
+    wrapped = rannc.RaNNCModule(case.model).eval()
+    with torch.no_grad():
+        assert_tree_close(wrapped(*case.args), ref(*case.args))
