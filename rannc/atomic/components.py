@@ -126,3 +126,16 @@ def _home_of_sink(graph: TaskGraph, t: int, nc_tasks: list[int], component_of: l
         return component_of[min(same_module, key=lambda u: abs(u - t))]
     later = [u for u in nc_tasks if u > t]
     return component_of[later[0] if later else nc_tasks[-1]]
+
+
+def task_attributes(graph: TaskGraph, atomic: AtomicPartition) -> dict[str, dict[str, int | str]]:
+    """Per task name, its atomic component as ONNX node attributes (`atomic_component`;
+    a cloned constant task also lists every holder in `cloned_into`)."""
+    attrs: dict[str, dict[str, int | str]] = {}
+    for t, task in enumerate(graph.tasks):
+        holders = atomic.holders[t]
+        a: dict[str, int | str] = {"atomic_component": holders[0]}
+        if len(holders) > 1:
+            a["cloned_into"] = ",".join(map(str, holders))
+        attrs[task.name] = a
+    return attrs

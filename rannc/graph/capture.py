@@ -100,7 +100,7 @@ def capture(
     device = _model_device(model)
     leaves = [_prepare_leaf(x, b, device) for x, b in zip(leaves, layout.batch_leaves, strict=True)]
     ex_args, ex_kwargs = pytree.tree_unflatten(leaves, layout.spec)
-    dynamic_shapes = _dynamic_shapes(model, ex_args, ex_kwargs, _batch_size(leaves, layout))
+    dynamic_shapes = _dynamic_shapes(model, layout)
     t0 = time.perf_counter()
     try:
         ep = torch.export.export(
@@ -114,27 +114,18 @@ def capture(
     return _from_exported(ep, layout, seconds)
 
 
-def _batch_size(leaves: list[Any], layout: InputLayout) -> int:
-    return next(x.shape[0] for x, b in zip(leaves, layout.batch_leaves, strict=True) if b)
-
-
-def _dynamic_shapes(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any],
-                    batch_size: int) -> dict[str, Any]:
-    """torch.export's dynamic_shapes: dim 0 symbolic for every batched tensor, by parameter name."""
+def _dynamic_shapes(model: nn.Module, layout: InputLayout) -> dict[str, Any]:
+    """torch.export's dynamic_shapes: dim 0 symbolic for every batched leaf, by parameter name."""
     batch = Dim("batch", min=1)
-
-    def spec(x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch_size:
-            return {0: batch}
-        return None
-
+    flags = [{0: batch} if b else None for b in layout.batch_leaves]
+    dyn_args, dyn_kwargs = pytree.tree_unflatten(flags, layout.spec)
     try:
-        bound = inspect.signature(model.forward).bind(*args, **kwargs)
+        bound = inspect.signature(model.forward).bind(*dyn_args, **dyn_kwargs)
     except TypeError as e:
         raise CaptureError(
             f"the inputs do not match {type(model).__name__}.forward's signature: {e}"
         ) from e
-    return {name: pytree.tree_map(spec, value) for name, value in bound.arguments.items()}
+    return dict(bound.arguments)
 
 
 def _model_device(model: nn.Module) -> torch.device | None:
@@ -168,6 +159,10 @@ def _capture_error(model: nn.Module, e: BaseException) -> CaptureError:
             code = frame.f_code
             where = f"{type(owner).__name__}.{code.co_name} ({code.co_filename}:{frame.f_lineno})"
     reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    if "specialized it to be a constant" in str(e):
+        # Found after tracing, so the stack names no module: say what it means instead.
+        reason += (" The model's code fixes the batch size (e.g. x.view(4, -1) or a "
+                   "torch.zeros(4, ...)); derive it from the input with x.size(0) or -1.")
     text = (
         f"rannc could not capture the model: torch.export failed in module '{path}' "
         f"[{where}]: {type(e).__name__}: {reason}\n"
