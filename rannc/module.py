@@ -22,14 +22,12 @@ from typing import Any, cast
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 from torch import nn
 
 from rannc.atomic.components import AtomicPartition, atomic_components
 from rannc.config import Config
 from rannc.graph.capture import CapturedModel, capture, flatten_inputs
 from rannc.graph.extract import StageGraph, build_stage_module, run_chain, split_graph
-from rannc.graph.task_graph import ValueKind
 
 log = logging.getLogger(__name__)
 
@@ -79,15 +77,8 @@ class RaNNCModule(nn.Module):
         if dep is None:
             dep = self._deploy(args, kwargs, first=not self._deployments)
             self._deployments[key] = dep
-        cap = dep.captured
-        env = self._tensor_env(cap)
-        for name, leaf in zip(cap.leaf_values, leaves, strict=True):
-            if name is not None:
-                env[name] = leaf
-        values = run_chain(dep.modules, dep.stages, env)
-        flat = [values[v] if v is not None else c
-                for v, c in zip(cap.graph.outputs, cap.output_constants, strict=True)]
-        return pytree.tree_unflatten(flat, cap.out_spec)
+        values = run_chain(dep.modules, dep.stages, dep.captured.bind(self.module, leaves))
+        return dep.captured.unflatten_outputs(values)
 
     def _deploy(self, args: tuple[Any, ...], kwargs: dict[str, Any], first: bool) -> _Deployment:
         cap = capture(self.module, args, kwargs)
@@ -100,18 +91,6 @@ class RaNNCModule(nn.Module):
         log.info("rannc: captured %s, %d atomic components, in %.2f s",
                  cap.graph.summary(), len(atomic.components), cap.seconds)
         return _Deployment(cap, atomic, stages, modules)
-
-    def _tensor_env(self, cap: CapturedModel) -> dict[str, Any]:
-        """The model's own parameters, buffers and the lifted constants, by value name."""
-        params = dict(self.module.named_parameters(remove_duplicate=False))
-        buffers = dict(self.module.named_buffers(remove_duplicate=False))
-        env: dict[str, Any] = dict(cap.constants)
-        for name, v in cap.graph.values.items():
-            if v.kind is ValueKind.PARAM:
-                env[name] = params[v.target or ""]
-            elif v.kind is ValueKind.BUFFER and v.producer is None:
-                env[name] = buffers[v.target or ""]
-        return env
 
     # -- what a training script touches ------------------------------------
     def train(self, mode: bool = True) -> RaNNCModule:

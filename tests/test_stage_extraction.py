@@ -61,18 +61,8 @@ def run_with_boundaries(case: Case, cap: CapturedModel, stages: list[StageGraph]
     backward stage by stage in reverse, feeding each stage the gradients its consumers sent."""
     model = case.model
     modules = [build_stage_module(cap.gm, cap.graph, s) for s in stages]
-    params = dict(model.named_parameters(remove_duplicate=False))
-    buffers = dict(model.named_buffers(remove_duplicate=False))
-    values: dict[str, Any] = dict(cap.constants)
-    for name, v in cap.graph.values.items():
-        if v.kind is ValueKind.PARAM:
-            values[name] = params[v.target or ""]
-        elif v.kind is ValueKind.BUFFER and v.producer is None:
-            values[name] = buffers[v.target or ""]
     leaves, _ = flatten_inputs(case.args, case.kwargs)
-    for name, leaf in zip(cap.leaf_values, leaves, strict=True):
-        if name is not None:
-            values[name] = leaf
+    values = cap.bind(model, leaves)
     produced_by: dict[str, int] = {}
     copies: list[dict[str, torch.Tensor]] = []
     outputs: list[tuple[torch.Tensor, ...]] = []
@@ -90,9 +80,7 @@ def run_with_boundaries(case: Case, cap: CapturedModel, stages: list[StageGraph]
         for v, o in zip(s.outputs, outs, strict=True):
             values[v] = o
             produced_by[v] = s.index
-    flat = [values[v] if v is not None else c
-            for v, c in zip(cap.graph.outputs, cap.output_constants, strict=True)]
-    out = pytree.tree_unflatten(flat, cap.out_spec)
+    out = cap.unflatten_outputs(values)
     case.loss(out).backward(retain_graph=True)
     for s, outs in reversed(list(zip(stages, outputs, strict=True))):
         ts, gs = [], []

@@ -67,6 +67,29 @@ class CapturedModel:
     constants: dict[str, torch.Tensor]  # lifted tensor constants, by value name
     seconds: float  # how long torch.export took
 
+    def bind(self, model: nn.Module, leaves: Sequence[Any]) -> dict[str, Any]:
+        """The graph's input values for one call: the model's own parameters and buffers
+        (so autograd and in-place updates reach them), the lifted constants, and the
+        call's flat input leaves, by value name."""
+        params = dict(model.named_parameters(remove_duplicate=False))
+        buffers = dict(model.named_buffers(remove_duplicate=False))
+        env: dict[str, Any] = dict(self.constants)
+        for name, v in self.graph.values.items():
+            if v.kind is ValueKind.PARAM:
+                env[name] = params[v.target or ""]
+            elif v.kind is ValueKind.BUFFER and v.producer is None:
+                env[name] = buffers[v.target or ""]
+        for leaf_name, leaf in zip(self.leaf_values, leaves, strict=True):
+            if leaf_name is not None:
+                env[leaf_name] = leaf
+        return env
+
+    def unflatten_outputs(self, values: Mapping[str, Any]) -> Any:
+        """The model's output structure from the computed values."""
+        flat = [values[v] if v is not None else c
+                for v, c in zip(self.graph.outputs, self.output_constants, strict=True)]
+        return pytree.tree_unflatten(flat, self.out_spec)
+
 
 def flatten_inputs(args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[list[Any], InputLayout]:
     """Flatten a call's inputs (kwargs sorted by key) and describe their layout."""
