@@ -1,18 +1,79 @@
-"""Process identity: rank and world size under mpirun, torchrun or plain python.
+"""Process identity and the torch.distributed bootstrap under mpirun, torchrun or plain python.
 
-The multi-process bootstrap (mpi4py rendezvous, process groups) builds on these;
-before a process group exists they read the launcher's environment.
+Before a process group exists, :func:`get_rank`, :func:`get_world_size` and :func:`get_local_rank`
+read the launcher's environment, so code that only needs to know "am I rank 0?" works without
+any set-up.  :func:`init_process_group` then creates the default process group the same way under
+every launcher, so the rest of rannc can use ``torch.distributed`` collectives uniformly:
+
+* torchrun (``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT``): the
+  ``env://`` rendezvous that torchrun prepared.
+* mpirun / mpiexec (``PMI_RANK``+``PMI_SIZE`` from MPICH/Hydra, ``OMPI_COMM_WORLD_RANK`` from
+  Open MPI, ``PMIX_RANK``): MPI launchers provide no rendezvous address, so rank 0 opens a TCP
+  store and broadcasts its address with mpi4py.
+* plain ``python``: a one-rank gloo group on an in-process store, so collectives are no-ops
+  rather than errors.
+
+The MPI rendezvous deliberately does not use ``init_method="tcp://addr:port"``: torch's store
+server then listens on every interface (``*:port``) whatever ``addr`` says, and the port that rank
+0 probed could be taken by another process before the store binds it.  Instead rank 0 binds a
+listening socket to the chosen address (127.0.0.1 when all ranks share one node) and hands that
+socket to :class:`torch.distributed.TCPStore` (``master_listen_fd``): the store listens only there,
+and there is no window for the port to be stolen.
 """
 
 from __future__ import annotations
 
+import datetime
+import ipaddress
 import os
+import socket
+import sys
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
+import torch
 import torch.distributed as dist
 
 # Launchers and the variables they set for the rank and the world size.
 _RANK_VARS = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
 _SIZE_VARS = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE")
+# ... and for the rank within the node (Hydra sets MPI_LOCALRANKID).
+_LOCAL_RANK_VARS = ("LOCAL_RANK", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK")
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+#: Environment variable forcing the backend: "gloo" (or "nccl"); unset/"auto" picks one.
+BACKEND_ENV = "RANNC_BACKEND"
+#: Environment variable naming the address rank 0 listens on for an MPI launch spanning nodes.
+MASTER_ADDR_ENV = "RANNC_MASTER_ADDR"
+
+LAUNCHER_TORCHRUN = "torchrun"
+LAUNCHER_MPI = "mpi"
+LAUNCHER_PYTHON = "python"
+#: torch.distributed was initialized by someone else before :func:`init_process_group`.
+LAUNCHER_EXTERNAL = "external"
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """What :func:`init_process_group` set up; frozen because every rank must agree on it."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    backend: str
+    device: torch.device
+    launcher: str
+
+
+_lock = threading.RLock()
+_context: DistContext | None = None
+_owned = False  # whether we created the default group (and so may destroy it)
+_timeout = datetime.timedelta(seconds=300.0)
+_groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+_saved_gloo_ifname: tuple[bool, str | None] = (False, None)  # (we changed it, previous value)
 
 
 def _from_env(names: tuple[str, ...], default: int) -> int:
@@ -22,21 +83,369 @@ def _from_env(names: tuple[str, ...], default: int) -> int:
     return default
 
 
+def _initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
 def get_rank() -> int:
     """This process's rank (0 in a plain `python` run)."""
-    if dist.is_available() and dist.is_initialized():
+    if _initialized():
         return dist.get_rank()
     return _from_env(_RANK_VARS, 0)
 
 
 def get_world_size() -> int:
     """The number of ranks (1 in a plain `python` run)."""
-    if dist.is_available() and dist.is_initialized():
+    if _initialized():
         return dist.get_world_size()
     return _from_env(_SIZE_VARS, 1)
 
 
+def get_local_rank() -> int:
+    """This process's rank among the ranks on its node (it picks the GPU); 0 in a plain run."""
+    ctx = _context
+    if ctx is not None and _initialized():
+        return ctx.local_rank
+    return _from_env(_LOCAL_RANK_VARS, 0)
+
+
 def barrier() -> None:
-    """Wait for every rank (a no-op with one process)."""
-    if dist.is_available() and dist.is_initialized():
+    """Wait for every rank (a no-op with one process or before :func:`init_process_group`)."""
+    if not _initialized():
+        return
+    ctx = _context
+    if ctx is not None and ctx.backend == "nccl" and ctx.device.type == "cuda":
+        # Naming the device keeps NCCL from guessing it (and warning) for the barrier.
+        dist.barrier(device_ids=[ctx.device.index if ctx.device.index is not None else 0])
+    else:
         dist.barrier()
+
+
+def detect_launcher() -> str:
+    """Which launcher started this process, judged from its environment.
+
+    torchrun is checked first because it sets a complete rendezvous (MASTER_ADDR/PORT); an MPI
+    launcher only sets rank variables, and plain python sets none.
+    """
+    if all(v in os.environ for v in _TORCHRUN_VARS):
+        return LAUNCHER_TORCHRUN
+    if ("PMI_RANK" in os.environ and "PMI_SIZE" in os.environ) or any(
+        v in os.environ for v in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK")
+    ):
+        return LAUNCHER_MPI
+    return LAUNCHER_PYTHON
+
+
+def init_process_group(timeout_s: float = 300.0) -> DistContext:
+    """Create the default torch.distributed group for whichever launcher started us.
+
+    Idempotent: later calls return the same :class:`DistContext` (their ``timeout_s`` is ignored).
+    If torch.distributed was already initialized by the caller, it is wrapped, not replaced, and
+    :func:`shutdown` leaves it alone.  ``timeout_s`` bounds the rendezvous and every later
+    collective, so a rank that dies turns into an error on the others instead of a hang.
+    """
+    global _context, _owned, _timeout
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
+    with _lock:
+        if _context is not None:
+            if _initialized():
+                return _context
+            # Someone destroyed the group behind our back: forget it and start over.
+            _reset_state()
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if _initialized():
+            _context = _wrap_existing()
+            _owned = False
+            _timeout = timeout
+            return _context
+        launcher = detect_launcher()
+        try:
+            if launcher == LAUNCHER_TORCHRUN:
+                ctx = _init_torchrun(timeout)
+            elif launcher == LAUNCHER_MPI:
+                ctx = _init_mpi(timeout)
+            else:
+                ctx = _init_single(timeout)
+        except BaseException:
+            _reset_state()  # undo the GLOO_SOCKET_IFNAME pin of a half-done init
+            raise
+        _context, _owned, _timeout = ctx, True, timeout
+        return ctx
+
+
+def new_group(ranks: Sequence[int]) -> dist.ProcessGroup | None:
+    """A process group over ``ranks``, created once and cached by its sorted rank tuple.
+
+    torch requires *every* rank of the world -- members or not -- to call ``new_group`` for every
+    group, in the same order (creating a group synchronizes over the default group's store);
+    callers must therefore create groups in a deterministic order on all ranks, e.g. by
+    iterating over the same list.  Returns None on ranks that are not members of the group.
+    """
+    with _lock:
+        if not _initialized():
+            raise RuntimeError(
+                f"new_group({list(ranks)!r}) called before the default process group exists; "
+                "call rannc.dist.init_process_group() first"
+            )
+        key = tuple(sorted(int(r) for r in ranks))
+        world = dist.get_world_size()
+        if not key:
+            raise ValueError("new_group needs at least one rank, got an empty sequence")
+        if len(set(key)) != len(key):
+            raise ValueError(f"new_group ranks contain duplicates: {list(ranks)!r}")
+        if key[0] < 0 or key[-1] >= world:
+            raise ValueError(f"new_group ranks {list(key)!r} out of range for world size {world}")
+        if key in _groups:
+            return _groups[key]
+        pg = dist.new_group(list(key), timeout=_timeout)
+        # torch returns a sentinel (GroupMember.NON_GROUP_MEMBER) to non-members; say None.
+        group: dist.ProcessGroup | None = pg if isinstance(pg, dist.ProcessGroup) else None
+        _groups[key] = group
+        return group
+
+
+def shutdown() -> None:
+    """Destroy the default group if :func:`init_process_group` created it, and forget the context.
+
+    A group the caller initialized before us is left intact (only our wrapper is dropped), so the
+    caller's own teardown still works.
+    """
+    global _owned
+    with _lock:
+        if _owned and _initialized():
+            dist.destroy_process_group()
+        _owned = False
+        _reset_state()
+
+
+def _reset_state() -> None:
+    global _context, _owned, _saved_gloo_ifname
+    _context = None
+    _owned = False
+    _groups.clear()
+    changed, previous = _saved_gloo_ifname
+    if changed:
+        if previous is None:
+            os.environ.pop("GLOO_SOCKET_IFNAME", None)
+        else:
+            os.environ["GLOO_SOCKET_IFNAME"] = previous
+    _saved_gloo_ifname = (False, None)
+
+
+# --------------------------------------------------------------------------------------------
+# Backend and device choice
+
+
+def _choose_backend(local_world_size: int) -> str:
+    """'nccl' when this node has a GPU for every local rank, else 'gloo'; RANNC_BACKEND overrides.
+
+    NCCL needs one GPU per rank; sharing a GPU between ranks makes NCCL fail or deadlock, so
+    with fewer GPUs than local ranks we fall back to gloo on the CPU.
+    """
+    forced = os.environ.get(BACKEND_ENV, "").strip().lower()
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if forced in ("", "auto"):
+        return "nccl" if gpus >= local_world_size and gpus > 0 else "gloo"
+    if forced == "gloo":
+        return "gloo"
+    if forced == "nccl":
+        if gpus < local_world_size or gpus == 0:
+            raise RuntimeError(
+                f"{BACKEND_ENV}=nccl but this node has {gpus} usable CUDA device(s) for "
+                f"{local_world_size} local rank(s); start at most {gpus} ranks per node, or set "
+                f"{BACKEND_ENV}=gloo (or unset it) to use the CPU"
+            )
+        return "nccl"
+    raise ValueError(f"{BACKEND_ENV}={os.environ[BACKEND_ENV]!r} is not one of 'auto', 'gloo', 'nccl'")
+
+
+def _device_for(backend: str, local_rank: int) -> torch.device:
+    if backend == "nccl":
+        # Bind before init so NCCL and every later .cuda() use this rank's own GPU.
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def _pin_gloo_to_loopback(backend: str) -> None:
+    """Make gloo's data sockets listen on loopback only, when every rank is on this node.
+
+    Gloo otherwise binds to whatever the hostname resolves to, often a routable address, and its
+    connections are unauthenticated.  A GLOO_SOCKET_IFNAME set by the user is respected.
+    """
+    global _saved_gloo_ifname
+    if backend != "gloo" or "GLOO_SOCKET_IFNAME" in os.environ:
+        return
+    try:
+        names = {name for _, name in socket.if_nameindex()}
+    except OSError:
+        return
+    for lo in ("lo", "lo0"):
+        if lo in names:
+            _saved_gloo_ifname = (True, None)
+            os.environ["GLOO_SOCKET_IFNAME"] = lo
+            return
+
+
+# --------------------------------------------------------------------------------------------
+# Launchers
+
+
+def _wrap_existing() -> DistContext:
+    backend = str(dist.get_backend())
+    if "nccl" in backend and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+    world = dist.get_world_size()
+    return DistContext(
+        rank=dist.get_rank(),
+        world_size=world,
+        local_rank=_from_env(_LOCAL_RANK_VARS, 0),
+        local_world_size=_from_env(("LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS"), world),
+        backend=backend,
+        device=device,
+        launcher=LAUNCHER_EXTERNAL,
+    )
+
+
+def _init_torchrun(timeout: datetime.timedelta) -> DistContext:
+    rank = int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    # torchrun always sets LOCAL_WORLD_SIZE; a hand-made env:// set-up may not, and then the
+    # whole world is the conservative guess for how many GPUs this node needs.
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    backend = _choose_backend(local_world)
+    device = _device_for(backend, local_rank)
+    dist.init_process_group(backend, init_method="env://", timeout=timeout)
+    return DistContext(rank, world, local_rank, local_world, backend, device, LAUNCHER_TORCHRUN)
+
+
+def _init_single(timeout: datetime.timedelta) -> DistContext:
+    backend = _choose_backend(1)
+    device = _device_for(backend, 0)
+    _pin_gloo_to_loopback(backend)
+    # An in-process store: one rank needs no network rendezvous at all.
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    return DistContext(0, 1, 0, 1, backend, device, LAUNCHER_PYTHON)
+
+
+def _import_mpi() -> Any:
+    try:
+        from mpi4py import MPI
+    except ImportError as e:
+        env = {v: os.environ[v] for v in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK") if v in os.environ}
+        raise RuntimeError(
+            f"started by an MPI launcher ({env}) but mpi4py cannot be imported into "
+            f"{sys.executable} ({e}); install mpi4py (pip install mpi4py mpich), "
+            "or launch with torchrun instead"
+        ) from e
+    return MPI
+
+
+def _is_loopback(addr: str) -> bool:
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        return False
+
+
+def _master_address(single_node: bool) -> str:
+    """The address rank 0's store listens on: loopback on one node, else this host's address."""
+    if single_node:
+        return "127.0.0.1"
+    override = os.environ.get(MASTER_ADDR_ENV)
+    if override:
+        return override
+    host = socket.gethostname()
+    candidates: list[str] = []
+    try:
+        candidates.append(socket.gethostbyname(host))
+    except OSError:
+        pass
+    try:
+        for *_, sockaddr in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM):
+            candidates.append(str(sockaddr[0]))
+    except OSError:
+        pass
+    for addr in candidates:
+        if not _is_loopback(addr):
+            return addr
+    raise RuntimeError(
+        f"ranks span several nodes but hostname {host!r} resolves only to {sorted(set(candidates))} "
+        f"(loopback or nothing), which other nodes cannot reach; set {MASTER_ADDR_ENV} to an "
+        "address of rank 0's node that the other nodes can reach"
+    )
+
+
+def _listen(addr: str) -> socket.socket:
+    """A listening TCP socket on ``addr`` with a free port picked by the kernel (port 0)."""
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    return socket.create_server((addr, 0), family=family, backlog=1024)
+
+
+def _init_mpi(timeout: datetime.timedelta) -> DistContext:
+    MPI = _import_mpi()
+    comm = MPI.COMM_WORLD
+    rank, world = int(comm.Get_rank()), int(comm.Get_size())
+    env_world = _from_env(_SIZE_VARS[1:], world)
+    if env_world != world:
+        # Classic mismatch: mpi4py linked against another MPI than the mpiexec used, so each
+        # process initializes as a singleton world of 1.
+        raise RuntimeError(
+            f"the launcher says world size {env_world} but mpi4py's COMM_WORLD has {world} rank(s): "
+            f"mpiexec and mpi4py come from different MPI installations; launch with the mpiexec "
+            f"of the MPI mpi4py uses (e.g. {os.path.join(os.path.dirname(sys.executable), 'mpiexec')})"
+        )
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    try:
+        local_rank, local_world = int(local.Get_rank()), int(local.Get_size())
+    finally:
+        local.Free()
+    single_node = len(set(comm.allgather(MPI.Get_processor_name()))) == 1
+
+    # Every rank must pick the same backend, or the group creation deadlocks: agree on the
+    # weakest node's answer.
+    try:
+        backend: str | None = _choose_backend(local_world)
+        choice_error = ""
+    except (RuntimeError, ValueError) as e:
+        backend, choice_error = None, str(e)
+    codes = comm.allgather((backend, choice_error))
+    errors = sorted({f"rank {r}: {err}" for r, (_, err) in enumerate(codes) if err})
+    if errors:
+        raise RuntimeError("backend choice failed: " + "; ".join(errors))
+    backend = "gloo" if any(b == "gloo" for b, _ in codes) else "nccl"
+    device = _device_for(backend, local_rank)
+    if single_node:
+        _pin_gloo_to_loopback(backend)
+
+    # Rank 0 binds the store's socket and broadcasts where it is; a failure is broadcast too,
+    # so the other ranks raise instead of waiting for a store that will never come.
+    listener: socket.socket | None = None
+    payload: tuple[str, int, str]
+    if rank == 0:
+        try:
+            addr = _master_address(single_node)
+            listener = _listen(addr)
+            payload = (addr, int(listener.getsockname()[1]), "")
+        except Exception as e:  # any failure must reach the other ranks, not only rank 0
+            payload = ("", 0, f"{type(e).__name__}: {e}")
+    else:
+        payload = ("", 0, "")
+    addr, port, error = comm.bcast(payload, root=0)
+    if error:
+        raise RuntimeError(f"rank 0 could not open the rendezvous socket: {error}")
+
+    if listener is not None:
+        # The store takes ownership of the descriptor (and closes it on destruction).
+        store = dist.TCPStore(
+            addr, port, world, True, timeout, wait_for_workers=False, master_listen_fd=listener.detach()
+        )
+    else:
+        store = dist.TCPStore(addr, port, world, False, timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    return DistContext(rank, world, local_rank, local_world, backend, device, LAUNCHER_MPI)

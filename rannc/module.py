@@ -22,12 +22,16 @@ from typing import Any, cast
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 from torch import nn
 
+from rannc import dist as rdist
 from rannc.atomic.components import AtomicPartition, atomic_components
 from rannc.config import Config
 from rannc.graph.capture import CapturedModel, capture, flatten_inputs
 from rannc.graph.extract import StageGraph, build_stage_module, run_chain, split_graph
+from rannc.pipeline.runtime import PipelineFunction, PipelineRuntime
+from rannc.plan import Plan, split_plan
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +62,8 @@ class RaNNCModule(nn.Module):
         self.training = model.training
         self._deployments: dict[tuple[Any, ...], _Deployment] = {}
         self._sync = True
+        self._plan: Plan | None = None
+        self._runtimes: dict[tuple[Any, ...], PipelineRuntime] = {}
 
     @property
     def module(self) -> nn.Module:
@@ -65,12 +71,14 @@ class RaNNCModule(nn.Module):
         return cast(nn.Module, self.__dict__["_model"])
 
     @property
-    def plan(self) -> None:
-        """The deployment plan after the first call (multi-stage plans come with the runtime)."""
-        return None
+    def plan(self) -> Plan | None:
+        """The deployment plan after the first multi-rank call (None before, or in one process)."""
+        return self._plan
 
     # -- running -----------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if rdist.get_world_size() > 1:
+            return self._forward_distributed(args, kwargs)
         leaves, layout = flatten_inputs(args, kwargs)
         key = (layout.signature, self.training)
         dep = self._deployments.get(key)
@@ -79,6 +87,46 @@ class RaNNCModule(nn.Module):
             self._deployments[key] = dep
         values = run_chain(dep.modules, dep.stages, dep.captured.bind(self.module, leaves))
         return dep.captured.unflatten_outputs(values)
+
+    def _forward_distributed(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        ctx = rdist.init_process_group(self.config.timeout_s)
+        leaves, layout = flatten_inputs(args, kwargs)
+        key = (layout.signature, self.training)
+        rt = self._runtimes.get(key)
+        if rt is None:
+            cap = capture(self.module, args, kwargs)
+            atomic = atomic_components(cap.graph)
+            plan = split_plan(cap.graph, atomic, ctx.world_size,
+                              partition_num=self.config.partition_num,
+                              replicas=self.config.replicas, microbatches=self.config.microbatches)
+            if self._plan is None and ctx.rank == 0:
+                log.info("%s", plan.summary())
+            self._plan = plan
+            rt = PipelineRuntime(self.module, cap, atomic, plan, ctx.rank, ctx.world_size, ctx.device)
+            rt.sync = self._sync
+            self._release_params(rt)
+            self._runtimes[key] = rt
+        cap = rt.cap
+        flat = rt.forward(leaves, key)
+        if torch.is_grad_enabled():
+            idx = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
+            names = [cap.graph.outputs[i] for i in idx]
+            anchor = torch.empty((), requires_grad=True)
+            outs = PipelineFunction.apply(rt, names, anchor, *[flat[i] for i in idx])
+            for i, o in zip(idx, outs, strict=True):
+                flat[i] = o
+        return pytree.tree_unflatten(flat, cap.out_spec)
+
+    def _release_params(self, rt: PipelineRuntime) -> None:
+        """Free the parameters this rank does not hold and stop the optimizer stepping them."""
+        held = {id(p) for p in rt.held.values()}
+        for p in self.module.parameters():
+            if id(p) not in held:
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+                p.grad = None
+        if self.optimizer is not None:
+            for group in self.optimizer.param_groups:
+                group["params"] = [p for p in group["params"] if id(p) in held]
 
     def _deploy(self, args: tuple[Any, ...], kwargs: dict[str, Any], first: bool) -> _Deployment:
         cap = capture(self.module, args, kwargs)
@@ -100,7 +148,16 @@ class RaNNCModule(nn.Module):
 
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
-        return self.module.named_parameters(prefix, recurse, remove_duplicate)
+        held = self._held_ids()
+        for n, p in self.module.named_parameters(prefix, recurse, remove_duplicate):
+            if held is None or id(p) in held:
+                yield n, p
+
+    def _held_ids(self) -> set[int] | None:
+        """ids of the parameters this rank holds (None: all, before deployment or in one process)."""
+        if not self._runtimes:
+            return None
+        return {id(p) for rt in self._runtimes.values() for p in rt.held.values()}
 
     def named_buffers(self, prefix: str = "", recurse: bool = True,
                       remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
@@ -125,10 +182,14 @@ class RaNNCModule(nn.Module):
         With one replica per stage there is nothing to defer, so this only marks the scope.
         """
         prev, self._sync = self._sync, False
+        for rt in self._runtimes.values():
+            rt.sync = False
         try:
             yield
         finally:
             self._sync = prev
+            for rt in self._runtimes.values():
+                rt.sync = prev
 
     def extra_repr(self) -> str:
         return f"module={type(self.module).__name__}, deployments={len(self._deployments)}"

@@ -1,0 +1,1 @@
+"""The runtime: stage executors, row redistribution between stages, the schedule."""
