@@ -23,12 +23,14 @@ and there is no window for the port to be stolen.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import ipaddress
 import os
 import socket
 import sys
 import threading
+import types
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +49,8 @@ _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_POR
 BACKEND_ENV = "RANNC_BACKEND"
 #: Environment variable naming the address rank 0 listens on for an MPI launch spanning nodes.
 MASTER_ADDR_ENV = "RANNC_MASTER_ADDR"
+#: Set to "0" to keep MPI's default when a rank dies of an exception (see _install_mpi_abort_on_error).
+ABORT_ON_ERROR_ENV = "RANNC_MPI_ABORT_ON_ERROR"
 
 LAUNCHER_TORCHRUN = "torchrun"
 LAUNCHER_MPI = "mpi"
@@ -387,8 +391,50 @@ def _listen(addr: str) -> socket.socket:
     return socket.create_server((addr, 0), family=family, backlog=1024)
 
 
+_abort_hook_installed = False
+_uncaught_exception = False
+
+
+def _install_mpi_abort_on_error(MPI: Any) -> None:
+    """Abort the whole MPI job when this rank dies of an uncaught exception.
+
+    Without it one failing rank hangs the job: it reaches MPI_Finalize at interpreter exit
+    (mpi4py calls it), which waits for every other rank, while those wait in a collective for
+    the dead rank -- or, after their own collective timed out, in MPI_Finalize for a rank that is
+    still computing.  ``python -m mpi4py`` does the same abort; set RANNC_MPI_ABORT_ON_ERROR=0 to
+    keep MPI's default.
+
+    The excepthook only records the failure (torch.distributed wraps sys.excepthook after us to
+    prefix tracebacks with the rank, so the hook must not end the process mid-print); the abort
+    happens in an atexit handler, which runs after the traceback was printed and before mpi4py's
+    MPI_Finalize.  Exits through SystemExit with a non-zero code are not covered.
+    """
+    global _abort_hook_installed
+    if _abort_hook_installed or os.environ.get(ABORT_ON_ERROR_ENV, "1").strip() == "0":
+        return
+    _abort_hook_installed = True
+    previous = sys.excepthook
+
+    def record_and_chain(
+        exc_type: type[BaseException], exc: BaseException, tb: types.TracebackType | None
+    ) -> None:
+        global _uncaught_exception
+        _uncaught_exception = True
+        previous(exc_type, exc, tb)
+
+    def abort_if_failed() -> None:
+        if _uncaught_exception and MPI.Is_initialized() and not MPI.Is_finalized():
+            sys.stdout.flush()
+            sys.stderr.flush()
+            MPI.COMM_WORLD.Abort(1)
+
+    sys.excepthook = record_and_chain
+    atexit.register(abort_if_failed)
+
+
 def _init_mpi(timeout: datetime.timedelta) -> DistContext:
     MPI = _import_mpi()
+    _install_mpi_abort_on_error(MPI)
     comm = MPI.COMM_WORLD
     rank, world = int(comm.Get_rank()), int(comm.Get_size())
     env_world = _from_env(_SIZE_VARS[1:], world)

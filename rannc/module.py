@@ -98,7 +98,8 @@ class RaNNCModule(nn.Module):
             atomic = atomic_components(cap.graph)
             plan = split_plan(cap.graph, atomic, ctx.world_size,
                               partition_num=self.config.partition_num,
-                              replicas=self.config.replicas, microbatches=self.config.microbatches)
+                              replicas=self.config.replicas, microbatches=self.config.microbatches,
+                              recompute={"on": True, "off": False}.get(self.config.checkpointing))
             if self._plan is None and ctx.rank == 0:
                 log.info("%s", plan.summary())
             self._plan = plan

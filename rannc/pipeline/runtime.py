@@ -171,7 +171,7 @@ class PipelineRuntime:
 
     def _send(self, x: torch.Tensor, dst: int, tag: int, call: _Call, local: dict[Any, Any]) -> None:
         if dst == self.rank:
-            local[tag] = x
+            local[tag] = x.detach()
         else:
             call.sends.append(dist.isend(x.detach().contiguous(), dst, tag=tag))
 

@@ -1,0 +1,178 @@
+"""Run a script on several ranks (mpiexec or torchrun) from a pytest test, without ever hanging.
+
+Each launch runs in its own session (process group), so a timeout kills mpiexec, its Hydra
+proxies and every rank at once, and the test fails with the tail of what they printed instead
+of leaving orphans behind.  The environment is made reproducible: the repository root and
+``tests/`` on PYTHONPATH, one OpenMP thread per rank (the ranks share a small machine), gloo as
+the backend, and no launcher variables inherited from an outer launcher.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TESTS = ROOT / "tests"
+TAIL_CHARS = 4000
+
+# Variables by which an outer launcher (pytest itself run under mpiexec/torchrun/Slurm) would
+# make the inner ranks believe they belong to the outer job.
+_LAUNCHER_VARS = (
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+    "MASTER_ADDR", "MASTER_PORT", "PMI_RANK", "PMI_SIZE", "PMI_FD", "PMI_PORT", "PMI_ID",
+    "PMIX_RANK", "PMI_HOSTNAME", "MPI_LOCALRANKID", "MPI_LOCALNRANKS",
+    "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+)  # fmt: skip
+
+# MPICH/Hydra settings for a single-node launch in a container:
+# * HYDRA_LAUNCHER=fork: start the proxy with fork/exec instead of ssh. Hydra already forks for
+#   the local host, but only if it recognizes the host name as local; in containers whose
+#   hostname does not resolve, or where ssh is absent, this makes the launch independent of it.
+# * HYDRA_HOST_FILE unset: a host file from the outer environment would send ranks elsewhere.
+# Running as root needs nothing (Hydra, unlike Open MPI's mpirun, does not refuse root).
+MPICH_ENV = {"HYDRA_LAUNCHER": "fork"}
+
+
+def _find_tool(name: str) -> str | None:
+    """``name`` next to the running interpreter (the venv's bin/), else on PATH."""
+    beside = Path(sys.executable).parent / name
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    return shutil.which(name)
+
+
+def find_mpiexec() -> str | None:
+    """The mpiexec to use: the venv's (it matches the MPI mpi4py was built for), else PATH's."""
+    return _find_tool("mpiexec")
+
+
+def _env(extra: Mapping[str, str] | None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
+    paths = [str(ROOT), str(TESTS)]
+    if env.get("PYTHONPATH"):
+        paths.append(env["PYTHONPATH"])
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env["OMP_NUM_THREADS"] = "1"
+    env["RANNC_BACKEND"] = "gloo"
+    env["PYTHONUNBUFFERED"] = "1"  # so a killed rank's last lines still reach the report
+    if extra:
+        env.update(extra)
+    return env
+
+
+def _tail(text: str | bytes | None) -> str:
+    if text is None:
+        return ""
+    if isinstance(text, bytes):
+        text = text.decode(errors="replace")
+    return text if len(text) <= TAIL_CHARS else "..." + text[-TAIL_CHARS:]
+
+
+def _describe(cmd: Sequence[str], rc: int | None, out: str, err: str) -> str:
+    return (
+        f"command: {' '.join(cmd)}\nreturn code: {rc}\n"
+        f"--- stdout (tail) ---\n{_tail(out)}\n--- stderr (tail) ---\n{_tail(err)}"
+    )
+
+
+def run_command(
+    cmd: Sequence[str], timeout: float, env: Mapping[str, str], check: bool = True
+) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` in a new session; on timeout kill the whole session and fail the test."""
+    proc = subprocess.Popen(
+        list(cmd),
+        cwd=str(ROOT),
+        env=dict(env),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        try:
+            out, err = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:  # a grandchild in another session still holds a pipe
+            out, err = "", "(output unavailable: a descendant kept the pipes open)"
+        pytest.fail(f"timed out after {timeout:.0f}s, process group killed\n" + _describe(cmd, None, out, err))
+    finally:
+        if proc.poll() is None:  # e.g. KeyboardInterrupt while waiting
+            _kill_group(proc)
+    # Ranks that outlived the launcher (they should not) would hold ports and CPU: clear them.
+    _kill_group(proc)
+    result = subprocess.CompletedProcess(list(cmd), proc.returncode, out, err)
+    if check and proc.returncode != 0:
+        pytest.fail(f"exit status {proc.returncode}\n" + _describe(cmd, proc.returncode, out, err))
+    return result
+
+
+def _kill_group(proc: subprocess.Popen[str]) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    if proc.poll() is None:
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def run_mpi(
+    script: str | Path,
+    n: int,
+    args: Sequence[str] = (),
+    timeout: float = 240,
+    env: Mapping[str, str] | None = None,
+    check: bool = True,
+) -> subprocess.CompletedProcess[str]:
+    """``mpiexec -n n python script args``; skips the test when there is no mpiexec or mpi4py."""
+    mpiexec = find_mpiexec()
+    if mpiexec is None:
+        pytest.skip(f"no mpiexec next to {sys.executable} or on PATH (pip install mpi4py mpich)")
+    try:
+        import mpi4py  # noqa: F401  (only whether it is installed; MPI itself is not initialized)
+    except ImportError:
+        pytest.skip(f"mpi4py is not installed for {sys.executable} (pip install mpi4py mpich)")
+    full_env = _env({**MPICH_ENV, **(env or {})})
+    full_env.pop("HYDRA_HOST_FILE", None)
+    cmd = [mpiexec, "-n", str(n), sys.executable, str(script), *map(str, args)]
+    return run_command(cmd, timeout, full_env, check)
+
+
+def run_torchrun(
+    script: str | Path,
+    n: int,
+    args: Sequence[str] = (),
+    timeout: float = 240,
+    env: Mapping[str, str] | None = None,
+    check: bool = True,
+) -> subprocess.CompletedProcess[str]:
+    """``torchrun --standalone --nproc-per-node n script args`` (the venv's, else ``-m``)."""
+    torchrun = _find_tool("torchrun")
+    launcher = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
+    cmd = [*launcher, "--standalone", f"--nproc-per-node={n}", str(script), *map(str, args)]
+    return run_command(cmd, timeout, _env(env), check)
+
+
+def run_python(
+    script: str | Path,
+    args: Sequence[str] = (),
+    timeout: float = 240,
+    env: Mapping[str, str] | None = None,
+    check: bool = True,
+) -> subprocess.CompletedProcess[str]:
+    """Plain ``python script args`` (world size 1), with the same environment and timeout."""
+    cmd = [sys.executable, str(script), *map(str, args)]
+    return run_command(cmd, timeout, _env(env), check)
