@@ -46,7 +46,8 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--lr", type=float, default=1e-3)
     args = p.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.basicConfig(level=logging.INFO if rannc.get_rank() == 0 else logging.WARNING,
+                        format="%(message)s")
     logging.getLogger("transformers").setLevel(logging.ERROR)
 
     torch.manual_seed(0)
