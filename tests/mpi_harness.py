@@ -14,6 +14,8 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
+import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -22,6 +24,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
 TAIL_CHARS = 4000
+_TOKEN_VAR = "RANNC_TEST_LAUNCH"  # tags every process of one launch (see run_command)
 
 # Variables by which an outer launcher (pytest itself run under mpiexec/torchrun/Slurm) would
 # make the inner ranks believe they belong to the outer job.
@@ -86,11 +89,17 @@ def _describe(cmd: Sequence[str], rc: int | None, out: str, err: str) -> str:
 def run_command(
     cmd: Sequence[str], timeout: float, env: Mapping[str, str], check: bool = True
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``cmd`` in a new session; on timeout kill the whole session and fail the test."""
+    """Run ``cmd``; on timeout kill it and every process it started, and fail the test.
+
+    Every process of the launch is tagged with a unique environment variable, because a process
+    group is not enough: Hydra's proxy and each rank call setsid(), so they are in sessions of
+    their own, and they outlive mpiexec when it is killed.  The tag finds them wherever they are.
+    """
+    token = uuid.uuid4().hex
     proc = subprocess.Popen(
         list(cmd),
         cwd=str(ROOT),
-        env=dict(env),
+        env={**env, _TOKEN_VAR: token},
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -100,28 +109,55 @@ def run_command(
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        _kill_group(proc)
+        kill_launch(proc, token)
         try:
             out, err = proc.communicate(timeout=10)
-        except subprocess.TimeoutExpired:  # a grandchild in another session still holds a pipe
+        except subprocess.TimeoutExpired:  # a descendant the tag did not reach holds a pipe
             out, err = "", "(output unavailable: a descendant kept the pipes open)"
-        pytest.fail(f"timed out after {timeout:.0f}s, process group killed\n" + _describe(cmd, None, out, err))
+        why = f"timed out after {timeout:.0f}s, all its processes killed\n"
+        pytest.fail(why + _describe(cmd, None, out, err))
     finally:
-        if proc.poll() is None:  # e.g. KeyboardInterrupt while waiting
-            _kill_group(proc)
-    # Ranks that outlived the launcher (they should not) would hold ports and CPU: clear them.
-    _kill_group(proc)
+        # Also on success: ranks that outlived the launcher would hold ports and CPU.
+        kill_launch(proc, token)
     result = subprocess.CompletedProcess(list(cmd), proc.returncode, out, err)
     if check and proc.returncode != 0:
         pytest.fail(f"exit status {proc.returncode}\n" + _describe(cmd, proc.returncode, out, err))
     return result
 
 
-def _kill_group(proc: subprocess.Popen[str]) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+def _tagged_pids(token: str) -> list[int]:
+    """Processes whose environment carries this launch's tag (Linux /proc; else none found)."""
+    needle = f"{_TOKEN_VAR}={token}".encode()
+    me = os.getpid()
+    pids = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            pid = int(entry.name)
+            if pid != me and needle in (entry / "environ").read_bytes().split(b"\0"):
+                pids.append(pid)
+        except (OSError, ValueError):
+            continue
+    return pids
+
+
+def kill_launch(proc: subprocess.Popen[str], token: str) -> None:
+    """SIGKILL the launcher's process group and every process tagged with ``token``."""
+    own_group = os.getpgrp()
+    for _ in range(3):  # a process may fork while we kill; a few rounds catch its children
+        victims = _tagged_pids(token)
+        if proc.poll() is None:
+            victims.append(proc.pid)
+        if not victims:
+            break
+        for pid in victims:
+            try:
+                pgid = os.getpgid(pid)
+                if pgid != own_group:  # never the group pytest itself runs in
+                    os.killpg(pgid, signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        time.sleep(0.05)
     if proc.poll() is None:
         try:
             proc.wait(timeout=10)

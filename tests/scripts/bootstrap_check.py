@@ -66,7 +66,7 @@ def main(argv: list[str]) -> int:
     # all_reduce over the world: sum of (rank + 1).
     t = torch.full((4,), float(rank + 1), device=dev)
     tdist.all_reduce(t)
-    check(torch.all(t == world * (world + 1) / 2).item(), f"all_reduce gave {t.tolist()}")
+    check(bool(torch.all(t == world * (world + 1) / 2)), f"all_reduce gave {t.tolist()}")
 
     # Ring: send to the right neighbour, receive from the left one.
     if world > 1:
@@ -75,8 +75,9 @@ def main(argv: list[str]) -> int:
         recv = torch.empty(3, device=dev)
         reqs = [tdist.isend(send, right), tdist.irecv(recv, left)]
         for r in reqs:
+            assert r is not None  # None only for ranks outside the (default) group
             r.wait()
-        check(torch.all(recv == float(left)).item(), f"ring received {recv.tolist()} expected {left}")
+        check(bool(torch.all(recv == float(left))), f"ring received {recv.tolist()} expected {left}")
 
     # Two subgroups (halves of the world), created in the same order on every rank.
     half = (world + 1) // 2
@@ -90,10 +91,14 @@ def main(argv: list[str]) -> int:
         check(g is not None, f"member got no group for {spec}")
         s = torch.ones(2, device=dev)
         tdist.all_reduce(s, group=g)
-        check(torch.all(s == len(spec)).item(), f"subgroup {spec} all_reduce gave {s.tolist()}")
+        check(bool(torch.all(s == len(spec))), f"subgroup {spec} all_reduce gave {s.tolist()}")
 
     dist.barrier()
-    print(f"OK rank {rank} of {world} local {local} backend {ctx.backend} launcher {ctx.launcher}", flush=True)
+    # One write, newline included: print() writes the text and the newline separately, and
+    # mpiexec then interleaves the ranks' lines ("...launcher mpiOK rank 2...").
+    line = f"OK rank {rank} of {world} local {local} backend {ctx.backend} launcher {ctx.launcher}"
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
     dist.shutdown()
     check(not tdist.is_initialized(), "shutdown left the process group initialized")
     return 0
