@@ -30,6 +30,7 @@ import os
 import socket
 import sys
 import threading
+import time
 import types
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -254,11 +255,17 @@ def _choose_backend(local_world_size: int) -> str:
     if forced == "gloo":
         return "gloo"
     if forced == "nccl":
-        if gpus < local_world_size or gpus == 0:
+        if gpus == 0:
             raise RuntimeError(
-                f"{BACKEND_ENV}=nccl but this node has {gpus} usable CUDA device(s) for "
-                f"{local_world_size} local rank(s); start at most {gpus} ranks per node, or set "
-                f"{BACKEND_ENV}=gloo (or unset it) to use the CPU"
+                f"{BACKEND_ENV}=nccl but torch {torch.__version__} sees no CUDA device "
+                f"(torch.cuda.is_available()={torch.cuda.is_available()}); install a CUDA build of "
+                f"torch on a GPU node, or set {BACKEND_ENV}=gloo (or unset it) to use the CPU"
+            )
+        if gpus < local_world_size:
+            raise RuntimeError(
+                f"{BACKEND_ENV}=nccl but this node has {gpus} CUDA device(s) for "
+                f"{local_world_size} local ranks (NCCL needs one each); start at most {gpus} ranks "
+                f"per node, or set {BACKEND_ENV}=gloo (or unset it) to use the CPU"
             )
         return "nccl"
     raise ValueError(f"{BACKEND_ENV}={os.environ[BACKEND_ENV]!r} is not one of 'auto', 'gloo', 'nccl'")
@@ -392,6 +399,7 @@ def _listen(addr: str) -> socket.socket:
 
 
 _abort_hook_installed = False
+_ABORT_GRACE_S = 0.5
 _uncaught_exception = False
 
 
@@ -426,6 +434,9 @@ def _install_mpi_abort_on_error(MPI: Any) -> None:
         if _uncaught_exception and MPI.Is_initialized() and not MPI.Is_finalized():
             sys.stdout.flush()
             sys.stderr.flush()
+            # Hydra tears the job down on MPI_Abort without draining the ranks' output pipes;
+            # without this pause the traceback explaining the failure is lost now and then.
+            time.sleep(_ABORT_GRACE_S)
             MPI.COMM_WORLD.Abort(1)
 
     sys.excepthook = record_and_chain

@@ -1,10 +1,10 @@
 """Run a script on several ranks (mpiexec or torchrun) from a pytest test, without ever hanging.
 
-Each launch runs in its own session (process group), so a timeout kills mpiexec, its Hydra
-proxies and every rank at once, and the test fails with the tail of what they printed instead
-of leaving orphans behind.  The environment is made reproducible: the repository root and
-``tests/`` on PYTHONPATH, one OpenMP thread per rank (the ranks share a small machine), gloo as
-the backend, and no launcher variables inherited from an outer launcher.
+Every process of a launch carries a unique environment tag, so a timeout kills mpiexec, its
+Hydra proxy and every rank (each in a session of its own), and the test fails with the tail of
+what they printed instead of leaving orphans behind.  The environment is made reproducible:
+the repository root and ``tests/`` on PYTHONPATH, one OpenMP thread per rank (the ranks share a
+small machine), gloo as the backend, and no launcher variables inherited from an outer launcher.
 """
 
 from __future__ import annotations
@@ -35,12 +35,17 @@ _LAUNCHER_VARS = (
     "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
 )  # fmt: skip
 
-# MPICH/Hydra settings for a single-node launch in a container:
-# * HYDRA_LAUNCHER=fork: start the proxy with fork/exec instead of ssh. Hydra already forks for
-#   the local host, but only if it recognizes the host name as local; in containers whose
-#   hostname does not resolve, or where ssh is absent, this makes the launch independent of it.
-# * HYDRA_HOST_FILE unset: a host file from the outer environment would send ranks elsewhere.
-# Running as root needs nothing (Hydra, unlike Open MPI's mpirun, does not refuse root).
+# MPICH (Hydra) findings in this container (running as root, gVisor, MPICH 5.0 wheel):
+# * Root needs no flag (unlike Open MPI's --allow-run-as-root), and no ssh is used for the
+#   local host even though the proxy is started with "--launcher ssh".
+# * HYDRA_LAUNCHER=fork is therefore defensive only: it keeps Hydra from trying ssh if it does
+#   not recognize the host name as local (containers with odd hostnames, no sshd).  Verified to
+#   work identically here.
+# * HYDRA_HOST_FILE from the outer environment is dropped: it would send ranks to other hosts.
+# * Hydra's proxy and every rank call setsid(), so killing mpiexec's process group leaves them
+#   running -- see run_command for how they are found and killed.
+# * A rank that exits non-zero *before* MPI_Init does not end the job: the others wait in
+#   MPI_Init forever.  Only the timeout here ends such a launch.
 MPICH_ENV = {"HYDRA_LAUNCHER": "fork"}
 
 
