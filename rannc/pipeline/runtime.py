@@ -65,7 +65,6 @@ class _Micro:
 class _Call:
     layout: RowLayout
     micro: list[_Micro] = field(default_factory=list)
-    scalar_weights: dict[str, float] = field(default_factory=dict)  # this rank's rows/N per scalar
     sends: list[Any] = field(default_factory=list)
 
 
@@ -84,6 +83,7 @@ class PipelineRuntime:
         self.recompute = plan.stages[self.s].recompute
         self.vid = {v: i for i, v in enumerate(sorted(self.graph.values))}
         self.out_stage = self._output_stages()
+        self._suppliers, self._consumers = self._routes()
         self._check_boundaries()
         self.held = self._held_params()
         self._groups = self._param_groups()
@@ -92,8 +92,21 @@ class PipelineRuntime:
         self._call: _Call | None = None
 
     # -- static routing ----------------------------------------------------
-    def supplier(self, v: str, t: int) -> int:
-        """The stage that sends value v to stage t (-1: a model input, from its owners)."""
+    def _routes(self) -> tuple[dict[tuple[str, int], int], dict[tuple[str, int], list[int]]]:
+        """Fixed at deployment: the stage sending each moved input of stage t (-1: a model
+        input, from its owners), and the stages reading each value from a given sender."""
+        suppliers: dict[tuple[str, int], int] = {}
+        consumers: dict[tuple[str, int], list[int]] = {}
+        for t, st in enumerate(self.stages):
+            for v in st.inputs:
+                if not self._moves(v):
+                    continue
+                g = self._find_supplier(v, t)
+                suppliers[(v, t)] = g
+                consumers.setdefault((v, g), []).append(t)
+        return suppliers, consumers
+
+    def _find_supplier(self, v: str, t: int) -> int:
         if self.graph.values[v].kind is ValueKind.INPUT:
             return -1
         for g in range(t - 1, -1, -1):
@@ -101,10 +114,13 @@ class PipelineRuntime:
                 return g
         raise RaNNCError(f"no stage before {t} supplies value {v}")
 
+    def supplier(self, v: str, t: int) -> int:
+        """The stage that sends moved value v to stage t (-1: a model input, from its owners)."""
+        return self._suppliers[(v, t)]
+
     def consumers(self, v: str, s: int) -> list[int]:
-        """Stages that read v from stage s (or from the input owners when s == -1)."""
-        return [t for t in range(len(self.stages)) if v in self.stages[t].inputs
-                and self._moves(v) and self.supplier(v, t) == s]
+        """Stages that read moved value v from stage s (or from the input owners when s == -1)."""
+        return self._consumers.get((v, s), [])
 
     def _moves(self, v: str) -> bool:
         val = self.graph.values[v]
@@ -185,7 +201,7 @@ class PipelineRuntime:
                 continue
             tag = self._tag(v, m, kind)
             if r == self.rank:
-                pieces.append(self._row_slice(local.pop(tag), v, part, part))
+                pieces.append(local.pop(tag))  # sliced to `part` by the sender (this rank)
             else:
                 buf = self._empty(v, part[1] - part[0])
                 dist.recv(buf, r, tag=tag)
@@ -264,7 +280,6 @@ class PipelineRuntime:
         if v in scalars:
             w = (rows[1] - rows[0]) / layout.n_rows
             scalars[v] += o.detach().to(torch.float64) * w
-            call.scalar_weights[f"{v}/{m}"] = w
         else:
             for r, owned in enumerate(layout.owned):
                 part = intersect(rows, owned)
