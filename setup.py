@@ -6,7 +6,7 @@ from setuptools import setup
 ext_modules = [
     Pybind11Extension(
         "rannc._C",
-        sorted(["csrc/bindings.cpp", "csrc/graph_algos.cpp"]),
+        sorted(["csrc/bindings.cpp", "csrc/graph_algos.cpp", "csrc/coarsen.cpp", "csrc/stage_dp.cpp"]),
         cxx_std=17,
         extra_compile_args=["-O2"],
     ),

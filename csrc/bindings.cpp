@@ -4,7 +4,9 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "coarsen.h"
 #include "graph_algos.h"
+#include "stage_dp.h"
 
 namespace py = pybind11;
 
@@ -26,4 +28,7 @@ PYBIND11_MODULE(_C, m) {
     m.def("group_dag_edges", &rannc::group_dag_edges, py::arg("edges"), py::arg("group_of"),
           py::call_guard<py::gil_scoped_release>(),
           "Sorted, de-duplicated (group_of[a], group_of[b]) for edges between different groups.");
+
+    rannc::bind_coarsen(m);
+    rannc::bind_stage_dp(m);
 }
