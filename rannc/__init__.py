@@ -9,16 +9,26 @@ from rannc.config import Config
 from rannc.dist import barrier, get_rank, get_world_size
 from rannc.errors import CaptureError, ConfigError, InputMismatchError, RaNNCError
 from rannc.module import RaNNCModule
+from rannc.planner import PlanInfeasibleError, plan
+from rannc.plans import Plan, StagePlan
+from rannc.profile.device import KNOWN_DEVICES, Cluster, DeviceSpec
 
 __all__ = [
+    "KNOWN_DEVICES",
     "CaptureError",
+    "Cluster",
     "Config",
     "ConfigError",
+    "DeviceSpec",
     "InputMismatchError",
+    "Plan",
+    "PlanInfeasibleError",
     "RaNNCError",
     "RaNNCModule",
+    "StagePlan",
     "barrier",
     "get_rank",
     "get_world_size",
+    "plan",
 ]
 __version__ = "0.1.0"

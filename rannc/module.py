@@ -28,10 +28,11 @@ from torch import nn
 from rannc import dist as rdist
 from rannc.atomic.components import AtomicPartition, atomic_components
 from rannc.config import Config
+from rannc.errors import RaNNCError
 from rannc.graph.capture import CapturedModel, capture, flatten_inputs
 from rannc.graph.extract import StageGraph, build_stage_module, run_chain, split_graph
 from rannc.pipeline.runtime import PipelineFunction, PipelineRuntime
-from rannc.plan import Plan, split_plan
+from rannc.plans import Plan
 
 log = logging.getLogger(__name__)
 
@@ -96,10 +97,8 @@ class RaNNCModule(nn.Module):
         if rt is None:
             cap = capture(self.module, args, kwargs)
             atomic = atomic_components(cap.graph)
-            plan = split_plan(cap.graph, atomic, ctx.world_size,
-                              partition_num=self.config.partition_num,
-                              replicas=self.config.replicas, microbatches=self.config.microbatches,
-                              recompute={"on": True, "off": False}.get(self.config.checkpointing))
+            local = next(x.shape[0] for x, b in zip(leaves, layout.batch_leaves, strict=True) if b)
+            plan = self._make_plan(cap, atomic, ctx, int(local))
             if self._plan is None and ctx.rank == 0:
                 log.info("%s", plan.summary())
             self._plan = plan
@@ -117,6 +116,43 @@ class RaNNCModule(nn.Module):
             for i, o in zip(idx, outs, strict=True):
                 flat[i] = o
         return pytree.tree_unflatten(flat, cap.out_spec)
+
+    def _make_plan(self, cap: CapturedModel, atomic: AtomicPartition, ctx: rdist.DistContext,
+                   local_batch: int) -> Plan:
+        """Load the saved plan, or plan on rank 0 for this world and broadcast it (one plan for
+        all ranks even though each measures its own device)."""
+        import os
+
+        import torch.distributed as dist
+
+        from rannc.planner import plan_graph
+        from rannc.profile.device import Cluster, measure_local_device
+
+        cfg = self.config
+        if cfg.load_deployment and os.path.exists(cfg.deployment_file):
+            plan = Plan.load(cfg.deployment_file)
+            plan.check(cap.graph, ctx.world_size)
+            return plan
+        sizes: list[Any] = [None] * ctx.world_size
+        dist.all_gather_object(sizes, local_batch)
+        box: list[Any] = [None]
+        if ctx.rank == 0:
+            if cfg.opt_param_factor is None and self.optimizer is not None:
+                cfg = Config.resolve(cfg, environ={},
+                                     opt_param_factor=optimizer_state_factor(self.optimizer))
+            cluster = Cluster.homogeneous(measure_local_device(), n=ctx.world_size,
+                                          per_node=ctx.local_world_size)
+            try:
+                box[0] = plan_graph(cap.graph, atomic, cluster, cfg, batch_size=sum(sizes)).to_dict()
+            except RaNNCError as e:  # every rank raises it, none waits for a plan
+                box[0] = {"error": str(e), "type": type(e).__name__}
+        dist.broadcast_object_list(box, src=0)
+        if "error" in box[0]:
+            raise RaNNCError(f"planning failed on rank 0: {box[0]['error']}")
+        plan = Plan.from_dict(box[0])
+        if cfg.save_deployment and ctx.rank == 0:
+            plan.save(cfg.deployment_file)
+        return plan
 
     def _release_params(self, rt: PipelineRuntime) -> None:
         """Free the parameters this rank does not hold and stop the optimizer stepping them."""
@@ -194,3 +230,16 @@ class RaNNCModule(nn.Module):
 
     def extra_repr(self) -> str:
         return f"module={type(self.module).__name__}, deployments={len(self._deployments)}"
+
+
+def optimizer_state_factor(optimizer: torch.optim.Optimizer) -> float:
+    """Optimizer state elements per parameter element (DESIGN.md's memory model)."""
+    name = type(optimizer).__name__
+    group = optimizer.param_groups[0] if optimizer.param_groups else {}
+    if name in ("SGD",):
+        return 1.0 if group.get("momentum", 0) else 0.0
+    if name in ("Adagrad", "Rprop", "ASGD"):
+        return 1.0
+    if name == "RMSprop":
+        return 1.0 + (1.0 if group.get("momentum", 0) else 0.0) + (1.0 if group.get("centered") else 0.0)
+    return 2.0  # Adam, AdamW, NAdam, RAdam, Adamax and unknown optimizers: assume two moments

@@ -62,3 +62,44 @@ def test_under_torchrun() -> None:
     res = run_torchrun(SCRIPT, 2, ["--model", "bert", "--partition-num", "2",
                                    "--microbatches", "2", "--batch", "6"])
     assert len(re.findall(r"PASS rank", res.stdout)) == 2, res.stdout
+
+
+def _bert_memory_needs() -> tuple[float, float]:
+    """Bytes per device the planner says the test BERT needs as one stage, and with any stages,
+    on 4 devices (batch 8): the limits the planned-run tests sit between."""
+    import rannc
+    from model_zoo import make_case
+    from rannc.planner import PlanInfeasibleError
+
+    case = make_case("bert", batch=8, seed=0)
+    cluster = rannc.Cluster.homogeneous(rannc.DeviceSpec("any", 1e12, 1e11, 1e10), n=4, per_node=4)
+    needs = []
+    for pn in (1, None):
+        with pytest.raises(PlanInfeasibleError) as e:
+            rannc.plan(case.model, case.args, case.kwargs, cluster=cluster,
+                       config=rannc.Config(partition_num=pn, mem_limit_gb=1e-9))
+        needs.append(e.value.needed_bytes)
+    return needs[0], needs[1]
+
+
+def test_planned_model_under_a_memory_limit_trains_exactly() -> None:
+    """No layout forced: a memory limit below what one stage needs makes the planner split the
+    model, and the planned pipeline matches the unwrapped model."""
+    one_stage, least = _bert_memory_needs()
+    assert least < one_stage
+    limit_gb = (least + one_stage) / 2 / 1e9
+    res = run_mpi(SCRIPT, 4, ["--model", "bert", "--microbatches", "0", "--batch", "8",
+                              "--mem-limit-gb", repr(limit_gb)])
+    assert len(re.findall(r"PASS rank", res.stdout)) == 4, res.stdout
+    stages = int(re.search(r"STAGES (\d+)", res.stdout).group(1))  # type: ignore[union-attr]
+    assert stages >= 2, res.stdout
+
+
+def test_memory_limit_too_small_for_any_plan_is_a_clear_error() -> None:
+    _, least = _bert_memory_needs()
+    res = run_mpi(SCRIPT, 2, ["--model", "bert", "--microbatches", "0", "--batch", "8",
+                              "--mem-limit-gb", repr(least / 4 / 1e9),
+                              "--expect-error", "per device"])
+    errors = re.findall(r"PASS rank \d+ error: (.*)", res.stdout)
+    assert len(errors) == 2, res.stdout
+    assert "needs at least" in errors[0] and "mem_limit_gb" in errors[0], errors[0]

@@ -43,7 +43,7 @@ from rannc.graph.capture import CapturedModel
 from rannc.graph.extract import StageGraph, build_stage_module, split_graph
 from rannc.graph.task_graph import Value, ValueKind
 from rannc.pipeline.rows import Range, RowLayout, intersect
-from rannc.plan import Plan
+from rannc.plans import Plan
 
 log = logging.getLogger(__name__)
 

@@ -63,6 +63,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8, help="global batch")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--checkpointing", default="auto")
+    p.add_argument("--mem-limit-gb", type=float, default=None)
+    p.add_argument("--expect-error", default="", help="the first call must raise with this text")
     a = p.parse_args()
     ctx = rdist.init_process_group(timeout_s=60)
     rank, world = ctx.rank, ctx.world_size
@@ -73,7 +75,8 @@ def main() -> None:
     lo = sum(sizes[:rank])
     mine = (lo, lo + sizes[rank])
     ref = copy.deepcopy(case.model)
-    opts: dict[str, Any] = {"microbatches": a.microbatches, "checkpointing": a.checkpointing}
+    opts: dict[str, Any] = {"microbatches": a.microbatches or None, "checkpointing": a.checkpointing,
+                            "mem_limit_gb": a.mem_limit_gb}
     if a.replicas:
         opts["replicas"] = [int(x) for x in a.replicas.split(",")]
     if a.partition_num:
@@ -86,6 +89,15 @@ def main() -> None:
     l_args = [rows_of(x, mine, a.batch) for x in case.args]
     l_kwargs = {k: rows_of(v, mine, a.batch) for k, v in case.kwargs.items()}
     ref_names = dict(ref.named_parameters())
+    if a.expect_error:
+        try:
+            model(*l_args, **l_kwargs)
+        except rannc.RaNNCError as e:
+            assert a.expect_error in str(e), str(e)
+            print(f"PASS rank {rank} error: {e}", flush=True)
+            rdist.shutdown()
+            return
+        raise AssertionError("the call did not raise")
     for step in range(a.steps):
         out = model(*l_args, **l_kwargs)
         ref_out = ref(*case.args, **case.kwargs)
@@ -118,6 +130,7 @@ def main() -> None:
     print(f"PASS rank {rank} of {world} stage {model.plan.stage_of_rank(rank).index if model.plan else 0} "
           f"params {n_held}", flush=True)
     if rank == 0 and model.plan is not None:
+        print(f"STAGES {len(model.plan.stages)}", flush=True)
         print(model.plan.summary(), flush=True)
     rdist.shutdown()
 

@@ -7,7 +7,9 @@ one that keeps its activations (same dropout masks, BatchNorm statistics updated
 from __future__ import annotations
 
 import copy
+import json
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -29,9 +31,24 @@ def main() -> None:
     lo = 3 * ctx.rank
     kw = {k: v[lo:lo + 3] for k, v in case.kwargs.items()}
     runs = {}
-    for mode in ("on", "off"):
+    # Both runs must use the same stages (a different cut draws dropout masks differently): the
+    # "off" run saves its plan, and the "on" run loads it with every stage set to recompute.
+    box = [tempfile.mktemp(suffix=".json", prefix="rannc_recompute_")]
+    torch.distributed.broadcast_object_list(box, src=0)
+    plan_file = Path(box[0])
+    for mode in ("off", "on"):
         model = copy.deepcopy(case.model)
-        wrapped = rannc.RaNNCModule(model, partition_num=2, microbatches=2, checkpointing=mode)
+        if mode == "off":
+            opts = dict(partition_num=2, microbatches=2, checkpointing="off", save_deployment=True)
+        else:
+            if ctx.rank == 0:
+                d = json.loads(plan_file.read_text())
+                for st in d["stages"]:
+                    st["recompute"] = True
+                plan_file.write_text(json.dumps(d))
+            rannc.barrier()
+            opts = dict(load_deployment=True)
+        wrapped = rannc.RaNNCModule(model, deployment_file=str(plan_file), **opts)
         torch.manual_seed(123)
         out = wrapped(**kw)
         out.loss.backward()
@@ -41,6 +58,9 @@ def main() -> None:
     torch.testing.assert_close(l_on, l_off, rtol=0, atol=0)
     for n in g_on:
         torch.testing.assert_close(g_on[n], g_off[n], rtol=1e-6, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
+    rannc.barrier()
+    if ctx.rank == 0:
+        plan_file.unlink()
     ref = copy.deepcopy(case.model)
     torch.manual_seed(123)
     assert ref(**case.kwargs).loss.item() != 0.0

@@ -38,6 +38,7 @@ class StagePlan:
     recompute: bool  # keep only stage inputs in forward; recompute in backward
     param_names: tuple[str, ...] = ()  # parameters this stage holds (original names)
     predicted: dict[str, float] = field(default_factory=dict)  # cost estimates, when known
+    modules: str = ""  # the user's modules it covers, "first .. last"
 
     @property
     def replicas(self) -> int:
@@ -52,6 +53,8 @@ class Plan:
     fingerprint: str  # of the TaskGraph the plan was made for
     schedule: str = "gpipe"
     predicted_iteration_time: float | None = None
+    batch_size: int | None = None  # the global batch it was planned for
+    blocks: int | None = None  # phase 2's block count
 
     def stage_of_rank(self, rank: int) -> StagePlan:
         for st in self.stages:
@@ -61,14 +64,29 @@ class Plan:
 
     def summary(self) -> str:
         """A table a user can check by eye."""
-        lines = [f"rannc plan: {len(self.stages)} stage(s), {self.microbatches} microbatch(es), "
-                 f"schedule {self.schedule}, {self.world_size} rank(s)",
-                 f"{'stage':>5} {'components':>12} {'params':>8} {'recompute':>9}  ranks (share)"]
+        head = (f"rannc plan: {len(self.stages)} stage(s), {self.microbatches} microbatch(es), "
+                f"schedule {self.schedule}, {self.world_size} rank(s)")
+        if self.batch_size is not None:
+            head += f", global batch {self.batch_size}"
+        if self.blocks is not None:
+            head += f", {self.blocks} blocks"
+        if self.predicted_iteration_time is not None:
+            head += f", predicted {_fmt_s(self.predicted_iteration_time)}/iteration"
+        lines = [head, f"{'stage':>5} {'components':>11} {'params':>6} {'rows/mb':>7} {'fwd':>9} "
+                       f"{'bwd':>9} {'memory':>9} {'recomp':>6}  {'ranks':<16} modules"]
         for st in self.stages:
             comps = f"{st.components[0]}-{st.components[-1]}" if st.components else "-"
-            ranks = ", ".join(f"{r} ({s:.2f})" for r, s in zip(st.ranks, st.shares, strict=True))
-            lines.append(f"{st.index:>5} {comps:>12} {len(st.param_names):>8} "
-                         f"{'yes' if st.recompute else 'no':>9}  {ranks}")
+            p = st.predicted
+            ranks = ",".join(map(str, st.ranks))
+            if len(set(st.shares)) > 1:
+                ranks += " (" + ",".join(f"{s:.2f}" for s in st.shares) + ")"
+            rows = f"{int(p['microbatch_rows'])}" if "microbatch_rows" in p else "-"
+            fwd = _fmt_s(p["forward_s"]) if "forward_s" in p else "-"
+            bwd = _fmt_s(p["backward_s"]) if "backward_s" in p else "-"
+            memory = f"{p['memory_bytes'] / 1e9:.2f} GB" if "memory_bytes" in p else "-"
+            lines.append(f"{st.index:>5} {comps:>11} {len(st.param_names):>6} {rows:>7} {fwd:>9} "
+                         f"{bwd:>9} {memory:>9} {'yes' if st.recompute else 'no':>6}  {ranks:<16} "
+                         f"{st.modules or '-'}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
@@ -83,12 +101,14 @@ class Plan:
         stages = tuple(
             StagePlan(index=s["index"], components=tuple(s["components"]), ranks=tuple(s["ranks"]),
                       shares=tuple(s["shares"]), recompute=s["recompute"],
-                      param_names=tuple(s["param_names"]), predicted=dict(s["predicted"]))
+                      param_names=tuple(s["param_names"]), predicted=dict(s["predicted"]),
+                      modules=s.get("modules", ""))
             for s in d["stages"]
         )
         return cls(stages=stages, microbatches=d["microbatches"], world_size=d["world_size"],
                    fingerprint=d["fingerprint"], schedule=d["schedule"],
-                   predicted_iteration_time=d["predicted_iteration_time"])
+                   predicted_iteration_time=d["predicted_iteration_time"],
+                   batch_size=d.get("batch_size"), blocks=d.get("blocks"))
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the plan as JSON, atomically (a crash mid-write leaves the old file)."""
@@ -115,6 +135,10 @@ class Plan:
                 f"the plan is for {self.world_size} ranks but {world_size} are running; launch "
                 f"{self.world_size} ranks or plan again"
             )
+
+
+def _fmt_s(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f} ms" if seconds < 1 else f"{seconds:.2f} s"
 
 
 def component_costs(graph: TaskGraph, atomic: AtomicPartition) -> list[float]:

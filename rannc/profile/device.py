@@ -1,0 +1,176 @@
+"""What the planner knows about hardware: `DeviceSpec` (one accelerator) and `Cluster` (devices
+grouped into nodes, with the bandwidth inside and between nodes).
+
+The table holds vendor peak figures; `efficiency` scales them to what dense kernels reach in
+practice, so the roofline estimate (`rannc.profile.estimate`) is in seconds rather than in
+ideal units. `measure_local_device()` times a matrix product and a copy on this machine, for
+planning the hardware you are running on rather than a table entry.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+from rannc.errors import ConfigError
+
+GB = 1e9
+GiB = float(1 << 30)
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceSpec:
+    name: str
+    memory_bytes: float  # usable device memory
+    flops: float  # peak fp32 FLOP/s (dense)
+    mem_bandwidth: float  # device memory bytes/s
+    flops_half: float = 0.0  # peak fp16/bf16 FLOP/s with tensor cores (0: same as fp32)
+    link_bandwidth: float = 16 * GB  # bytes/s to a device on the same node (NVLink/PCIe)
+    efficiency: float = 0.6  # fraction of peak that real kernels reach
+    op_overhead: float = 5e-6  # seconds per kernel launch (forward; backward pays about twice)
+
+    def key(self) -> str:
+        """A stable identity for caches: every field, since a measured spec differs by run."""
+        return "|".join(f"{k}={v}" for k, v in asdict(self).items())
+
+
+# Vendor figures (SXM parts where both exist). Memory is what a process can allocate, a little
+# under the marketing figure.
+KNOWN_DEVICES: dict[str, DeviceSpec] = {
+    d.name: d
+    for d in (
+        DeviceSpec("P100", 16 * GiB * 0.97, 9.3e12, 732 * GB, flops_half=18.7e12,
+                   link_bandwidth=20 * GB),
+        DeviceSpec("V100-16GB", 16 * GiB * 0.97, 15.7e12, 900 * GB, flops_half=125e12,
+                   link_bandwidth=25 * GB),
+        DeviceSpec("V100-32GB", 32 * GiB * 0.97, 15.7e12, 900 * GB, flops_half=125e12,
+                   link_bandwidth=25 * GB),
+        DeviceSpec("T4", 15 * GiB, 8.1e12, 320 * GB, flops_half=65e12, link_bandwidth=12 * GB),
+        DeviceSpec("A100-40GB", 40 * GiB * 0.97, 19.5e12, 1555 * GB, flops_half=312e12,
+                   link_bandwidth=300 * GB),
+        DeviceSpec("A100-80GB", 80 * GiB * 0.97, 19.5e12, 2039 * GB, flops_half=312e12,
+                   link_bandwidth=300 * GB),
+        DeviceSpec("H100", 80 * GiB * 0.97, 67e12, 3350 * GB, flops_half=989e12,
+                   link_bandwidth=450 * GB),
+        DeviceSpec("H200", 141 * GB * 0.97, 67e12, 4800 * GB, flops_half=989e12,
+                   link_bandwidth=450 * GB),
+    )
+}
+
+
+def device_spec(name_or_spec: str | DeviceSpec) -> DeviceSpec:
+    if isinstance(name_or_spec, DeviceSpec):
+        return name_or_spec
+    key = name_or_spec.upper().replace("_", "-")
+    for name, spec in KNOWN_DEVICES.items():
+        if name.upper() == key:
+            return spec
+    if key in ("LOCAL", "CPU", "CUDA"):
+        return measure_local_device()
+    raise ConfigError(f"unknown device {name_or_spec!r}; use one of {', '.join(KNOWN_DEVICES)} or "
+                      "'local', or pass a rannc.DeviceSpec")
+
+
+@dataclass(frozen=True, slots=True)
+class Cluster:
+    """Devices in rank order; ranks [k*per_node, (k+1)*per_node) share node k."""
+
+    devices: tuple[DeviceSpec, ...]
+    per_node: int
+    inter_node_bandwidth: float = 12.5 * GB  # 100 Gb/s InfiniBand, as in the paper's cluster
+
+    def __init__(self, devices: Sequence[DeviceSpec | str], per_node: int | None = None,
+                 inter_node_bandwidth: float = 12.5 * GB) -> None:
+        devs = tuple(device_spec(d) for d in devices)
+        if not devs:
+            raise ConfigError("a Cluster needs at least one device")
+        per = len(devs) if per_node is None else per_node
+        if per < 1 or len(devs) % per:
+            raise ConfigError(f"per_node={per_node} must be >= 1 and divide the {len(devs)} devices")
+        object.__setattr__(self, "devices", devs)
+        object.__setattr__(self, "per_node", per)
+        object.__setattr__(self, "inter_node_bandwidth", float(inter_node_bandwidth))
+
+    @classmethod
+    def homogeneous(cls, device: str | DeviceSpec = "V100-32GB", n: int = 32, per_node: int = 8,
+                    inter_node_bandwidth: float = 12.5 * GB) -> Cluster:
+        if n < 1:
+            raise ConfigError(f"a cluster needs n >= 1 devices, got {n}")
+        spec = device_spec(device)
+        return cls([spec] * n, per_node=min(per_node, n), inter_node_bandwidth=inter_node_bandwidth)
+
+    @property
+    def size(self) -> int:
+        return len(self.devices)
+
+    @property
+    def nodes(self) -> int:
+        return self.size // self.per_node
+
+    @property
+    def is_homogeneous(self) -> bool:
+        return all(d == self.devices[0] for d in self.devices)
+
+    def key(self) -> str:
+        return f"{self.per_node}/{self.inter_node_bandwidth}/" + ";".join(
+            sorted({d.key() for d in self.devices}))
+
+
+def _host_memory_bytes() -> float:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+_LOCAL: DeviceSpec | None = None
+
+
+def measure_local_device() -> DeviceSpec:
+    """This process's device (the current CUDA device, else the CPU), measured once per process:
+    FLOP/s of a square fp32 matrix product, bytes/s of a large copy, and its memory. Peak
+    figures are what is measured, so `efficiency` is 1."""
+    global _LOCAL
+    if _LOCAL is not None:
+        return _LOCAL
+    import torch
+
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    n = 2048 if cuda else 512
+    # Constant operands: the timing does not depend on the values, and drawing random ones
+    # would move the user's RNG stream (planning runs inside the first forward call).
+    a = torch.full((n, n), 0.5, device=dev)
+    b = torch.full((n, n), 0.25, device=dev)
+    big = torch.empty(32 * (1 << 20) // 4 * (8 if cuda else 1), device=dev)
+
+    def timed(fn: object, reps: int) -> float:
+        best = float("inf")
+        for _ in range(3):
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn()  # type: ignore[operator]
+            if cuda:
+                torch.cuda.synchronize()
+            best = min(best, (time.perf_counter() - t0) / reps)
+        return best
+
+    mm = timed(lambda: a @ b, 10 if cuda else 3)
+    cp = timed(lambda: big.clone(), 5)
+    if cuda:
+        props = torch.cuda.get_device_properties(dev)
+        mem, name = float(props.total_memory) * 0.95, f"local-{props.name}"
+    else:
+        mem, name = _host_memory_bytes(), "local-cpu"
+    _LOCAL = DeviceSpec(name=name, memory_bytes=mem, flops=2 * n**3 / mm,
+                        mem_bandwidth=2 * big.numel() * 4 / cp, efficiency=1.0,
+                        op_overhead=5e-6 if cuda else 2e-6, link_bandwidth=(16 if cuda else 4) * GB)
+    return _LOCAL

@@ -1,0 +1,162 @@
+"""Cost tables for the stage DP: for every run of consecutive blocks l..r and every replica
+count d, the time of one microbatch through that stage and the memory it needs, under the
+memory model of DESIGN.md section 4.
+
+Everything here is arithmetic on numpy arrays: a `BlockProfile` (per block and per-replica
+batch size: forward/backward seconds, activation bytes kept, working bytes) from a cost oracle,
+and the block boundary tables of `BlockIO` (stage inputs, outputs and parameters of every block
+range, counted once per stage).
+
+Index conventions: l, r are the first and last block of a stage (inclusive), d its replicas.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from rannc.atomic.components import AtomicPartition
+from rannc.graph.task_graph import TaskGraph, ValueKind
+from rannc.profile.estimate import BlockProfile, _bytes
+
+
+@dataclass(frozen=True, slots=True)
+class BlockIO:
+    """Per block range [l, r] (arrays indexed [l, r]); byte counts are c0 + c1 * batch."""
+
+    inputs: np.ndarray  # (2, k, k): bytes a stage receives per microbatch (model inputs included)
+    outputs: np.ndarray  # (2, k, k): bytes it sends on (or returns as model outputs)
+    params: np.ndarray  # (k, k): bytes of the parameters and buffers it holds, each once
+    grad_params: np.ndarray  # (k, k): bytes of the trainable parameters among them
+    cut_ok: np.ndarray  # (k+1,): a stage may start or end at this block boundary
+
+    @classmethod
+    def of(cls, graph: TaskGraph, atomic: AtomicPartition, block_of: Sequence[int]) -> BlockIO:
+        k = max(block_of) + 1
+        inputs = np.zeros((2, k, k))
+        outputs = np.zeros((2, k, k))
+        params = np.zeros((k, k))
+        grad_params = np.zeros((k, k))
+        cut_ok = np.ones(k + 1, dtype=bool)
+        blocks_of_task = [sorted({block_of[c] for c in h}) for h in atomic.holders]
+        out_names = {v for v in graph.outputs if v is not None}
+        for name, val in graph.values.items():
+            consumers = sorted({b for t in graph.consumers(name) for b in blocks_of_task[t]})
+            if val.kind in (ValueKind.PARAM, ValueKind.BUFFER):
+                size = sum(_bytes(val))
+                for lo in range(k):
+                    nxt = next((b for b in consumers if b >= lo), None)
+                    if nxt is not None:
+                        params[lo, nxt:] += size
+                        if val.kind is ValueKind.PARAM:
+                            grad_params[lo, nxt:] += size
+                continue
+            if val.kind not in (ValueKind.INPUT, ValueKind.ACTIVATION) or not val.is_tensor:
+                continue
+            prod_task = graph.producer(name)
+            if prod_task is not None and atomic.component_of[prod_task] < 0:
+                continue  # a constant task's output: cloned where needed, never sent
+            p = -1 if prod_task is None else block_of[atomic.component_of[prod_task]]
+            last = k if name in out_names else max(consumers, default=p)
+            b = np.array(_bytes(val))
+            for lo in range(p + 1, k):
+                nxt = next((c for c in consumers if c >= lo), None)
+                if nxt is not None:
+                    inputs[:, lo, nxt:] += b[:, None]
+            if p >= 0 and last > p:
+                for lo in range(p + 1):
+                    outputs[:, lo, p:last] += b[:, None]
+                if val.kind is ValueKind.ACTIVATION and val.batch_dim is None:
+                    cut_ok[p + 1:min(last, k) + 1] = False  # not splittable by rows
+        cut_ok[0] = cut_ok[k] = True
+        return cls(inputs, outputs, params, grad_params, cut_ok)
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryModel:
+    opt_param_factor: float  # optimizer state per parameter element (Adam: 2)
+    limit: float  # bytes a stage may use (device memory after the margin)
+    checkpointing: str  # auto / on / off / stage_aware
+
+
+@dataclass(frozen=True, slots=True)
+class StageTables:
+    """For one (devices per pipeline, pipeline copies, microbatches): arrays over [l, r, d]."""
+
+    h: np.ndarray  # bottleneck time per microbatch (inf: infeasible)
+    fwd: np.ndarray  # forward seconds incl. receiving inputs
+    bwd: np.ndarray  # backward seconds incl. recomputation and sending gradients back
+    allreduce: np.ndarray  # gradient all-reduce seconds per iteration
+    memory: np.ndarray  # predicted bytes (of the chosen recompute option)
+    memory_min: np.ndarray  # the smaller of the two options' memory (for "needs N GB")
+    recompute: np.ndarray  # bool
+    batch: np.ndarray  # (D+1,) rows per replica per microbatch
+
+
+def batch_per_replica(batch_size: int, copies: int, microbatches: int, d: int) -> int:
+    """Rows the busiest replica computes per microbatch."""
+    return math.ceil(batch_size / (copies * microbatches * d))
+
+
+def stage_tables(prof: BlockProfile, io: BlockIO, mem: MemoryModel, *, batch_size: int,
+                 devices: int, copies: int, microbatches: int, link_bw: float, allreduce_bw: float,
+                 inflight: int | None = None) -> StageTables:
+    k = io.params.shape[0]
+    shape = (k, k, devices + 1)
+    out = {n: np.full(shape, math.inf) for n in ("h", "fwd", "bwd", "allreduce", "memory", "memory_min")}
+    recompute = np.zeros(shape, dtype=bool)
+    batch = np.zeros(devices + 1, dtype=np.int64)
+    valid = np.triu(np.ones((k, k), dtype=bool)) & io.cut_ok[:k, None] & io.cut_ok[None, 1:]
+    kept_in_flight = microbatches if inflight is None else inflight
+    zero = np.zeros((1, prof.fwd.shape[1]))
+    pre = {n: np.vstack([zero, np.cumsum(getattr(prof, n), axis=0)]) for n in ("fwd", "bwd", "kept")}
+    work_max = np.zeros((k, k, prof.work.shape[1]))
+    for lo in range(k):
+        work_max[lo, lo:] = np.maximum.accumulate(prof.work[lo:], axis=0)
+    static = io.params + io.grad_params * (1 + mem.opt_param_factor)
+    for d in range(1, devices + 1):
+        b = batch_per_replica(batch_size, copies, microbatches, d)
+        batch[d] = b
+        if b < 1:
+            continue
+        i = prof.column(b)
+
+        def rng(name: str, i: int = i) -> np.ndarray:
+            p = pre[name][:, i]
+            return p[None, 1:] - p[:k, None]  # [l, r] = sum over blocks l..r
+
+        fwd, bwd, kept = rng("fwd"), rng("bwd"), rng("kept")
+        inb = io.inputs[0] + io.inputs[1] * b
+        outb = io.outputs[0] + io.outputs[1] * b
+        comm = (inb + outb) / link_bw
+        ranks = d * copies
+        ar = 2.0 * io.grad_params * (ranks - 1) / ranks / allreduce_bw
+        mem_nr = static + kept_in_flight * (inb + kept + outb) + work_max[:, :, i]
+        mem_rc = static + kept_in_flight * (inb + outb) + kept + work_max[:, :, i]
+        fits_nr = (mem_nr <= mem.limit) & (mem.checkpointing != "on")
+        fits_rc = (mem_rc <= mem.limit) & (mem.checkpointing != "off")
+        use_rc = ~fits_nr & fits_rc
+        ok = valid & (fits_nr | fits_rc)
+        f = fwd + comm / 2
+        g = bwd + comm / 2 + np.where(use_rc, fwd, 0.0)
+        out["fwd"][:, :, d] = np.where(ok, f, math.inf)
+        out["bwd"][:, :, d] = np.where(ok, g, math.inf)
+        out["allreduce"][:, :, d] = np.where(ok, ar, math.inf)
+        out["h"][:, :, d] = np.where(ok, f + g + ar / microbatches, math.inf)
+        out["memory"][:, :, d] = np.where(ok, np.where(use_rc, mem_rc, mem_nr), math.inf)
+        out["memory_min"][:, :, d] = np.where(valid, np.minimum(
+            np.where(mem.checkpointing != "on", mem_nr, math.inf),
+            np.where(mem.checkpointing != "off", mem_rc, math.inf)), math.inf)
+        recompute[:, :, d] = use_rc
+    return StageTables(recompute=recompute, batch=batch, **out)
+
+
+def gpipe_iteration_time(fwd: Sequence[float], bwd: Sequence[float], allreduce: Sequence[float],
+                         microbatches: int) -> float:
+    """Fill-drain: the first microbatch crosses every stage, the rest follow at the pace of the
+    slowest stage, in both directions; then the slowest gradient all-reduce."""
+    return (sum(fwd) + (microbatches - 1) * max(fwd) + sum(bwd) + (microbatches - 1) * max(bwd)
+            + max(allreduce))
