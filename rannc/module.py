@@ -15,6 +15,7 @@ names and BatchNorm statistics keep their meaning.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -132,7 +133,7 @@ class RaNNCModule(nn.Module):
         if cfg.load_deployment and os.path.exists(cfg.deployment_file):
             plan = Plan.load(cfg.deployment_file)
             plan.check(cap.graph, ctx.world_size)
-            return plan
+            return dataclasses.replace(plan, source=(cap.graph, atomic))
         sizes: list[Any] = [None] * ctx.world_size
         dist.all_gather_object(sizes, local_batch)
         box: list[Any] = [None]
@@ -149,7 +150,7 @@ class RaNNCModule(nn.Module):
         dist.broadcast_object_list(box, src=0)
         if "error" in box[0]:
             raise RaNNCError(f"planning failed on rank 0: {box[0]['error']}")
-        plan = Plan.from_dict(box[0])
+        plan = dataclasses.replace(Plan.from_dict(box[0]), source=(cap.graph, atomic))
         if cfg.save_deployment and ctx.rank == 0:
             plan.save(cfg.deployment_file)
         return plan

@@ -248,7 +248,7 @@ def _to_plan(graph: TaskGraph, atomic: AtomicPartition, c: _Candidate, block_of:
             modules=_module_range(graph, atomic, comps)))
     return Plan(stages=tuple(stages), microbatches=c.microbatches, world_size=world,
                 fingerprint=graph.fingerprint(), predicted_iteration_time=c.time,
-                batch_size=batch_size, blocks=max(block_of) + 1)
+                batch_size=batch_size, blocks=max(block_of) + 1, source=(graph, atomic))
 
 
 def _param_names(graph: TaskGraph, atomic: AtomicPartition, comps: Sequence[int]) -> tuple[str, ...]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from rannc.atomic.components import AtomicPartition
@@ -55,6 +55,8 @@ class Plan:
     predicted_iteration_time: float | None = None
     batch_size: int | None = None  # the global batch it was planned for
     blocks: int | None = None  # phase 2's block count
+    # The graph it was made from, for to_onnx; not saved (a loaded plan has none).
+    source: tuple[TaskGraph, AtomicPartition] | None = field(default=None, compare=False, repr=False)
 
     def stage_of_rank(self, rank: int) -> StagePlan:
         for st in self.stages:
@@ -90,9 +92,26 @@ class Plan:
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
+        d = asdict(replace(self, source=None))
+        del d["source"]
         d["format"] = PLAN_FORMAT
         return d
+
+    def to_onnx(self, path: str | os.PathLike[str]) -> None:
+        """The captured graph as ONNX with each task's `stage` (and `atomic_component`) as node
+        attributes, for Netron. Needs the graph: a plan from rannc.plan() or RaNNCModule.plan."""
+        if self.source is None:
+            raise RaNNCError("this plan has no graph attached (it was loaded from a file); get it "
+                             "from rannc.plan(...) or RaNNCModule.plan to export it")
+        from rannc.atomic.components import task_attributes
+        from rannc.graph.onnx_export import export_onnx
+
+        graph, atomic = self.source
+        attrs = task_attributes(graph, atomic)
+        stage_of = {c: st.index for st in self.stages for c in st.components}
+        for t, task in enumerate(graph.tasks):
+            attrs[task.name]["stage"] = stage_of[atomic.holders[t][0]]
+        export_onnx(graph, os.fspath(path), task_attrs=attrs)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Plan:

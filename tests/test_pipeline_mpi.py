@@ -67,8 +67,9 @@ def test_under_torchrun() -> None:
 def _bert_memory_needs() -> tuple[float, float]:
     """Bytes per device the planner says the test BERT needs as one stage, and with any stages,
     on 4 devices (batch 8): the limits the planned-run tests sit between."""
-    import rannc
     from model_zoo import make_case
+
+    import rannc
     from rannc.planner import PlanInfeasibleError
 
     case = make_case("bert", batch=8, seed=0)
