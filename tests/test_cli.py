@@ -1,0 +1,43 @@
+"""`rannc plan FILE.py:FACTORY`: a dry-run plan for a cluster this machine is not."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import rannc
+
+ROOT = Path(__file__).resolve().parents[1]
+FACTORY = f"{ROOT / 'tests' / 'plan_factories.py'}:tiny_bert"
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "rannc", "plan", *args], cwd=ROOT, text=True,
+                          capture_output=True, timeout=300)
+
+
+def test_plan_for_a_cluster_we_do_not_have(tmp_path: Path) -> None:
+    out, onnx = tmp_path / "plan.json", tmp_path / "plan.onnx"
+    res = run(FACTORY, "--devices", "16", "--per-node", "8", "--device", "V100-32GB",
+              "--batch-size", "64", "--out", str(out), "--onnx", str(onnx))
+    assert res.returncode == 0, res.stderr
+    assert "rannc plan:" in res.stdout and "16 rank(s)" in res.stdout and "global batch 64" in res.stdout
+    plan = rannc.Plan.load(out)
+    assert sorted(r for st in plan.stages for r in st.ranks) == list(range(16))
+    assert json.loads(out.read_text())["batch_size"] == 64
+    import onnx as onnx_lib
+
+    model = onnx_lib.load(str(onnx))
+    stages = {a.i for n in model.graph.node for a in n.attribute if a.name == "stage"}
+    assert stages == set(range(len(plan.stages)))
+
+
+def test_bad_arguments_say_what_is_wrong() -> None:
+    res = run("no_colon.py", "--devices", "2", "--batch-size", "8")
+    assert res.returncode != 0 and "FILE.py:FACTORY" in res.stderr
+    res = run(f"{ROOT / 'tests' / 'plan_factories.py'}:not_a_pair", "--devices", "2", "--batch-size", "8")
+    assert res.returncode != 0 and "(model, args, kwargs)" in res.stderr
+    res = run(FACTORY, "--devices", "2", "--batch-size", "8", "--device", "X100")
+    assert res.returncode != 0 and "unknown device" in res.stderr
