@@ -247,7 +247,7 @@ bool coarsen_level(const Problem& pb, Level& lv, const Stats& st, Index& count, 
             }
             return true;
         };
-        expand(a, true);
+        expand(a, true);  // cannot fail: the edge a -> b is skipped
         while (!stack.empty()) {
             const Index r = stack.back();
             stack.pop_back();
@@ -348,8 +348,9 @@ std::vector<Level> coarsen(const Problem& pb) {
 // ------------------------------------------------------------- uncoarsening
 
 // Moves one half of each merged pair into a neighbouring group when that sends
-// fewer bytes between the groups of the level above, and propagates the move to
-// every coarser level (paper III-B). A move x: s -> t at level L splits x off s
+// fewer bytes between the groups of the level above (and, if the final groups
+// change, between those), and propagates the move to every coarser level
+// (paper III-B). A move x: s -> t at level L splits x off s
 // (the graph H) and merges it into t; the quotient stays acyclic iff H has no
 // cycle (edges both ways between x and s \ x) and no path of length >= 2 joins
 // x and t in H, which a search bounded by the level's order decides.
@@ -420,8 +421,11 @@ class Refiner {
                 const Index t0 = up.members[t][0];
                 const Index s_top = last.group_of[x0], t_top = last.group_of[t0];
                 if (s_top != t_top) {
+                    // The final groups change too: only for fewer bytes between them,
+                    // not merely fewer one level up (that would reshuffle balanced
+                    // blocks for nothing).
                     const auto [bt, at] = comm_change(top(), step, x, t_top);
-                    if (at > bt) continue;  // would send more between the final groups
+                    if (!(at < bt)) continue;
                 }
                 cands_.push_back({a1 - b1, half, t0, x});
             }
@@ -678,7 +682,7 @@ std::vector<Index> compact(const Problem& pb, const Level& lv) {
             break;
         }
     }
-    std::function<Index(Index)> find = [&](Index g) {
+    auto find = [&](Index g) {
         while (root[g] != g) g = root[g] = root[root[g]];
         return g;
     };

@@ -158,16 +158,30 @@ def test_uncoarsening_never_sends_more_when_coarsening_reaches_k() -> None:
     assert strictly >= 20
 
 
+def block_times(p: CoarsenProblem, block_of: list[int]) -> list[float]:
+    out = [0.0] * (max(block_of) + 1)
+    for c, b in enumerate(block_of):
+        out[b] += p.time[c]
+    return out
+
+
 def test_bert_like_blocks_are_balanced() -> None:
     """Components are small next to total / k, so blocks come out within 2x of it."""
     p = bert_like(16, k=8)
     assert p.n > 900
     block_of = form_blocks(p)
     check_blocks(p, block_of)
-    total = [0.0] * 8
-    for c, b in enumerate(block_of):
-        total[b] += p.time[c]
-    assert max(total) <= 2 * sum(p.time) / 8
+    assert max(block_times(p, block_of)) <= 2 * sum(p.time) / 8
+
+
+def test_bert_like_uncoarsening_cuts_bytes_not_balance() -> None:
+    """Coarsening alone puts each boundary where two activations cross (inside a layer
+    norm); uncoarsening moves it to where one does, about halving the bytes between
+    blocks at the same balance."""
+    p = bert_like(16, k=8)
+    coarse, refined = _form_blocks(p, uncoarsen=False), form_blocks(p)
+    assert block_comm_bytes(p, refined) < 0.75 * block_comm_bytes(p, coarse)
+    assert max(block_times(p, refined)) <= 1.05 * max(block_times(p, coarse))
 
 
 def test_merging_convex_groups_can_still_make_a_cycle() -> None:

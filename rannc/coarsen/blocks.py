@@ -14,7 +14,9 @@ This is the paper's k-way multilevel partitioning, made deterministic:
 2. Uncoarsening, from the coarsest level down: for each merged pair (v, w), in
    the order it was merged, consider moving v, then w, into each group t
    adjacent to v ∪ w one level up. Keep the moves that send strictly fewer bytes
-   between that level's groups and no more between the final groups; apply the
+   between that level's groups and, when they change the final groups, strictly
+   fewer between those too (the paper measures only the first; a tie on the
+   final groups would reshuffle balanced blocks for nothing); apply the
    best (largest saving; ties: v before w, then t's smallest member) that keeps
    every coarser level it changes valid and within memory. The move changes
    every coarser level where x and t are still apart.

@@ -242,7 +242,10 @@ def apply_move(h: Hierarchy, step: int, x: set[int], t0: int) -> None:
 
 def uncoarsen(p: Problem, h: Hierarchy) -> int:
     """From the coarsest level down, try to move one half of each merged pair into
-    a group adjacent to the pair; returns the number of moves made."""
+    a group adjacent to the pair one level up. A move must send strictly fewer bytes
+    between that level's groups and, if it changes the final groups, strictly fewer
+    between those (a tie there would only reshuffle balanced blocks). Returns the
+    number of moves made."""
     top = len(h.levels) - 1
     moves = 0
     for step in range(top - 1, -1, -1):
@@ -263,10 +266,10 @@ def uncoarsen(p: Problem, h: Hierarchy) -> int:
                         continue
                     t0 = min(c for c, gg in enumerate(coarse) if gg == t)
                     s_top, t_top = h.levels[top][members[g][0]], h.levels[top][t0]
-                    if s_top != t_top:
+                    if s_top != t_top:  # the final groups change too: they must gain as well
                         bt, at = comm_change(p, h.levels[top], x, x_values, t_top)
-                        if at > bt:
-                            continue  # would send more between the final groups
+                        if not at < bt:
+                            continue
                     cands.append((a1 - b1, xi, t0, x))
             cands.sort(key=lambda cand: cand[:3])
             for _, _, t0, x in cands:
