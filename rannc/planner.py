@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from rannc.atomic.components import AtomicPartition
+from rannc.coarsen.blocks import CoarsenProblem, form_blocks
 from rannc.config import Config
 from rannc.errors import ConfigError, RaNNCError
 from rannc.graph.task_graph import TaskGraph, ValueKind
@@ -288,22 +289,10 @@ def form_blocks_for(graph: TaskGraph, atomic: AtomicPartition, costs: GraphCosts
         if cons:
             b0, b1 = _bytes(val)
             values.append((p, cons, b0 + b1 * batch))
-    try:
-        from rannc.coarsen.blocks import CoarsenProblem, form_blocks
-    except ImportError:  # until phase 2 lands: contiguous runs of balanced time
-        return _contiguous_blocks(spec_time, min(k, n))
     prob = CoarsenProblem(n=n, values=values, time=[float(x) for x in spec_time],
                           memory=[float(x) for x in memory], mem_limit=limit, k=min(k, n),
                           bandwidth=bandwidth)
     return list(form_blocks(prob))
-
-
-def _contiguous_blocks(time_: np.ndarray, k: int) -> list[int]:
-    cum = np.cumsum(time_)
-    total = cum[-1] if len(cum) else 0.0
-    raw = np.minimum((cum - time_ / 2) / max(total, 1e-30) * k, k - 1).astype(int)
-    _, dense = np.unique(raw, return_inverse=True)
-    return [int(x) for x in dense]
 
 
 # -- oracles -----------------------------------------------------------------------------------
