@@ -98,8 +98,7 @@ class RaNNCModule(nn.Module):
         if rt is None:
             cap = capture(self.module, args, kwargs)
             atomic = atomic_components(cap.graph)
-            local = next(x.shape[0] for x, b in zip(leaves, layout.batch_leaves, strict=True) if b)
-            plan = self._make_plan(cap, atomic, ctx, int(local))
+            plan = self._make_plan(cap, atomic, ctx, leaves, layout.batch_leaves)
             if self._plan is None and ctx.rank == 0:
                 log.info("%s", plan.summary())
             self._plan = plan
@@ -119,23 +118,25 @@ class RaNNCModule(nn.Module):
         return pytree.tree_unflatten(flat, cap.out_spec)
 
     def _make_plan(self, cap: CapturedModel, atomic: AtomicPartition, ctx: rdist.DistContext,
-                   local_batch: int) -> Plan:
+                   leaves: list[Any], batch_leaves: tuple[bool, ...]) -> Plan:
         """Load the saved plan, or plan on rank 0 for this world and broadcast it (one plan for
         all ranks even though each measures its own device)."""
         import os
 
         import torch.distributed as dist
 
-        from rannc.planner import plan_graph
+        from rannc.planner import make_oracle, plan_graph
         from rannc.profile.device import Cluster, measure_local_device
+        from rannc.profile.estimate import GraphCosts
 
         cfg = self.config
         if cfg.load_deployment and os.path.exists(cfg.deployment_file):
             plan = Plan.load(cfg.deployment_file)
             plan.check(cap.graph, ctx.world_size)
             return dataclasses.replace(plan, source=(cap.graph, atomic))
+        local_batch = next(x.shape[0] for x, b in zip(leaves, batch_leaves, strict=True) if b)
         sizes: list[Any] = [None] * ctx.world_size
-        dist.all_gather_object(sizes, local_batch)
+        dist.all_gather_object(sizes, int(local_batch))
         box: list[Any] = [None]
         if ctx.rank == 0:
             if cfg.opt_param_factor is None and self.optimizer is not None:
@@ -144,7 +145,10 @@ class RaNNCModule(nn.Module):
             cluster = Cluster.homogeneous(measure_local_device(), n=ctx.world_size,
                                           per_node=ctx.local_world_size)
             try:
-                box[0] = plan_graph(cap.graph, atomic, cluster, cfg, batch_size=sum(sizes)).to_dict()
+                costs = GraphCosts.of(cap.graph, atomic)
+                oracle = make_oracle(cfg, cap, atomic, self.module, leaves, costs, cluster)
+                box[0] = plan_graph(cap.graph, atomic, cluster, cfg, batch_size=sum(sizes),
+                                    oracle=oracle, costs=costs).to_dict()
             except RaNNCError as e:  # every rank raises it, none waits for a plan
                 box[0] = {"error": str(e), "type": type(e).__name__}
         dist.broadcast_object_list(box, src=0)

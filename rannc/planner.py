@@ -20,6 +20,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -74,7 +75,7 @@ class _Candidate:
 
 
 def plan_graph(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, config: Config, *,
-               batch_size: int, oracle: BlockOracle | None = None,
+               batch_size: int, oracle: BlockOracle | None = None, costs: GraphCosts | None = None,
                stats: PlanStats | None = None) -> Plan:
     """Plan `graph` (captured at global batch `batch_size`) for `cluster`."""
     stats = stats if stats is not None else PlanStats()
@@ -84,7 +85,7 @@ def plan_graph(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, conf
     limit *= 1.0 - config.mem_margin
     opt = 2.0 if config.opt_param_factor is None else config.opt_param_factor
     mem = MemoryModel(opt_param_factor=opt, limit=limit, checkpointing=config.checkpointing)
-    costs = GraphCosts.of(graph, atomic)
+    costs = costs if costs is not None else GraphCosts.of(graph, atomic)
     oracle = oracle or EstimateOracle(costs, cluster)
     world = cluster.size
     stats.components = len(atomic.components)
@@ -351,4 +352,28 @@ def plan(model: object, args: tuple[object, ...] = (), kwargs: dict[str, object]
     stats.seconds["capture"] = time.perf_counter() - t0
     leaves, layout = flatten_inputs(args, kwargs or {})
     batch = next(x.shape[0] for x, b in zip(leaves, layout.batch_leaves, strict=True) if b)
-    return plan_graph(cap.graph, atomic, cluster, cfg, batch_size=int(batch), stats=stats)
+    costs = GraphCosts.of(cap.graph, atomic)
+    oracle = make_oracle(cfg, cap, atomic, model, leaves, costs, cluster)
+    return plan_graph(cap.graph, atomic, cluster, cfg, batch_size=int(batch), oracle=oracle,
+                      costs=costs, stats=stats)
+
+
+def make_oracle(cfg: Config, cap: Any, atomic: AtomicPartition, model: Any, leaves: Sequence[Any],
+                costs: GraphCosts, cluster: Cluster) -> BlockOracle:
+    """`profiler`: `estimate` always; `measure` runs blocks on this process's device (the model
+    must be materialised there); `auto` measures when the model's parameters live on a CUDA
+    device and estimates otherwise (CPU timings of a busy host mislead more than they help, and
+    a meta model cannot run)."""
+    import torch
+
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    use = cfg.profiler
+    if use == "auto":
+        use = "measure" if device.type == "cuda" else "estimate"
+    if use == "estimate":
+        return EstimateOracle(costs, cluster)
+    from rannc.profile.measure import MeasureOracle
+
+    spec = min(cluster.devices, key=lambda d: d.flops * d.efficiency)
+    return MeasureOracle(cap, atomic, model, leaves, device, costs, spec,
+                         cache_dir=cfg.profile_cache_dir)

@@ -149,3 +149,18 @@ def test_planning_is_fast_and_reports_its_steps() -> None:
 def test_unknown_device_names_are_refused_with_the_known_ones() -> None:
     with pytest.raises(rannc.ConfigError, match="V100-32GB"):
         rannc.Cluster.homogeneous("V100-64GB", n=2)
+
+
+def test_the_measure_oracle_plans_a_materialised_model(tmp_path: object) -> None:
+    """profiler="measure": blocks are run on this CPU; the plan has the same properties, and a
+    second planning run with the same cache directory reuses the measured profiles."""
+    case = make_case("bert", batch=8)
+    cluster = rannc.Cluster.homogeneous(SPEC, n=4, per_node=4)
+    cfg = rannc.Config(profiler="measure", profile_cache_dir=str(tmp_path), blocks=8)
+    first, second = PlanStats(), PlanStats()
+    plan = rannc.plan(case.model, case.args, case.kwargs, cluster=cluster, config=cfg, stats=first)
+    n = len(atomic_components(capture(case.model, case.args, case.kwargs).graph).components)
+    check_plan(plan, n, 4, SPEC.memory_bytes * 0.9)
+    again = rannc.plan(case.model, case.args, case.kwargs, cluster=cluster, config=cfg, stats=second)
+    assert [st.components for st in again.stages] == [st.components for st in plan.stages]
+    assert second.seconds["profile"] < first.seconds["profile"]

@@ -56,7 +56,7 @@ def user_loss(name: str, out: Any, y: torch.Tensor | None) -> torch.Tensor:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--model", required=True)
+    p.add_argument("--model", required=True, help="a model name, or several separated by commas")
     p.add_argument("--replicas", default="")
     p.add_argument("--partition-num", type=int, default=0)
     p.add_argument("--microbatches", type=int, default=1)
@@ -67,8 +67,14 @@ def main() -> None:
     p.add_argument("--expect-error", default="", help="the first call must raise with this text")
     a = p.parse_args()
     ctx = rdist.init_process_group(timeout_s=60)
+    for name in a.model.split(","):
+        check_model(a, name, ctx)
+    rdist.shutdown()
+
+
+def check_model(a: argparse.Namespace, name: str, ctx: rdist.DistContext) -> None:
     rank, world = ctx.rank, ctx.world_size
-    case = make_case(a.model, batch=a.batch, seed=0)
+    case = make_case(name, batch=a.batch, seed=0)
     torch.manual_seed(1)
     y = torch.randint(0, 5, (a.batch,))
     sizes = local_sizes(a.batch, world)
@@ -95,7 +101,6 @@ def main() -> None:
         except rannc.RaNNCError as e:
             assert a.expect_error in str(e), str(e)
             print(f"PASS rank {rank} error: {e}", flush=True)
-            rdist.shutdown()
             return
         raise AssertionError("the call did not raise")
     for step in range(a.steps):
@@ -105,11 +110,11 @@ def main() -> None:
             if isinstance(x, torch.Tensor):
                 torch.testing.assert_close(x, rows_of(r, mine, a.batch), rtol=RTOL, atol=ATOL,
                                            msg=lambda m, step=step: f"rank {rank} step {step} output: {m}")
-        loss = user_loss(a.model, out, y[mine[0]:mine[1]])
-        ref_loss = sum(user_loss(a.model, pytree.tree_map(lambda t, rr=rr: rows_of(t, rr, a.batch), ref_out),
+        loss = user_loss(name, out, y[mine[0]:mine[1]])
+        ref_loss = sum(user_loss(name, pytree.tree_map(lambda t, rr=rr: rows_of(t, rr, a.batch), ref_out),
                                  y[rr[0]:rr[1]])
                        for rr in (( sum(sizes[:q]), sum(sizes[:q + 1])) for q in range(world))) / world
-        if a.model in ("bert", "gpt2"):
+        if name in ("bert", "gpt2"):
             ref_loss = ref_out.loss
         loss.backward()
         ref_loss.backward()
@@ -127,12 +132,11 @@ def main() -> None:
                                    msg=lambda m, n=n: f"rank {rank} param {n}: {m}")
     # What this rank really stores: the released parameters have no elements left.
     n_held = sum(p_.numel() for p_ in case.model.parameters())
-    print(f"PASS rank {rank} of {world} stage {model.plan.stage_of_rank(rank).index if model.plan else 0} "
-          f"params {n_held}", flush=True)
+    stage = model.plan.stage_of_rank(rank).index if model.plan else 0
+    print(f"PASS {name} rank {rank} of {world} stage {stage} params {n_held}", flush=True)
     if rank == 0 and model.plan is not None:
         print(f"STAGES {len(model.plan.stages)}", flush=True)
         print(model.plan.summary(), flush=True)
-    rdist.shutdown()
 
 
 if __name__ == "__main__":
