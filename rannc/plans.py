@@ -1,15 +1,14 @@
 """rannc.Plan: what every rank runs, as plain data (JSON, never pickle).
 
-A plan lists the stages in pipeline order; each stage is a contiguous run of
+A plan lists the stages in pipeline order; each stage is a convex set (a run of blocks) of
 atomic components placed on the ranks of its replicas, each replica computing
 a share of every microbatch's rows. A plan is checked against the model's
 graph fingerprint when loaded.
 
-Until the planner lands, `split_plan` builds plans with a simple splitter:
-contiguous atomic components, balanced by an estimated cost, honouring the
-config's `partition_num`, `replicas` and `microbatches`. The whole pipeline
-may itself be replicated R times (RaNNC's factor R): the world is R copies of
-sum(replicas) ranks, and each stage's replicas are the union over the copies.
+Plans come from the planner (`rannc.planner`). The whole pipeline may itself
+be replicated R times (RaNNC's factor R): the world is R copies of
+sum(replicas) ranks, and each stage's replicas are the union over the copies
+(`stage_ranks`).
 
 Index conventions: s indexes stages, m microbatches, j a stage's replicas.
 """
@@ -24,7 +23,7 @@ from typing import Any
 
 from rannc.atomic.components import AtomicPartition
 from rannc.errors import ConfigError, RaNNCError
-from rannc.graph.task_graph import TaskGraph, ValueKind
+from rannc.graph.task_graph import TaskGraph
 
 PLAN_FORMAT = 1
 
@@ -160,75 +159,6 @@ def _fmt_s(seconds: float) -> str:
     return f"{seconds * 1e3:.2f} ms" if seconds < 1 else f"{seconds:.2f} s"
 
 
-def component_costs(graph: TaskGraph, atomic: AtomicPartition) -> list[float]:
-    """A rough cost per component: elements it reads and writes, per sample, plus one.
-
-    Good enough to balance a simple split until the profiler-backed planner lands.
-    """
-    costs = []
-    for comp in atomic.components:
-        c = 1.0
-        for t in comp.tasks:
-            task = graph.tasks[t]
-            for v in (*task.inputs, *task.outputs):
-                val = graph.values[v]
-                if val.is_tensor:
-                    c += val.numel(1)
-        costs.append(c)
-    return costs
-
-
-def cuttable_boundaries(graph: TaskGraph, atomic: AtomicPartition) -> list[bool]:
-    """Per position k (a cut before component k): every activation crossing it has a batch dim.
-
-    A value without one (a batch-reduced loss term) cannot be split by rows, so
-    no cut may separate it from its consumers.
-    """
-    n = len(atomic.components)
-    ok = [True] * (n + 1)
-    for a, b in atomic.component_edges(graph):
-        crossing = _edge_values(graph, atomic, a, b)
-        if any(not _row_splittable(graph, v) for v in crossing):
-            for k in range(a + 1, b + 1):
-                ok[k] = False
-    return ok
-
-
-def _edge_values(graph: TaskGraph, atomic: AtomicPartition, a: int, b: int) -> set[str]:
-    produced = {v for t in atomic.components[a].tasks for v in graph.tasks[t].outputs}
-    return {v for t in atomic.components[b].tasks for v in graph.tasks[t].inputs if v in produced}
-
-
-def _row_splittable(graph: TaskGraph, v: str) -> bool:
-    val = graph.values[v]
-    return not val.is_tensor or val.batch_dim is not None or val.kind is not ValueKind.ACTIVATION
-
-
-def balanced_cuts(costs: Sequence[float], ok: Sequence[bool], parts: int) -> list[int]:
-    """Cut positions (sorted, in 1..n-1) splitting `costs` into `parts` contiguous runs whose
-    largest sum is as small as a greedy sweep over allowed positions finds."""
-    n = len(costs)
-    allowed = [k for k in range(1, n) if ok[k]]
-    if len(allowed) < parts - 1:
-        raise RaNNCError(
-            f"cannot split the model into {parts} stages: only {len(allowed) + 1} stage(s) are "
-            "possible where every value crossing a boundary has a batch dimension; lower "
-            "partition_num"
-        )
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    cuts: list[int] = []
-    for p in range(1, parts):
-        target = prefix[-1] * p / parts
-        lo = cuts[-1] if cuts else 0
-        choices = [k for k in allowed if k > lo]
-        # leave room for the remaining cuts
-        choices = choices[: len(choices) - (parts - 1 - p)] if parts - 1 - p > 0 else choices
-        cuts.append(min(choices, key=lambda k: abs(prefix[k] - target)))
-    return cuts
-
-
 def stage_ranks(replicas: Sequence[int], world_size: int) -> list[tuple[int, ...]]:
     """Ranks of each stage's replicas: R copies of the pipeline, each over sum(replicas) ranks."""
     per_copy = sum(replicas)
@@ -243,50 +173,4 @@ def stage_ranks(replicas: Sequence[int], world_size: int) -> list[tuple[int, ...
     for r in replicas:
         out.append(tuple(c * per_copy + start + j for c in range(copies) for j in range(r)))
         start += r
-    return out
-
-
-def split_plan(graph: TaskGraph, atomic: AtomicPartition, world_size: int, *,
-               partition_num: int | None = None, replicas: Sequence[int] | None = None,
-               microbatches: int | None = None, recompute: bool | None = None) -> Plan:
-    """The simple splitter: contiguous, cost-balanced stages with the given replica counts."""
-    if replicas is not None and partition_num is not None and len(replicas) != partition_num:
-        raise ConfigError(f"replicas {list(replicas)} has {len(replicas)} entries but "
-                          f"partition_num is {partition_num}; give one count per stage")
-    parts = len(replicas) if replicas is not None else (partition_num or 1)
-    if replicas is None:
-        if world_size % parts:
-            raise ConfigError(f"partition_num {parts} does not divide the world size {world_size}; "
-                              "give replicas explicitly, e.g. replicas=[2, 1]")
-        replicas = [world_size // parts] * parts
-    n = len(atomic.components)
-    if parts > n:
-        raise ConfigError(f"partition_num {parts} exceeds the {n} atomic components")
-    cuts = balanced_cuts(component_costs(graph, atomic), cuttable_boundaries(graph, atomic), parts)
-    bounds = [0, *cuts, n]
-    ranks = stage_ranks(replicas, world_size)
-    params_of = _stage_params(graph, atomic, bounds)
-    m = microbatches or 1
-    stages = tuple(
-        StagePlan(index=s, components=tuple(range(bounds[s], bounds[s + 1])), ranks=ranks[s],
-                  shares=tuple(1.0 / len(ranks[s]) for _ in ranks[s]),
-                  recompute=(parts > 1) if recompute is None else recompute,
-                  param_names=params_of[s])
-        for s in range(parts)
-    )
-    return Plan(stages=stages, microbatches=m, world_size=world_size,
-                fingerprint=graph.fingerprint())
-
-
-def _stage_params(graph: TaskGraph, atomic: AtomicPartition, bounds: Sequence[int]) -> list[tuple[str, ...]]:
-    out = []
-    for s in range(len(bounds) - 1):
-        names: dict[str, None] = {}
-        for c in range(bounds[s], bounds[s + 1]):
-            for t in atomic.components[c].tasks:
-                for v in graph.tasks[t].inputs:
-                    val = graph.values[v]
-                    if val.kind is ValueKind.PARAM and val.target is not None:
-                        names[val.target] = None
-        out.append(tuple(names))
     return out
