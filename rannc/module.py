@@ -98,7 +98,7 @@ class RaNNCModule(nn.Module):
         if rt is None:
             cap = capture(self.module, args, kwargs)
             atomic = atomic_components(cap.graph)
-            plan = self._make_plan(cap, atomic, ctx, leaves, layout.batch_leaves)
+            plan = self._make_plan(cap, atomic, ctx, leaves, layout.batch)
             if self._plan is None and ctx.rank == 0:
                 log.info("%s", plan.summary())
             self._plan = plan
@@ -118,7 +118,7 @@ class RaNNCModule(nn.Module):
         return pytree.tree_unflatten(flat, cap.out_spec)
 
     def _make_plan(self, cap: CapturedModel, atomic: AtomicPartition, ctx: rdist.DistContext,
-                   leaves: list[Any], batch_leaves: tuple[bool, ...]) -> Plan:
+                   leaves: list[Any], local_batch: int | None) -> Plan:
         """Load the saved plan, or plan on rank 0 for this world and broadcast it (one plan for
         all ranks even though each measures its own device)."""
         import os
@@ -134,9 +134,8 @@ class RaNNCModule(nn.Module):
             plan = Plan.load(cfg.deployment_file)
             plan.check(cap.graph, ctx.world_size)
             return dataclasses.replace(plan, source=(cap.graph, atomic))
-        local_batch = next(x.shape[0] for x, b in zip(leaves, batch_leaves, strict=True) if b)
         sizes: list[Any] = [None] * ctx.world_size
-        dist.all_gather_object(sizes, int(local_batch))
+        dist.all_gather_object(sizes, local_batch or 0)  # capture() refused calls without one
         box: list[Any] = [None]
         if ctx.rank == 0:
             if cfg.opt_param_factor is None and self.optimizer is not None:

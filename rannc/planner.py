@@ -111,7 +111,7 @@ def plan_graph(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, conf
 
     t3 = time.perf_counter()
     best: _Candidate | None = None
-    smallest_need = math.inf
+    infeasible: list[tuple[StageTables, int]] = []  # kept only while nothing fits, for the error
     for D, R in layouts:
         cross_node = R > 1 or D > cluster.per_node
         ar_bw = cluster.inter_node_bandwidth if cross_node else spec.link_bandwidth
@@ -124,10 +124,11 @@ def plan_graph(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, conf
                 stats.candidates += 1
                 if best is None or cand.time < best.time * (1 - 1e-9):
                     best = cand
-            smallest_need = min(smallest_need, _memory_needed(tab, D, config))
+            infeasible = [] if best is not None else [*infeasible, (tab, D)]
     stats.seconds["stage_dp"] = time.perf_counter() - t3
     if best is None:
-        need = smallest_need / (1.0 - config.mem_margin)
+        smallest = min((_memory_needed(tab, D, config) for tab, D in infeasible), default=math.inf)
+        need = smallest / (1.0 - config.mem_margin)
         have = limit / (1.0 - config.mem_margin)
         raise PlanInfeasibleError(
             f"no plan fits: the model needs at least {fmt_bytes(need)} per device (with "
@@ -313,7 +314,7 @@ class EstimateOracle(BlockOracle):
 
     def __init__(self, costs: GraphCosts, cluster: Cluster) -> None:
         self.costs = costs
-        self.spec = min(cluster.devices, key=lambda d: d.flops * d.efficiency)
+        self.spec = cluster.slowest
 
     def component_time(self, batch: int) -> np.ndarray:
         return self.costs.component_time(self.spec, batch)
@@ -351,11 +352,11 @@ def plan(model: object, args: tuple[object, ...] = (), kwargs: dict[str, object]
     atomic = atomic_components(cap.graph)
     stats.seconds["capture"] = time.perf_counter() - t0
     leaves, layout = flatten_inputs(args, kwargs or {})
-    batch = next(x.shape[0] for x, b in zip(leaves, layout.batch_leaves, strict=True) if b)
     costs = GraphCosts.of(cap.graph, atomic)
     oracle = make_oracle(cfg, cap, atomic, model, leaves, costs, cluster)
-    return plan_graph(cap.graph, atomic, cluster, cfg, batch_size=int(batch), oracle=oracle,
-                      costs=costs, stats=stats)
+    # capture() has refused inputs without a batched tensor, so layout.batch is set
+    return plan_graph(cap.graph, atomic, cluster, cfg, batch_size=layout.batch or 0,
+                      oracle=oracle, costs=costs, stats=stats)
 
 
 def make_oracle(cfg: Config, cap: Any, atomic: AtomicPartition, model: Any, leaves: Sequence[Any],
@@ -374,6 +375,5 @@ def make_oracle(cfg: Config, cap: Any, atomic: AtomicPartition, model: Any, leav
         return EstimateOracle(costs, cluster)
     from rannc.profile.measure import MeasureOracle
 
-    spec = min(cluster.devices, key=lambda d: d.flops * d.efficiency)
-    return MeasureOracle(cap, atomic, model, leaves, device, costs, spec,
+    return MeasureOracle(cap, atomic, model, leaves, device, costs, cluster.slowest,
                          cache_dir=cfg.profile_cache_dir)

@@ -52,6 +52,7 @@ class InputLayout:
     spec: pytree.TreeSpec  # of (args, kwargs-sorted-by-key)
     batch_leaves: tuple[bool, ...]  # per flat leaf: a tensor batched along dim 0
     signature: tuple[Any, ...]  # what must match for this capture to be reused
+    batch: int | None = None  # rows in this call: dim 0 of the batched leaves
 
 
 @dataclass
@@ -106,7 +107,7 @@ def flatten_inputs(args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[list
             sig.append(("tensor", b, shape, x.dtype))
         else:
             sig.append(("const", repr(x)))
-    return leaves, InputLayout(spec, batch_leaves, tuple(sig))
+    return leaves, InputLayout(spec, batch_leaves, tuple(sig), batch)
 
 
 def capture(

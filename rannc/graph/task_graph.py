@@ -16,6 +16,7 @@ contiguous. A value with `batch_dim=None` does not depend on the batch size
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import json
 from collections.abc import Iterable, Sequence
@@ -49,7 +50,7 @@ class Value:
     def numel(self, batch: int = 1) -> int:
         n = 1
         for d in self.shape:
-            n *= d if isinstance(d, int) else _eval_sym(d, batch)
+            n *= eval_dim(d, batch)
         return n
 
 
@@ -136,7 +137,15 @@ class TaskGraph:
         return f"TaskGraph({len(self.tasks)} tasks, {len(self.values)} values: {ks})"
 
 
+def eval_dim(dim: int | str, batch: int) -> int:
+    """A size at a given batch: ints as they are, symbolic sizes ("16*batch") evaluated."""
+    return dim if isinstance(dim, int) else _eval_sym(dim, batch)
+
+
+@functools.lru_cache(maxsize=4096)
 def _eval_sym(expr: str, batch: int) -> int:
+    # Cached: a graph has a handful of distinct expressions, evaluated for every value and
+    # microbatch, and sympify costs about 100 us.
     import sympy
 
     return int(sympy.sympify(expr).subs(sympy.Symbol("batch"), batch))

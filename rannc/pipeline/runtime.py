@@ -32,7 +32,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import sympy
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -41,7 +40,7 @@ from rannc.atomic.components import AtomicPartition
 from rannc.errors import InputMismatchError, RaNNCError
 from rannc.graph.capture import CapturedModel
 from rannc.graph.extract import StageGraph, build_stage_module, split_graph
-from rannc.graph.task_graph import Value, ValueKind
+from rannc.graph.task_graph import Value, ValueKind, eval_dim
 from rannc.pipeline.rows import Range, RowLayout, intersect
 from rannc.plans import Plan
 
@@ -182,7 +181,7 @@ class PipelineRuntime:
 
     def _empty(self, v: str, n_rows: int) -> torch.Tensor:
         val = self.graph.values[v]
-        shape = [_eval(dim, n_rows) for dim in val.shape]
+        shape = [eval_dim(dim, n_rows) for dim in val.shape]
         return torch.empty(shape, dtype=getattr(torch, val.dtype), device=self.device)
 
     def _send(self, x: torch.Tensor, dst: int, tag: int, call: _Call, local: dict[Any, Any]) -> None:
@@ -256,7 +255,7 @@ class PipelineRuntime:
                      local: dict[Any, Any]) -> Any:
         val = self.graph.values[v]
         if val.dtype == "sym_int":
-            return _eval(val.sym_expr or "batch", rows[1] - rows[0])
+            return eval_dim(val.sym_expr or "batch", rows[1] - rows[0])
         if not self._moves(v):
             return env[v]
         g = self.supplier(v, self.s)
@@ -498,12 +497,6 @@ class PipelineFunction(torch.autograd.Function):
 
 def _is_float(val: Value) -> bool:
     return val.is_tensor and getattr(torch, val.dtype).is_floating_point
-
-
-def _eval(dim: int | str, n_rows: int) -> int:
-    if isinstance(dim, int):
-        return dim
-    return int(sympy.sympify(dim).subs(sympy.Symbol("batch"), n_rows))
 
 
 def _leaf(x: Any) -> Any:

@@ -113,6 +113,11 @@ class Cluster:
     def is_homogeneous(self) -> bool:
         return all(d == self.devices[0] for d in self.devices)
 
+    @property
+    def slowest(self) -> DeviceSpec:
+        """The device with the least effective FLOP/s: what a synchronous pipeline waits for."""
+        return min(self.devices, key=lambda d: d.flops * d.efficiency)
+
     def key(self) -> str:
         return f"{self.per_node}/{self.inter_node_bandwidth}/" + ";".join(
             sorted({d.key() for d in self.devices}))

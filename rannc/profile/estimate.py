@@ -16,12 +16,11 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 
 import numpy as np
 
 from rannc.atomic.components import AtomicPartition
-from rannc.graph.task_graph import TaskGraph, Value, ValueKind
+from rannc.graph.task_graph import TaskGraph, Value, ValueKind, eval_dim
 from rannc.profile.device import DeviceSpec
 
 DTYPE_BYTES = {
@@ -42,23 +41,9 @@ _CONV_OPS = re.compile(r"aten\.(conv\w*|convolution|_convolution)\.")
 _ATTN_OPS = re.compile(r"aten\.(_?scaled_dot_product\w*attention\w*)\.")
 
 
-@lru_cache(maxsize=4096)
-def _dim_at(d: str, batch: int) -> int:
-    import sympy
-
-    return int(sympy.sympify(d).subs(sympy.Symbol("batch"), batch))
-
-
 def _linear_numel(v: Value) -> tuple[float, float]:
     """numel(batch) = c0 + c1 * batch, from its value at batch 1 and 2."""
-    n1 = n2 = 1
-    for d in v.shape:
-        if isinstance(d, int):
-            n1 *= d
-            n2 *= d
-        else:
-            n1 *= _dim_at(d, 1)
-            n2 *= _dim_at(d, 2)
+    n1, n2 = v.numel(1), v.numel(2)
     return float(2 * n1 - n2), float(n2 - n1)
 
 
@@ -182,7 +167,7 @@ class BlockProfile:
 
 
 def _shape(v: Value, batch: int) -> list[int]:
-    return [d if isinstance(d, int) else _dim_at(d, batch) for d in v.shape]
+    return [eval_dim(d, batch) for d in v.shape]
 
 
 def _numel_lin(v: Value) -> np.ndarray:

@@ -67,7 +67,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import sympy
 import torch
 import torch.fx as fx
 from torch import nn
@@ -76,7 +75,7 @@ from rannc.atomic.components import AtomicPartition
 from rannc.errors import ConfigError
 from rannc.graph.capture import CapturedModel
 from rannc.graph.extract import StageGraph, build_stage_module, split_graph
-from rannc.graph.task_graph import Value, ValueKind
+from rannc.graph.task_graph import Value, ValueKind, eval_dim
 from rannc.planner import BlockOracle
 from rannc.profile.cache import Entry, ProfileCache, block_key
 from rannc.profile.device import DeviceSpec
@@ -598,8 +597,7 @@ def _samples(x: torch.Tensor, val: Value) -> int:
 
 
 def _sym_at(val: Value, batch: int) -> int:
-    expr = val.sym_expr or "batch"
-    return int(sympy.sympify(expr).subs(sympy.Symbol("batch"), batch))
+    return eval_dim(val.sym_expr or "batch", batch)
 
 
 def _chunks(time_: np.ndarray, k: int) -> list[int]:
