@@ -1,0 +1,232 @@
+"""Pipeline schedules as data: each stage's ordered list of actions.
+
+Every replica of a stage runs its stage's list, so a rank's schedule is its stage's line. An
+action is one of
+
+    F   forward of microbatch m           B   backward of microbatch m
+    R   recompute microbatch m's forward  (activations dropped in F are rebuilt before B)
+    RF  receive m's stage inputs          SF  send m's stage outputs on
+    RB  receive m's output gradients      SB  send m's input gradients back
+
+written `<op><stage>.<microbatch>` ("F1.3", "RB0.2"). A schedule's text form is a header line
+and one line per stage; `Schedule.parse(str(s)) == s`. Sends never block (the runtime uses
+isend); receives block until every matching send has happened, which is what `simulate` models.
+
+The generators here build the three schedules rannc runs: fill-drain (GPipe), 1F1B
+(PipeDream-flush order) and Merak's shifted critical path ("scp": 1F1B whose recomputation runs
+before the stage waits for the gradient, so it fills that wait, and none on the last stage,
+which holds one microbatch at a time anyway). Merak also moves one forward of the penultimate
+stage ahead; modelled as an extra warm-up forward our simulator predicts that slower (S=4, M=8,
+uniform stages: 53 vs 39 time units), so it is left out (BENCHMARKS.md).
+`suppliers[t]` lists the stages stage t receives activations from (a skip connection makes it
+more than t - 1).
+
+Index conventions: s, t stages; m microbatches.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+from rannc.errors import RaNNCError
+
+
+class Op(Enum):
+    F = "F"
+    B = "B"
+    R = "R"
+    RF = "RF"
+    SF = "SF"
+    RB = "RB"
+    SB = "SB"
+
+
+COMPUTE = (Op.F, Op.B, Op.R)
+_ACTION = re.compile(r"^(RF|SF|RB|SB|F|B|R)(\d+)\.(\d+)$")
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Action:
+    stage: int
+    micro: int
+    op: Op
+
+    def __str__(self) -> str:
+        return f"{self.op.value}{self.stage}.{self.micro}"
+
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        m = _ACTION.match(text.strip())
+        if m is None:
+            raise ScheduleError(f"cannot read action {text!r}; expected e.g. F0.3, RB1.2, SF2.0")
+        return cls(int(m.group(2)), int(m.group(3)), Op(m.group(1)))
+
+
+class ScheduleError(RaNNCError):
+    """An invalid schedule (a missing or misplaced action, or a deadlock)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    name: str
+    microbatches: int
+    suppliers: tuple[tuple[int, ...], ...]  # per stage: the stages it receives activations from
+    actions: tuple[tuple[Action, ...], ...]  # per stage, in execution order
+
+    @property
+    def stages(self) -> int:
+        return len(self.actions)
+
+    def consumers(self, s: int) -> list[int]:
+        return [t for t, sup in enumerate(self.suppliers) if s in sup]
+
+    def __str__(self) -> str:
+        edges = ",".join(f"{s}>{t}" for t, sup in enumerate(self.suppliers) for s in sup)
+        lines = [f"schedule {self.name} stages={self.stages} microbatches={self.microbatches} "
+                 f"edges={edges or '-'}"]
+        for s, acts in enumerate(self.actions):
+            lines.append(f"{s}: " + " ".join(str(a) for a in acts))
+        return "\n".join(lines)
+
+    @classmethod
+    def parse(cls, text: str) -> Schedule:
+        lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+        head = re.match(r"^schedule (\S+) stages=(\d+) microbatches=(\d+) edges=(\S+)$",
+                        lines[0].strip()) if lines else None
+        if head is None:
+            raise ScheduleError("a schedule's first line must read "
+                                "'schedule NAME stages=S microbatches=M edges=0>1,...'")
+        n_stages = int(head.group(2))
+        sup: list[list[int]] = [[] for _ in range(n_stages)]
+        if head.group(4) != "-":
+            for e in head.group(4).split(","):
+                s, t = (int(x) for x in e.split(">"))
+                sup[t].append(s)
+        if len(lines) != n_stages + 1:
+            raise ScheduleError(f"schedule names {n_stages} stages but has {len(lines) - 1} lines")
+        acts = []
+        for s, ln in enumerate(lines[1:]):
+            label, _, body = ln.partition(":")
+            if label.strip() != str(s):
+                raise ScheduleError(f"line {s + 2} should start with '{s}:', got {ln[:20]!r}")
+            acts.append(tuple(Action.parse(t) for t in body.split()))
+        return cls(head.group(1), int(head.group(3)), tuple(tuple(x) for x in sup), tuple(acts))
+
+    def forward_part(self, s: int) -> tuple[Action, ...]:
+        """Stage s's actions before its first backward-side action (what fill-drain runs in
+        `forward()`; the rest waits for `backward()`)."""
+        acts = self.actions[s]
+        for i, a in enumerate(acts):
+            if a.op in (Op.B, Op.R, Op.RB, Op.SB):
+                return acts[:i]
+        return acts
+
+
+def chain(n_stages: int) -> tuple[tuple[int, ...], ...]:
+    """Suppliers of a plain chain of stages."""
+    return tuple(() if t == 0 else (t - 1,) for t in range(n_stages))
+
+
+SCHEDULES = ("gpipe", "1f1b", "scp")
+
+
+def make_schedule(name: str, microbatches: int, suppliers: Sequence[Sequence[int]],
+                  recompute: Sequence[bool]) -> Schedule:
+    """Build schedule `name` ("gpipe", "1f1b" or "scp") for the stage graph `suppliers`, where
+    `recompute[s]` says stage s drops activations in forward and recomputes them."""
+    sup = tuple(tuple(sorted(x)) for x in suppliers)
+    n = len(sup)
+    if len(recompute) != n:
+        raise ScheduleError(f"recompute has {len(recompute)} entries for {n} stages")
+    if microbatches < 1:
+        raise ScheduleError(f"microbatches must be at least 1, got {microbatches}")
+    has_cons = [any(s in x for x in sup) for s in range(n)]
+    M = microbatches
+
+    def fwd(s: int, m: int) -> list[Action]:
+        out = [Action(s, m, Op.RF)] if sup[s] else []
+        out.append(Action(s, m, Op.F))
+        return out + ([Action(s, m, Op.SF)] if has_cons[s] else [])
+
+    def bwd(s: int, m: int, rc: bool, early: bool) -> list[Action]:
+        recv = [Action(s, m, Op.RB)] if has_cons[s] else []
+        r = [Action(s, m, Op.R)] if rc else []
+        out = r + recv if early else recv + r
+        out.append(Action(s, m, Op.B))
+        return out + ([Action(s, m, Op.SB)] if sup[s] else [])
+
+    lines: list[tuple[Action, ...]] = []
+    for s in range(n):
+        acts: list[Action] = []
+        if name == "gpipe":
+            for m in range(M):
+                acts += fwd(s, m)
+            for m in reversed(range(M)):
+                acts += bwd(s, m, recompute[s], False)
+        elif name in ("1f1b", "scp"):
+            scp = name == "scp"
+            rc = recompute[s] and not (scp and s == n - 1)
+            warm = min(_depth_to_end(sup, s), M)  # forwards before the first backward
+            for m in range(warm):
+                acts += fwd(s, m)
+            for i in range(M - warm):
+                acts += fwd(s, warm + i)
+                acts += bwd(s, i, rc, scp)
+            for i in range(M - warm, M):
+                acts += bwd(s, i, rc, scp)
+        else:
+            raise ScheduleError(f"unknown schedule {name!r}; use one of {', '.join(SCHEDULES)}")
+        lines.append(tuple(acts))
+    return Schedule(name, M, sup, tuple(lines))
+
+
+def _depth_to_end(sup: Sequence[Sequence[int]], s: int) -> int:
+    """Longest chain of consumers after stage s (the last stage: 0)."""
+    n = len(sup)
+    depth = [0] * n
+    for t in reversed(range(n)):
+        for u in range(t + 1, n):
+            if t in sup[u]:
+                depth[t] = max(depth[t], depth[u] + 1)
+    return depth[s]
+
+
+def validate(sched: Schedule) -> None:
+    """Raise ScheduleError unless every stage runs F and B of every microbatch once, in an
+    order whose data are there: RF before F before SF; R (if any) after F and before B; RB
+    before B before SB; receives and sends exactly where the stage has suppliers/consumers.
+    Cross-stage order (deadlocks) is checked by `simulate`."""
+    M = sched.microbatches
+    for s, acts in enumerate(sched.actions):
+        has_sup, has_cons = bool(sched.suppliers[s]), bool(sched.consumers(s))
+        pos: dict[tuple[Op, int], int] = {}
+        for i, a in enumerate(acts):
+            if a.stage != s:
+                raise ScheduleError(f"stage {s}'s line holds {a}, an action of stage {a.stage}")
+            if not 0 <= a.micro < M:
+                raise ScheduleError(f"{a}: microbatch {a.micro} is outside 0..{M - 1}")
+            if (a.op, a.micro) in pos:
+                raise ScheduleError(f"{a} appears twice on stage {s}")
+            pos[(a.op, a.micro)] = i
+        for m in range(M):
+            need = {Op.F: True, Op.B: True, Op.RF: has_sup, Op.SB: has_sup, Op.SF: has_cons,
+                    Op.RB: has_cons}
+            for op, required in need.items():
+                if required and (op, m) not in pos:
+                    raise ScheduleError(f"stage {s} never runs {Action(s, m, op)}")
+                if not required and (op, m) in pos:
+                    why = "no suppliers" if op in (Op.RF, Op.SB) else "no consumers"
+                    raise ScheduleError(f"stage {s} has {why}, but runs {Action(s, m, op)}")
+            order = [(Op.RF, Op.F), (Op.F, Op.SF), (Op.F, Op.B), (Op.F, Op.R), (Op.R, Op.B),
+                     (Op.RB, Op.B), (Op.B, Op.SB)]
+            for a, b in order:
+                if (a, m) in pos and (b, m) in pos and pos[(a, m)] > pos[(b, m)]:
+                    raise ScheduleError(f"stage {s} runs {Action(s, m, b)} before "
+                                        f"{Action(s, m, a)}")
+
+
+__all__ = ["COMPUTE", "SCHEDULES", "Action", "Op", "Schedule", "ScheduleError", "chain",
+           "make_schedule", "validate"]

@@ -1,0 +1,146 @@
+"""Predict a schedule's iteration time from per-stage costs, without running a model.
+
+Each stage is one sequential worker running its line of actions. F, B and R take the stage's
+forward, backward and recompute seconds; a send takes no worker time and its data reach the
+receiver `comm` seconds later; a receive waits until every matching send has arrived (the
+runtime's isend / blocking recv). After its last action a stage all-reduces its gradients.
+When no worker can move and some still have actions left, the schedule deadlocks, and
+`simulate` names each stuck stage and what it waits for.
+
+Also here: the peak number of microbatches each stage holds activations for, which is what
+the memory model multiplies, and the bubble ratio.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from rannc.schedule.actions import COMPUTE, Action, Op, Schedule, ScheduleError
+
+
+@dataclass(frozen=True, slots=True)
+class StageCosts:
+    """Seconds per microbatch on each stage; comm_fwd[t]: for stage t's inputs to arrive once
+    sent, comm_bwd[s]: for the gradients of stage s's outputs to arrive."""
+
+    fwd: Sequence[float]
+    bwd: Sequence[float]  # without recomputation
+    recompute: Sequence[float]  # the R action (0 where a stage keeps everything)
+    comm_fwd: Sequence[float]
+    comm_bwd: Sequence[float]
+    allreduce: Sequence[float]
+
+    @classmethod
+    def uniform(cls, stages: int, fwd: float = 1.0, bwd: float = 2.0, recompute: float = 0.0,
+                comm: float = 0.0, allreduce: float = 0.0) -> StageCosts:
+        z = [0.0] * stages
+        return cls([fwd] * stages, [bwd] * stages, [recompute] * stages, [comm] * stages,
+                   [comm] * stages, [allreduce] * stages if allreduce else z)
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    action: Action
+    start: float
+    end: float  # a receive spans its wait
+
+
+@dataclass(frozen=True, slots=True)
+class Timeline:
+    schedule: Schedule
+    events: tuple[tuple[Event, ...], ...]  # per stage
+    iteration_time: float  # to the end of the slowest stage's all-reduce
+    allreduce: tuple[float, ...]
+
+    @property
+    def busy(self) -> list[float]:
+        """Compute seconds per stage."""
+        return [sum(e.end - e.start for e in evs if e.action.op in COMPUTE) for evs in self.events]
+
+    @property
+    def bubble_ratio(self) -> float:
+        """Idle compute time over busy compute time, over all stages, up to the last action
+        (the all-reduce excluded): (S - 1) / M for uniform 1F1B without recomputation."""
+        span = max((evs[-1].end for evs in self.events if evs), default=0.0)
+        busy = sum(self.busy)
+        return (span * len(self.events) - busy) / busy if busy else 0.0
+
+
+def simulate(sched: Schedule, costs: StageCosts) -> Timeline:
+    S = sched.stages
+    consumers = [sched.consumers(s) for s in range(S)]
+    sent: dict[tuple[Op, int, int], float] = {}  # (SF|SB, stage, micro) -> time sent
+    clock = [0.0] * S
+    nxt = [0] * S
+    events: list[list[Event]] = [[] for _ in range(S)]
+    dur = {Op.F: costs.fwd, Op.B: costs.bwd, Op.R: costs.recompute}
+    remaining = sum(len(a) for a in sched.actions)
+    while remaining:
+        moved = False
+        for s in range(S):
+            acts = sched.actions[s]
+            while nxt[s] < len(acts):
+                a = acts[nxt[s]]
+                t0 = clock[s]
+                if a.op in dur:
+                    t1 = t0 + dur[a.op][s]
+                elif a.op in (Op.SF, Op.SB):
+                    sent[(a.op, s, a.micro)] = t0
+                    t1 = t0
+                else:
+                    ready = _arrival(a, sched.suppliers[s] if a.op is Op.RF else consumers[s],
+                                     sent, costs)
+                    if ready is None:
+                        break
+                    t1 = max(t0, ready)
+                events[s].append(Event(a, t0, t1))
+                clock[s] = t1
+                nxt[s] += 1
+                remaining -= 1
+                moved = True
+        if not moved:
+            stuck = [f"stage {s} waits at {sched.actions[s][nxt[s]]}" for s in range(S)
+                     if nxt[s] < len(sched.actions[s])]
+            raise ScheduleError(f"schedule {sched.name} deadlocks: " + "; ".join(stuck))
+    ar = tuple(float(x) for x in costs.allreduce)
+    total = max((clock[s] + ar[s] for s in range(S)), default=0.0)
+    return Timeline(sched, tuple(tuple(e) for e in events), total, ar)
+
+
+def _arrival(a: Action, peers: Sequence[int], sent: dict[tuple[Op, int, int], float],
+             costs: StageCosts) -> float | None:
+    op = Op.SF if a.op is Op.RF else Op.SB
+    latest = 0.0
+    for p in peers:
+        t = sent.get((op, p, a.micro))
+        if t is None:
+            return None
+        lag = costs.comm_fwd[a.stage] if a.op is Op.RF else costs.comm_bwd[a.stage]
+        latest = max(latest, t + lag)
+    return latest
+
+
+def in_flight(sched: Schedule) -> list[tuple[int, int]]:
+    """Per stage: (the most microbatches whose forward ran and backward has not, the most
+    whose recomputed activations are alive at once). Memory = static + first * (what a
+    microbatch keeps through its backward) + second * (what recomputation rebuilds)."""
+    out = []
+    for acts in sched.actions:
+        live = peak = rec = rec_peak = 0
+        for a in acts:
+            if a.op is Op.F:
+                live += 1
+                peak = max(peak, live)
+            elif a.op is Op.R:
+                rec += 1
+                rec_peak = max(rec_peak, rec)
+            elif a.op is Op.B:
+                live -= 1
+                if any(x.op is Op.R and x.micro == a.micro for x in acts):
+                    rec -= 1
+        out.append((peak, rec_peak))
+    return out
+
+
+__all__ = ["Event", "StageCosts", "Timeline", "in_flight", "simulate"]
