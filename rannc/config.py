@@ -16,7 +16,7 @@ from typing import Any
 
 from rannc.errors import ConfigError
 
-_SCHEDULES = ("auto", "gpipe", "1f1b")
+_SCHEDULES = ("auto", "gpipe", "1f1b", "scp")
 _CHECKPOINTING = ("auto", "on", "off", "stage_aware")
 _PROFILERS = ("auto", "measure", "estimate")
 
@@ -42,7 +42,8 @@ class Config:
     opt_param_factor: float | None = None
     """Optimizer state per parameter element (None: read from the optimizer, Adam = 2)."""
     schedule: str = "auto"
-    """Pipeline schedule: one of auto, gpipe, 1f1b."""
+    """Pipeline schedule: auto (the planner picks by simulated time within memory), gpipe
+    (fill-drain), 1f1b, or scp (Merak's shifted critical path)."""
     checkpointing: str = "auto"
     """Recomputation: auto, on, off or stage_aware."""
     profiler: str = "auto"

@@ -15,6 +15,7 @@ Forced `partition_num`, `replicas` and `microbatches` narrow the search to them.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -135,7 +136,14 @@ def plan_graph(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, conf
             f"mem_margin {config.mem_margin}) but the devices have {fmt_bytes(have)} "
             f"({spec.name}, {world} devices); use more or larger devices, raise mem_limit_gb, or "
             "relax forced partition_num/replicas/microbatches", needed_bytes=need)
-    return _to_plan(graph, atomic, best, block_of, world, batch_size)
+    sched = "gpipe" if config.schedule == "auto" else config.schedule
+    out = dataclasses.replace(_to_plan(graph, atomic, best, block_of, world, batch_size),
+                              schedule=sched)
+    frac = config.extra.get("recompute_fraction")
+    if frac is not None:
+        out = dataclasses.replace(out, stages=tuple(dataclasses.replace(st, recompute=float(frac))
+                                                    for st in out.stages))
+    return out
 
 
 def fmt_bytes(n: float) -> str:

@@ -34,7 +34,7 @@ class StagePlan:
     components: tuple[int, ...]  # atomic components, in order
     ranks: tuple[int, ...]  # one per replica
     shares: tuple[float, ...]  # per replica: its share of each microbatch's rows (sum 1)
-    recompute: bool  # keep only stage inputs in forward; recompute in backward
+    recompute: float  # fraction of its components (a prefix) recomputed in backward: 0 none, 1 all
     param_names: tuple[str, ...] = ()  # parameters this stage holds (original names)
     predicted: dict[str, float] = field(default_factory=dict)  # cost estimates, when known
     modules: str = ""  # the user's modules it covers, "first .. last"
@@ -42,6 +42,12 @@ class StagePlan:
     @property
     def replicas(self) -> int:
         return len(self.ranks)
+
+    @property
+    def recomputed_components(self) -> int:
+        """How many of its first components drop their activations in forward."""
+        n = len(self.components)
+        return min(n, max(0, round(float(self.recompute) * n)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +92,7 @@ class Plan:
             bwd = _fmt_s(p["backward_s"]) if "backward_s" in p else "-"
             memory = f"{p['memory_bytes'] / 1e9:.2f} GB" if "memory_bytes" in p else "-"
             lines.append(f"{st.index:>5} {comps:>11} {len(st.param_names):>6} {rows:>7} {fwd:>9} "
-                         f"{bwd:>9} {memory:>9} {'yes' if st.recompute else 'no':>6}  {ranks:<16} "
+                         f"{bwd:>9} {memory:>9} {_fmt_recompute(st.recompute):>6}  {ranks:<16} "
                          f"{st.modules or '-'}")
         return "\n".join(lines)
 
@@ -118,7 +124,7 @@ class Plan:
             raise RaNNCError(f"plan format {d.get('format')!r} is not {PLAN_FORMAT}; plan again")
         stages = tuple(
             StagePlan(index=s["index"], components=tuple(s["components"]), ranks=tuple(s["ranks"]),
-                      shares=tuple(s["shares"]), recompute=s["recompute"],
+                      shares=tuple(s["shares"]), recompute=float(s["recompute"]),
                       param_names=tuple(s["param_names"]), predicted=dict(s["predicted"]),
                       modules=s.get("modules", ""))
             for s in d["stages"]
@@ -153,6 +159,10 @@ class Plan:
                 f"the plan is for {self.world_size} ranks but {world_size} are running; launch "
                 f"{self.world_size} ranks or plan again"
             )
+
+
+def _fmt_recompute(frac: float) -> str:
+    return "all" if frac >= 1 else "no" if frac <= 0 else f"{frac:.0%}"
 
 
 def _fmt_s(seconds: float) -> str:

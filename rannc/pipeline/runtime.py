@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +44,7 @@ from rannc.graph.extract import StageGraph, build_stage_module, split_graph
 from rannc.graph.task_graph import Value, ValueKind, eval_dim
 from rannc.pipeline.rows import Range, RowLayout, intersect
 from rannc.plans import Plan
+from rannc.schedule import Action, Event, Op, Schedule, ScheduleError, make_schedule, validate
 
 log = logging.getLogger(__name__)
 
@@ -52,34 +54,57 @@ _FWD, _OUT, _GRAD, _OUT_GRAD = range(4)
 
 @dataclass
 class _Micro:
-    """What one microbatch's forward keeps for its backward."""
+    """One microbatch on this replica: what its actions pass to each other."""
 
     rows: Range
-    inputs: list[Any]
-    rng: torch.Tensor
-    outputs: tuple[Any, ...] | None  # None when the stage recomputes
+    ins: list[Any] | None = None  # stage inputs (float activations as leaves when training)
+    rng: torch.Tensor | None = None  # RNG state before the forward ran
+    saved: list[Any] | None = None  # eager schedules: the stage inputs, for a late pass
+    outs: list[Any] | None = None  # stage outputs, to send (SF)
+    kept: list[Any] | None = None  # outputs of the kept part, with their autograd graph
+    links: dict[str, torch.Tensor] = field(default_factory=dict)  # recomputed part -> kept part
+    rec: list[Any] | None = None  # outputs of the recomputed part, rebuilt with a graph (R)
+    out_grads: list[torch.Tensor | None] | None = None  # per stage output (RB)
+    in_grads: list[Any] | None = None  # per stage input (B), to send (SB)
+
+    @property
+    def empty(self) -> bool:
+        return self.rows[0] == self.rows[1]
 
 
 @dataclass
 class _Call:
     layout: RowLayout
-    micro: list[_Micro] = field(default_factory=list)
+    env: dict[str, Any]
+    micro: list[_Micro]
+    mode: str  # "forward" (no grad), "split" (fill-drain: backward() runs the rest), "eager"
     sends: list[Any] = field(default_factory=list)
+    local: dict[Any, Any] = field(default_factory=dict)  # transfers to this rank itself
+    stash: dict[str, torch.Tensor] | None = None  # eager: gradients for a unit loss gradient
+    t0: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class _Part:
+    """The recomputed prefix or the kept suffix of this rank's stage."""
+
+    graph: StageGraph
+    module: Any
 
 
 class PipelineRuntime:
     def __init__(self, model: nn.Module, captured: CapturedModel, atomic: AtomicPartition,
-                 plan: Plan, rank: int, world_size: int, device: torch.device) -> None:
+                 plan: Plan, rank: int, world_size: int, device: torch.device,
+                 trace: bool = False) -> None:
         self.model, self.cap, self.plan = model, captured, plan
         self.rank, self.world_size, self.device = rank, world_size, device
         self.graph = captured.graph
-        self.stages: list[StageGraph] = split_graph(
-            self.graph, atomic, [list(s.components) for s in plan.stages])
+        groups = [list(s.components) for s in plan.stages]
+        self.stages: list[StageGraph] = split_graph(self.graph, atomic, groups)
         self.s = plan.stage_of_rank(rank).index
         self.j = plan.stages[self.s].ranks.index(rank)
         self.me = self.stages[self.s]
-        self.module = build_stage_module(captured.gm, self.graph, self.me)
-        self.recompute = plan.stages[self.s].recompute
+        self.rec_part, self.keep_part = self._parts(captured, atomic, groups)
         self.vid = {v: i for i, v in enumerate(sorted(self.graph.values))}
         self.out_stage = self._output_stages()
         self._suppliers, self._consumers = self._routes()
@@ -89,6 +114,55 @@ class PipelineRuntime:
         self._pending: dict[str, torch.Tensor] = {}
         self.sync = True
         self._call: _Call | None = None
+        self._eager_ok = plan.schedule != "gpipe" and self._one_scalar_loss()
+        self.schedule = self._schedule(plan.schedule if self._eager_ok else "gpipe")
+        self._has_consumers = bool(self.schedule.consumers(self.s))
+        if plan.schedule != "gpipe" and not self._eager_ok and rank == 0:
+            log.info("rannc: schedule %s needs the model to return one floating-point scalar "
+                     "(the loss) to run its backward inside forward(); this model returns %s, so "
+                     "it runs fill-drain (gpipe) instead", plan.schedule, self._outputs_text())
+        self._has_batch_grad_outputs = any(
+            _is_float(self.graph.values[v]) and self.graph.values[v].batch_dim is not None
+            for v in self.out_stage)
+        self._late_logged = False
+        self.trace = trace
+        self.events: list[Event] = []  # the last iteration's actions, when tracing
+        self.iteration_s = 0.0  # the last iteration's seconds from forward() to the gradients
+
+    def _parts(self, captured: CapturedModel, atomic: AtomicPartition,
+               groups: list[list[int]]) -> tuple[_Part | None, _Part | None]:
+        """Split this stage into the prefix whose activations are dropped in forward and rebuilt
+        before backward (`recompute` of its components) and the suffix that keeps them."""
+        comps = groups[self.s]
+        n_rec = self.plan.stages[self.s].recomputed_components
+        if n_rec in (0, len(comps)):
+            part = _Part(self.me, build_stage_module(captured.gm, self.graph, self.me))
+            return (part, None) if n_rec else (None, part)
+        cut = [*groups[:self.s], comps[:n_rec], comps[n_rec:], *groups[self.s + 1:]]
+        sub = split_graph(self.graph, atomic, cut)
+        a, b = sub[self.s], sub[self.s + 1]
+        return (_Part(a, build_stage_module(captured.gm, self.graph, a)),
+                _Part(b, build_stage_module(captured.gm, self.graph, b)))
+
+    def _schedule(self, name: str) -> Schedule:
+        sup = [sorted({self.supplier(v, t) for v in st.inputs if self._moves(v)} - {-1})
+               for t, st in enumerate(self.stages)]
+        rc = [st.recomputed_components > 0 for st in self.plan.stages]
+        try:
+            sched = make_schedule(name, self.plan.microbatches, sup, rc)
+        except ScheduleError as e:
+            raise RaNNCError(f"plan schedule {name!r}: {e}") from e
+        validate(sched)
+        return sched
+
+    def _one_scalar_loss(self) -> bool:
+        floats = [v for v in self.out_stage if _is_float(self.graph.values[v])]
+        scalars = [v for v in floats if self.graph.values[v].batch_dim is None]
+        return len(scalars) == 1
+
+    def _outputs_text(self) -> str:
+        vals = [self.graph.values[v] for v in self.out_stage]
+        return ", ".join(f"{v.name} {list(v.shape)} {v.dtype}" for v in vals) or "no tensors"
 
     # -- static routing ----------------------------------------------------
     def _routes(self) -> tuple[dict[tuple[str, int], int], dict[tuple[str, int], list[int]]]:
@@ -184,14 +258,14 @@ class PipelineRuntime:
         shape = [eval_dim(dim, n_rows) for dim in val.shape]
         return torch.empty(shape, dtype=getattr(torch, val.dtype), device=self.device)
 
-    def _send(self, x: torch.Tensor, dst: int, tag: int, call: _Call, local: dict[Any, Any]) -> None:
+    def _send(self, x: torch.Tensor, dst: int, tag: int, call: _Call) -> None:
         if dst == self.rank:
-            local[tag] = x.detach()
+            call.local[tag] = x.detach()
         else:
             call.sends.append(dist.isend(x.detach().contiguous(), dst, tag=tag))
 
     def _recv_rows(self, v: str, rows: Range, sources: Sequence[tuple[int, Range]], kind: int,
-                   m: int, local: dict[Any, Any]) -> torch.Tensor:
+                   m: int, call: _Call) -> torch.Tensor:
         """Assemble value v's rows `rows` from pieces held by (rank, range) sources."""
         pieces = []
         for r, have in sources:
@@ -200,7 +274,7 @@ class PipelineRuntime:
                 continue
             tag = self._tag(v, m, kind)
             if r == self.rank:
-                pieces.append(local.pop(tag))  # sliced to `part` by the sender (this rank)
+                pieces.append(call.local.pop(tag))  # sliced to `part` by the sender (this rank)
             else:
                 buf = self._empty(v, part[1] - part[0])
                 dist.recv(buf, r, tag=tag)
@@ -213,67 +287,198 @@ class PipelineRuntime:
 
     # -- forward -----------------------------------------------------------
     def forward(self, leaves: Sequence[Any], signature: Any) -> list[Any]:
-        """Run this rank's part of the forward; returns the flat outputs for this rank."""
+        """Run this rank's part of the call; returns the flat outputs for this rank.
+
+        Without grad mode only forwards run. Under fill-drain, the forwards run here and the
+        rest of the line when `backward()` comes. Under 1F1B and the shifted critical path the
+        whole line runs here, seeded with a unit gradient of the loss, and `backward()` commits
+        the gradients scaled by the real one (gradients are linear in it)."""
         local_n = _local_batch(self.cap, leaves)
         sizes = self._allgather_sizes(local_n, signature)
         layout = RowLayout(sizes, self.plan.microbatches, [s.shares for s in self.plan.stages])
-        call = _Call(layout)
-        local: dict[Any, Any] = {}
-        env = self.cap.bind(self.model, leaves)
-        mine = layout.owned[self.rank]
-        for v in self.graph.inputs:  # my input rows to the stages that read them
+        grad = torch.is_grad_enabled()
+        mode = "forward" if not grad else "eager" if self._eager_ok else "split"
+        call = _Call(layout, self.cap.bind(self.model, leaves),
+                     [_Micro(layout.rows[self.s][m][self.j]) for m in range(self.plan.microbatches)],
+                     mode, t0=time.perf_counter())
+        self._call = None
+        self.events = []
+        self.iteration_s = 0.0
+        self._send_inputs(call)
+        scalars = {v: torch.zeros((), dtype=torch.float64, device=self.device)
+                   for v in self._scalar_outputs()}
+        acts = self.schedule.actions[self.s]
+        if mode == "forward":
+            acts = tuple(a for a in acts if a.op in (Op.RF, Op.F, Op.SF))
+        elif mode == "split":
+            acts = self.schedule.forward_part(self.s)
+        if mode == "eager":
+            before = {n: p.grad for n, p in self.held.items()}
+            for p in self.held.values():
+                p.grad = None
+            try:
+                self._run(call, acts, scalars)
+                call.stash = {n: p.grad for n, p in self.held.items() if p.grad is not None}
+            finally:
+                for n, p in self.held.items():
+                    p.grad = before[n]
+        else:
+            self._run(call, acts, scalars)
+        return self._collect_outputs(call, layout, scalars)
+
+    def _send_inputs(self, call: _Call) -> None:
+        """My input rows, every microbatch, straight to the stages that read them."""
+        mine = call.layout.owned[self.rank]
+        for v in self.graph.inputs:
             if not self._moves(v):
                 continue
             for t in self.consumers(v, -1):
                 for m in range(self.plan.microbatches):
-                    for r, rows in self._replicas(t, m, layout):
+                    for r, rows in self._replicas(t, m, call.layout):
                         part = intersect(mine, rows)
                         if part is not None:
-                            self._send(self._row_slice(env[v], v, mine, part), r,
-                                       self._tag(v, m, _FWD), call, local)
-        scalars = {v: torch.zeros((), dtype=torch.float64, device=self.device)
-                   for v in self._scalar_outputs()}
-        for m in range(self.plan.microbatches):
-            rows = layout.rows[self.s][m][self.j]
-            if rows[0] == rows[1]:
-                call.micro.append(_Micro(rows, [], torch.get_rng_state(), None))
-                continue
-            ins = [self._stage_input(v, m, rows, env, layout, local) for v in self.me.inputs]
-            rng = torch.get_rng_state()
-            keep = torch.is_grad_enabled() and not self.recompute
-            if keep:
-                ins = [_leaf(x) if self._is_activation(v) else x
-                       for v, x in zip(self.me.inputs, ins, strict=True)]
-            with torch.set_grad_enabled(keep):
-                outs = self.module(*ins)
-            call.micro.append(_Micro(rows, ins, rng, outs if keep else None))
-            for v, o in zip(self.me.outputs, outs, strict=True):
-                self._send_output(v, o, m, rows, layout, call, local, scalars)
-        return self._collect_outputs(call, layout, scalars, local)
+                            self._send(self._row_slice(call.env[v], v, mine, part), r,
+                                       self._tag(v, m, _FWD), call)
 
-    def _stage_input(self, v: str, m: int, rows: Range, env: dict[str, Any], layout: RowLayout,
-                     local: dict[Any, Any]) -> Any:
+    def _run(self, call: _Call, acts: Sequence[Action], scalars: dict[str, torch.Tensor],
+             scalar_g: dict[str, torch.Tensor] | None = None) -> None:
+        for a in acts:
+            mic = call.micro[a.micro]
+            if mic.empty:
+                continue
+            t0 = time.perf_counter() if self.trace else 0.0
+            if a.op is Op.RF:
+                self._receive_inputs(call, a.micro)
+            elif a.op is Op.F:
+                self._forward_micro(call, a.micro)
+                if not self._has_consumers:  # no SF action: model outputs leave right away
+                    self._send_outputs(call, a.micro, scalars)
+            elif a.op is Op.SF:
+                self._send_outputs(call, a.micro, scalars)
+            elif a.op is Op.RB:
+                mic.out_grads = [self._output_grad(v, a.micro, mic.rows, call, scalar_g)
+                                 for v in self.me.outputs]
+            elif a.op is Op.R:
+                self._recompute_micro(mic)
+            elif a.op is Op.B:
+                if mic.out_grads is None:  # a stage without consumers: only model-output grads
+                    mic.out_grads = [self._output_grad(v, a.micro, mic.rows, call, scalar_g)
+                                     for v in self.me.outputs]
+                self._backward_micro(mic)
+            elif a.op is Op.SB:
+                self._send_input_grads(call, a.micro)
+            if self.trace:
+                self.events.append(Event(a, t0 - call.t0, time.perf_counter() - call.t0))
+
+    def _send_outputs(self, call: _Call, m: int, scalars: dict[str, torch.Tensor]) -> None:
+        mic = call.micro[m]
+        assert mic.outs is not None
+        for v, o in zip(self.me.outputs, mic.outs, strict=True):
+            self._send_output(v, o, m, mic.rows, call, scalars)
+        mic.outs = None
+
+    def _receive_inputs(self, call: _Call, m: int) -> None:
+        mic = call.micro[m]
+        ins = [self._stage_input(v, m, mic.rows, call) for v in self.me.inputs]
+        if call.mode != "forward":
+            ins = [_leaf(x) if self._is_activation(v) else x
+                   for v, x in zip(self.me.inputs, ins, strict=True)]
+        mic.ins = ins
+
+    def _forward_micro(self, call: _Call, m: int) -> None:
+        mic = call.micro[m]
+        if mic.ins is None:  # the first stage: only model inputs, received here
+            self._receive_inputs(call, m)
+        assert mic.ins is not None
+        env = dict(zip(self.me.inputs, mic.ins, strict=True))
+        grad = call.mode != "forward"
+        mic.rng = torch.get_rng_state()
+        if call.mode == "eager" and self._has_batch_grad_outputs:
+            mic.saved = list(mic.ins)
+        if self.rec_part is not None:
+            with torch.no_grad():
+                outs = self.rec_part.module(*[env[v] for v in self.rec_part.graph.inputs])
+            for v, o in zip(self.rec_part.graph.outputs, outs, strict=True):
+                if grad and isinstance(o, torch.Tensor) and o.is_floating_point():
+                    o = o.detach().requires_grad_(True)
+                    mic.links[v] = o
+                env[v] = o
+        if self.keep_part is not None:
+            with torch.set_grad_enabled(grad):
+                outs = self.keep_part.module(*[env[v] for v in self.keep_part.graph.inputs])
+            env.update(zip(self.keep_part.graph.outputs, outs, strict=True))
+            mic.kept = list(outs) if grad else None
+        mic.outs = [env[v] for v in self.me.outputs]
+        if not grad:
+            mic.ins = None
+
+    def _recompute_micro(self, mic: _Micro) -> None:
+        """Rebuild the recomputed part's activations, replaying its dropout; buffers get
+        copies so BatchNorm statistics update once per microbatch, as without recomputation."""
+        part = self.rec_part
+        assert part is not None and mic.ins is not None and mic.rng is not None
+        env = dict(zip(self.me.inputs, mic.ins, strict=True))
+        ins = [env[v].clone() if self._is_buffer(v) else env[v] for v in part.graph.inputs]
+        with torch.random.fork_rng(devices=[]), torch.enable_grad():
+            torch.set_rng_state(mic.rng)
+            mic.rec = list(part.module(*ins))
+
+    def _backward_micro(self, mic: _Micro) -> None:
+        """Backward through the kept part, then the recomputed part, into the stage inputs."""
+        assert mic.out_grads is not None and mic.ins is not None
+        grad_of = dict(zip(self.me.outputs, mic.out_grads, strict=True))
+        if self.keep_part is not None and mic.kept is not None:
+            _backward(mic.kept, [grad_of.get(v) for v in self.keep_part.graph.outputs])
+        if self.rec_part is not None:
+            if mic.rec is None:
+                self._recompute_micro(mic)
+            assert mic.rec is not None
+            gs = []
+            for v in self.rec_part.graph.outputs:
+                g, link = grad_of.get(v), mic.links.get(v)
+                if link is not None and link.grad is not None:
+                    g = link.grad if g is None else g + link.grad
+                gs.append(g)
+            _backward(mic.rec, gs)
+        mic.in_grads = [
+            (x.grad if x.grad is not None else torch.zeros_like(x))
+            if self._is_activation(v) and isinstance(x, torch.Tensor) else None
+            for v, x in zip(self.me.inputs, mic.ins, strict=True)]
+        mic.ins = mic.kept = mic.rec = mic.out_grads = None
+        mic.links = {}
+
+    def _send_input_grads(self, call: _Call, m: int) -> None:
+        mic = call.micro[m]
+        assert mic.in_grads is not None
+        for v, g in zip(self.me.inputs, mic.in_grads, strict=True):
+            if g is None:
+                continue
+            src = self.supplier(v, self.s)
+            for r, theirs in self._replicas(src, m, call.layout):
+                part = intersect(mic.rows, theirs)
+                if part is not None:
+                    self._send(self._row_slice(g, v, mic.rows, part), r, self._tag(v, m, _GRAD), call)
+        mic.in_grads = None
+
+    def _stage_input(self, v: str, m: int, rows: Range, call: _Call) -> Any:
         val = self.graph.values[v]
         if val.dtype == "sym_int":
             return eval_dim(val.sym_expr or "batch", rows[1] - rows[0])
         if not self._moves(v):
-            return env[v]
+            return call.env[v]
         g = self.supplier(v, self.s)
-        if g == -1:
-            src = list(enumerate(layout.owned))
-        else:
-            src = self._replicas(g, m, layout)
-        return self._recv_rows(v, rows, src, _FWD, m, local)
+        src = list(enumerate(call.layout.owned)) if g == -1 else self._replicas(g, m, call.layout)
+        return self._recv_rows(v, rows, src, _FWD, m, call)
 
-    def _send_output(self, v: str, o: Any, m: int, rows: Range, layout: RowLayout, call: _Call,
-                     local: dict[Any, Any], scalars: dict[str, torch.Tensor]) -> None:
+    def _send_output(self, v: str, o: Any, m: int, rows: Range, call: _Call,
+                     scalars: dict[str, torch.Tensor]) -> None:
+        layout = call.layout
         if self._moves(v):
             for t in self.consumers(v, self.s):
                 for r, theirs in self._replicas(t, m, layout):
                     part = intersect(rows, theirs)
                     if part is not None:
-                        self._send(self._row_slice(o, v, rows, part), r, self._tag(v, m, _FWD),
-                                   call, local)
+                        self._send(self._row_slice(o, v, rows, part), r, self._tag(v, m, _FWD), call)
         if self.out_stage.get(v) != self.s:
             return
         if v in scalars:
@@ -283,14 +488,13 @@ class PipelineRuntime:
             for r, owned in enumerate(layout.owned):
                 part = intersect(rows, owned)
                 if part is not None:
-                    self._send(self._row_slice(o, v, rows, part), r, self._tag(v, m, _OUT),
-                               call, local)
+                    self._send(self._row_slice(o, v, rows, part), r, self._tag(v, m, _OUT), call)
 
     def _scalar_outputs(self) -> list[str]:
         return [v for v in self.out_stage if self.graph.values[v].batch_dim is None]
 
-    def _collect_outputs(self, call: _Call, layout: RowLayout, scalars: dict[str, torch.Tensor],
-                         local: dict[Any, Any]) -> list[Any]:
+    def _collect_outputs(self, call: _Call, layout: RowLayout,
+                         scalars: dict[str, torch.Tensor]) -> list[Any]:
         if scalars:
             names = sorted(scalars)
             flat = torch.stack([scalars[v] for v in names])
@@ -307,17 +511,20 @@ class PipelineRuntime:
                 src = self._replicas(s, m, layout)
                 part = intersect(mine, layout.micro[m])
                 if part is not None:
-                    pieces.append(self._recv_rows(v, part, src, _OUT, m, local))
+                    pieces.append(self._recv_rows(v, part, src, _OUT, m, call))
             d = self.graph.values[v].batch_dim or 0
             batch_out[v] = torch.cat(pieces, d) if pieces else self._empty(v, 0)
-        for w in call.sends:
-            w.wait()
-        call.sends.clear()
-        self._call = call if torch.is_grad_enabled() else None
+        self._wait_sends(call)
+        self._call = call if call.mode != "forward" else None
         out = []
         for name, c in zip(self.graph.outputs, self.cap.output_constants, strict=True):
             out.append(c if name is None else scalars[name] if name in scalars else batch_out[name])
         return out
+
+    def _wait_sends(self, call: _Call) -> None:
+        for w in call.sends:
+            w.wait()
+        call.sends.clear()
 
     def _allgather_sizes(self, local_n: int, signature: Any) -> list[int]:
         """Every rank's local batch size; also checks that every rank passed the same kind of
@@ -341,17 +548,49 @@ class PipelineRuntime:
         if call is None:
             raise RaNNCError("backward() without a forward() whose outputs need gradients")
         self._call = None
-        layout, local = call.layout, {}  # type: ignore[var-annotated]
         w = float(self.world_size)
         scalar_names = sorted(self._scalar_outputs())
-        scalar_g: dict[str, torch.Tensor] = {}
-        if scalar_names:
-            g = torch.stack([_grad_or_zero(grad_of.get(v)) for v in scalar_names]).to(torch.float64)
-            dist.all_reduce(g)
-            scalar_g = {v: x / w for v, x in zip(scalar_names, g, strict=True)}
+        batch_used = any(g is not None and bool(g.detach().ne(0).any())
+                         for v, g in grad_of.items() if v not in scalar_names)
+        # One all-reduce: the scalar outputs' gradients (averaged, as DDP) and whether any rank
+        # back-propagates through a batch output.
+        vec = [_grad_or_zero(grad_of.get(v)) for v in scalar_names]
+        flat = torch.stack([*vec, torch.tensor(float(batch_used), dtype=torch.float64)])
+        dist.all_reduce(flat)
+        scalar_g = {v: x / w for v, x in zip(scalar_names, flat[:-1], strict=True)}
+        batch_used = bool(flat[-1] > 0)
+        before = {n: p.grad for n, p in self.held.items()}
+        for p in self.held.values():
+            p.grad = None
+        if call.mode == "split":
+            self._send_output_grads(call, grad_of)
+            rest = self.schedule.actions[self.s][len(self.schedule.forward_part(self.s)):]
+            self._run(call, rest, {}, scalar_g)
+        else:
+            g = scalar_g[self._loss]
+            assert call.stash is not None
+            for n, p in self.held.items():
+                st = call.stash.get(n)
+                if st is not None:
+                    p.grad = st * g.to(st.dtype)
+            if batch_used:
+                self._late_pass(call, grad_of)
+        self._reduce_grads(before)
+        self._wait_sends(call)
+        self.iteration_s = time.perf_counter() - call.t0
+
+    @property
+    def _loss(self) -> str:
+        return next(v for v in self._scalar_outputs() if _is_float(self.graph.values[v]))
+
+    def _send_output_grads(self, call: _Call, grad_of: dict[str, torch.Tensor | None]) -> None:
+        """My rows of each batch output's gradient (scaled 1/W, as DDP) to their producers."""
+        layout = call.layout
         mine = layout.owned[self.rank]
-        for v, s in self.out_stage.items():  # my output rows' gradients to their producers
-            if v in scalar_g:
+        w = float(self.world_size)
+        for v, s in self.out_stage.items():
+            val = self.graph.values[v]
+            if val.batch_dim is None or not _is_float(val):
                 continue
             gv = grad_of.get(v)
             if gv is None:
@@ -361,49 +600,41 @@ class PipelineRuntime:
                     part = intersect(mine, rows)
                     if part is not None:
                         self._send(self._row_slice(gv / w, v, mine, part), r,
-                                   self._tag(v, m, _OUT_GRAD), call, local)
-        before = {n: p.grad for n, p in self.held.items()}
-        for p in self.held.values():
-            p.grad = None
-        for m in reversed(range(self.plan.microbatches)):
-            self._backward_micro(m, call, layout, local, scalar_g)
-        self._reduce_grads(before)
-        for work in call.sends:
-            work.wait()
+                                   self._tag(v, m, _OUT_GRAD), call)
 
-    def _backward_micro(self, m: int, call: _Call, layout: RowLayout, local: dict[Any, Any],
-                        scalar_g: dict[str, torch.Tensor]) -> None:
-        mic = call.micro[m]
-        rows = mic.rows
-        if rows[0] == rows[1]:
-            return
-        out_grads: list[torch.Tensor | None] = []
-        for v in self.me.outputs:
-            out_grads.append(self._output_grad(v, m, rows, layout, local, scalar_g))
-        ins, outs = mic.inputs, mic.outputs
-        if outs is None:  # recompute, replaying dropout; buffers get copies (no second update)
-            ins = [x.clone() if self._is_buffer(v) else _leaf(x) if self._is_activation(v) else x
-                   for v, x in zip(self.me.inputs, mic.inputs, strict=True)]
+    def _late_pass(self, call: _Call, grad_of: dict[str, torch.Tensor | None]) -> None:
+        """Eager schedules ran backward from the loss alone; when a batch output (logits, say)
+        also got a gradient, its contribution goes through a fill-drain backward that
+        recomputes each microbatch from its saved stage inputs (gradients add)."""
+        if self.rank == 0 and not self._late_logged:
+            log.info("rannc: a batch output of the model received a gradient, so each %s "
+                     "iteration adds a recomputing backward pass for it; compute the loss inside "
+                     "the model, or detach other outputs, to avoid it", self.plan.schedule)
+            self._late_logged = True
+        self._send_output_grads(call, grad_of)
+        zero = {v: torch.zeros((), dtype=torch.float64) for v in self._scalar_outputs()}
+        for m in reversed(range(self.plan.microbatches)):
+            mic = call.micro[m]
+            if mic.empty:
+                continue
+            mic.out_grads = [self._output_grad(v, m, mic.rows, call, zero) for v in self.me.outputs]
+            assert mic.saved is not None and mic.rng is not None
+            ins = [x.detach().clone() if self._is_buffer(v) else
+                   x.detach().requires_grad_(True) if self._is_activation(v) else x
+                   for v, x in zip(self.me.inputs, mic.saved, strict=True)]
+            env = dict(zip(self.me.inputs, ins, strict=True))
             with torch.random.fork_rng(devices=[]), torch.enable_grad():
                 torch.set_rng_state(mic.rng)
-                outs = self.module(*ins)
-        ts, gs = [], []
-        for o, g in zip(outs, out_grads, strict=True):
-            if g is not None and isinstance(o, torch.Tensor) and o.requires_grad:
-                ts.append(o)
-                gs.append(g)
-        if ts:
-            torch.autograd.backward(ts, gs)
-        for v, x in zip(self.me.inputs, ins, strict=True):
-            if not self._is_activation(v):
-                continue
-            g_in = x.grad if isinstance(x, torch.Tensor) and x.grad is not None else torch.zeros_like(x)
-            src = self.supplier(v, self.s)
-            for r, theirs in self._replicas(src, m, layout):
-                part = intersect(rows, theirs)
-                if part is not None:
-                    self._send(self._row_slice(g_in, v, rows, part), r, self._tag(v, m, _GRAD),
-                               call, local)
+                for part in (self.rec_part, self.keep_part):
+                    if part is not None:
+                        outs = part.module(*[env[v] for v in part.graph.inputs])
+                        env.update(zip(part.graph.outputs, outs, strict=True))
+            _backward([env[v] for v in self.me.outputs], mic.out_grads)
+            mic.in_grads = [(x.grad if x.grad is not None else torch.zeros_like(x))
+                            if self._is_activation(v) else None
+                            for v, x in zip(self.me.inputs, ins, strict=True)]
+            mic.saved = mic.out_grads = None
+            self._send_input_grads(call, m)
 
     def _is_activation(self, v: str) -> bool:
         """A float value received from an earlier stage: gradients flow back along it."""
@@ -413,22 +644,28 @@ class PipelineRuntime:
     def _is_buffer(self, v: str) -> bool:
         return self.graph.values[v].kind is ValueKind.BUFFER
 
-    def _output_grad(self, v: str, m: int, rows: Range, layout: RowLayout, local: dict[Any, Any],
-                     scalar_g: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    def _output_grad(self, v: str, m: int, rows: Range, call: _Call,
+                     scalar_g: dict[str, torch.Tensor] | None) -> torch.Tensor | None:
+        """The gradient of stage output v for microbatch m: the sum over the stages reading it,
+        plus, for a model output, the seed (scalar_g None: an eager pass, seeded with a unit
+        loss gradient and nothing from batch outputs)."""
         val = self.graph.values[v]
         if not _is_float(val):
             return None
         total: torch.Tensor | None = None
         if self._moves(v):
             for t in self.consumers(v, self.s):
-                g = self._recv_rows(v, rows, self._replicas(t, m, layout), _GRAD, m, local)
+                g = self._recv_rows(v, rows, self._replicas(t, m, call.layout), _GRAD, m, call)
                 total = g if total is None else total + g
         if self.out_stage.get(v) == self.s:
-            if v in scalar_g:
-                w = (rows[1] - rows[0]) / layout.n_rows
-                g = (scalar_g[v] * w).to(getattr(torch, val.dtype)).reshape(())
+            if val.batch_dim is None:
+                seed = torch.ones((), dtype=torch.float64) if scalar_g is None else scalar_g[v]
+                w = (rows[1] - rows[0]) / call.layout.n_rows
+                g = (seed * w).to(getattr(torch, val.dtype)).reshape(())
+            elif scalar_g is None:
+                return total
             else:
-                g = self._recv_rows(v, rows, list(enumerate(layout.owned)), _OUT_GRAD, m, local)
+                g = self._recv_rows(v, rows, list(enumerate(call.layout.owned)), _OUT_GRAD, m, call)
             total = g if total is None else total + g
         return total
 
@@ -482,6 +719,7 @@ class PipelineFunction(torch.autograd.Function):
     def forward(ctx: Any, runtime: PipelineRuntime, names: list[str],  # type: ignore[override]
                 anchor: torch.Tensor, *outs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.runtime, ctx.names = runtime, names
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None
         ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
         return outs
 
@@ -504,6 +742,17 @@ def _leaf(x: Any) -> Any:
         if x.grad_fn is None and not x.requires_grad:
             return x.detach().requires_grad_(True)
     return x
+
+
+def _backward(outs: Sequence[Any], grads: Sequence[torch.Tensor | None]) -> None:
+    """Backward from the outputs that have both a graph and a gradient."""
+    ts, gs = [], []
+    for o, g in zip(outs, grads, strict=True):
+        if g is not None and isinstance(o, torch.Tensor) and o.requires_grad:
+            ts.append(o)
+            gs.append(g)
+    if ts:
+        torch.autograd.backward(ts, gs)
 
 
 def _grad_or_zero(g: torch.Tensor | None) -> torch.Tensor:

@@ -222,10 +222,10 @@ def validate(sched: Schedule) -> None:
                     raise ScheduleError(f"stage {s} has {why}, but runs {Action(s, m, op)}")
             order = [(Op.RF, Op.F), (Op.F, Op.SF), (Op.F, Op.B), (Op.F, Op.R), (Op.R, Op.B),
                      (Op.RB, Op.B), (Op.B, Op.SB)]
-            for a, b in order:
-                if (a, m) in pos and (b, m) in pos and pos[(a, m)] > pos[(b, m)]:
-                    raise ScheduleError(f"stage {s} runs {Action(s, m, b)} before "
-                                        f"{Action(s, m, a)}")
+            for first, then in order:
+                if (first, m) in pos and (then, m) in pos and pos[(first, m)] > pos[(then, m)]:
+                    raise ScheduleError(f"stage {s} runs {Action(s, m, then)} before "
+                                        f"{Action(s, m, first)}")
 
 
 __all__ = ["COMPUTE", "SCHEDULES", "Action", "Op", "Schedule", "ScheduleError", "chain",

@@ -63,6 +63,11 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8, help="global batch")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--checkpointing", default="auto")
+    p.add_argument("--schedule", default="auto")
+    p.add_argument("--recompute-fraction", type=float, default=None,
+                   help="force this fraction of each stage's components to be recomputed")
+    p.add_argument("--loss-scale", type=float, default=1.0, help="backward of loss * this")
+    p.add_argument("--grad-scaler", action="store_true", help="torch.amp.GradScaler on both")
     p.add_argument("--mem-limit-gb", type=float, default=None)
     p.add_argument("--expect-error", default="", help="the first call must raise with this text")
     a = p.parse_args()
@@ -82,7 +87,10 @@ def check_model(a: argparse.Namespace, name: str, ctx: rdist.DistContext) -> Non
     mine = (lo, lo + sizes[rank])
     ref = copy.deepcopy(case.model)
     opts: dict[str, Any] = {"microbatches": a.microbatches or None, "checkpointing": a.checkpointing,
+                            "schedule": a.schedule,
                             "mem_limit_gb": a.mem_limit_gb}
+    if a.recompute_fraction is not None:
+        opts["extra"] = {"recompute_fraction": a.recompute_fraction}
     if a.replicas:
         opts["replicas"] = [int(x) for x in a.replicas.split(",")]
     if a.partition_num:
@@ -92,6 +100,8 @@ def check_model(a: argparse.Namespace, name: str, ctx: rdist.DistContext) -> Non
     opt_w = torch.optim.AdamW(case.model.parameters(), lr=1e-2, eps=1e-4)
     opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-4)
     model = rannc.RaNNCModule(case.model, opt_w, **opts)
+    scaler_w = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    scaler_r = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
     l_args = [rows_of(x, mine, a.batch) for x in case.args]
     l_kwargs = {k: rows_of(v, mine, a.batch) for k, v in case.kwargs.items()}
     ref_names = dict(ref.named_parameters())
@@ -116,15 +126,27 @@ def check_model(a: argparse.Namespace, name: str, ctx: rdist.DistContext) -> Non
                        for rr in (( sum(sizes[:q]), sum(sizes[:q + 1])) for q in range(world))) / world
         if name in ("bert", "gpt2"):
             ref_loss = ref_out.loss
-        loss.backward()
-        ref_loss.backward()
+        if a.grad_scaler:
+            scaler_w.scale(loss).backward()
+            scaler_r.scale(ref_loss).backward()
+        else:
+            (loss * a.loss_scale).backward()
+            (ref_loss * a.loss_scale).backward()
+        if a.grad_scaler:  # compare true gradients: the scale would magnify float noise
+            scaler_w.unscale_(opt_w)
+            scaler_r.unscale_(opt_r)
         held = dict(model.named_parameters())
         for n, p_ in held.items():
             g = ref_names[n].grad
             torch.testing.assert_close(p_.grad, g, rtol=RTOL, atol=ATOL,
                                        msg=lambda m, n=n, step=step: f"rank {rank} step {step} grad {n}: {m}")
-        opt_w.step()
-        opt_r.step()
+        if a.grad_scaler:
+            for sc, o in ((scaler_w, opt_w), (scaler_r, opt_r)):
+                sc.step(o)
+                sc.update()
+        else:
+            opt_w.step()
+            opt_r.step()
         opt_w.zero_grad()
         opt_r.zero_grad()
     for n, p_ in model.named_parameters():
@@ -135,7 +157,7 @@ def check_model(a: argparse.Namespace, name: str, ctx: rdist.DistContext) -> Non
     stage = model.plan.stage_of_rank(rank).index if model.plan else 0
     print(f"PASS {name} rank {rank} of {world} stage {stage} params {n_held}", flush=True)
     if rank == 0 and model.plan is not None:
-        print(f"STAGES {len(model.plan.stages)}", flush=True)
+        print(f"STAGES {len(model.plan.stages)} SCHEDULE {model.plan.schedule}", flush=True)
         print(model.plan.summary(), flush=True)
 
 
