@@ -1,4 +1,5 @@
-"""Pipeline schedules: the actions each stage runs (`actions`) and their simulation."""
+"""Pipeline schedules: the actions each stage runs (`actions`), their simulation, and
+rendering of timelines as Chrome traces and PNG charts (`trace`)."""
 
 from rannc.schedule.actions import (
     SCHEDULES,
@@ -11,6 +12,8 @@ from rannc.schedule.actions import (
     validate,
 )
 from rannc.schedule.simulate import Event, StageCosts, Timeline, in_flight, simulate
+from rannc.schedule.trace import TraceError, chrome_trace, load_chrome_trace, timeline_png
 
 __all__ = ["SCHEDULES", "Action", "Event", "Op", "Schedule", "ScheduleError", "StageCosts",
-           "Timeline", "chain", "in_flight", "make_schedule", "simulate", "validate"]
+           "Timeline", "TraceError", "chain", "chrome_trace", "in_flight", "load_chrome_trace",
+           "make_schedule", "simulate", "timeline_png", "validate"]
