@@ -65,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     pp.add_argument("--batch-size", type=int, required=True, help="the global batch size")
     pp.add_argument("--out", default=None, help="write the plan as JSON here")
     pp.add_argument("--onnx", default=None, help="write the partitioned graph as ONNX here")
-    pp.add_argument("--timeline", default=None, help="(not yet supported)")
+    pp.add_argument("--timeline", default=None,
+                    help="draw the simulator's predicted timeline of one iteration as a PNG here")
     pp.add_argument("--config", default=None, help="Config fields as JSON, e.g. '{\"blocks\": 64}'")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -76,8 +77,6 @@ def main(argv: list[str] | None = None) -> int:
     from rannc.planner import PlanStats, plan
     from rannc.profile.device import Cluster
 
-    if a.timeline:
-        raise SystemExit("rannc plan: --timeline is not supported yet")
     try:
         cfg = Config.resolve(None, **(json.loads(a.config) if a.config else {}))
         cluster = Cluster.homogeneous(a.device, n=a.devices, per_node=a.per_node or a.devices)
@@ -95,6 +94,14 @@ def main(argv: list[str] | None = None) -> int:
     if a.out:
         result.save(a.out)
         print(f"plan written to {a.out}")
+    if a.timeline:
+        from rannc.schedule import timeline_png
+        from rannc.schedule.predict import predict
+
+        tl = predict(result)
+        timeline_png(a.timeline, predicted=tl, title=f"{a.factory} on {a.devices} x {a.device}, "
+                     f"schedule {result.schedule}")
+        print(f"predicted timeline written to {a.timeline} (bubble ratio {tl.bubble_ratio:.2f})")
     if a.onnx:
         result.to_onnx(a.onnx)
         print(f"partitioned graph written to {a.onnx} (open it in https://netron.app)")

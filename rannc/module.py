@@ -66,6 +66,7 @@ class RaNNCModule(nn.Module):
         self._sync = True
         self._plan: Plan | None = None
         self._runtimes: dict[tuple[Any, ...], PipelineRuntime] = {}
+        self._last_rt: PipelineRuntime | None = None
 
     @property
     def module(self) -> nn.Module:
@@ -102,11 +103,13 @@ class RaNNCModule(nn.Module):
             if self._plan is None and ctx.rank == 0:
                 log.info("%s", plan.summary())
             self._plan = plan
-            rt = PipelineRuntime(self.module, cap, atomic, plan, ctx.rank, ctx.world_size, ctx.device)
+            rt = PipelineRuntime(self.module, cap, atomic, plan, ctx.rank, ctx.world_size, ctx.device,
+                                 trace=self.config.trace)
             rt.sync = self._sync
             self._release_params(rt)
             self._runtimes[key] = rt
         cap = rt.cap
+        self._last_rt = rt
         flat = rt.forward(leaves, key)
         if torch.is_grad_enabled():
             idx = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
@@ -157,6 +160,41 @@ class RaNNCModule(nn.Module):
         if cfg.save_deployment and ctx.rank == 0:
             plan.save(cfg.deployment_file)
         return plan
+
+    def write_trace(self, path: str, *, predicted_from: str = "plan") -> list[str]:
+        """Write the last iteration's per-rank events (recorded with `config.trace`) as a
+        Chrome/Perfetto trace `path + ".json"` and a PNG timeline `path + ".png"`, the
+        simulator's prediction for the same plan drawn below (from the plan's cost predictions,
+        or `predicted_from="measured"`: from this run's median action times). Every rank must
+        call it (it gathers the events); rank 0 writes and returns the paths."""
+        import torch.distributed as dist
+
+        from rannc.schedule import chrome_trace, timeline_png
+        from rannc.schedule.predict import measured_costs, plan_costs
+        from rannc.schedule.simulate import simulate
+
+        if predicted_from not in ("plan", "measured"):
+            raise RaNNCError(f"predicted_from={predicted_from!r}: use 'plan' or 'measured'")
+        rt = self._last_rt
+        if rt is None or not rt.trace:
+            raise RaNNCError("no trace recorded: set config trace=True (or RANNC_TRACE=1) and run "
+                             "an iteration (forward and backward) first")
+        mine = (rt.rank, rt.s, rt.iteration_s, rt.events)
+        every: list[Any] = [None] * rt.world_size
+        dist.all_gather_object(every, mine)
+        if rt.rank != 0:
+            return []
+        events = {r: evs for r, _s, _t, evs in every}
+        names = {r: f"rank {r} (stage {s})" for r, s, _t, _e in every}
+        costs = plan_costs(rt.plan) if predicted_from == "plan" else measured_costs(rt.plan, events)
+        predicted = simulate(rt.schedule, costs)
+        measured_s = max(t for _r, _s, t, _e in every)
+        chrome_trace(events, path + ".json", names=names)
+        timeline_png(path + ".png", measured=events, predicted=predicted,
+                     title=f"schedule {rt.schedule.name}, {len(rt.plan.stages)} stages, "
+                           f"{rt.plan.microbatches} microbatches; measured iteration "
+                           f"{measured_s * 1e3:.1f} ms")
+        return [path + ".json", path + ".png"]
 
     def _release_params(self, rt: PipelineRuntime) -> None:
         """Free the parameters this rank does not hold and stop the optimizer stepping them."""

@@ -33,6 +33,7 @@ from rannc.graph.task_graph import TaskGraph, ValueKind
 from rannc.plans import Plan, StagePlan, stage_ranks
 from rannc.profile.device import Cluster
 from rannc.profile.estimate import BlockProfile, GraphCosts, _bytes
+from rannc.schedule import SCHEDULES, StageCosts, chain, in_flight, make_schedule, simulate
 from rannc.stage_dp.dp import stage_dp
 from rannc.stage_dp.tables import (
     BlockIO,
@@ -73,6 +74,7 @@ class _Candidate:
     bounds: tuple[int, ...]
     replicas: tuple[int, ...]
     tables: StageTables
+    schedule: str
 
 
 def plan_graph(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, config: Config, *,
@@ -111,24 +113,50 @@ def plan_graph(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, conf
     stats.seconds["profile"] = time.perf_counter() - t2
 
     t3 = time.perf_counter()
-    best: _Candidate | None = None
-    infeasible: list[tuple[StageTables, int]] = []  # kept only while nothing fits, for the error
+    schedules = list(SCHEDULES) if config.schedule == "auto" else [config.schedule]
+    # eager schedules keep every microbatch's stage inputs when a batch output (logits) might
+    # also get a gradient (the runtime's late pass)
+    late = any(v is not None and graph.values[v].batch_dim is not None
+               and graph.values[v].dtype.startswith(("float", "bfloat"))
+               for v in graph.outputs)
+    tables: dict[tuple[int, int, int, int, int], StageTables] = {}
+
+    def table(D: int, R: int, m: int, n_in: int, saved: int) -> StageTables:
+        key = (D, R, m, n_in, saved)
+        if key not in tables:
+            cross_node = R > 1 or D > cluster.per_node
+            ar_bw = cluster.inter_node_bandwidth if cross_node else spec.link_bandwidth
+            tables[key] = stage_tables(prof, io, mem, batch_size=batch_size, devices=D, copies=R,
+                                       microbatches=m, link_bw=spec.link_bandwidth,
+                                       allreduce_bw=ar_bw, inflight=n_in, saved_inputs=saved)
+        return tables[key]
+
+    found: list[_Candidate] = []
+    # (tables, devices, the stage counts they hold for), kept only while nothing fits, for the error
+    infeasible: list[tuple[StageTables, int, set[int]]] = []
     for D, R in layouts:
-        cross_node = R > 1 or D > cluster.per_node
-        ar_bw = cluster.inter_node_bandwidth if cross_node else spec.link_bandwidth
         for m in mbs:
             if batch_per_replica(batch_size, R, m, 1) < 1 or m * R > batch_size:
                 continue
-            tab = stage_tables(prof, io, mem, batch_size=batch_size, devices=D, copies=R,
-                               microbatches=m, link_bw=spec.link_bandwidth, allreduce_bw=ar_bw)
-            for cand in _solutions(tab, D, R, m, config):
-                stats.candidates += 1
-                if best is None or cand.time < best.time * (1 - 1e-9):
-                    best = cand
-            infeasible = [] if best is not None else [*infeasible, (tab, D)]
-    stats.seconds["stage_dp"] = time.perf_counter() - t3
-    if best is None:
-        smallest = min((_memory_needed(tab, D, config) for tab, D in infeasible), default=math.inf)
+            for sched in schedules:
+                eager = sched != "gpipe"
+                # A stage holds at most min(S, m) microbatches under 1F1B (the first stage);
+                # the split is made under that bound and refined per stage below.
+                bounds_in = sorted({min(S, m) for S in range(1, D + 1)}) if eager else [m]
+                for n_in in bounds_in:
+                    tab = table(D, R, m, n_in, m if eager and late else 0)
+                    for cand in _solutions(tab, D, R, m, config, sched):
+                        if eager and min(len(cand.replicas), m) != n_in:
+                            continue
+                        stats.candidates += 1
+                        found.append(cand)
+                    if not found:
+                        counts = {S for S in range(1, D + 1) if not eager or min(S, m) == n_in}
+                        infeasible.append((tab, D, counts))
+    if not found:
+        stats.seconds["stage_dp"] = time.perf_counter() - t3
+        smallest = min((_memory_needed(tab, D, config, ok) for tab, D, ok in infeasible),
+                       default=math.inf)
         need = smallest / (1.0 - config.mem_margin)
         have = limit / (1.0 - config.mem_margin)
         raise PlanInfeasibleError(
@@ -136,14 +164,70 @@ def plan_graph(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, conf
             f"mem_margin {config.mem_margin}) but the devices have {fmt_bytes(have)} "
             f"({spec.name}, {world} devices); use more or larger devices, raise mem_limit_gb, or "
             "relax forced partition_num/replicas/microbatches", needed_bytes=need)
-    sched = "gpipe" if config.schedule == "auto" else config.schedule
-    out = dataclasses.replace(_to_plan(graph, atomic, best, block_of, world, batch_size),
-                              schedule=sched)
+    # The closed form ranks candidates; the simulator, with each stage's exact in-flight count
+    # and recomputation, decides among the best few of each schedule.
+    best: _Refined | None = None
+    for sched in schedules:
+        mine = sorted((c for c in found if c.schedule == sched), key=lambda c: c.time)
+        for cand in mine[:_SIMULATED]:
+            ref = _refine(cand, table, late)
+            if ref is not None and (best is None or ref.time < best.time * (1 - 1e-9)):
+                best = ref
+    stats.seconds["stage_dp"] = time.perf_counter() - t3
+    if best is None:  # a candidate's stages hold no more than the bound it was split under
+        raise RaNNCError("planner: no candidate survived refinement; please report this")
+    out = _to_plan(graph, atomic, costs, best, block_of, world, batch_size)
     frac = config.extra.get("recompute_fraction")
-    if frac is not None:
+    if frac is not None:  # experimental: the same recomputed fraction on every stage
         out = dataclasses.replace(out, stages=tuple(dataclasses.replace(st, recompute=float(frac))
                                                     for st in out.stages))
     return out
+
+
+_SIMULATED = 6  # candidates per schedule the simulator judges
+
+
+@dataclass(frozen=True, slots=True)
+class _Refined:
+    """A candidate with each stage's exact memory, recomputation and the simulated time."""
+
+    cand: _Candidate
+    time: float
+    recompute: tuple[float, ...]  # per stage, fraction of kept activation memory
+    fwd: tuple[float, ...]
+    bwd: tuple[float, ...]  # recomputation included
+    allreduce: tuple[float, ...]
+    memory: tuple[float, ...]
+    in_flight: tuple[int, ...]
+    recompute_s: tuple[float, ...]
+
+
+def _refine(c: _Candidate, table: Any, late: bool) -> _Refined | None:
+    S = len(c.replicas)
+    sched = c.schedule
+    eager = sched != "gpipe"
+    idx = [(c.bounds[s], c.bounds[s + 1] - 1, c.replicas[s]) for s in range(S)]
+    # the schedule's own in-flight counts (recomputation does not change them)
+    counts = [n for n, _ in in_flight(make_schedule(sched, c.microbatches, chain(S), [False] * S))]
+    rows = []
+    for s, x in enumerate(idx):
+        tab = table(c.devices, c.copies, c.microbatches, counts[s],
+                    c.microbatches if eager and late else 0)
+        if not math.isfinite(float(tab.h[x])):
+            return None
+        rows.append((float(tab.recompute[x]), float(tab.fwd[x]), float(tab.bwd[x]),
+                     float(tab.allreduce[x]), float(tab.memory[x]), float(tab.recompute_s[x])))
+    if sched == "scp":  # never recomputes on the last stage: it holds one microbatch anyway
+        f, fw, bw, ar, memory, rs = rows[-1]
+        rows[-1] = (0.0, fw, bw - rs, ar, memory, 0.0)
+    rc = [r[0] for r in rows]
+    timeline = simulate(make_schedule(sched, c.microbatches, chain(S), [f > 0 for f in rc]),
+                        StageCosts(fwd=[r[1] for r in rows], bwd=[r[2] - r[5] for r in rows],
+                                   recompute=[r[5] for r in rows], comm_fwd=[0.0] * S,
+                                   comm_bwd=[0.0] * S, allreduce=[r[3] for r in rows]))
+    return _Refined(c, timeline.iteration_time, tuple(rc), tuple(r[1] for r in rows),
+                    tuple(r[2] for r in rows), tuple(r[3] for r in rows),
+                    tuple(r[4] for r in rows), tuple(counts), tuple(r[5] for r in rows))
 
 
 def fmt_bytes(n: float) -> str:
@@ -186,22 +270,23 @@ def _microbatch_counts(config: Config, batch_size: int) -> list[int]:
     return out or [1]
 
 
-def _solutions(tab: StageTables, D: int, R: int, m: int, config: Config) -> list[_Candidate]:
+def _solutions(tab: StageTables, D: int, R: int, m: int, config: Config,
+               sched: str) -> list[_Candidate]:
     h = tab.h
     if config.replicas is not None:
-        return _forced_replicas(tab, D, R, m, tuple(config.replicas))
+        return _forced_replicas(tab, D, R, m, tuple(config.replicas), sched)
     s_max = min(h.shape[0], D) if config.partition_num is None else config.partition_num
     sols = stage_dp(h, D, s_max)
     wanted = range(len(sols)) if config.partition_num is None else [config.partition_num - 1]
     out = []
     for s in wanted:
         if s < len(sols) and sols[s].feasible:
-            out.append(_candidate(tab, D, R, m, sols[s].bounds, sols[s].replicas))
+            out.append(_candidate(tab, D, R, m, sols[s].bounds, sols[s].replicas, sched))
     return out
 
 
-def _forced_replicas(tab: StageTables, D: int, R: int, m: int,
-                     reps: tuple[int, ...]) -> list[_Candidate]:
+def _forced_replicas(tab: StageTables, D: int, R: int, m: int, reps: tuple[int, ...],
+                     sched: str) -> list[_Candidate]:
     """The best bounds for fixed per-stage replica counts: a 1-D min-max DP over blocks."""
     k = tab.h.shape[0]
     S = len(reps)
@@ -218,48 +303,67 @@ def _forced_replicas(tab: StageTables, D: int, R: int, m: int,
     bounds = [k]
     for s in range(S, 0, -1):
         bounds.append(int(arg[s, bounds[-1]]))
-    return [_candidate(tab, D, R, m, tuple(reversed(bounds)), reps)]
+    return [_candidate(tab, D, R, m, tuple(reversed(bounds)), reps, sched)]
 
 
 def _candidate(tab: StageTables, D: int, R: int, m: int, bounds: Sequence[int],
-               reps: Sequence[int]) -> _Candidate:
+               reps: Sequence[int], sched: str) -> _Candidate:
     idx = [(bounds[i], bounds[i + 1] - 1, reps[i]) for i in range(len(reps))]
     t = gpipe_iteration_time([float(tab.fwd[x]) for x in idx], [float(tab.bwd[x]) for x in idx],
                              [float(tab.allreduce[x]) for x in idx], m)
-    return _Candidate(t, D, R, m, tuple(bounds), tuple(reps), tab)
+    return _Candidate(t, D, R, m, tuple(bounds), tuple(reps), tab, sched)
 
 
-def _memory_needed(tab: StageTables, D: int, config: Config) -> float:
-    """The smallest per-device memory any split of this layout needs: min-max over memory."""
+def _memory_needed(tab: StageTables, D: int, config: Config, stage_counts: set[int]) -> float:
+    """The smallest per-device memory any split of this layout into one of `stage_counts`
+    stages needs: min-max over memory."""
     mm = tab.memory_min
     if config.replicas is not None:
         return math.inf
     sols = stage_dp(np.where(np.isfinite(mm), mm, math.inf), D, min(mm.shape[0], D))
-    if config.partition_num is not None:
-        sols = sols[config.partition_num - 1:config.partition_num]
-    return min((s.value for s in sols), default=math.inf)
+    wanted = stage_counts if config.partition_num is None else stage_counts & {config.partition_num}
+    return min((sol.value for S, sol in enumerate(sols, 1) if S in wanted), default=math.inf)
 
 
-def _to_plan(graph: TaskGraph, atomic: AtomicPartition, c: _Candidate, block_of: Sequence[int],
-             world: int, batch_size: int) -> Plan:
+def _to_plan(graph: TaskGraph, atomic: AtomicPartition, costs: GraphCosts, best: _Refined,
+             block_of: Sequence[int], world: int, batch_size: int) -> Plan:
+    c = best.cand
     ranks = stage_ranks(c.replicas, world)
     stages = []
     for s in range(len(c.replicas)):
         lo, hi, d = c.bounds[s], c.bounds[s + 1] - 1, c.replicas[s]
         comps = tuple(i for i, b in enumerate(block_of) if lo <= b <= hi)
-        x = (lo, hi, d)
+        rows = float(c.tables.batch[d])
         stages.append(StagePlan(
             index=s, components=comps, ranks=ranks[s], shares=tuple(1.0 / len(ranks[s]) for _ in ranks[s]),
-            recompute=bool(c.tables.recompute[x]), param_names=_param_names(graph, atomic, comps),
-            predicted={"forward_s": float(c.tables.fwd[x]), "backward_s": float(c.tables.bwd[x]),
-                       "allreduce_s": float(c.tables.allreduce[x]),
-                       "memory_bytes": float(c.tables.memory[x]),
-                       "microbatch_rows": float(c.tables.batch[d]),
+            recompute=_component_fraction(costs, comps, best.recompute[s], rows),
+            param_names=_param_names(graph, atomic, comps),
+            predicted={"forward_s": best.fwd[s], "backward_s": best.bwd[s],
+                       "allreduce_s": best.allreduce[s], "memory_bytes": best.memory[s],
+                       "microbatch_rows": rows, "in_flight": float(best.in_flight[s]),
+                       "recompute_memory_fraction": best.recompute[s],
+                       "recompute_s": best.recompute_s[s],
                        "first_block": float(lo), "last_block": float(hi)},
             modules=_module_range(graph, atomic, comps)))
     return Plan(stages=tuple(stages), microbatches=c.microbatches, world_size=world,
-                fingerprint=graph.fingerprint(), predicted_iteration_time=c.time,
-                batch_size=batch_size, blocks=max(block_of) + 1, source=(graph, atomic))
+                fingerprint=graph.fingerprint(), schedule=c.schedule,
+                predicted_iteration_time=best.time, batch_size=batch_size,
+                blocks=max(block_of) + 1, source=(graph, atomic))
+
+
+def _component_fraction(costs: GraphCosts, comps: Sequence[int], f: float, rows: float) -> float:
+    """The runtime recomputes a prefix of a stage's components: the shortest prefix holding at
+    least fraction f of the stage's kept activation memory, as a fraction of its components."""
+    if f <= 0 or not comps:
+        return 0.0
+    if f >= 1:
+        return 1.0
+    kept = (costs.component_memory(rows) - 2 * costs.comp_params)[list(comps)]
+    total = float(kept.sum())
+    if total <= 0:
+        return 1.0
+    c = int(np.searchsorted(np.cumsum(kept) / total, f - 1e-12)) + 1
+    return min(c, len(comps)) / len(comps)
 
 
 def _param_names(graph: TaskGraph, atomic: AtomicPartition, comps: Sequence[int]) -> tuple[str, ...]:

@@ -20,13 +20,16 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_plan_for_a_cluster_we_do_not_have(tmp_path: Path) -> None:
     out, onnx = tmp_path / "plan.json", tmp_path / "plan.onnx"
+    png = tmp_path / "timeline.png"
     res = run(FACTORY, "--devices", "16", "--per-node", "8", "--device", "V100-32GB",
-              "--batch-size", "64", "--out", str(out), "--onnx", str(onnx))
+              "--batch-size", "64", "--out", str(out), "--onnx", str(onnx), "--timeline", str(png),
+              "--config", '{"partition_num": 4, "microbatches": 4}')
     assert res.returncode == 0, res.stderr
     assert "rannc plan:" in res.stdout and "16 rank(s)" in res.stdout and "global batch 64" in res.stdout
     plan = rannc.Plan.load(out)
     assert sorted(r for st in plan.stages for r in st.ranks) == list(range(16))
     assert json.loads(out.read_text())["batch_size"] == 64
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "bubble ratio" in res.stdout
     import onnx as onnx_lib
 
     model = onnx_lib.load(str(onnx))

@@ -5,6 +5,7 @@ after 3 AdamW steps (rtol 1e-5), for the model set and the layouts of issue 3.""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 from mpi_harness import TESTS, run_mpi, run_torchrun
@@ -40,6 +41,52 @@ def test_pipeline_equals_unwrapped_model(n: int, layout: list[str], micro: int, 
     for model in models.split(","):
         got = sorted(re.findall(rf"PASS {model} rank (\d+)", res.stdout))
         assert got == [str(r) for r in range(n)], (model, res.stdout)
+
+
+# (ranks, arguments, models): 1F1B and the shifted critical path on the runtime's layouts, with
+# partial recomputation, a scaled loss and a GradScaler; the models without a scalar loss output
+# (fork_join, shared_param) run fill-drain instead, and kwargs' batch output that the loss also
+# uses takes the late recomputing pass.
+SCHEDULED = [
+    (2, ["--partition-num", "2", "--microbatches", "4", "--batch", "8", "--schedule", "1f1b"], ALL),
+    (3, ["--replicas", "1,2", "--microbatches", "4", "--batch", "9", "--schedule", "scp",
+         "--recompute-fraction", "0.5"], ALL),
+    (4, ["--replicas", "1,1,2", "--microbatches", "4", "--batch", "9", "--schedule", "1f1b",
+         "--recompute-fraction", "0.5", "--loss-scale", "0.5"], ALL),
+    (4, ["--replicas", "2,2", "--microbatches", "2", "--batch", "8", "--schedule", "scp",
+         "--recompute-fraction", "1", "--grad-scaler"], "bert,gpt2"),
+    (4, ["--replicas", "1,1", "--microbatches", "2", "--batch", "8", "--schedule", "1f1b",
+         "--grad-scaler"], "bert,gpt2"),
+]
+
+
+@pytest.mark.parametrize(("n", "args", "models"), SCHEDULED,
+                         ids=[f"{n}r-{'_'.join(x.lstrip('-') for x in a)}" for n, a, _ in SCHEDULED])
+def test_every_schedule_equals_the_unwrapped_model(n: int, args: list[str], models: str) -> None:
+    res = run_mpi(SCRIPT, n, ["--model", models, *args])
+    sched = args[args.index("--schedule") + 1]
+    assert f"SCHEDULE {sched}" in res.stdout
+    for model in models.split(","):
+        got = sorted(re.findall(rf"PASS {model} rank (\d+)", res.stdout))
+        assert got == [str(r) for r in range(n)], (model, res.stdout)
+
+
+def test_trace_files_hold_every_rank_and_the_prediction(tmp_path: Path) -> None:
+    from rannc.schedule import load_chrome_trace
+
+    prefix = str(tmp_path / "trace")
+    res = run_mpi(SCRIPT, 2, ["--model", "gpt2", "--partition-num", "2", "--microbatches", "4",
+                              "--batch", "8", "--schedule", "1f1b", "--steps", "2",
+                              "--checkpointing", "on", "--trace", prefix])
+    assert "PASS gpt2 rank 0" in res.stdout
+    events = load_chrome_trace(prefix + "_gpt2.json")
+    assert sorted(events) == [0, 1]
+    for rank, evs in events.items():
+        done = [str(e.action) for e in evs if e.action.op.value in ("F", "B")]
+        assert sorted(done) == sorted(f"{op}{rank}.{m}" for op in "FB" for m in range(4))
+        assert all(e.end >= e.start for e in evs)
+    assert any(e.action.op.value == "R" for e in events[0])  # stage 0 recomputes
+    assert Path(prefix + "_gpt2.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_each_rank_holds_only_its_parameters() -> None:

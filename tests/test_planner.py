@@ -48,7 +48,9 @@ def test_every_plan_covers_the_model_fits_and_uses_every_device(name: str) -> No
             limit = (cfg.mem_limit_gb * 1e9 if cfg.mem_limit_gb else SPEC.memory_bytes)
             check_plan(plan, len(atomic.components), world, limit * (1 - cfg.mem_margin))
             if cfg.checkpointing == "on" and len(plan.stages) > 1:
-                assert all(st.recompute for st in plan.stages)
+                # the shifted critical path never recomputes on its last stage
+                last = len(plan.stages) - (1 if plan.schedule == "scp" else 0)
+                assert all(st.recompute == 1.0 for st in plan.stages[:last])
 
 
 def test_forced_layout_is_honoured() -> None:

@@ -81,6 +81,7 @@ class _Call:
     sends: list[Any] = field(default_factory=list)
     local: dict[Any, Any] = field(default_factory=dict)  # transfers to this rank itself
     stash: dict[str, torch.Tensor] | None = None  # eager: gradients for a unit loss gradient
+    used: set[str] = field(default_factory=set)  # batch outputs some rank back-propagates from
     t0: float = 0.0
 
 
@@ -550,15 +551,18 @@ class PipelineRuntime:
         self._call = None
         w = float(self.world_size)
         scalar_names = sorted(self._scalar_outputs())
-        batch_used = any(g is not None and bool(g.detach().ne(0).any())
-                         for v, g in grad_of.items() if v not in scalar_names)
-        # One all-reduce: the scalar outputs' gradients (averaged, as DDP) and whether any rank
-        # back-propagates through a batch output.
+        batch_names = sorted(v for v in self.out_stage
+                             if v not in scalar_names and _is_float(self.graph.values[v]))
+        # One all-reduce: the scalar outputs' gradients (averaged, as DDP) and, per batch output,
+        # whether any rank back-propagates through it (unused ones send no zeros around).
         vec = [_grad_or_zero(grad_of.get(v)) for v in scalar_names]
-        flat = torch.stack([*vec, torch.tensor(float(batch_used), dtype=torch.float64)])
+        vec += [torch.tensor(float(_nonzero(grad_of.get(v))), dtype=torch.float64)
+                for v in batch_names]
+        flat = torch.stack(vec) if vec else torch.zeros(0, dtype=torch.float64)
         dist.all_reduce(flat)
-        scalar_g = {v: x / w for v, x in zip(scalar_names, flat[:-1], strict=True)}
-        batch_used = bool(flat[-1] > 0)
+        scalar_g = {v: x / w for v, x in zip(scalar_names, flat, strict=False)}
+        call.used = {v for v, x in zip(batch_names, flat[len(scalar_names):], strict=True) if x > 0}
+        batch_used = bool(call.used)
         before = {n: p.grad for n, p in self.held.items()}
         for p in self.held.values():
             p.grad = None
@@ -589,8 +593,7 @@ class PipelineRuntime:
         mine = layout.owned[self.rank]
         w = float(self.world_size)
         for v, s in self.out_stage.items():
-            val = self.graph.values[v]
-            if val.batch_dim is None or not _is_float(val):
+            if v not in call.used:
                 continue
             gv = grad_of.get(v)
             if gv is None:
@@ -662,7 +665,7 @@ class PipelineRuntime:
                 seed = torch.ones((), dtype=torch.float64) if scalar_g is None else scalar_g[v]
                 w = (rows[1] - rows[0]) / call.layout.n_rows
                 g = (seed * w).to(getattr(torch, val.dtype)).reshape(())
-            elif scalar_g is None:
+            elif scalar_g is None or v not in call.used:
                 return total
             else:
                 g = self._recv_rows(v, rows, list(enumerate(call.layout.owned)), _OUT_GRAD, m, call)
@@ -753,6 +756,10 @@ def _backward(outs: Sequence[Any], grads: Sequence[torch.Tensor | None]) -> None
             gs.append(g)
     if ts:
         torch.autograd.backward(ts, gs)
+
+
+def _nonzero(g: torch.Tensor | None) -> bool:
+    return g is not None and bool(g.detach().ne(0).any())
 
 
 def _grad_or_zero(g: torch.Tensor | None) -> torch.Tensor:

@@ -126,6 +126,7 @@ _STYLE: dict[str, dict[str, Any]] = {
     "forward": {"facecolor": "#0072B2"},
     "backward": {"facecolor": "#E69F00"},
     "recompute": {"facecolor": "#009E73"},
+    "send": {"facecolor": "#56B4E9"},  # measured isend calls (queueing the transfer)
     "recv wait": {"facecolor": "#DDDDDD", "hatch": "////", "edgecolor": "#999999"},
     "all-reduce": {"facecolor": "#CC79A7"},
 }
@@ -205,7 +206,7 @@ def _draw_panel(ax: Axes, lanes: Sequence[_Lane], min_label_ms: float) -> set[st
                 continue  # sends and receives that did not wait take no time
             kind = "recv wait" if e.action.op in (Op.RF, Op.RB) else _CATEGORY[e.action.op]
             bars.setdefault(kind, []).append((e.start * _MS, width))
-            if kind != "recv wait" and width >= min_label_ms:
+            if kind not in ("recv wait", "send") and width >= min_label_ms:
                 ax.text(e.start * _MS + width / 2, y, str(e.action.micro), ha="center",
                         va="center", fontsize=7, color="white", clip_on=True)
         if allreduce > 0 and evs:

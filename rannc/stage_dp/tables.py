@@ -92,7 +92,8 @@ class StageTables:
     allreduce: np.ndarray  # gradient all-reduce seconds per iteration
     memory: np.ndarray  # predicted bytes (of the chosen recompute option)
     memory_min: np.ndarray  # the smaller of the two options' memory (for "needs N GB")
-    recompute: np.ndarray  # bool
+    recompute: np.ndarray  # fraction of kept activation memory recomputed
+    recompute_s: np.ndarray  # the seconds that recomputation adds (inside bwd)
     batch: np.ndarray  # (D+1,) rows per replica per microbatch
 
 
@@ -103,20 +104,31 @@ def batch_per_replica(batch_size: int, copies: int, microbatches: int, d: int) -
 
 def stage_tables(prof: BlockProfile, io: BlockIO, mem: MemoryModel, *, batch_size: int,
                  devices: int, copies: int, microbatches: int, link_bw: float, allreduce_bw: float,
-                 inflight: int | None = None) -> StageTables:
+                 inflight: int | None = None, saved_inputs: int = 0) -> StageTables:
+    """`inflight`: microbatches whose activations a stage holds at once (fill-drain: all of
+    them; 1F1B: at most the stages from it to the end); `saved_inputs`: microbatches whose stage
+    inputs are kept besides (eager schedules keep them for a late backward pass).
+
+    Recomputation is a fraction f of a stage's kept activations dropped in forward and rebuilt
+    before backward (Merak's stage-aware recomputation, by memory rather than by layer): the
+    smallest f that fits, so a stage keeps all it can afford. f costs f * forward seconds more;
+    memory = static + inflight * (inputs + outputs + (1 - f) * kept) + f * kept + working."""
     k = io.params.shape[0]
     shape = (k, k, devices + 1)
     out = {n: np.full(shape, math.inf) for n in ("h", "fwd", "bwd", "allreduce", "memory", "memory_min")}
-    recompute = np.zeros(shape, dtype=bool)
+    recompute = np.zeros(shape)
+    recompute_s = np.zeros(shape)
     batch = np.zeros(devices + 1, dtype=np.int64)
     valid = np.triu(np.ones((k, k), dtype=bool)) & io.cut_ok[:k, None] & io.cut_ok[None, 1:]
-    kept_in_flight = microbatches if inflight is None else inflight
+    n_in = microbatches if inflight is None else inflight
     zero = np.zeros((1, prof.fwd.shape[1]))
     pre = {n: np.vstack([zero, np.cumsum(getattr(prof, n), axis=0)]) for n in ("fwd", "bwd", "kept")}
     work_max = np.zeros((k, k, prof.work.shape[1]))
     for lo in range(k):
         work_max[lo, lo:] = np.maximum.accumulate(prof.work[lo:], axis=0)
     static = io.params + io.grad_params * (1 + mem.opt_param_factor)
+    f_min = 1.0 if mem.checkpointing == "on" else 0.0
+    f_max = 0.0 if mem.checkpointing == "off" else 1.0
     for d in range(1, devices + 1):
         b = batch_per_replica(batch_size, copies, microbatches, d)
         batch[d] = b
@@ -134,24 +146,28 @@ def stage_tables(prof: BlockProfile, io: BlockIO, mem: MemoryModel, *, batch_siz
         comm = (inb + outb) / link_bw
         ranks = d * copies
         ar = 2.0 * io.grad_params * (ranks - 1) / ranks / allreduce_bw
-        mem_nr = static + kept_in_flight * (inb + kept + outb) + work_max[:, :, i]
-        mem_rc = static + kept_in_flight * (inb + outb) + kept + work_max[:, :, i]
-        fits_nr = (mem_nr <= mem.limit) & (mem.checkpointing != "on")
-        fits_rc = (mem_rc <= mem.limit) & (mem.checkpointing != "off")
-        use_rc = ~fits_nr & fits_rc
-        ok = valid & (fits_nr | fits_rc)
-        f = fwd + comm / 2
-        g = bwd + comm / 2 + np.where(use_rc, fwd, 0.0)
-        out["fwd"][:, :, d] = np.where(ok, f, math.inf)
+        base = static + n_in * (inb + outb) + saved_inputs * inb + work_max[:, :, i]
+        full = base + n_in * kept  # nothing recomputed
+        saved_per_f = (n_in - 1) * kept  # memory one unit of f frees
+        with np.errstate(divide="ignore", invalid="ignore"):
+            need = np.where(full <= mem.limit, 0.0,
+                            np.where(saved_per_f > 0, (full - mem.limit) / saved_per_f, math.inf))
+        f = np.maximum(need, f_min)
+        ok = valid & (f <= f_max)
+        f = np.where(ok, f, 0.0)
+        memory = full - f * saved_per_f
+        fw = fwd + comm / 2
+        g = bwd + comm / 2 + f * fwd
+        out["fwd"][:, :, d] = np.where(ok, fw, math.inf)
         out["bwd"][:, :, d] = np.where(ok, g, math.inf)
         out["allreduce"][:, :, d] = np.where(ok, ar, math.inf)
-        out["h"][:, :, d] = np.where(ok, f + g + ar / microbatches, math.inf)
-        out["memory"][:, :, d] = np.where(ok, np.where(use_rc, mem_rc, mem_nr), math.inf)
-        out["memory_min"][:, :, d] = np.where(valid, np.minimum(
-            np.where(mem.checkpointing != "on", mem_nr, math.inf),
-            np.where(mem.checkpointing != "off", mem_rc, math.inf)), math.inf)
-        recompute[:, :, d] = use_rc
-    return StageTables(recompute=recompute, batch=batch, **out)
+        out["h"][:, :, d] = np.where(ok, fw + g + ar / microbatches, math.inf)
+        out["memory"][:, :, d] = np.where(ok, memory, math.inf)
+        smallest = full - np.where(saved_per_f > 0, f_max * saved_per_f, 0.0)
+        out["memory_min"][:, :, d] = np.where(valid, smallest, math.inf)
+        recompute[:, :, d] = f
+        recompute_s[:, :, d] = f * fwd
+    return StageTables(recompute=recompute, recompute_s=recompute_s, batch=batch, **out)
 
 
 def gpipe_iteration_time(fwd: Sequence[float], bwd: Sequence[float], allreduce: Sequence[float],

@@ -68,6 +68,7 @@ def main() -> None:
                    help="force this fraction of each stage's components to be recomputed")
     p.add_argument("--loss-scale", type=float, default=1.0, help="backward of loss * this")
     p.add_argument("--grad-scaler", action="store_true", help="torch.amp.GradScaler on both")
+    p.add_argument("--trace", default="", help="record events and write the trace files here")
     p.add_argument("--mem-limit-gb", type=float, default=None)
     p.add_argument("--expect-error", default="", help="the first call must raise with this text")
     a = p.parse_args()
@@ -89,6 +90,8 @@ def check_model(a: argparse.Namespace, name: str, ctx: rdist.DistContext) -> Non
     opts: dict[str, Any] = {"microbatches": a.microbatches or None, "checkpointing": a.checkpointing,
                             "schedule": a.schedule,
                             "mem_limit_gb": a.mem_limit_gb}
+    if a.trace:
+        opts["trace"] = True
     if a.recompute_fraction is not None:
         opts["extra"] = {"recompute_fraction": a.recompute_fraction}
     if a.replicas:
@@ -152,6 +155,10 @@ def check_model(a: argparse.Namespace, name: str, ctx: rdist.DistContext) -> Non
     for n, p_ in model.named_parameters():
         torch.testing.assert_close(p_, ref_names[n], rtol=RTOL, atol=ATOL,
                                    msg=lambda m, n=n: f"rank {rank} param {n}: {m}")
+    if a.trace:
+        files = model.write_trace(f"{a.trace}_{name}")
+        if rank == 0:
+            print(f"TRACE {' '.join(files)}", flush=True)
     # What this rank really stores: the released parameters have no elements left.
     n_held = sum(p_.numel() for p_ in case.model.parameters())
     stage = model.plan.stage_of_rank(rank).index if model.plan else 0

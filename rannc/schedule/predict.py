@@ -1,0 +1,62 @@
+"""A plan's schedule and its predicted timeline, from the plan's own cost predictions or from
+per-action times measured on the ranks (to check the simulator against a real run)."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+
+from rannc.plans import Plan
+from rannc.schedule.actions import Op, Schedule, chain, make_schedule
+from rannc.schedule.simulate import Event, StageCosts, Timeline, simulate
+
+
+def plan_schedule(plan: Plan, suppliers: Sequence[Sequence[int]] | None = None) -> Schedule:
+    """The schedule `plan` runs (stage graph `suppliers`; default a chain)."""
+    sup = chain(len(plan.stages)) if suppliers is None else suppliers
+    return make_schedule(plan.schedule, plan.microbatches, sup,
+                         [st.recomputed_components > 0 for st in plan.stages])
+
+
+def plan_costs(plan: Plan) -> StageCosts:
+    """Per-stage seconds from the plan's predictions (the planner's cost oracle)."""
+    p = [st.predicted for st in plan.stages]
+    missing = [st.index for st, x in zip(plan.stages, p, strict=True)
+               if "forward_s" not in x or "backward_s" not in x]
+    if missing:
+        raise ValueError(f"stages {missing} carry no predicted times; plan with rannc.plan()")
+    rec = [x.get("recompute_s", 0.0) for x in p]
+    zero = [0.0] * len(p)
+    return StageCosts(fwd=[x["forward_s"] for x in p],
+                      bwd=[x["backward_s"] - r for x, r in zip(p, rec, strict=True)],
+                      recompute=rec, comm_fwd=zero, comm_bwd=zero,
+                      allreduce=[x.get("allreduce_s", 0.0) for x in p])
+
+
+def measured_costs(plan: Plan, events: Mapping[int, Sequence[Event]]) -> StageCosts:
+    """Per-stage seconds as the median of each compute action's measured duration over the
+    stage's ranks; transfers are taken as free (they are waits in the measured events)."""
+    n = len(plan.stages)
+    dur: dict[tuple[int, Op], list[float]] = {}
+    for evs in events.values():
+        for e in evs:
+            if e.action.op in (Op.F, Op.B, Op.R):
+                dur.setdefault((e.action.stage, e.action.op), []).append(e.end - e.start)
+
+    def med(s: int, op: Op) -> float:
+        xs = dur.get((s, op))
+        return statistics.median(xs) if xs else 0.0
+
+    zero = [0.0] * n
+    return StageCosts(fwd=[med(s, Op.F) for s in range(n)], bwd=[med(s, Op.B) for s in range(n)],
+                      recompute=[med(s, Op.R) for s in range(n)], comm_fwd=zero, comm_bwd=zero,
+                      allreduce=zero)
+
+
+def predict(plan: Plan, costs: StageCosts | None = None,
+            suppliers: Sequence[Sequence[int]] | None = None) -> Timeline:
+    """The simulated timeline of one iteration of `plan`."""
+    return simulate(plan_schedule(plan, suppliers), plan_costs(plan) if costs is None else costs)
+
+
+__all__ = ["measured_costs", "plan_costs", "plan_schedule", "predict"]

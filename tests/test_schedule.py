@@ -1,0 +1,200 @@
+"""Schedules as data (pure): text round trip, the validator, the simulator (textbook bubble
+ratios, deadlocks, in-flight counts), the shifted critical path's gain, and how the planner
+chooses schedules and per-stage recomputation."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+import pytest
+from model_zoo import make_case
+
+import rannc
+from rannc.atomic.components import atomic_components
+from rannc.graph.capture import capture
+from rannc.planner import PlanInfeasibleError, plan_graph
+from rannc.schedule import (
+    SCHEDULES,
+    Action,
+    Op,
+    Schedule,
+    ScheduleError,
+    StageCosts,
+    chain,
+    in_flight,
+    make_schedule,
+    simulate,
+    validate,
+)
+from rannc.schedule.predict import plan_costs, predict
+
+logging.getLogger("transformers").setLevel(logging.ERROR)
+
+SKIP = ((), (0,), (0, 1), (2,))  # stage 2 reads stages 0 and 1 (a skip connection)
+GRID = list(itertools.product(SCHEDULES, [1, 2, 3, 4, 6], [1, 2, 5, 8], [False, True]))
+
+
+@pytest.mark.parametrize(("name", "S", "M", "rc"), GRID)
+def test_generated_schedules_validate_round_trip_and_finish(name: str, S: int, M: int, rc: bool) -> None:
+    sched = make_schedule(name, M, chain(S), [rc] * S)
+    validate(sched)
+    assert Schedule.parse(str(sched)) == sched
+    assert all(Action.parse(str(a)) == a for line in sched.actions for a in line)
+    tl = simulate(sched, StageCosts.uniform(S, recompute=1.0 if rc else 0.0))
+    assert tl.iteration_time > 0
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_a_stage_graph_with_a_skip_connection(name: str) -> None:
+    sched = make_schedule(name, 4, SKIP, [True, True, False, False])
+    validate(sched)
+    assert Schedule.parse(str(sched)) == sched
+    assert sched.consumers(0) == [1, 2]
+    simulate(sched, StageCosts.uniform(4))
+
+
+@pytest.mark.parametrize(("S", "M"), [(2, 1), (2, 4), (4, 4), (4, 8), (8, 32)])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_bubble_ratio_matches_the_textbook_for_uniform_stages(name: str, S: int, M: int) -> None:
+    tl = simulate(make_schedule(name, M, chain(S), [False] * S), StageCosts.uniform(S, 1.0, 2.0))
+    assert tl.bubble_ratio == pytest.approx((S - 1) / M)
+    assert tl.iteration_time == pytest.approx((M + S - 1) * 3.0)
+
+
+def test_communication_and_allreduce_lengthen_the_iteration() -> None:
+    S, M = 3, 4
+    for name in ("gpipe", "1f1b"):
+        sched = make_schedule(name, M, chain(S), [False] * S)
+        base = simulate(sched, StageCosts.uniform(S)).iteration_time
+        slow = simulate(sched, StageCosts.uniform(S, comm=0.5, allreduce=2.0)).iteration_time
+        # fill-drain: the first microbatch crosses 2 boundaries each way, then the all-reduce;
+        # 1F1B alternates directions, so transfers also sit on its steady-state path
+        if name == "gpipe":
+            assert slow == pytest.approx(base + 4 * 0.5 + 2.0)
+        else:
+            assert slow > base + 4 * 0.5 + 2.0
+
+
+def test_in_flight_counts() -> None:
+    S, M = 4, 8
+    assert [n for n, _ in in_flight(make_schedule("gpipe", M, chain(S), [False] * S))] == [M] * S
+    assert [n for n, _ in in_flight(make_schedule("1f1b", M, chain(S), [False] * S))] == [4, 3, 2, 1]
+    # scp: no recomputation on the last stage, at most one rebuilt microbatch elsewhere
+    assert [r for _, r in in_flight(make_schedule("scp", M, chain(S), [True] * S))] == [1, 1, 1, 0]
+
+
+def test_shifted_critical_path_beats_1f1b_under_recomputation() -> None:
+    for S, M in [(4, 5), (4, 8), (8, 16)]:
+        costs = StageCosts.uniform(S, 1.0, 2.0, recompute=1.0)
+        one = simulate(make_schedule("1f1b", M, chain(S), [True] * S), costs).iteration_time
+        scp = simulate(make_schedule("scp", M, chain(S), [True] * S), costs).iteration_time
+        assert one == pytest.approx((M + S - 1) * 4.0)
+        assert scp < one
+    # Merak's Fig. 3 case, 4 stages and 5 microbatches: 27 against 1F1B's 32 units
+    assert simulate(make_schedule("scp", 5, chain(4), [True] * 4),
+                    StageCosts.uniform(4, recompute=1.0)).iteration_time == pytest.approx(27.0)
+
+
+def test_a_deadlock_is_found_and_named() -> None:
+    good = make_schedule("1f1b", 2, chain(2), [False, False])
+    # stage 0 waits for microbatch 0's gradient before sending microbatch 0 on
+    line = [Action(0, 0, Op.F), Action(0, 0, Op.RB), Action(0, 0, Op.SF), Action(0, 0, Op.B),
+            Action(0, 1, Op.F), Action(0, 1, Op.SF), Action(0, 1, Op.RB), Action(0, 1, Op.B)]
+    bad = Schedule("bad", 2, good.suppliers, (tuple(line), good.actions[1]))
+    validate(bad)  # each line is locally fine ...
+    with pytest.raises(ScheduleError, match=r"deadlocks: stage 0 waits at RB0\.0; stage 1 waits at RF1\.0"):
+        simulate(bad, StageCosts.uniform(2))  # ... but together they wait on each other
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda a: a[1:], "never runs F0.0"),
+    (lambda a: a + a[:1], "appears twice"),
+    (lambda a: [a[3], a[0], a[1], a[2]], "runs B0.0 before F0.0"),
+    (lambda a: [Action(1, 0, Op.F) if x == a[0] else x for x in a], "action of stage 1"),
+    (lambda a: [Action(0, 0, Op.RF), *a], "no suppliers, but runs RF0.0"),
+])
+def test_the_validator_names_what_is_wrong(edit: object, message: str) -> None:
+    sched = make_schedule("gpipe", 2, chain(1), [False])
+    line = list(sched.actions[0])
+    assert [str(x) for x in line] == ["F0.0", "F0.1", "B0.1", "B0.0"]
+    bad = Schedule("x", 2, sched.suppliers, (tuple(edit(line)),))  # type: ignore[operator]
+    with pytest.raises(ScheduleError, match=message):
+        validate(bad)
+
+
+def test_text_form_errors_are_clear() -> None:
+    with pytest.raises(ScheduleError, match="cannot read action 'X0.1'"):
+        Action.parse("X0.1")
+    with pytest.raises(ScheduleError, match="first line"):
+        Schedule.parse("0: F0.0")
+
+
+# -- the planner's use of schedules ----------------------------------------------------------------
+
+SPEC = rannc.DeviceSpec("test-gpu", memory_bytes=16e9, flops=10e12, mem_bandwidth=1e12)
+
+
+@pytest.fixture(scope="module")
+def gpt2() -> tuple[object, object]:
+    case = make_case("gpt2", batch=32)
+    g = capture(case.model, case.args, case.kwargs).graph
+    return g, atomic_components(g)
+
+
+def test_auto_picks_the_fastest_schedule_and_forcing_is_honoured(gpt2: tuple) -> None:
+    graph, atomic = gpt2
+    cluster = rannc.Cluster.homogeneous(SPEC, n=4, per_node=4)
+    times = {}
+    for name in SCHEDULES:
+        cfg = rannc.Config(schedule=name, partition_num=4, microbatches=8)
+        p = plan_graph(graph, atomic, cluster, cfg, batch_size=32)
+        assert p.schedule == name
+        assert p.predicted_iteration_time == pytest.approx(predict(p).iteration_time)
+        times[name] = p.predicted_iteration_time
+    auto = plan_graph(graph, atomic, cluster, rannc.Config(partition_num=4, microbatches=8),
+                      batch_size=32)
+    assert auto.predicted_iteration_time == pytest.approx(min(times.values()))
+
+
+def test_stage_aware_recomputation_between_none_and_all(gpt2: tuple) -> None:
+    """Under 1F1B the first stage holds 4 microbatches and the last one; under a memory limit
+    where keeping everything fits no split, each stage recomputes only what it must, so the plan
+    is faster than recomputing everything and uses more (allowed) memory."""
+    graph, atomic = gpt2
+    cluster = rannc.Cluster.homogeneous(SPEC, n=4, per_node=4)
+    base = dict(schedule="1f1b", partition_num=4, microbatches=8)
+
+    def needs(mode: str) -> float:  # the least memory any split needs, from the planner's error
+        with pytest.raises(PlanInfeasibleError) as e:
+            plan_graph(graph, atomic, cluster, rannc.Config(checkpointing=mode, mem_limit_gb=1e-9,
+                                                            **base), batch_size=32)
+        return e.value.needed_bytes
+
+    need_full, need_keep = needs("on"), needs("off")
+    assert need_full < need_keep
+    limit = (need_full + need_keep) / 2
+    keep = plan_graph(graph, atomic, cluster, rannc.Config(checkpointing="off", **base), batch_size=32)
+    full = plan_graph(graph, atomic, cluster, rannc.Config(checkpointing="on", mem_limit_gb=limit / 1e9,
+                                                           **base), batch_size=32)
+    aware = plan_graph(graph, atomic, cluster, rannc.Config(mem_limit_gb=limit / 1e9, **base),
+                       batch_size=32)
+    fr = [st.predicted["recompute_memory_fraction"] for st in aware.stages]
+    # not all-or-nothing: some stage recomputes part of its activations, and the last stage,
+    # which holds one microbatch at a time under 1F1B, recomputes nothing
+    assert max(fr) > 0 and fr[-1] == 0.0 and len(set(fr)) > 1
+    assert all(st.predicted["memory_bytes"] <= limit * 0.9 * (1 + 1e-9) for st in aware.stages)
+    assert keep.predicted_iteration_time < aware.predicted_iteration_time < full.predicted_iteration_time
+    assert sum(st.predicted["memory_bytes"] for st in aware.stages) > sum(
+        st.predicted["memory_bytes"] for st in full.stages)
+
+
+def test_plan_costs_and_the_cli_timeline(tmp_path: object, gpt2: tuple) -> None:
+    graph, atomic = gpt2
+    cluster = rannc.Cluster.homogeneous(SPEC, n=2, per_node=2)
+    p = plan_graph(graph, atomic, cluster, rannc.Config(partition_num=2, microbatches=4,
+                                                        checkpointing="on", schedule="1f1b"),
+                   batch_size=32)
+    costs = plan_costs(p)
+    assert costs.recompute[0] > 0
+    assert costs.fwd[0] == p.stages[0].predicted["forward_s"]
