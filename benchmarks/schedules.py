@@ -10,7 +10,7 @@ path (scp), with and without recomputation.
   planner's best plan under that schedule (forced) and its predicted iteration time, plus what
   ``schedule="auto"`` picks. Also one forced 4-stage x 2 (8 devices) and 8-stage x 4 (32
   devices) pipeline per model, where schedules matter most.
-* ``measured``: a small BERT (4 x 256, batch 16 x 128) and a small BiT-ResNet (loss computed
+* ``measured``: a small BERT (4 x 256, vocabulary 2048, batch 16 x 128) and a small BiT-ResNet (loss computed
   inside the model, batch 16 x 64^2) on 2 CPU ranks (gloo, one thread each), 2 stages, 8
   microbatches, each schedule x recomputation off / half of every stage / all; per rank, the
   median iteration time over the steps after the first, the steady peak RSS increase (VmHWM reset
@@ -119,7 +119,7 @@ def measured(steps: int) -> list[str]:
             "RSS increase MB |", "|---|---|---|---|---|---|---|---|---|"]
     for model in ("bert", "resnet"):
         for sched, rc in CONFIGS:
-            trace = str(ROOT / "docs" / f"timeline_{model}_{sched}") if rc == "all" else ""
+            trace = str(ROOT / "docs" / f"timeline_{model}_{sched}_recompute_{rc}")
             out = _launch(["--worker", "--model", model, "--schedule", sched, "--recompute", rc,
                            "--steps", str(steps), "--trace", trace])
             for r in sorted(out, key=lambda x: x["rank"]):
@@ -127,7 +127,7 @@ def measured(steps: int) -> list[str]:
                 rows.append(f"| {model} | {sched} | {rc} | {r['rank']} | {r['median_s']:.3f} | "
                             f"{r['pipeline_s']:.3f} | {sim:.3f} | {sim / r['pipeline_s']:.2f} | "
                             f"{r['peak_mb']:.0f} |")
-            print(rows[-1], flush=True)
+            print("\n".join(rows[-len(out):]), flush=True)
     return rows
 
 
@@ -155,7 +155,9 @@ def worker(a: argparse.Namespace) -> None:
     if a.model == "bert":
         from bert_factory import bert
 
-        model, kw = bert(4, 256, batch)
+        # vocabulary 2048: BERT's 30522-wide logits would make returning outputs (250 MB per
+        # step over gloo) the bulk of a CPU step, which no schedule changes
+        model, kw = bert(4, 256, batch, vocab=2048)
         args: tuple[Any, ...] = ()
     else:
         from resnet import bit_resnet
@@ -206,7 +208,11 @@ def worker(a: argparse.Namespace) -> None:
     res["simulated_s"] = tl.iteration_time
     if a.trace:
         wrapped.write_trace(a.trace, predicted_from="measured")
-    print("RESULT " + json.dumps(res), flush=True)
+    results: list[Any] = [None] * world
+    torch.distributed.all_gather_object(results, res)
+    if rank == 0:  # one writer: ranks printing at once interleave their lines
+        for r in results:
+            print("RESULT " + json.dumps(r), flush=True)
     rdist.shutdown()
 
 

@@ -29,6 +29,7 @@ from torch import nn
 from rannc import dist as rdist
 from rannc.atomic.components import AtomicPartition, atomic_components
 from rannc.config import Config
+from rannc.derive import derive_plan
 from rannc.errors import RaNNCError
 from rannc.graph.capture import CapturedModel, capture, flatten_inputs
 from rannc.graph.extract import StageGraph, build_stage_module, run_chain, split_graph
@@ -67,6 +68,7 @@ class RaNNCModule(nn.Module):
         self._plan: Plan | None = None
         self._runtimes: dict[tuple[Any, ...], PipelineRuntime] = {}
         self._last_rt: PipelineRuntime | None = None
+        self._released: dict[str, torch.Size] = {}  # parameters this rank freed: their shapes
 
     @property
     def module(self) -> nn.Module:
@@ -97,17 +99,27 @@ class RaNNCModule(nn.Module):
         key = (layout.signature, self.training)
         rt = self._runtimes.get(key)
         if rt is None:
-            cap = capture(self.module, args, kwargs)
+            with self._shaped_params():
+                cap = capture(self.module, args, kwargs)
             atomic = atomic_components(cap.graph)
-            plan = self._make_plan(cap, atomic, ctx, leaves, layout.batch)
-            if self._plan is None and ctx.rank == 0:
-                log.info("%s", plan.summary())
-            self._plan = plan
+            if self._plan is None:
+                plan = self._make_plan(cap, atomic, ctx, leaves, layout.batch)
+                if ctx.rank == 0:
+                    log.info("%s", plan.summary())
+                self._plan = plan
+            else:
+                # Another mode or input shape of a deployed model: keep every rank's parameters
+                # where they are and place the new graph on the same stages.
+                plan = derive_plan(cap.graph, atomic, self._plan, recompute=self.training)
+                if ctx.rank == 0:
+                    log.info("rannc: new input signature (%s mode, %s): captured again and placed "
+                             "on the deployed stages", "train" if self.training else "eval",
+                             cap.graph.summary())
             rt = PipelineRuntime(self.module, cap, atomic, plan, ctx.rank, ctx.world_size, ctx.device,
                                  trace=self.config.trace)
             rt.sync = self._sync
-            self._release_params(rt)
             self._runtimes[key] = rt
+            self._release_params()
         cap = rt.cap
         self._last_rt = rt
         flat = rt.forward(leaves, key)
@@ -196,16 +208,33 @@ class RaNNCModule(nn.Module):
                            f"{measured_s * 1e3:.1f} ms")
         return [path + ".json", path + ".png"]
 
-    def _release_params(self, rt: PipelineRuntime) -> None:
+    def _release_params(self) -> None:
         """Free the parameters this rank does not hold and stop the optimizer stepping them."""
-        held = {id(p) for p in rt.held.values()}
-        for p in self.module.parameters():
-            if id(p) not in held:
+        held = self._held_ids() or set()  # over every deployed signature
+        for n, p in self.module.named_parameters(remove_duplicate=False):
+            if id(p) not in held and p.numel():
+                self._released[n] = p.shape
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
                 p.grad = None
         if self.optimizer is not None:
             for group in self.optimizer.param_groups:
                 group["params"] = [p for p in group["params"] if id(p) in held]
+
+    @contextlib.contextmanager
+    def _shaped_params(self) -> Iterator[None]:
+        """Released parameters get their shapes back (uninitialised, never read: torch.export
+        traces with fake tensors; on CPU untouched pages cost no memory) while a new input
+        signature is captured."""
+        params = dict(self.module.named_parameters(remove_duplicate=False))
+        for n, shape in self._released.items():
+            p = params[n]
+            p.data = torch.empty(shape, dtype=p.dtype, device=p.device)
+        try:
+            yield
+        finally:
+            for n in self._released:
+                p = params[n]
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
 
     def _deploy(self, args: tuple[Any, ...], kwargs: dict[str, Any], first: bool) -> _Deployment:
         cap = capture(self.module, args, kwargs)

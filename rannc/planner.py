@@ -337,7 +337,7 @@ def _to_plan(graph: TaskGraph, atomic: AtomicPartition, costs: GraphCosts, best:
         stages.append(StagePlan(
             index=s, components=comps, ranks=ranks[s], shares=tuple(1.0 / len(ranks[s]) for _ in ranks[s]),
             recompute=_component_fraction(costs, comps, best.recompute[s], rows),
-            param_names=_param_names(graph, atomic, comps),
+            param_names=param_names_of(graph, atomic, comps),
             predicted={"forward_s": best.fwd[s], "backward_s": best.bwd[s],
                        "allreduce_s": best.allreduce[s], "memory_bytes": best.memory[s],
                        "microbatch_rows": rows, "in_flight": float(best.in_flight[s]),
@@ -366,7 +366,8 @@ def _component_fraction(costs: GraphCosts, comps: Sequence[int], f: float, rows:
     return min(c, len(comps)) / len(comps)
 
 
-def _param_names(graph: TaskGraph, atomic: AtomicPartition, comps: Sequence[int]) -> tuple[str, ...]:
+def param_names_of(graph: TaskGraph, atomic: AtomicPartition, comps: Sequence[int]) -> tuple[str, ...]:
+    """The original names of the parameters the components read, each once."""
     names: dict[str, None] = {}
     for c in comps:
         for t in atomic.components[c].tasks:

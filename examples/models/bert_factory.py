@@ -8,11 +8,12 @@ from typing import Any
 import torch
 
 
-def bert(layers: int, hidden: int, batch_size: int, seq: int = 128) -> tuple[Any, dict[str, Any]]:
+def bert(layers: int, hidden: int, batch_size: int, seq: int = 128,
+         vocab: int = 30522) -> tuple[Any, dict[str, Any]]:
     from transformers import BertConfig, BertForPreTraining
 
     cfg = BertConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=hidden // 64,
-                     intermediate_size=4 * hidden)
+                     intermediate_size=4 * hidden, vocab_size=vocab)
     model = BertForPreTraining(cfg)
     ids = torch.zeros(batch_size, seq, dtype=torch.long)
     kwargs = dict(input_ids=ids, token_type_ids=ids, attention_mask=torch.ones_like(ids),

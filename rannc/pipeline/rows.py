@@ -58,9 +58,10 @@ class RowLayout:
                  stage_shares: Sequence[Sequence[float]]) -> None:
         self.local_sizes = list(local_sizes)
         self.n_rows = sum(local_sizes)
-        if self.n_rows < microbatches:
-            raise ValueError(f"the global batch has {self.n_rows} rows, fewer than the "
-                             f"{microbatches} microbatches; use a larger batch or fewer microbatches")
+        if self.n_rows < 1:
+            raise ValueError("the global batch is empty: every rank passed 0 rows")
+        # Fewer rows than microbatches (a small last batch) leaves some microbatches empty;
+        # every rank skips them alike.
         self.owned = rank_ranges(local_sizes)
         self.micro = microbatch_ranges(self.n_rows, microbatches)
         # rows[s][m][j]: the rows replica j of stage s computes in microbatch m

@@ -7,6 +7,9 @@ runtime's isend / blocking recv). After its last action a stage all-reduces its 
 When no worker can move and some still have actions left, the schedule deadlocks, and
 `simulate` names each stuck stage and what it waits for.
 
+Fill-drain ("gpipe") also has a barrier between its forward and backward halves, as the
+runtime does (forward() returns, and backward() starts with an all-reduce).
+
 Also here: the peak number of microbatches each stage holds activations for, which is what
 the memory model multiplies, and the bubble ratio.
 """
@@ -76,12 +79,21 @@ def simulate(sched: Schedule, costs: StageCosts) -> Timeline:
     events: list[list[Event]] = [[] for _ in range(S)]
     dur = {Op.F: costs.fwd, Op.B: costs.bwd, Op.R: costs.recompute}
     remaining = sum(len(a) for a in sched.actions)
+    # Fill-drain returns from forward() between its two halves: the outputs are gathered and
+    # every rank meets in the loss gradient's all-reduce before any backward starts.
+    split = [len(sched.forward_part(s)) if sched.name == "gpipe" else -1 for s in range(S)]
+    fwd_end: dict[int, float] = {}
     while remaining:
         moved = False
         for s in range(S):
             acts = sched.actions[s]
             while nxt[s] < len(acts):
                 a = acts[nxt[s]]
+                if nxt[s] == split[s]:
+                    fwd_end[s] = clock[s]
+                    if len(fwd_end) < S:
+                        break
+                    clock[s] = max(clock[s], max(fwd_end.values()))
                 t0 = clock[s]
                 if a.op in dur:
                     t1 = t0 + dur[a.op][s]

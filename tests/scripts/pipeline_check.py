@@ -54,7 +54,82 @@ def user_loss(name: str, out: Any, y: torch.Tensor | None) -> torch.Tensor:
     return out["loss"] + out["out"].mean()
 
 
+def compare_and_loss(name: str, out: Any, ref_out: Any, y: torch.Tensor, sizes: list[int],
+                     rank: int, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Check this rank's output rows against the reference's; return (this rank's loss, the
+    reference loss whose gradient DDP semantics give)."""
+    n = sum(sizes)
+    ranges = [(sum(sizes[:q]), sum(sizes[:q + 1])) for q in range(len(sizes))]
+    mine = ranges[rank]
+    for x, r in zip(pytree.tree_leaves(out), pytree.tree_leaves(ref_out), strict=True):
+        if isinstance(x, torch.Tensor):
+            torch.testing.assert_close(x, rows_of(r, mine, n), rtol=RTOL, atol=ATOL,
+                                       msg=lambda m: f"rank {rank} {what} output: {m}")
+    loss = user_loss(name, out, y[mine[0]:mine[1]])
+    if name in ("bert", "gpt2"):
+        return loss, ref_out.loss
+    ref_loss = sum(user_loss(name, pytree.tree_map(lambda t, rr=rr: rows_of(t, rr, n), ref_out),
+                             y[rr[0]:rr[1]]) for rr in ranges) / len(sizes)
+    return loss, ref_loss
+
+
+def cut_seq(x: Any, seq: int) -> Any:
+    """Token tensors (integer, batch x sequence) cut to the first `seq` positions."""
+    if isinstance(x, torch.Tensor) and x.dim() >= 2 and not x.is_floating_point():
+        return x[:, :seq].contiguous()
+    return x
+
+
+def other_calls(a: argparse.Namespace, name: str, model: Any, ref: Any, rank: int,
+                world: int) -> None:
+    """On the deployed model: eval mode under no_grad, alternated with training calls; a
+    smaller last batch; a new sequence length. Outputs and gradients against the reference."""
+    ref_names = dict(ref.named_parameters())
+    calls = []
+    if a.eval_check:
+        calls.append(("eval", a.batch, 0))
+    if a.last_batch:
+        calls.append(("last batch", a.last_batch, 0))
+    if a.new_seq:
+        calls.append(("new sequence", a.batch, a.new_seq))
+    for what, n, seq in calls * 2:  # twice: the second time reuses what the first deployed
+        case = make_case(name, batch=n, seed=5)
+        args, kwargs = list(case.args), dict(case.kwargs)
+        if seq:
+            args = [cut_seq(x, seq) for x in args]
+            kwargs = {k: cut_seq(v, seq) for k, v in kwargs.items()}
+        sizes = local_sizes(n, world)
+        lo = sum(sizes[:rank])
+        mine = (lo, lo + sizes[rank])
+        l_args = [rows_of(x, mine, n) for x in args]
+        l_kwargs = {k: rows_of(v, mine, n) for k, v in kwargs.items()}
+        y = torch.randint(0, 5, (n,))
+        if what == "eval":
+            model.eval()
+            ref.eval()
+            with torch.no_grad():
+                compare_and_loss(name, model(*l_args, **l_kwargs), ref(*args, **kwargs), y, sizes,
+                                 rank, what)
+            model.train()
+            ref.train()
+        else:
+            model.zero_grad()
+            ref.zero_grad()
+            loss, ref_loss = compare_and_loss(name, model(*l_args, **l_kwargs), ref(*args, **kwargs),
+                                              y, sizes, rank, what)
+            loss.backward()
+            ref_loss.backward()
+            for pn, p_ in model.named_parameters():
+                torch.testing.assert_close(p_.grad, ref_names[pn].grad, rtol=RTOL, atol=ATOL,
+                                           msg=lambda m, pn=pn, w=what: f"rank {rank} {w} grad {pn}: {m}")
+        print(f"OK {what} {name} rank {rank}", flush=True)
+
+
 def main() -> None:
+    import logging
+
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("rannc").setLevel(logging.INFO)
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True, help="a model name, or several separated by commas")
     p.add_argument("--replicas", default="")
@@ -69,6 +144,11 @@ def main() -> None:
     p.add_argument("--loss-scale", type=float, default=1.0, help="backward of loss * this")
     p.add_argument("--grad-scaler", action="store_true", help="torch.amp.GradScaler on both")
     p.add_argument("--trace", default="", help="record events and write the trace files here")
+    p.add_argument("--eval-check", action="store_true", help="an eval call after training")
+    p.add_argument("--last-batch", type=int, default=0, help="a call with this global batch")
+    p.add_argument("--new-seq", type=int, default=0, help="a call with this sequence length")
+    p.add_argument("--extra-forward", action="store_true",
+                   help="before each step, a forward under grad mode whose backward never comes")
     p.add_argument("--mem-limit-gb", type=float, default=None)
     p.add_argument("--expect-error", default="", help="the first call must raise with this text")
     a = p.parse_args()
@@ -117,18 +197,11 @@ def check_model(a: argparse.Namespace, name: str, ctx: rdist.DistContext) -> Non
             return
         raise AssertionError("the call did not raise")
     for step in range(a.steps):
+        if a.extra_forward:  # evaluation under grad mode: nothing may be committed
+            model(*l_args, **l_kwargs)
         out = model(*l_args, **l_kwargs)
         ref_out = ref(*case.args, **case.kwargs)
-        for x, r in zip(pytree.tree_leaves(out), pytree.tree_leaves(ref_out), strict=True):
-            if isinstance(x, torch.Tensor):
-                torch.testing.assert_close(x, rows_of(r, mine, a.batch), rtol=RTOL, atol=ATOL,
-                                           msg=lambda m, step=step: f"rank {rank} step {step} output: {m}")
-        loss = user_loss(name, out, y[mine[0]:mine[1]])
-        ref_loss = sum(user_loss(name, pytree.tree_map(lambda t, rr=rr: rows_of(t, rr, a.batch), ref_out),
-                                 y[rr[0]:rr[1]])
-                       for rr in (( sum(sizes[:q]), sum(sizes[:q + 1])) for q in range(world))) / world
-        if name in ("bert", "gpt2"):
-            ref_loss = ref_out.loss
+        loss, ref_loss = compare_and_loss(name, out, ref_out, y, sizes, rank, f"step {step}")
         if a.grad_scaler:
             scaler_w.scale(loss).backward()
             scaler_r.scale(ref_loss).backward()
@@ -155,6 +228,7 @@ def check_model(a: argparse.Namespace, name: str, ctx: rdist.DistContext) -> Non
     for n, p_ in model.named_parameters():
         torch.testing.assert_close(p_, ref_names[n], rtol=RTOL, atol=ATOL,
                                    msg=lambda m, n=n: f"rank {rank} param {n}: {m}")
+    other_calls(a, name, model, ref, rank, world)
     if a.trace:
         files = model.write_trace(f"{a.trace}_{name}")
         if rank == 0:
