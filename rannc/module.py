@@ -69,6 +69,7 @@ class RaNNCModule(nn.Module):
         self._runtimes: dict[tuple[Any, ...], PipelineRuntime] = {}
         self._last_rt: PipelineRuntime | None = None
         self._released: dict[str, torch.Size] = {}  # parameters this rank freed: their shapes
+        self._placeholder: nn.Parameter | None = None
 
     @property
     def module(self) -> nn.Module:
@@ -85,7 +86,7 @@ class RaNNCModule(nn.Module):
         if rdist.get_world_size() > 1:
             return self._forward_distributed(args, kwargs)
         leaves, layout = flatten_inputs(args, kwargs)
-        key = (layout.signature, self.training)
+        key = (layout.signature, self.training, _autocast_state())
         dep = self._deployments.get(key)
         if dep is None:
             dep = self._deploy(args, kwargs, first=not self._deployments)
@@ -96,7 +97,7 @@ class RaNNCModule(nn.Module):
     def _forward_distributed(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         ctx = rdist.init_process_group(self.config.timeout_s)
         leaves, layout = flatten_inputs(args, kwargs)
-        key = (layout.signature, self.training)
+        key = (layout.signature, self.training, _autocast_state())
         rt = self._runtimes.get(key)
         if rt is None:
             with self._shaped_params():
@@ -119,7 +120,7 @@ class RaNNCModule(nn.Module):
                                  trace=self.config.trace)
             rt.sync = self._sync
             self._runtimes[key] = rt
-            self._release_params()
+            self._release_params(rt)
         cap = rt.cap
         self._last_rt = rt
         flat = rt.forward(leaves, key)
@@ -208,7 +209,7 @@ class RaNNCModule(nn.Module):
                            f"{measured_s * 1e3:.1f} ms")
         return [path + ".json", path + ".png"]
 
-    def _release_params(self) -> None:
+    def _release_params(self, rt: PipelineRuntime) -> None:
         """Free the parameters this rank does not hold and stop the optimizer stepping them."""
         held = self._held_ids() or set()  # over every deployed signature
         for n, p in self.module.named_parameters(remove_duplicate=False):
@@ -219,6 +220,15 @@ class RaNNCModule(nn.Module):
         if self.optimizer is not None:
             for group in self.optimizer.param_groups:
                 group["params"] = [p for p in group["params"] if id(p) in held]
+            if not any(g["params"] for g in self.optimizer.param_groups):
+                # A rank holding no parameters still runs the user's optimizer step; a GradScaler
+                # needs a gradient to check there. The stand-in has gradient 0 (inf when another
+                # rank overflowed), so stepping it changes nothing that matters.
+                if self._placeholder is None:
+                    self._placeholder = nn.Parameter(torch.zeros(1, device=rt.device))
+                self.optimizer.param_groups[0]["params"] = [self._placeholder]
+        for r in self._runtimes.values():
+            r.placeholder = self._placeholder
 
     @contextlib.contextmanager
     def _shaped_params(self) -> Iterator[None]:
@@ -301,6 +311,16 @@ class RaNNCModule(nn.Module):
 
     def extra_repr(self) -> str:
         return f"module={type(self.module).__name__}, deployments={len(self._deployments)}"
+
+
+def _autocast_state() -> tuple[Any, ...]:
+    """What torch.autocast is doing now: part of the capture key, since the captured graph has
+    autocast's casts baked in."""
+    out: list[Any] = []
+    for dev in ("cpu", "cuda"):
+        on = torch.is_autocast_enabled(dev)
+        out.append((dev, on, torch.get_autocast_dtype(dev) if on else None))
+    return tuple(out)
 
 
 def optimizer_state_factor(optimizer: torch.optim.Optimizer) -> float:

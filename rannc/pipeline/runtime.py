@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import math
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -127,6 +128,8 @@ class PipelineRuntime:
             for v in self.out_stage)
         self._late_logged = False
         self.trace = trace
+        # a stand-in parameter in the optimizer of a rank that holds none (see _share_overflow)
+        self.placeholder: nn.Parameter | None = None
         self.events: list[Event] = []  # the last iteration's actions, when tracing
         self.iteration_s = 0.0  # the last iteration's seconds from forward() to the gradients
 
@@ -704,6 +707,21 @@ class PipelineRuntime:
         for n, p in self.held.items():
             b = base[n]
             p.grad = new[n] if b is None else b + new[n]
+        self._share_overflow()
+
+    def _share_overflow(self) -> None:
+        """If any rank's gradients are not finite (an fp16 overflow in one stage), make every
+        rank's gradients show it, so that a GradScaler skips the step on every rank and all
+        ranks lower the scale alike: GradScaler itself only looks at the local gradients."""
+        grads = [p.grad for p in self.held.values() if p.grad is not None]
+        if self.placeholder is not None:
+            self.placeholder.grad = torch.zeros_like(self.placeholder)
+            grads.append(self.placeholder.grad)
+        bad = any(not bool(torch.isfinite(g).all()) for g in grads)
+        flag = torch.tensor([float(bad)], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() > 0 and not bad and grads:
+            grads[0].view(-1)[0] = math.inf
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

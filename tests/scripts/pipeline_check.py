@@ -11,7 +11,9 @@ its output rows, the loss, the gradients of the parameters it holds and, after
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
@@ -71,6 +73,16 @@ def compare_and_loss(name: str, out: Any, ref_out: Any, y: torch.Tensor, sizes: 
     ref_loss = sum(user_loss(name, pytree.tree_map(lambda t, rr=rr: rows_of(t, rr, n), ref_out),
                              y[rr[0]:rr[1]]) for rr in ranges) / len(sizes)
     return loss, ref_loss
+
+
+def _bf16(x: Any) -> Any:
+    return x.to(torch.bfloat16) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+
+def autocast(a: argparse.Namespace) -> Any:
+    if not a.autocast:
+        return contextlib.nullcontext()
+    return torch.autocast("cpu", dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[a.autocast])
 
 
 def cut_seq(x: Any, seq: int) -> Any:
@@ -145,6 +157,11 @@ def main() -> None:
     p.add_argument("--grad-scaler", action="store_true", help="torch.amp.GradScaler on both")
     p.add_argument("--trace", default="", help="record events and write the trace files here")
     p.add_argument("--eval-check", action="store_true", help="an eval call after training")
+    p.add_argument("--inject-overflow", type=int, default=-1,
+                   help="at this step, an inf gradient on rank 0's first parameter (and the "
+                        "reference's); with --grad-scaler every rank must skip the step")
+    p.add_argument("--autocast", default="", help="bf16 or fp16: both models run under autocast")
+    p.add_argument("--bf16", action="store_true", help="both models cast to bfloat16")
     p.add_argument("--last-batch", type=int, default=0, help="a call with this global batch")
     p.add_argument("--new-seq", type=int, default=0, help="a call with this sequence length")
     p.add_argument("--extra-forward", action="store_true",
@@ -152,6 +169,9 @@ def main() -> None:
     p.add_argument("--mem-limit-gb", type=float, default=None)
     p.add_argument("--expect-error", default="", help="the first call must raise with this text")
     a = p.parse_args()
+    if a.autocast or a.bf16:  # the pipeline sums microbatches in another order: bf16 agreement
+        global RTOL, ATOL
+        RTOL, ATOL = 2e-2, 2e-2
     ctx = rdist.init_process_group(timeout_s=60)
     for name in a.model.split(","):
         check_model(a, name, ctx)
@@ -166,6 +186,10 @@ def check_model(a: argparse.Namespace, name: str, ctx: rdist.DistContext) -> Non
     sizes = local_sizes(a.batch, world)
     lo = sum(sizes[:rank])
     mine = (lo, lo + sizes[rank])
+    if a.bf16:
+        case.model.to(torch.bfloat16)
+        case = dataclasses.replace(case, args=tuple(_bf16(x) for x in case.args),
+                                   kwargs={k: _bf16(v) for k, v in case.kwargs.items()})
     ref = copy.deepcopy(case.model)
     opts: dict[str, Any] = {"microbatches": a.microbatches or None, "checkpointing": a.checkpointing,
                             "schedule": a.schedule,
@@ -196,11 +220,24 @@ def check_model(a: argparse.Namespace, name: str, ctx: rdist.DistContext) -> Non
             print(f"PASS rank {rank} error: {e}", flush=True)
             return
         raise AssertionError("the call did not raise")
+    hooks: list[Any] = []
     for step in range(a.steps):
+        for h in hooks:
+            h.remove()
+        hooks = []
+        if step == a.inject_overflow:
+            firsts: list[Any] = [None] * world  # on the first rank holding a parameter
+            torch.distributed.all_gather_object(firsts, next(iter(dict(model.named_parameters())), None))
+            src = next(r for r, x in enumerate(firsts) if x is not None)
+            inf = lambda g: g * float("inf")  # noqa: E731
+            hooks.append(ref_names[firsts[src]].register_hook(inf))
+            if rank == src:
+                hooks.append(dict(model.named_parameters())[firsts[src]].register_hook(inf))
         if a.extra_forward:  # evaluation under grad mode: nothing may be committed
             model(*l_args, **l_kwargs)
-        out = model(*l_args, **l_kwargs)
-        ref_out = ref(*case.args, **case.kwargs)
+        with autocast(a):
+            out = model(*l_args, **l_kwargs)
+            ref_out = ref(*case.args, **case.kwargs)
         loss, ref_loss = compare_and_loss(name, out, ref_out, y, sizes, rank, f"step {step}")
         if a.grad_scaler:
             scaler_w.scale(loss).backward()
@@ -212,6 +249,10 @@ def check_model(a: argparse.Namespace, name: str, ctx: rdist.DistContext) -> Non
             scaler_w.unscale_(opt_w)
             scaler_r.unscale_(opt_r)
         held = dict(model.named_parameters())
+        if step == a.inject_overflow:  # every rank must see the overflow, whoever had it
+            assert not all(torch.isfinite(p_.grad).all() for p_ in held.values() if p_.grad is not None) \
+                or not held, f"rank {rank} did not see the overflow"
+            held = {}
         for n, p_ in held.items():
             g = ref_names[n].grad
             torch.testing.assert_close(p_.grad, g, rtol=RTOL, atol=ATOL,
@@ -220,6 +261,7 @@ def check_model(a: argparse.Namespace, name: str, ctx: rdist.DistContext) -> Non
             for sc, o in ((scaler_w, opt_w), (scaler_r, opt_r)):
                 sc.step(o)
                 sc.update()
+            assert scaler_w.get_scale() == scaler_r.get_scale(), (rank, step, scaler_w.get_scale())
         else:
             opt_w.step()
             opt_r.step()
