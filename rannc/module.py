@@ -26,6 +26,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
+from rannc import clip as rclip
 from rannc import dist as rdist
 from rannc.atomic.components import AtomicPartition, atomic_components
 from rannc.config import Config
@@ -70,6 +71,8 @@ class RaNNCModule(nn.Module):
         self._last_rt: PipelineRuntime | None = None
         self._released: dict[str, torch.Size] = {}  # parameters this rank freed: their shapes
         self._placeholder: nn.Parameter | None = None
+        self._owned: list[nn.Parameter] | None = None  # the parameters this rank counts in norms
+        rclip.register(self)  # torch.nn.utils.clip_grad_norm_ recognises model.parameters()
 
     @property
     def module(self) -> nn.Module:
@@ -121,6 +124,7 @@ class RaNNCModule(nn.Module):
             rt.sync = self._sync
             self._runtimes[key] = rt
             self._release_params(rt)
+            self._owned = None
         cap = rt.cap
         self._last_rt = rt
         flat = rt.forward(leaves, key)
@@ -289,15 +293,68 @@ class RaNNCModule(nn.Module):
                         assign: bool = False) -> Any:
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the gradients of all parameters by their global norm; returns that norm."""
-        return torch.nn.utils.clip_grad_norm_(list(self.parameters()), max_norm, norm_type)
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False,
+                        foreach: bool | None = None) -> torch.Tensor:
+        """Clip the gradients of all the model's parameters by their global norm; return that
+        norm (the same tensor value on every rank).
+
+        The result is what `torch.nn.utils.clip_grad_norm_(m.parameters(), ...)` gives on the
+        unwrapped model `m` after the same backward: every parameter counts once (replicas of a
+        stage and weights tied between stages included), `norm_type` may be any p (`inf` too),
+        and every rank scales its held gradients by `min(max_norm / (norm + 1e-6), 1)`.
+
+        Collective once deployed on several ranks: every rank must call it, after the
+        synchronised backward (not inside `no_sync()`, whose gradients are still local).
+        `torch.nn.utils.clip_grad_norm_(model.parameters(), ...)` calls this method (see
+        `rannc.clip`). Before the first call, or in one process, it is torch's function.
+        """
+        rt = self._last_rt
+        if rt is None:
+            return rclip.torch_clip_grad_norm_(self.module.parameters(), max_norm, norm_type,
+                                               error_if_nonfinite, foreach)
+        if any(r._pending for r in self._runtimes.values()):  # local sums awaiting a reduce
+            raise RaNNCError("clip_grad_norm_ after a backward under no_sync(): the gradients are "
+                             "not yet summed over ranks. Clip after the last (synchronised) "
+                             "backward of the accumulation, outside no_sync()")
+        if self._owned is None:
+            self._owned = rclip.owned_parameters(self.module, rt.plan, rt.held, rt.rank)
+        held = list({id(p): p for p in rt.held.values()}.values())
+        dtype = held[0].dtype if held else torch.get_default_dtype()
+        grads = [p.grad for p in self._owned if p.grad is not None]
+        total = rclip.global_norm(grads, norm_type, device=rt.device, dtype=dtype)
+        if error_if_nonfinite:
+            rclip.check_finite(total, norm_type)
+        torch.nn.utils.clip_grads_with_norm_(held, max_norm, total, foreach)
+        return total
+
+    def _parameter_set_match(self, ids: set[int]) -> bool:
+        """Whether `ids` are this deployed module's parameters, the held ones or all; raises when
+        they are only some of them (a local norm over them would be silently wrong)."""
+        if self._last_rt is None:
+            return False
+        held = self._held_ids() or set()
+        every = {id(p) for p in self.module.parameters()}
+        if ids in (held, every):
+            return True
+        if ids & every:
+            raise RaNNCError(
+                f"torch.nn.utils.clip_grad_norm_ was given {len(ids & held)} of the "
+                f"{len(held)} parameters this rank holds of a RaNNCModule (plus "
+                f"{len(ids - held)} others); a norm over them would be local to this rank. Pass "
+                "model.parameters() (all of them), or call model.clip_grad_norm_(max_norm) on "
+                "every rank")
+        return False
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Defer the replica gradient all-reduce (gradient accumulation).
+        """Gradient accumulation, as `DistributedDataParallel.no_sync`: backward passes inside
+        keep their gradients local (added into `.grad`), and the next backward outside sums the
+        whole accumulation over the ranks holding each parameter (stage replicas, tied copies).
 
-        With one replica per stage there is nothing to defer, so this only marks the scope.
+        Every rank must run the same calls inside it. Like DDP users, scale each micro-step's
+        loss (`(loss / k).backward()` for k steps) to get the gradient of the mean loss over
+        the k batches; clip (`clip_grad_norm_`) and step after the last, synchronised backward.
         """
         prev, self._sync = self._sync, False
         for rt in self._runtimes.values():
@@ -324,13 +381,23 @@ def _autocast_state() -> tuple[Any, ...]:
 
 
 def optimizer_state_factor(optimizer: torch.optim.Optimizer) -> float:
-    """Optimizer state elements per parameter element (DESIGN.md's memory model)."""
-    name = type(optimizer).__name__
-    group = optimizer.param_groups[0] if optimizer.param_groups else {}
-    if name in ("SGD",):
-        return 1.0 if group.get("momentum", 0) else 0.0
-    if name in ("Adagrad", "Rprop", "ASGD"):
-        return 1.0
-    if name == "RMSprop":
+    """Optimizer state elements per parameter element (DESIGN.md's memory model): the most any
+    param group needs. Counted from torch's optimizers' state after a step (torch 2.13)."""
+    groups = optimizer.param_groups or [{}]
+    return max(_group_state_factor(type(optimizer).__name__, g) for g in groups)
+
+
+def _group_state_factor(name: str, group: Mapping[str, Any]) -> float:
+    if name == "SGD":
+        return 1.0 if group.get("momentum", 0) else 0.0  # momentum_buffer
+    if name in ("Adam", "AdamW"):
+        return 3.0 if group.get("amsgrad") else 2.0  # exp_avg, exp_avg_sq (+ max_exp_avg_sq)
+    if name in ("Adagrad", "ASGD"):
+        return 1.0  # state_sum; ax
+    if name == "RMSprop":  # square_avg (+ momentum_buffer) (+ grad_avg)
         return 1.0 + (1.0 if group.get("momentum", 0) else 0.0) + (1.0 if group.get("centered") else 0.0)
-    return 2.0  # Adam, AdamW, NAdam, RAdam, Adamax and unknown optimizers: assume two moments
+    if name == "Adafactor":
+        return 0.0  # factored second moment: one row and one column per matrix
+    if name == "LBFGS":  # flat direction and gradient, and history_size pairs of updates
+        return 2.0 + 2.0 * float(group.get("history_size", 100))
+    return 2.0  # NAdam, RAdam, Adamax, Adadelta, Rprop (two tensors each) and unknown ones

@@ -1,0 +1,220 @@
+"""What a training loop does besides forward and backward, on several ranks, against the
+unwrapped model on the global batch: gradient clipping by the global norm, gradient
+accumulation under no_sync(), and torch optimizers with LR schedulers.
+
+    mpiexec -n 4 python tests/scripts/train_ops_check.py --model bert --partition-num 4 --microbatches 2
+
+Every rank builds the same model and data (same seed) and mirrors every operation on a copy of
+the original model fed the whole global batch; it compares the clipped norm, the gradients and
+the parameters it holds (fp32, rtol 1e-5). One wrapped model per model name runs every check in
+turn, so both copies stay equal from one check to the next. Prints "PASS <model> rank R".
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[2])]
+from model_zoo import make_case  # noqa: E402
+
+import rannc  # noqa: E402
+from rannc import dist as rdist  # noqa: E402
+
+RTOL, ATOL = 1e-5, 1e-6
+K = 4  # accumulation micro-steps
+
+
+class Pair:
+    """The wrapped model and the reference, with the data: K global batches of `batch` rows."""
+
+    def __init__(self, name: str, a: argparse.Namespace, rank: int, world: int) -> None:
+        self.name, self.rank, self.world, self.batch = name, rank, world, a.batch
+        case = make_case(name, batch=K * a.batch, seed=0)
+        self.ref = copy.deepcopy(case.model)
+        self.case = case
+        sizes = [a.batch // world + (1 if r < a.batch % world else 0) for r in range(world)]
+        self.mine = (sum(sizes[:rank]), sum(sizes[:rank + 1]))
+        # eps 1e-4: some gradients are float noise (BERT's attention key biases); a tiny eps
+        # would turn the noise into full-size steps in either run.
+        self.opt = torch.optim.AdamW(case.model.parameters(), lr=1e-2, eps=1e-4)
+        self.ref_opt = torch.optim.AdamW(self.ref.parameters(), lr=1e-2, eps=1e-4)
+        opts: dict[str, Any] = {"microbatches": a.microbatches, "schedule": a.schedule}
+        if a.replicas:
+            opts["replicas"] = [int(x) for x in a.replicas.split(",")]
+        if a.partition_num:
+            opts["partition_num"] = a.partition_num
+        self.model = rannc.RaNNCModule(case.model, self.opt, **opts)
+        self.ref_params = dict(self.ref.named_parameters())
+
+    def _kwargs(self, k: int, rows: tuple[int, int] | None) -> dict[str, Any]:
+        lo = k * self.batch
+        a, b = (lo, lo + self.batch) if rows is None else (lo + rows[0], lo + rows[1])
+        return {n: v[a:b] for n, v in self.case.kwargs.items()}
+
+    def loss(self, k: int) -> torch.Tensor:
+        """The wrapped model's loss on global batch k (every rank gets the global value)."""
+        return self.model(**self._kwargs(k, self.mine)).loss
+
+    def ref_loss(self, k: int | None) -> torch.Tensor:
+        """The reference's loss on global batch k, or on all K of them (k None)."""
+        kw = self.case.kwargs if k is None else self._kwargs(k, None)
+        return self.ref(**kw).loss
+
+    def zero_grad(self) -> None:
+        self.model.zero_grad()
+        self.ref.zero_grad()
+
+    def check_grads(self, what: str) -> None:
+        for n, p in self.model.named_parameters():
+            torch.testing.assert_close(p.grad, self.ref_params[n].grad, rtol=RTOL, atol=ATOL,
+                                       msg=lambda m, n=n: f"{self.tag} {what} grad {n}: {m}")
+
+    def check_params(self, what: str) -> None:
+        for n, p in self.model.named_parameters():
+            torch.testing.assert_close(p, self.ref_params[n], rtol=RTOL, atol=ATOL,
+                                       msg=lambda m, n=n: f"{self.tag} {what} param {n}: {m}")
+
+    @property
+    def tag(self) -> str:
+        return f"{self.name} rank {self.rank}"
+
+
+def check_clip(pr: Pair) -> None:
+    """The 2-norm and the inf-norm, through model.clip_grad_norm_ and through
+    torch.nn.utils.clip_grad_norm_(model.parameters()), with a max_norm that clips."""
+    apis: list[tuple[str, Callable[[float, float], torch.Tensor]]] = [
+        ("model.clip_grad_norm_", lambda c, p: pr.model.clip_grad_norm_(c, p)),
+        ("torch.nn.utils.clip_grad_norm_",
+         lambda c, p: torch.nn.utils.clip_grad_norm_(pr.model.parameters(), c, norm_type=p)),
+    ]
+    for norm_type in (2.0, math.inf):
+        for api, clip in apis:
+            pr.zero_grad()
+            pr.loss(0).backward()
+            pr.ref_loss(0).backward()
+            full = torch.nn.utils.get_total_norm([p.grad for p in pr.ref.parameters()], norm_type)
+            max_norm = float(full) / 3
+            want = torch.nn.utils.clip_grad_norm_(pr.ref.parameters(), max_norm, norm_type)
+            got = clip(max_norm, norm_type)
+            what = f"{api} norm_type {norm_type}"
+            torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL,
+                                       msg=lambda m, what=what: f"{pr.tag} {what} norm: {m}")
+            pr.check_grads(f"{what} clipped")
+    # Only some of the parameters: a norm over them would be local, so it is refused.
+    some = list(pr.model.parameters())[:1]
+    try:
+        torch.nn.utils.clip_grad_norm_(some, 1.0)
+    except rannc.RaNNCError as e:
+        assert "model.clip_grad_norm_" in str(e), str(e)
+    else:
+        raise AssertionError(f"{pr.tag}: clipping a subset of the parameters did not raise")
+    pr.zero_grad()
+
+
+def check_accumulation(pr: Pair) -> None:
+    """K calls, the first K-1 under no_sync(), each backward of loss / K, equal one call on the
+    K-times larger batch; then clip and an AdamW step."""
+    pr.zero_grad()
+    for k in range(K):
+        ctx = pr.model.no_sync() if k < K - 1 else contextlib.nullcontext()
+        with ctx:
+            (pr.loss(k) / K).backward()
+        if k == 0:
+            try:
+                pr.model.clip_grad_norm_(1.0)
+            except rannc.RaNNCError as e:
+                assert "no_sync" in str(e), str(e)
+            else:
+                raise AssertionError(f"{pr.tag}: clip_grad_norm_ under no_sync did not raise")
+    pr.ref_loss(None).backward()
+    pr.check_grads("accumulated")
+    got = pr.model.clip_grad_norm_(0.5)
+    want = torch.nn.utils.clip_grad_norm_(pr.ref.parameters(), 0.5)
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+    pr.opt.step()
+    pr.ref_opt.step()
+    pr.zero_grad()
+    pr.check_params("accumulated step")
+
+
+Factory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+SchedFactory = Callable[[torch.optim.Optimizer], Any]
+
+OPTIMIZERS: list[tuple[str, Factory, SchedFactory]] = [
+    ("SGD(momentum)+StepLR", lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-3),
+     lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5)),
+    ("Adam+LambdaLR", lambda ps: torch.optim.Adam(ps, lr=1e-2, eps=1e-4),
+     lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s))),
+    # A start-up accumulator keeps Adagrad from blowing float noise in tiny gradients up to steps.
+    ("Adagrad+CosineAnnealingLR",
+     lambda ps: torch.optim.Adagrad(ps, lr=1e-2, initial_accumulator_value=0.1),
+     lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=4)),
+]
+
+
+def check_optimizers(pr: Pair, steps: int) -> None:
+    """AdamW (given to RaNNCModule) with OneCycleLR, then optimizers built after deployment from
+    model.parameters(), each with a scheduler; clipping at 1.0 before every step, as HF does."""
+    runs: list[tuple[str, torch.optim.Optimizer, torch.optim.Optimizer, Any, Any]] = []
+    one_cycle = lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=1e-2, total_steps=steps)  # noqa: E731
+    runs.append(("AdamW+OneCycleLR", pr.opt, pr.ref_opt, one_cycle(pr.opt), one_cycle(pr.ref_opt)))
+    for what, make, sched in OPTIMIZERS:
+        o, r = make(list(pr.model.parameters())), make(list(pr.ref.parameters()))
+        runs.append((what, o, r, sched(o), sched(r)))
+    for what, opt, ref_opt, sch, ref_sch in runs:
+        for step in range(steps):
+            pr.zero_grad()
+            pr.loss(step % K).backward()
+            pr.ref_loss(step % K).backward()
+            torch.nn.utils.clip_grad_norm_(pr.model.parameters(), 1.0)
+            torch.nn.utils.clip_grad_norm_(pr.ref.parameters(), 1.0)
+            opt.step()
+            ref_opt.step()
+            sch.step()
+            ref_sch.step()
+        assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"], what
+        pr.check_params(what)
+    pr.zero_grad()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True, help="bert or gpt2, or both separated by a comma")
+    p.add_argument("--checks", default="clip,accum,optim")
+    p.add_argument("--replicas", default="")
+    p.add_argument("--partition-num", type=int, default=0)
+    p.add_argument("--microbatches", type=int, default=2)
+    p.add_argument("--batch", type=int, default=8, help="global batch of one call")
+    p.add_argument("--steps", type=int, default=3, help="steps per optimizer")
+    p.add_argument("--schedule", default="auto")
+    a = p.parse_args()
+    ctx = rdist.init_process_group(timeout_s=60)
+    checks = a.checks.split(",")
+    for name in a.model.split(","):
+        pr = Pair(name, a, ctx.rank, ctx.world_size)
+        if "clip" in checks:
+            check_clip(pr)
+        if "accum" in checks:
+            check_accumulation(pr)
+        if "optim" in checks:
+            check_optimizers(pr, a.steps)
+        plan = pr.model.plan
+        assert plan is not None
+        print(f"PASS {name} rank {ctx.rank} checks {a.checks}", flush=True)
+        if ctx.rank == 0:
+            print(f"SCHEDULE {plan.schedule} REPLICAS {[s.replicas for s in plan.stages]}", flush=True)
+    rdist.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""The rest of a training loop against the unwrapped model on the global batch: gradient
+clipping by the global norm (2-norm and inf-norm, through model.clip_grad_norm_ and through
+torch.nn.utils.clip_grad_norm_(model.parameters())), gradient accumulation under no_sync(),
+and torch optimizers with LR schedulers (rtol 1e-5); plus the optimizer state factor the
+planner's memory model reads."""
+
+from __future__ import annotations
+
+import copy
+import math
+import re
+
+import pytest
+import torch
+from model_zoo import make_case
+from mpi_harness import TESTS, run_mpi
+
+import rannc
+from rannc.module import optimizer_state_factor
+
+SCRIPT = TESTS / "scripts" / "train_ops_check.py"
+
+# (ranks, arguments, models): BERT on 4 stages, so its tied word embedding lives on ranks 0 and
+# 3, with the default schedule; 2 stages x 2 replicas under fill-drain; the whole 2-stage
+# pipeline replicated (R = 2) under 1F1B.
+LAYOUTS = [
+    (4, ["--partition-num", "4"], "bert"),
+    (4, ["--replicas", "2,2", "--schedule", "gpipe"], "bert"),
+    (4, ["--replicas", "1,1", "--schedule", "1f1b"], "gpt2"),
+]
+
+
+@pytest.mark.parametrize(("n", "args", "models"), LAYOUTS,
+                         ids=[f"{n}r-{'_'.join(x.lstrip('-') for x in a)}-{m}" for n, a, m in LAYOUTS])
+def test_clip_accumulate_and_optimizers_equal_the_unwrapped_model(n: int, args: list[str],
+                                                                  models: str) -> None:
+    res = run_mpi(SCRIPT, n, ["--model", models, "--microbatches", "2", "--batch", "8", *args])
+    for model in models.split(","):
+        got = sorted(re.findall(rf"PASS {model} rank (\d+)", res.stdout))
+        assert got == [str(r) for r in range(n)], (model, res.stdout)
+    if "--schedule" in args:
+        assert f"SCHEDULE {args[args.index('--schedule') + 1]}" in res.stdout, res.stdout
+
+
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+def test_clip_in_one_process_is_torchs(norm_type: float) -> None:
+    case = make_case("fork_join", batch=4)
+    ref = copy.deepcopy(case.model)
+    model = rannc.RaNNCModule(case.model)
+    case.loss(model(*case.args)).backward()
+    case.loss(ref(*case.args)).backward()
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01, norm_type)
+    got = model.clip_grad_norm_(0.01, norm_type)
+    assert want > 0.01
+    torch.testing.assert_close(got, want)
+    for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, msg=n)
+    # Not deployed on several ranks: torch.nn.utils.clip_grad_norm_ is torch's own.
+    again = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01, norm_type)
+    torch.testing.assert_close(again, torch.nn.utils.get_total_norm(
+        [q.grad for q in ref.parameters()], norm_type))
+
+
+def test_optimizer_state_factor_counts_torchs_state() -> None:
+    """The factor equals the per-element state torch keeps after a step."""
+    def measured(opt: torch.optim.Optimizer, lin: torch.nn.Linear) -> float:
+        lin(torch.randn(3, 16)).pow(2).sum().backward()
+        opt.step()
+        n = sum(p.numel() for p in lin.parameters())
+        kept = sum(v.numel() for st in opt.state.values() for v in st.values()
+                   if isinstance(v, torch.Tensor) and v.dim() > 0)
+        return kept / n
+
+    makers = [
+        lambda ps: torch.optim.SGD(ps, lr=0.1),
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+        lambda ps: torch.optim.Adam(ps),
+        lambda ps: torch.optim.Adam(ps, amsgrad=True),
+        lambda ps: torch.optim.AdamW(ps),
+        lambda ps: torch.optim.AdamW(ps, amsgrad=True),
+        lambda ps: torch.optim.Adagrad(ps),
+        lambda ps: torch.optim.RMSprop(ps, momentum=0.9, centered=True),
+        lambda ps: torch.optim.NAdam(ps),
+        lambda ps: torch.optim.Rprop(ps),
+        lambda ps: torch.optim.Adadelta(ps),
+    ]
+    for make in makers:
+        lin = torch.nn.Linear(16, 16)
+        opt = make(lin.parameters())
+        assert optimizer_state_factor(opt) == measured(opt, lin), opt
