@@ -77,6 +77,27 @@ def test_every_schedule_equals_the_unwrapped_model(n: int, args: list[str], mode
             assert len(re.findall(rf"OK {what} bert rank", res.stdout)) == 2 * n
 
 
+# Mixed precision (issue 6): bf16 autocast with recomputation under 1F1B, a model cast to bf16,
+# and GradScaler with an inf gradient injected on one rank (every rank must skip that step and
+# keep the same scale; kwargs leaves two ranks without parameters).
+PRECISION = [
+    (2, ["--partition-num", "2", "--microbatches", "2", "--batch", "8", "--schedule", "1f1b",
+         "--autocast", "bf16", "--recompute-fraction", "1"], "bert,gpt2"),
+    (2, ["--partition-num", "2", "--microbatches", "2", "--batch", "8", "--bf16"], "bert,gpt2"),
+    (3, ["--replicas", "1,1,1", "--microbatches", "2", "--batch", "8", "--schedule", "1f1b",
+         "--grad-scaler", "--inject-overflow", "1"], "bert,kwargs"),
+]
+
+
+@pytest.mark.parametrize(("n", "args", "models"), PRECISION,
+                         ids=[f"{n}r-{'_'.join(x.lstrip('-') for x in a)}" for n, a, _ in PRECISION])
+def test_mixed_precision_equals_the_unwrapped_model(n: int, args: list[str], models: str) -> None:
+    res = run_mpi(SCRIPT, n, ["--model", models, *args])
+    for model in models.split(","):
+        got = sorted(re.findall(rf"PASS {model} rank (\d+)", res.stdout))
+        assert got == [str(r) for r in range(n)], (model, res.stdout)
+
+
 def test_trace_files_hold_every_rank_and_the_prediction(tmp_path: Path) -> None:
     from rannc.schedule import load_chrome_trace
 
