@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
@@ -25,7 +26,9 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
+from torch.nn.modules.module import _IncompatibleKeys
 
+from rannc import checkpoint as ckpt
 from rannc import clip as rclip
 from rannc import dist as rdist
 from rannc.atomic.components import AtomicPartition, atomic_components
@@ -73,6 +76,7 @@ class RaNNCModule(nn.Module):
         self._placeholder: nn.Parameter | None = None
         self._owned: list[nn.Parameter] | None = None  # the parameters this rank counts in norms
         rclip.register(self)  # torch.nn.utils.clip_grad_norm_ recognises model.parameters()
+        self._opt_groups: list[list[str]] | None = None  # param names per group, before pruning
 
     @property
     def module(self) -> nn.Module:
@@ -141,8 +145,6 @@ class RaNNCModule(nn.Module):
                    leaves: list[Any], local_batch: int | None) -> Plan:
         """Load the saved plan, or plan on rank 0 for this world and broadcast it (one plan for
         all ranks even though each measures its own device)."""
-        import os
-
         import torch.distributed as dist
 
         from rannc.planner import make_oracle, plan_graph
@@ -214,16 +216,31 @@ class RaNNCModule(nn.Module):
         return [path + ".json", path + ".png"]
 
     def _release_params(self, rt: PipelineRuntime) -> None:
-        """Free the parameters this rank does not hold and stop the optimizer stepping them."""
+        """Free the parameters this rank does not hold and stop the optimizer stepping them.
+
+        A parameter that no stage reads stays on every rank (state_dict() still has it)."""
         held = self._held_ids() or set()  # over every deployed signature
-        for n, p in self.module.named_parameters(remove_duplicate=False):
-            if id(p) not in held and p.numel():
+        params = dict(self.module.named_parameters(remove_duplicate=False))
+        read = {id(params[n]) for r in self._runtimes.values() for st in r.plan.stages
+                for n in st.param_names}
+        released = []
+        for n, p in params.items():
+            if id(p) in read and id(p) not in held and p.numel():
                 self._released[n] = p.shape
+                released.append(p)
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
                 p.grad = None
         if self.optimizer is not None:
+            if self._opt_groups is None:  # the names before pruning, for optimizer_state_dict()
+                self._opt_groups = ckpt.group_names(self.module, self.optimizer)
+            for p in released:
+                self.optimizer.state.pop(p, None)
             for group in self.optimizer.param_groups:
-                group["params"] = [p for p in group["params"] if id(p) in held]
+                keep = [id(p) not in read or id(p) in held for p in group["params"]]
+                group["params"] = [p for p, k in zip(group["params"], keep, strict=True) if k]
+                if "param_names" in group:
+                    group["param_names"] = [n for n, k in zip(group["param_names"], keep, strict=True)
+                                            if k]
             if not any(g["params"] for g in self.optimizer.param_groups):
                 # A rank holding no parameters still runs the user's optimizer step; a GradScaler
                 # needs a gradient to check there. The stand-in has gradient 0 (inf when another
@@ -233,6 +250,20 @@ class RaNNCModule(nn.Module):
                 self.optimizer.param_groups[0]["params"] = [self._placeholder]
         for r in self._runtimes.values():
             r.placeholder = self._placeholder
+
+    @contextlib.contextmanager
+    def _without_placeholder(self) -> Iterator[None]:
+        """The optimizer without the stand-in parameter, for state dicts by parameter name."""
+        ph = self._placeholder
+        groups = self.optimizer.param_groups if self.optimizer is not None else []
+        had = ph is not None and bool(groups) and any(p is ph for p in groups[0]["params"])
+        if had:
+            groups[0]["params"] = [p for p in groups[0]["params"] if p is not ph]
+        try:
+            yield
+        finally:
+            if had:
+                groups[0]["params"].append(ph)
 
     @contextlib.contextmanager
     def _shaped_params(self) -> Iterator[None]:
@@ -286,12 +317,94 @@ class RaNNCModule(nn.Module):
         return self.module.named_buffers(prefix, recurse, remove_duplicate)
 
     def state_dict(self, *args: Any, rank0_only: bool = True, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
-        """The model's state dict with its original names (loadable into the unwrapped model)."""
-        return self.module.state_dict(*args, **kwargs)
+        """The whole model's state dict (parameters and persistent buffers) under its original
+        names, tied weights under every name, loadable into the unwrapped model with
+        `load_state_dict(strict=True)`.
+
+        After deployment this is a collective: EVERY rank must call it. Each entry comes from a
+        rank that holds it (a buffer from a rank of the stage that updates it) and lands, as a CPU
+        copy, on rank 0; the other ranks get `{}`, or the same dict with `rank0_only=False`.
+        Before the first call, and in one process, it is the module's own state_dict() on every
+        rank (no communication). `keep_vars` has no effect after deployment (entries are copies).
+        """
+        rt = self._last_rt
+        if rt is None:
+            return self.module.state_dict(*args, **kwargs)
+        if args or kwargs.get("destination") is not None:
+            raise RaNNCError("after deployment state_dict() takes only prefix=, keep_vars= and "
+                             "rank0_only=; it returns a new dict")
+        return ckpt.gather_state_dict(self.module, rt, rank0_only, prefix=kwargs.get("prefix", ""))
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,  # type: ignore[override]
                         assign: bool = False) -> Any:
-        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+        """Load a full state dict (original names, as `state_dict()` or the unwrapped model's).
+
+        Before the first call it loads into the module as usual. After deployment each rank
+        copies the entries it holds (its parameters, the buffers) and ignores the rest; `strict`
+        checks the keys against the whole model's. Not a collective: every rank should get the
+        same dict (rank 0's gathered one broadcast, or one loaded from a file on every rank).
+        """
+        if self._last_rt is None:
+            return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+        if assign:
+            raise RaNNCError("load_state_dict(assign=True) is not supported after deployment: "
+                             "ranks hold only their stage's parameters; load before the first call")
+        missing, unexpected = ckpt.load_held_state(self.module, self._last_rt, state_dict, strict)
+        return _IncompatibleKeys(missing, unexpected)
+
+    def optimizer_state_dict(self, rank0_only: bool = True) -> dict[str, Any]:
+        """The optimizer's state for the whole model, keyed by ORIGINAL PARAMETER NAMES:
+        `{"state": {name: {"exp_avg": ..., ...}}, "param_groups": [{hyper-parameters...,
+        "params": [names]}]}` (the param groups as given to the optimizer, before pruning).
+
+        After deployment EVERY rank must call it (collective); each parameter's state comes
+        from a rank holding it and lands on rank 0 (others get `{}`; every rank with
+        `rank0_only=False`). Load it with `load_optimizer_state_dict()`, also into another plan
+        or number of ranks. The optimizer's own `state_dict()` stays per rank: it covers the
+        parameters that rank holds, by index into its pruned param groups.
+        """
+        opt = self._need_optimizer()
+        groups = self._opt_groups or ckpt.group_names(self.module, opt)
+        with self._without_placeholder():
+            return ckpt.gather_optimizer_state(self.module, opt, self._last_rt, groups, rank0_only)
+
+    def load_optimizer_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load an `optimizer_state_dict()` (by parameter names) on every rank: each rank takes
+        the state of the parameters it holds, and every group's hyper-parameters. Not a
+        collective; every rank needs the whole dict. Works before and after the first call."""
+        with self._without_placeholder():
+            ckpt.load_optimizer_state(self.module, self._need_optimizer(), state_dict)
+
+    def _need_optimizer(self) -> torch.optim.Optimizer:
+        if self.optimizer is None:
+            raise RaNNCError("no optimizer: pass it as RaNNCModule(model, optimizer)")
+        return self.optimizer
+
+    def save_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Save a sharded checkpoint (torch.distributed.checkpoint) into directory `path`:
+        every parameter, persistent buffer and optimizer state, keyed by original names, each
+        written once by a rank holding it. It loads into any plan or number of ranks.
+
+        EVERY rank must call it (collective). The checkpoint is written into
+        `path + ".tmp-<id>"` and renamed into place by rank 0 after all ranks have written, so
+        an interrupted save leaves the previous checkpoint at `path` intact. The directory must
+        be on a file system every rank sees.
+        """
+        rdist.init_process_group(self.config.timeout_s)
+        groups = None
+        if self.optimizer is not None:
+            groups = self._opt_groups or ckpt.group_names(self.module, self.optimizer)
+        with self._without_placeholder():
+            ckpt.save_checkpoint(self.module, self.optimizer, self._last_rt, groups, path)
+
+    def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Load a checkpoint written by `save_checkpoint()` (by any plan or number of ranks):
+        every rank reads the parameters it holds, the buffers and its optimizer state. EVERY
+        rank must call it (collective); before the first call, each rank reads the whole model.
+        """
+        rdist.init_process_group(self.config.timeout_s)
+        with self._without_placeholder():
+            ckpt.load_checkpoint(self.module, self.optimizer, self._last_rt, path)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False,
