@@ -10,12 +10,14 @@ path (scp), with and without recomputation.
   planner's best plan under that schedule (forced) and its predicted iteration time, plus what
   ``schedule="auto"`` picks. Also one forced 4-stage x 2 (8 devices) and 8-stage x 4 (32
   devices) pipeline per model, where schedules matter most.
-* ``measured``: a small BERT (4 x 256, vocabulary 2048, batch 16 x 128) and a small BiT-ResNet (loss computed
-  inside the model, batch 16 x 64^2) on 2 CPU ranks (gloo, one thread each), 2 stages, 8
+* ``measured``: a small BERT (4 x 256, vocabulary 2048, batch 32 x 128) and a small BiT-ResNet (loss computed
+  inside the model, batch 32 x 64^2) on 2 CPU ranks (gloo, one thread each), 2 stages, 8
   microbatches, each schedule x recomputation off / half of every stage / all; per rank, the
-  median iteration time over the steps after the first, the steady peak RSS increase (VmHWM reset
-  after the first step, against the RSS before it), and the simulator's iteration time from the
-  run's own median action times. One run per model writes a trace and timeline to ``docs/``.
+  median iteration time over the steps after the first, the peak bytes autograd holds for
+  backward (saved-tensor hooks; deterministic), the steady peak RSS increase (VmHWM reset after
+  the first step, against the RSS before it; noisy: it counts what the C allocator keeps), and
+  the simulator's iteration time from the run's own mean action times. Each run writes a
+  trace and timeline to ``docs/``.
 
 Ranks outnumbering cores would share them, which the simulator (one worker per stage) does not
 model, so the measured part uses 2 ranks on this 2-core machine.
@@ -24,6 +26,7 @@ model, so the measured part uses 2 ranks on this 2-core machine.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -115,8 +118,8 @@ CONFIGS = [(s, rc) for rc in ("off", "half", "all") for s in ("gpipe", "1f1b", "
 
 def measured(steps: int) -> list[str]:
     rows = ["| model | schedule | recompute | rank | s/step (with optimizer) | s forward to "
-            "gradients | simulated s (measured action times) | simulated / measured | steady peak "
-            "RSS increase MB |", "|---|---|---|---|---|---|---|---|---|"]
+            "gradients | simulated s (measured action times) | simulated / measured | peak MB saved "
+            "for backward | steady peak RSS increase MB |", "|---|---|---|---|---|---|---|---|---|---|"]
     for model in ("bert", "resnet"):
         for sched, rc in CONFIGS:
             trace = str(ROOT / "docs" / f"timeline_{model}_{sched}_recompute_{rc}")
@@ -126,7 +129,7 @@ def measured(steps: int) -> list[str]:
                 sim = r["simulated_s"]
                 rows.append(f"| {model} | {sched} | {rc} | {r['rank']} | {r['median_s']:.3f} | "
                             f"{r['pipeline_s']:.3f} | {sim:.3f} | {sim / r['pipeline_s']:.2f} | "
-                            f"{r['peak_mb']:.0f} |")
+                            f"{r['saved_mb']:.1f} | {r['peak_mb']:.0f} |")
             print("\n".join(rows[-len(out):]), flush=True)
     return rows
 
@@ -151,7 +154,7 @@ def worker(a: argparse.Namespace) -> None:
     ctx = rdist.init_process_group(timeout_s=300)
     rank, world = ctx.rank, ctx.world_size
     torch.manual_seed(0)
-    batch = 16
+    batch = 32
     if a.model == "bert":
         from bert_factory import bert
 
@@ -183,10 +186,14 @@ def worker(a: argparse.Namespace) -> None:
     for step in range(a.steps):
         if step == 1:
             base = _rss_reset()
+            _Saved.peak = _Saved.live
         t0 = time.perf_counter()
-        out = wrapped(*largs, **lkw)
-        loss = out if isinstance(out, torch.Tensor) else out.loss
-        loss.backward()
+        # not around the first step: its capture traces with symbolic sizes
+        hooks = torch.autograd.graph.saved_tensors_hooks(_Saved, _Saved.unpack)
+        with hooks if step else contextlib.nullcontext():
+            out = wrapped(*largs, **lkw)
+            loss = out if isinstance(out, torch.Tensor) else out.loss
+            loss.backward()
         opt.step()
         opt.zero_grad()
         times.append(time.perf_counter() - t0)
@@ -194,6 +201,7 @@ def worker(a: argparse.Namespace) -> None:
         pipe.append(wrapped._last_rt.iteration_s)
     peak = _hwm() - base
     res: dict[str, Any] = {"rank": rank, "median_s": statistics.median(times[1:]),
+                           "saved_mb": _Saved.peak / 2**20,
                            "pipeline_s": statistics.median(pipe[1:]),
                            "peak_mb": peak / 2**20}
     from rannc.schedule.predict import measured_costs
@@ -214,6 +222,28 @@ def worker(a: argparse.Namespace) -> None:
         for r in results:
             print("RESULT " + json.dumps(r), flush=True)
     rdist.shutdown()
+
+
+class _Saved:
+    """Bytes autograd holds for backward (saved activations; weights too, the same under every
+    schedule), counted from the saved-tensor hooks: a box per saved tensor, freed with the graph.
+    Deterministic, unlike RSS, which also counts what the C allocator keeps."""
+
+    live = 0
+    peak = 0
+
+    def __init__(self, t: Any) -> None:
+        self.t = t
+        self.n = t.numel() * t.element_size()
+        _Saved.live += self.n
+        _Saved.peak = max(_Saved.peak, _Saved.live)
+
+    def __del__(self) -> None:
+        _Saved.live -= self.n
+
+    @staticmethod
+    def unpack(box: Any) -> Any:
+        return box.t
 
 
 def _rss_reset() -> float:

@@ -98,6 +98,18 @@ def test_mixed_precision_equals_the_unwrapped_model(n: int, args: list[str], mod
         assert got == [str(r) for r in range(n)], (model, res.stdout)
 
 
+def test_train_and_eval_alternate_for_ten_steps() -> None:
+    """model.eval() + no_grad after every training step: forward-only, dropout off, BatchNorm on
+    running statistics, the eval graph placed on the deployed stages once and reused."""
+    res = run_mpi(SCRIPT, 2, ["--model", "gpt2,resnet", "--partition-num", "2", "--microbatches",
+                              "1", "--batch", "8", "--steps", "10", "--eval-every", "1"])
+    for model in ("gpt2", "resnet"):
+        assert len(re.findall(rf"OK alternation {model} rank", res.stdout)) == 20, res.stdout
+        assert sorted(re.findall(rf"PASS {model} rank (\d+)", res.stdout)) == ["0", "1"]
+    assert res.stdout.count("new input signature (eval mode") + res.stderr.count(
+        "new input signature (eval mode") == 2  # once per model, not per eval call
+
+
 def test_trace_files_hold_every_rank_and_the_prediction(tmp_path: Path) -> None:
     from rannc.schedule import load_chrome_trace
 

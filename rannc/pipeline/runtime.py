@@ -106,7 +106,6 @@ class PipelineRuntime:
         self.s = plan.stage_of_rank(rank).index
         self.j = plan.stages[self.s].ranks.index(rank)
         self.me = self.stages[self.s]
-        self.rec_part, self.keep_part = self._parts(captured, atomic, groups)
         self.vid = {v: i for i, v in enumerate(sorted(self.graph.values))}
         self.out_stage = self._output_stages()
         self._suppliers, self._consumers = self._routes()
@@ -119,6 +118,7 @@ class PipelineRuntime:
         self._eager_ok = plan.schedule != "gpipe" and self._one_scalar_loss()
         self.schedule = self._schedule(plan.schedule if self._eager_ok else "gpipe")
         self._has_consumers = bool(self.schedule.consumers(self.s))
+        self.rec_part, self.keep_part = self._parts(captured, atomic, groups)
         if plan.schedule != "gpipe" and not self._eager_ok and rank == 0:
             log.info("rannc: schedule %s needs the model to return one floating-point scalar "
                      "(the loss) to run its backward inside forward(); this model returns %s, so "
@@ -139,6 +139,8 @@ class PipelineRuntime:
         before backward (`recompute` of its components) and the suffix that keeps them."""
         comps = groups[self.s]
         n_rec = self.plan.stages[self.s].recomputed_components
+        if self._scp_last(self.s):
+            n_rec = 0  # it holds one microbatch at a time: recomputing would save nothing
         if n_rec in (0, len(comps)):
             part = _Part(self.me, build_stage_module(captured.gm, self.graph, self.me))
             return (part, None) if n_rec else (None, part)
@@ -148,10 +150,14 @@ class PipelineRuntime:
         return (_Part(a, build_stage_module(captured.gm, self.graph, a)),
                 _Part(b, build_stage_module(captured.gm, self.graph, b)))
 
+    def _scp_last(self, s: int) -> bool:
+        return self.plan.schedule == "scp" and self._eager_ok and s == len(self.plan.stages) - 1
+
     def _schedule(self, name: str) -> Schedule:
         sup = [sorted({self.supplier(v, t) for v in st.inputs if self._moves(v)} - {-1})
                for t, st in enumerate(self.stages)]
-        rc = [st.recomputed_components > 0 for st in self.plan.stages]
+        rc = [st.recomputed_components > 0 and not self._scp_last(t)
+              for t, st in enumerate(self.plan.stages)]
         try:
             sched = make_schedule(name, self.plan.microbatches, sup, rc)
         except ScheduleError as e:

@@ -157,6 +157,8 @@ def main() -> None:
     p.add_argument("--grad-scaler", action="store_true", help="torch.amp.GradScaler on both")
     p.add_argument("--trace", default="", help="record events and write the trace files here")
     p.add_argument("--eval-check", action="store_true", help="an eval call after training")
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="after every this many training steps, an eval call under no_grad")
     p.add_argument("--inject-overflow", type=int, default=-1,
                    help="at this step, an inf gradient on rank 0's first parameter (and the "
                         "reference's); with --grad-scaler every rank must skip the step")
@@ -267,6 +269,15 @@ def check_model(a: argparse.Namespace, name: str, ctx: rdist.DistContext) -> Non
             opt_r.step()
         opt_w.zero_grad()
         opt_r.zero_grad()
+        if a.eval_every and (step + 1) % a.eval_every == 0:
+            model.eval()
+            ref.eval()
+            with torch.no_grad():
+                compare_and_loss(name, model(*l_args, **l_kwargs), ref(*case.args, **case.kwargs),
+                                 y, sizes, rank, f"eval after step {step}")
+            model.train()
+            ref.train()
+            print(f"OK alternation {name} rank {rank} step {step}", flush=True)
     for n, p_ in model.named_parameters():
         torch.testing.assert_close(p_, ref_names[n], rtol=RTOL, atol=ATOL,
                                    msg=lambda m, n=n: f"rank {rank} param {n}: {m}")
