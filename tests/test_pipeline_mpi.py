@@ -58,6 +58,9 @@ SCHEDULED = [
          "--recompute-fraction", "1", "--grad-scaler"], "bert,gpt2"),
     (4, ["--replicas", "1,1", "--microbatches", "2", "--batch", "8", "--schedule", "1f1b",
          "--grad-scaler"], "bert,gpt2"),
+    (3, ["--replicas", "2,1", "--microbatches", "2", "--batch", "7", "--schedule", "1f1b"], ALL),
+    (4, ["--replicas", "1,3", "--microbatches", "4", "--batch", "10", "--schedule", "scp",
+         "--checkpointing", "on"], ALL),
 ]
 
 
