@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from rannc.config import Config
-from rannc.errors import RaNNCError
+from rannc.errors import ConfigError, RaNNCError
 
 
 def load_factory(spec: str) -> Any:
@@ -59,9 +59,12 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     pp = sub.add_parser("plan", help="plan a model for a cluster (dry run)")
     pp.add_argument("factory", help="FILE.py:FACTORY")
-    pp.add_argument("--devices", type=int, required=True)
+    pp.add_argument("--devices", type=int, default=0)
     pp.add_argument("--per-node", type=int, default=None)
     pp.add_argument("--device", default="V100-32GB", help="a known device name, or 'local'")
+    pp.add_argument("--cluster", default=None,
+                    help="a JSON cluster file (mixed devices, see rannc.Cluster.load) instead of "
+                         "--devices/--per-node/--device")
     pp.add_argument("--batch-size", type=int, required=True, help="the global batch size")
     pp.add_argument("--out", default=None, help="write the plan as JSON here")
     pp.add_argument("--onnx", default=None, help="write the partitioned graph as ONNX here")
@@ -79,7 +82,12 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = Config.resolve(None, **(json.loads(a.config) if a.config else {}))
-        cluster = Cluster.homogeneous(a.device, n=a.devices, per_node=a.per_node or a.devices)
+        if a.cluster:
+            cluster = Cluster.load(a.cluster)
+        elif a.devices < 1:
+            raise ConfigError("give --devices N (with --device and --per-node) or --cluster FILE")
+        else:
+            cluster = Cluster.homogeneous(a.device, n=a.devices, per_node=a.per_node or a.devices)
         t0 = time.perf_counter()
         model, args, kwargs = build(load_factory(a.factory), a.batch_size)
         stats = PlanStats()
@@ -99,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         from rannc.schedule.predict import predict
 
         tl = predict(result)
-        timeline_png(a.timeline, predicted=tl, title=f"{a.factory} on {a.devices} x {a.device}, "
+        where = a.cluster or f"{a.devices} x {a.device}"
+        timeline_png(a.timeline, predicted=tl, title=f"{a.factory} on {where}, "
                      f"schedule {result.schedule}")
         print(f"predicted timeline written to {a.timeline} (bubble ratio {tl.bubble_ratio:.2f})")
     if a.onnx:

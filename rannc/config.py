@@ -56,6 +56,9 @@ class Config:
     """Where plans are saved and loaded."""
     profile_cache_dir: str | None = None
     """Directory for cached profiles (None: no disk cache)."""
+    cluster_file: str | None = None
+    """A JSON file describing the devices by hand (rannc.Cluster.load), one per rank, used
+    instead of each rank measuring its own device."""
     dry_run_np: int | None = None
     """Plan for this many ranks without running (planning only)."""
     timeout_s: float = 300.0

@@ -34,7 +34,7 @@ from rannc import dist as rdist
 from rannc.atomic.components import AtomicPartition, atomic_components
 from rannc.config import Config
 from rannc.derive import derive_plan
-from rannc.errors import RaNNCError
+from rannc.errors import ConfigError, RaNNCError
 from rannc.graph.capture import CapturedModel, capture, flatten_inputs
 from rannc.graph.extract import StageGraph, build_stage_module, run_chain, split_graph
 from rannc.pipeline.runtime import PipelineFunction, PipelineRuntime
@@ -148,7 +148,7 @@ class RaNNCModule(nn.Module):
         import torch.distributed as dist
 
         from rannc.planner import make_oracle, plan_graph
-        from rannc.profile.device import Cluster, measure_local_device
+        from rannc.profile.device import measure_local_device
         from rannc.profile.estimate import GraphCosts
 
         cfg = self.config
@@ -158,14 +158,18 @@ class RaNNCModule(nn.Module):
             return dataclasses.replace(plan, source=(cap.graph, atomic))
         sizes: list[Any] = [None] * ctx.world_size
         dist.all_gather_object(sizes, local_batch or 0)  # capture() refused calls without one
+        # Every rank reports its own device (a mixed cluster is planned as such), unless the
+        # user described the cluster in a file.
+        reports: list[Any] = [None] * ctx.world_size
+        mine = None if cfg.cluster_file else dataclasses.asdict(measure_local_device())
+        dist.all_gather_object(reports, mine)
         box: list[Any] = [None]
         if ctx.rank == 0:
             if cfg.opt_param_factor is None and self.optimizer is not None:
                 cfg = Config.resolve(cfg, environ={},
                                      opt_param_factor=optimizer_state_factor(self.optimizer))
-            cluster = Cluster.homogeneous(measure_local_device(), n=ctx.world_size,
-                                          per_node=ctx.local_world_size)
             try:
+                cluster = self._cluster(cfg, ctx, reports)
                 costs = GraphCosts.of(cap.graph, atomic)
                 oracle = make_oracle(cfg, cap, atomic, self.module, leaves, costs, cluster)
                 box[0] = plan_graph(cap.graph, atomic, cluster, cfg, batch_size=sum(sizes),
@@ -179,6 +183,19 @@ class RaNNCModule(nn.Module):
         if cfg.save_deployment and ctx.rank == 0:
             plan.save(cfg.deployment_file)
         return plan
+
+    @staticmethod
+    def _cluster(cfg: Config, ctx: rdist.DistContext, reports: list[Any]) -> Any:
+        from rannc.profile.device import Cluster, DeviceSpec
+
+        if not cfg.cluster_file:
+            return Cluster.from_reports([DeviceSpec(**d) for d in reports],
+                                        per_node=ctx.local_world_size)
+        cluster = Cluster.load(cfg.cluster_file)
+        if cluster.size != ctx.world_size:
+            raise ConfigError(f"the cluster file {cfg.cluster_file} describes {cluster.size} "
+                              f"devices but {ctx.world_size} ranks run; describe one per rank")
+        return cluster
 
     def write_trace(self, path: str, *, predicted_from: str = "plan") -> list[str]:
         """Write the last iteration's per-rank events (recorded with `config.trace`) as a

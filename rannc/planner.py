@@ -35,6 +35,7 @@ from rannc.profile.device import Cluster
 from rannc.profile.estimate import BlockProfile, GraphCosts, _bytes
 from rannc.schedule import SCHEDULES, StageCosts, chain, in_flight, make_schedule, simulate
 from rannc.stage_dp.dp import stage_dp
+from rannc.stage_dp.shares import finish_time, whale_shares
 from rannc.stage_dp.tables import (
     BlockIO,
     MemoryModel,
@@ -177,10 +178,22 @@ def plan_graph(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, conf
     if best is None:  # a candidate's stages hold no more than the bound it was split under
         raise RaNNCError("planner: no candidate survived refinement; please report this")
     out = _to_plan(graph, atomic, costs, best, block_of, world, batch_size)
+    if not cluster.is_homogeneous:
+        static = io.params + io.grad_params * (1 + opt)
+        out = _heterogeneous(out, cluster, static, config.mem_margin, config.mem_limit_gb)
     frac = config.extra.get("recompute_fraction")
     if frac is not None:  # experimental: the same recomputed fraction on every stage
         out = dataclasses.replace(out, stages=tuple(dataclasses.replace(st, recompute=float(frac))
                                                     for st in out.stages))
+    shares = config.extra.get("shares")
+    if shares is not None:  # experimental: each stage's replicas' row shares, e.g. [[3, 1], [1]]
+        if len(shares) != len(out.stages) or any(
+                len(sh) != st.replicas or min(sh) <= 0 for sh, st in zip(shares, out.stages, strict=False)):
+            raise ConfigError(f"extra shares {shares} must give each of the {len(out.stages)} stages "
+                              f"one positive share per replica ({[st.replicas for st in out.stages]})")
+        out = dataclasses.replace(out, stages=tuple(
+            dataclasses.replace(st, shares=tuple(float(x) / sum(sh) for x in sh))
+            for sh, st in zip(shares, out.stages, strict=True)))
     return out
 
 
@@ -349,6 +362,43 @@ def _to_plan(graph: TaskGraph, atomic: AtomicPartition, costs: GraphCosts, best:
                 fingerprint=graph.fingerprint(), schedule=c.schedule,
                 predicted_iteration_time=best.time, batch_size=batch_size,
                 blocks=max(block_of) + 1, source=(graph, atomic))
+
+
+def _heterogeneous(plan: Plan, cluster: Cluster, static: np.ndarray, margin: float,
+                   limit_gb: float | None) -> Plan:
+    """Place a plan made for the cluster's weakest device on its real devices: earlier
+    stages (which hold more microbatches' activations) on the devices with more memory, and
+    each stage's rows split among its replicas by speed within memory (`whale_shares`); the
+    predicted stage times and iteration time follow."""
+    from rannc.schedule.predict import predict
+
+    world = cluster.size
+    speed = [d.flops * d.efficiency for d in cluster.devices]
+    mem = [(d.memory_bytes if limit_gb is None else limit_gb * 1e9) * (1 - margin)
+           for d in cluster.devices]
+    order = sorted(range(world), key=lambda r: (-mem[r], -speed[r], r))
+    slow = min(speed)
+    stages = []
+    for st in plan.stages:
+        ranks = tuple(order[r] for r in st.ranks)
+        p = dict(st.predicted)
+        rows = p["microbatch_rows"]  # what the plan gave each replica on the weakest device
+        total = rows * st.replicas
+        fixed = float(static[int(p["first_block"]), int(p["last_block"])])
+        per_row = max(p["memory_bytes"] - fixed, 0.0) / rows
+        caps = [(mem[r] - fixed) / per_row if per_row > 0 else math.inf for r in ranks]
+        x = whale_shares(total, [speed[r] for r in ranks], caps)
+        factor = finish_time(x, [speed[r] for r in ranks]) / (rows / slow)
+        for k in ("forward_s", "backward_s", "recompute_s"):
+            if k in p:
+                p[k] *= factor
+        j = max(range(len(ranks)), key=lambda i: fixed + per_row * x[i] - mem[ranks[i]])
+        p["memory_bytes"] = fixed + per_row * x[j]
+        stages.append(dataclasses.replace(st, ranks=ranks, shares=tuple(v / total for v in x),
+                                          predicted=p,
+                                          devices=tuple(cluster.devices[r].name for r in ranks)))
+    out = dataclasses.replace(plan, stages=tuple(stages))
+    return dataclasses.replace(out, predicted_iteration_time=predict(out).iteration_time)
 
 
 def _component_fraction(costs: GraphCosts, comps: Sequence[int], f: float, rows: float) -> float:

@@ -38,6 +38,7 @@ class StagePlan:
     param_names: tuple[str, ...] = ()  # parameters this stage holds (original names)
     predicted: dict[str, float] = field(default_factory=dict)  # cost estimates, when known
     modules: str = ""  # the user's modules it covers, "first .. last"
+    devices: tuple[str, ...] = ()  # per replica, its device's name (when the cluster is mixed)
 
     @property
     def replicas(self) -> int:
@@ -85,8 +86,10 @@ class Plan:
             comps = f"{st.components[0]}-{st.components[-1]}" if st.components else "-"
             p = st.predicted
             ranks = ",".join(map(str, st.ranks))
-            if len(set(st.shares)) > 1:
-                ranks += " (" + ",".join(f"{s:.2f}" for s in st.shares) + ")"
+            if len(set(st.shares)) > 1 or st.devices:
+                ranks = ",".join(
+                    f"{r}:{st.devices[j]}:{st.shares[j]:.2f}" if st.devices else f"{r}:{st.shares[j]:.2f}"
+                    for j, r in enumerate(st.ranks))
             rows = f"{int(p['microbatch_rows'])}" if "microbatch_rows" in p else "-"
             fwd = _fmt_s(p["forward_s"]) if "forward_s" in p else "-"
             bwd = _fmt_s(p["backward_s"]) if "backward_s" in p else "-"
@@ -126,7 +129,7 @@ class Plan:
             StagePlan(index=s["index"], components=tuple(s["components"]), ranks=tuple(s["ranks"]),
                       shares=tuple(s["shares"]), recompute=float(s["recompute"]),
                       param_names=tuple(s["param_names"]), predicted=dict(s["predicted"]),
-                      modules=s.get("modules", ""))
+                      modules=s.get("modules", ""), devices=tuple(s.get("devices", ())))
             for s in d["stages"]
         )
         return cls(stages=stages, microbatches=d["microbatches"], world_size=d["world_size"],

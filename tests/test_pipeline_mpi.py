@@ -113,6 +113,24 @@ def test_train_and_eval_alternate_for_ten_steps() -> None:
         "new input signature (eval mode") == 2  # once per model, not per eval call
 
 
+def test_a_mixed_cluster_splits_rows_by_speed_and_stays_exact(tmp_path: Path) -> None:
+    """Issue 7: a cluster file declares rank 2 two times slower; the stage replicated over
+    ranks 1 and 2 gives rank 1 two thirds of its rows, and training still equals the unwrapped
+    model on the global batch."""
+    import json
+
+    fast = {"name": "fast", "memory_bytes": 16e9, "flops": 10e12, "mem_bandwidth": 1e12}
+    slow = {**fast, "name": "slow", "flops": 5e12, "mem_bandwidth": 0.5e12}
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps({"per_node": 3, "devices": [fast, fast, slow]}))
+    res = run_mpi(SCRIPT, 3, ["--model", ALL, "--replicas", "1,2", "--microbatches", "2",
+                              "--batch", "9", "--schedule", "1f1b", "--cluster-file", str(path)])
+    for model in ALL.split(","):
+        got = sorted(re.findall(rf"PASS {model} rank (\d+)", res.stdout))
+        assert got == ["0", "1", "2"], (model, res.stdout)
+    assert "1:fast:0.67,2:slow:0.33" in res.stdout, res.stdout
+
+
 def test_trace_files_hold_every_rank_and_the_prediction(tmp_path: Path) -> None:
     from rannc.schedule import load_chrome_trace
 

@@ -9,6 +9,7 @@ planning the hardware you are running on rather than a table entry.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Sequence
@@ -100,6 +101,43 @@ class Cluster:
             raise ConfigError(f"a cluster needs n >= 1 devices, got {n}")
         spec = device_spec(device)
         return cls([spec] * n, per_node=min(per_node, n), inter_node_bandwidth=inter_node_bandwidth)
+
+    @classmethod
+    def from_reports(cls, reports: Sequence[DeviceSpec], per_node: int,
+                     inter_node_bandwidth: float = 12.5 * GB) -> Cluster:
+        """The cluster the ranks measured, in rank order. Devices with the same name get one
+        spec (the mean of their measured speeds, the least memory), so measurement noise does
+        not make identical devices look different to the planner."""
+        by_name: dict[str, list[DeviceSpec]] = {}
+        for d in reports:
+            by_name.setdefault(d.name, []).append(d)
+        merged = {}
+        for name, ds in by_name.items():
+            n = len(ds)
+            merged[name] = dataclasses.replace(
+                ds[0], flops=sum(d.flops for d in ds) / n,
+                mem_bandwidth=sum(d.mem_bandwidth for d in ds) / n,
+                flops_half=sum(d.flops_half for d in ds) / n,
+                memory_bytes=min(d.memory_bytes for d in ds))
+        return cls([merged[d.name] for d in reports], per_node=per_node,
+                   inter_node_bandwidth=inter_node_bandwidth)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Cluster:
+        """A cluster described by hand, as JSON: {"per_node": 4, "devices": ["V100-32GB",
+        {"name": "slow", "memory_bytes": 8e9, "flops": 7e12, "mem_bandwidth": 4.5e11}, ...]}
+        (names from KNOWN_DEVICES or full DeviceSpec fields), one entry per rank in rank order."""
+        import json
+
+        try:
+            with open(path) as f:
+                d = json.load(f)
+            devs = [x if isinstance(x, str) else DeviceSpec(**x) for x in d["devices"]]
+            return cls(devs, per_node=d.get("per_node"),
+                       inter_node_bandwidth=d.get("inter_node_bandwidth", 12.5 * GB))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ConfigError(f"cannot read the cluster file {os.fspath(path)!r}: {e}; it should be "
+                              'JSON like {"per_node": 4, "devices": ["V100-32GB", ...]}') from e
 
     @property
     def size(self) -> int:

@@ -153,6 +153,8 @@ def main() -> None:
     p.add_argument("--schedule", default="auto")
     p.add_argument("--recompute-fraction", type=float, default=None,
                    help="force this fraction of each stage's components to be recomputed")
+    p.add_argument("--cluster-file", default="", help="a JSON cluster description (mixed devices)")
+    p.add_argument("--shares", default="", help="row shares per stage, e.g. '3,1;1'")
     p.add_argument("--loss-scale", type=float, default=1.0, help="backward of loss * this")
     p.add_argument("--grad-scaler", action="store_true", help="torch.amp.GradScaler on both")
     p.add_argument("--trace", default="", help="record events and write the trace files here")
@@ -198,8 +200,15 @@ def check_model(a: argparse.Namespace, name: str, ctx: rdist.DistContext) -> Non
                             "mem_limit_gb": a.mem_limit_gb}
     if a.trace:
         opts["trace"] = True
+    if a.cluster_file:
+        opts["cluster_file"] = a.cluster_file
+    extra: dict[str, Any] = {}
     if a.recompute_fraction is not None:
-        opts["extra"] = {"recompute_fraction": a.recompute_fraction}
+        extra["recompute_fraction"] = a.recompute_fraction
+    if a.shares:
+        extra["shares"] = [[float(x) for x in st.split(",")] for st in a.shares.split(";")]
+    if extra:
+        opts["extra"] = extra
     if a.replicas:
         opts["replicas"] = [int(x) for x in a.replicas.split(",")]
     if a.partition_num:

@@ -1,0 +1,78 @@
+"""Mixed clusters (issue 7, first part): Whale's row shares, a cluster described by hand, and
+plans whose replicas' shares follow their devices' speeds and memories."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+from model_zoo import make_case
+
+import rannc
+from rannc.atomic.components import atomic_components
+from rannc.graph.capture import capture
+from rannc.planner import plan_graph
+from rannc.stage_dp.shares import whale_shares
+
+logging.getLogger("transformers").setLevel(logging.ERROR)
+
+
+def test_shares_follow_speed_then_memory() -> None:
+    assert whale_shares(30, [2, 1], [100, 100]) == pytest.approx([20, 10])
+    # the fast device can hold only 12 rows: it takes 12, the others share the rest by speed
+    assert whale_shares(30, [2, 1, 1], [12, 100, 100]) == pytest.approx([12, 9, 9])
+    with pytest.raises(rannc.RaNNCError, match="hold 20.0 rows"):
+        whale_shares(30, [1, 1], [10, 10])
+
+
+FAST = {"name": "fast", "memory_bytes": 16e9, "flops": 10e12, "mem_bandwidth": 1e12}
+SLOW = {**FAST, "name": "slow", "flops": 5e12, "mem_bandwidth": 0.5e12}  # 2x slower
+SMALL = {**FAST, "name": "small", "memory_bytes": 8e9}  # half the memory
+
+
+def test_cluster_file_and_a_mixed_plan(tmp_path: Path) -> None:
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps({"per_node": 4, "devices": [SMALL, FAST, SLOW, FAST]}))
+    cluster = rannc.Cluster.load(path)
+    assert [d.name for d in cluster.devices] == ["small", "fast", "slow", "fast"]
+    assert not cluster.is_homogeneous
+    case = make_case("gpt2", batch=32)
+    g = capture(case.model, case.args, case.kwargs).graph
+    atomic = atomic_components(g)
+    plan = plan_graph(g, atomic, cluster, rannc.Config(replicas=[2, 2], microbatches=2),
+                      batch_size=32)
+    # earlier stages (more activations in flight) on the fastest devices with the most memory
+    assert sorted(plan.stages[0].ranks) == [1, 3] and sorted(plan.stages[1].ranks) == [0, 2]
+    for st in plan.stages:
+        speeds = {"fast": 10.0, "slow": 5.0, "small": 10.0}
+        want = [speeds[n] for n in st.devices]
+        assert st.shares == pytest.approx([w / sum(want) for w in want], rel=1e-6)
+    assert "2:slow:0.33" in plan.summary() and "0:small:0.67" in plan.summary()
+    with pytest.raises(rannc.RaNNCError, match="cannot read the cluster file"):
+        rannc.Cluster.load(tmp_path / "missing.json")
+
+
+def test_identical_devices_reported_with_noise_stay_one_kind() -> None:
+    a = rannc.DeviceSpec("cpu", 8e9, 1.00e11, 1e10)
+    b = rannc.DeviceSpec("cpu", 8e9, 1.07e11, 1e10)
+    assert rannc.Cluster.from_reports([a, b], per_node=2).is_homogeneous
+
+
+def test_a_device_short_of_memory_gets_fewer_rows() -> None:
+    case = make_case("gpt2", batch=64)
+    g = capture(case.model, case.args, case.kwargs).graph
+    atomic = atomic_components(g)
+    cfg = rannc.Config(replicas=[2], microbatches=1, checkpointing="off", mem_margin=0.0)
+    roomy = rannc.Cluster([rannc.DeviceSpec(**FAST), rannc.DeviceSpec(**SLOW)], per_node=2)
+    plan = plan_graph(g, atomic, roomy, cfg, batch_size=64)
+    assert plan.stages[0].shares == pytest.approx([2 / 3, 1 / 3])  # by speed alone
+    need = plan.stages[0].predicted["memory_bytes"]
+    # the fast device now holds just over what half the rows need: it takes what fits
+    tight = rannc.Cluster([rannc.DeviceSpec(**d) for d in (
+        {**FAST, "memory_bytes": need * 0.8}, SLOW)], per_node=2)
+    plan = plan_graph(g, atomic, tight, cfg, batch_size=64)
+    fast_share = plan.stages[0].shares[plan.stages[0].devices.index("fast")]
+    assert 0.5 <= fast_share < 2 / 3 - 0.01
+    assert plan.stages[0].predicted["memory_bytes"] <= need * 0.8 * (1 + 1e-9)
