@@ -180,7 +180,10 @@ def plan_graph(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, conf
     out = _to_plan(graph, atomic, costs, best, block_of, world, batch_size)
     if not cluster.is_homogeneous:
         static = io.params + io.grad_params * (1 + opt)
-        out = _heterogeneous(out, cluster, static, config.mem_margin, config.mem_limit_gb)
+        # extra balance=False: equal shares in rank order, what a planner that assumes identical
+        # devices would run (benchmarks compare against it)
+        out = _heterogeneous(out, cluster, static, config.mem_margin, config.mem_limit_gb,
+                             balance=bool(config.extra.get("balance", True)))
     frac = config.extra.get("recompute_fraction")
     if frac is not None:  # experimental: the same recomputed fraction on every stage
         out = dataclasses.replace(out, stages=tuple(dataclasses.replace(st, recompute=float(frac))
@@ -365,7 +368,7 @@ def _to_plan(graph: TaskGraph, atomic: AtomicPartition, costs: GraphCosts, best:
 
 
 def _heterogeneous(plan: Plan, cluster: Cluster, static: np.ndarray, margin: float,
-                   limit_gb: float | None) -> Plan:
+                   limit_gb: float | None, balance: bool = True) -> Plan:
     """Place a plan made for the cluster's weakest device on its real devices: earlier
     stages (which hold more microbatches' activations) on the devices with more memory, and
     each stage's rows split among its replicas by speed within memory (`whale_shares`); the
@@ -376,7 +379,7 @@ def _heterogeneous(plan: Plan, cluster: Cluster, static: np.ndarray, margin: flo
     speed = [d.flops * d.efficiency for d in cluster.devices]
     mem = [(d.memory_bytes if limit_gb is None else limit_gb * 1e9) * (1 - margin)
            for d in cluster.devices]
-    order = sorted(range(world), key=lambda r: (-mem[r], -speed[r], r))
+    order = sorted(range(world), key=lambda r: (-mem[r], -speed[r], r)) if balance else list(range(world))
     slow = min(speed)
     stages = []
     for st in plan.stages:
@@ -387,7 +390,7 @@ def _heterogeneous(plan: Plan, cluster: Cluster, static: np.ndarray, margin: flo
         fixed = float(static[int(p["first_block"]), int(p["last_block"])])
         per_row = max(p["memory_bytes"] - fixed, 0.0) / rows
         caps = [(mem[r] - fixed) / per_row if per_row > 0 else math.inf for r in ranks]
-        x = whale_shares(total, [speed[r] for r in ranks], caps)
+        x = whale_shares(total, [speed[r] for r in ranks], caps) if balance else [rows] * len(ranks)
         factor = finish_time(x, [speed[r] for r in ranks]) / (rows / slow)
         for k in ("forward_s", "backward_s", "recompute_s"):
             if k in p:
