@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "examples" / "models")]
 
 
-def models() -> list[tuple[str, Any, tuple[Any, ...], dict[str, Any], int, list[str], dict[str, Any]]]:
+def models(smoke: bool) -> list[tuple[str, Any, tuple[Any, ...], dict[str, Any], int, list[str],
+                                 dict[str, Any]]]:
     import torch
     from bert_factory import bert
     from resnet import bit_resnet
@@ -32,19 +33,30 @@ def models() -> list[tuple[str, Any, tuple[Any, ...], dict[str, Any], int, list[
     mixed8 = ["V100-32GB"] * 4 + ["P100"] * 4
     mixed16 = ["V100-32GB"] * 8 + ["P100"] * 8
     with torch.device("meta"):
-        b, bkw = bert(24, 1024, 256)
-        g = GPT2LMHeadModel(GPT2Config(n_layer=24, n_embd=1024, n_head=16, n_positions=512,
-                                       use_cache=False))
-        ids = torch.zeros(64, 512, dtype=torch.long)
-        r = _WithLoss(bit_resnet(50, 1))
-        rx = (torch.empty(1024, 3, 224, 224), torch.zeros(1024, dtype=torch.long))
-    return [("BERT-Large", b, (), bkw, 256, mixed8, {}),
-            ("GPT-2 24x1024", g, (), {"input_ids": ids, "labels": ids, "use_cache": False}, 64,
+        if smoke:  # tiny sizes, to check the script runs
+            b, bkw = bert(2, 64, 16, seq=16, vocab=128)
+            g = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, n_positions=32,
+                                           vocab_size=128, use_cache=False))
+            ids = torch.zeros(16, 32, dtype=torch.long)
+            r = _WithLoss(bit_resnet(blocks=(1, 1), base_channels=8, num_classes=10))
+            rx = (torch.empty(32, 3, 16, 16), torch.zeros(32, dtype=torch.long))
+            sizes = (16, 16, 32)
+        else:
+            b, bkw = bert(24, 1024, 256)
+            g = GPT2LMHeadModel(GPT2Config(n_layer=24, n_embd=1024, n_head=16, n_positions=512,
+                                           use_cache=False))
+            ids = torch.zeros(64, 512, dtype=torch.long)
+            r = _WithLoss(bit_resnet(50, 1))
+            rx = (torch.empty(1024, 3, 224, 224), torch.zeros(1024, dtype=torch.long))
+            sizes = (256, 64, 1024)
+    return [("BERT-Large", b, (), bkw, sizes[0], mixed8, {}),
+            ("GPT-2 24x1024", g, (), {"input_ids": ids, "labels": ids, "use_cache": False}, sizes[1],
              mixed8, {}),
-            ("ResNet-50 data parallel", r, rx, {}, 1024, mixed16, {"replicas": [16]})]
+            ("ResNet-50 data parallel", r, rx, {}, sizes[2], mixed16, {"replicas": [16]})]
 
 
 def main() -> None:
+    smoke = "--smoke" in sys.argv[1:]
     logging.getLogger("transformers").setLevel(logging.ERROR)
     import rannc
     from rannc.atomic.components import atomic_components
@@ -54,7 +66,7 @@ def main() -> None:
     print("| model | cluster | rannc plan (stages x replicas, microbatches, schedule) | shares of "
           "stage 0 | predicted s/iter, balanced | equal shares | speed-up |")
     print("|---|---|---|---|---|---|---|")
-    for name, model, args, kwargs, batch, devices, force in models():
+    for name, model, args, kwargs, batch, devices, force in models(smoke):
         cap = capture(model, args, kwargs)
         atomic = atomic_components(cap.graph)
         cluster = rannc.Cluster(devices, per_node=8)
