@@ -40,7 +40,8 @@ def models(smoke: bool) -> list[tuple[str, Any, tuple[Any, ...], dict[str, Any],
             ids = torch.zeros(16, 32, dtype=torch.long)
             r = _WithLoss(bit_resnet(blocks=(1, 1), base_channels=8, num_classes=10))
             rx = (torch.empty(32, 3, 16, 16), torch.zeros(32, dtype=torch.long))
-            sizes = (16, 16, 32)
+            b2, b2kw = bert(2, 64, 16, seq=16, vocab=128)
+            sizes = (16, 16, 32, 16)
         else:
             b, bkw = bert(24, 1024, 256)
             g = GPT2LMHeadModel(GPT2Config(n_layer=24, n_embd=1024, n_head=16, n_positions=512,
@@ -48,11 +49,13 @@ def models(smoke: bool) -> list[tuple[str, Any, tuple[Any, ...], dict[str, Any],
             ids = torch.zeros(64, 512, dtype=torch.long)
             r = _WithLoss(bit_resnet(50, 1))
             rx = (torch.empty(1024, 3, 224, 224), torch.zeros(1024, dtype=torch.long))
-            sizes = (256, 64, 1024)
+            b2, b2kw = bert(24, 2048, 256)  # 1.3 B parameters: too big for data parallel on P100
+            sizes = (256, 64, 1024, 256)
     return [("BERT-Large", b, (), bkw, sizes[0], mixed8, {}),
             ("GPT-2 24x1024", g, (), {"input_ids": ids, "labels": ids, "use_cache": False}, sizes[1],
              mixed8, {}),
-            ("ResNet-50 data parallel", r, rx, {}, sizes[2], mixed16, {"replicas": [16]})]
+            ("ResNet-50 data parallel", r, rx, {}, sizes[2], mixed16, {"replicas": [16]}),
+            ("BERT 24x2048 (pipeline)", b2, (), b2kw, sizes[3], mixed8, {})]
 
 
 def main() -> None:
@@ -64,26 +67,28 @@ def main() -> None:
     from rannc.planner import plan_graph
 
     print("| model | cluster | rannc plan (stages x replicas, microbatches, schedule) | shares of "
-          "stage 0 | predicted s/iter, balanced | equal shares | speed-up |")
-    print("|---|---|---|---|---|---|---|")
+          "stage 0 | predicted s/iter: rannc | shares only (DP on the weakest device) | equal "
+          "shares | rannc vs equal |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, model, args, kwargs, batch, devices, force in models(smoke):
         cap = capture(model, args, kwargs)
         atomic = atomic_components(cap.graph)
         cluster = rannc.Cluster(devices, per_node=8)
         times = {}
         plans = {}
-        for balance in (True, False):
-            cfg = rannc.Config(extra={"balance": balance}, **force)
+        for mode, extra in (("rannc", {}), ("shares", {"hetero_dp": False}),
+                            ("equal", {"balance": False})):
+            cfg = rannc.Config(extra=extra, **force)
             p = plan_graph(cap.graph, atomic, cluster, cfg, batch_size=batch)
-            times[balance], plans[balance] = p.predicted_iteration_time, p
-        p = plans[True]
+            times[mode], plans[mode] = p.predicted_iteration_time, p
+        p = plans["rannc"]
         lay = f"{[st.replicas for st in p.stages]}, {p.microbatches}, {p.schedule}"
         sh = ", ".join(f"{d}:{x:.3f}" for d, x in sorted(set(zip(p.stages[0].devices,
                                                                   p.stages[0].shares, strict=True))))
         n = len(devices)
         print(f"| {name} | {n // 2} x V100-32GB + {n // 2} x P100 | {lay} | {sh} | "
-              f"{times[True]:.3f} | {times[False]:.3f} | {times[False] / times[True]:.2f}x |",
-              flush=True)
+              f"{times['rannc']:.3f} | {times['shares']:.3f} | {times['equal']:.3f} | "
+              f"{times['equal'] / times['rannc']:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":

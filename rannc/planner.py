@@ -110,6 +110,9 @@ def plan_graph(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, conf
     mbs = _microbatch_counts(config, batch_size)
     needed = {batch_per_replica(batch_size, R, m, d) for D, R in layouts for m in mbs
               for d in range(1, D + 1)} - {0}
+    if not cluster.is_homogeneous and cluster.size <= _HETERO_DP_MAX:  # one pipeline, any d
+        needed |= {batch_per_replica(batch_size, 1, m, d) for m in mbs
+                   for d in range(1, world + 1)} - {0}
     prof = oracle.block_profile(block_of, sorted(needed))
     stats.seconds["profile"] = time.perf_counter() - t2
 
@@ -182,8 +185,20 @@ def plan_graph(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, conf
         static = io.params + io.grad_params * (1 + opt)
         # extra balance=False: equal shares in rank order, what a planner that assumes identical
         # devices would run (benchmarks compare against it)
+        balance = bool(config.extra.get("balance", True))
         out = _heterogeneous(out, cluster, static, config.mem_margin, config.mem_limit_gb,
-                             balance=bool(config.extra.get("balance", True)))
+                             balance=balance)
+        if (balance and config.replicas is None and cluster.size <= _HETERO_DP_MAX
+                and config.extra.get("hetero_dp", True)):
+            t4 = time.perf_counter()
+            for alt in _hetero_search(graph, atomic, costs, prof, io, static, cluster, config,
+                                      block_of, batch_size, out.microbatches, schedules, late,
+                                      spec.link_bandwidth):
+                assert alt.predicted_iteration_time is not None
+                assert out.predicted_iteration_time is not None
+                if alt.predicted_iteration_time < out.predicted_iteration_time * (1 - 1e-9):
+                    out = alt
+            stats.seconds["hetero_dp"] = time.perf_counter() - t4
     frac = config.extra.get("recompute_fraction")
     if frac is not None:  # experimental: the same recomputed fraction on every stage
         out = dataclasses.replace(out, stages=tuple(dataclasses.replace(st, recompute=float(frac))
@@ -365,6 +380,62 @@ def _to_plan(graph: TaskGraph, atomic: AtomicPartition, costs: GraphCosts, best:
                 fingerprint=graph.fingerprint(), schedule=c.schedule,
                 predicted_iteration_time=best.time, batch_size=batch_size,
                 blocks=max(block_of) + 1, source=(graph, atomic))
+
+
+_HETERO_DP_MAX = 16  # devices; the mixed-cluster DP is O(blocks^2 devices^2) in Python
+
+
+def _hetero_search(graph: TaskGraph, atomic: AtomicPartition, costs: GraphCosts,
+                   prof: BlockProfile, io: BlockIO, static: np.ndarray, cluster: Cluster,
+                   config: Config, block_of: Sequence[int], batch_size: int, m0: int,
+                   schedules: Sequence[str], late: bool, link_bw: float) -> list[Plan]:
+    """Plans from the mixed-cluster DP (`stage_dp.hetero`), one pipeline over all devices,
+    for the homogeneous plan's microbatch count and its neighbours, under each schedule."""
+    from rannc.schedule.predict import predict
+    from rannc.stage_dp.hetero import HeteroDevices, hetero_stages
+
+    world = cluster.size
+    cap = config.mem_limit_gb * 1e9 if config.mem_limit_gb is not None else None
+    dev = HeteroDevices(speed=[d.flops * d.efficiency for d in cluster.devices],
+                        memory=[(cap if cap is not None else d.memory_bytes) * (1 - config.mem_margin)
+                                for d in cluster.devices])
+    ar_bw = cluster.inter_node_bandwidth if cluster.nodes > 1 else link_bw
+    out = []
+    for m in sorted({max(1, m0 // 2), m0, m0 * 2}):
+        if m > batch_size or m > config.max_pipeline and config.microbatches is None:
+            continue
+        if config.microbatches is not None and m != config.microbatches:
+            continue
+        batch_of = [0] + [batch_per_replica(batch_size, 1, m, d) for d in range(1, world + 1)]
+        for sched in schedules:
+            eager = sched != "gpipe"
+            hs = hetero_stages(prof, io, static, dev, rows=batch_size / m, batch_of=batch_of,
+                               in_flight=min(world, m) if eager else m,
+                               saved=m if eager and late else 0, link_bw=link_bw,
+                               allreduce_bw=ar_bw, microbatches=m,
+                               checkpointing=config.checkpointing, stages=config.partition_num)
+            if hs is None:
+                continue
+            stages = []
+            for s, h in enumerate(hs):
+                comps = tuple(c for c, b in enumerate(block_of) if h.first_block <= b <= h.last_block)
+                total = sum(h.rows)
+                stages.append(StagePlan(
+                    index=s, components=comps, ranks=h.devices,
+                    shares=tuple(x / total for x in h.rows), recompute=1.0 if h.recompute else 0.0,
+                    param_names=param_names_of(graph, atomic, comps),
+                    predicted={"forward_s": h.forward_s, "backward_s": h.backward_s,
+                               "recompute_s": h.recompute_s, "allreduce_s": h.allreduce_s,
+                               "memory_bytes": h.memory_bytes, "microbatch_rows": max(h.rows),
+                               "first_block": float(h.first_block),
+                               "last_block": float(h.last_block)},
+                    modules=_module_range(graph, atomic, comps),
+                    devices=tuple(cluster.devices[r].name for r in h.devices)))
+            plan = Plan(stages=tuple(stages), microbatches=m, world_size=world,
+                        fingerprint=graph.fingerprint(), schedule=sched, batch_size=batch_size,
+                        blocks=max(block_of) + 1, source=(graph, atomic))
+            out.append(dataclasses.replace(plan, predicted_iteration_time=predict(plan).iteration_time))
+    return out
 
 
 def _heterogeneous(plan: Plan, cluster: Cluster, static: np.ndarray, margin: float,

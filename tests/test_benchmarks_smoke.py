@@ -30,4 +30,4 @@ def test_schedules_benchmark(part: str) -> None:
 
 def test_hetero_benchmark() -> None:
     out = run("benchmarks/hetero.py")
-    assert out.count("x |") == 3, out
+    assert out.count("x |") == 4, out

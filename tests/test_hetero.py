@@ -96,3 +96,21 @@ def test_a_really_slow_rank_is_faster_with_speed_shares(tmp_path: Path) -> None:
     assert m, res.stdout
     balanced, equal = float(m.group(1)), float(m.group(2))
     assert balanced < 0.9 * equal, (balanced, equal)
+
+
+def test_the_mixed_cluster_dp_gives_the_fast_device_more_layers() -> None:
+    """Two stages on one fast and one 2x slower device: costing both on the slower one splits
+    the layers evenly; the mixed-cluster DP gives the fast device more of them and predicts a
+    shorter iteration."""
+    case = make_case("gpt2", batch=32)
+    g = capture(case.model, case.args, case.kwargs).graph
+    atomic = atomic_components(g)
+    cluster = rannc.Cluster([rannc.DeviceSpec(**FAST), rannc.DeviceSpec(**SLOW)], per_node=2)
+    base = dict(partition_num=2, microbatches=4, schedule="1f1b")
+    even = plan_graph(g, atomic, cluster, rannc.Config(extra={"hetero_dp": False}, **base),
+                      batch_size=32)
+    aware = plan_graph(g, atomic, cluster, rannc.Config(**base), batch_size=32)
+    assert aware.predicted_iteration_time < 0.95 * even.predicted_iteration_time
+    fast = next(st for st in aware.stages if st.devices == ("fast",))
+    slow = next(st for st in aware.stages if st.devices == ("slow",))
+    assert len(fast.components) > len(slow.components)

@@ -115,8 +115,8 @@ def test_train_and_eval_alternate_for_ten_steps() -> None:
 
 def test_a_mixed_cluster_splits_rows_by_speed_and_stays_exact(tmp_path: Path) -> None:
     """Issue 7: a cluster file declares rank 2 two times slower; the stage replicated over
-    ranks 1 and 2 gives rank 1 two thirds of its rows, and training still equals the unwrapped
-    model on the global batch."""
+    ranks 1 and 2 gives rank 1 two thirds of its rows; and a pipeline whose first stage lands on
+    rank 1; training still equals the unwrapped model on the global batch."""
     import json
 
     fast = {"name": "fast", "memory_bytes": 16e9, "flops": 10e12, "mem_bandwidth": 1e12}
@@ -129,6 +129,13 @@ def test_a_mixed_cluster_splits_rows_by_speed_and_stays_exact(tmp_path: Path) ->
         got = sorted(re.findall(rf"PASS {model} rank (\d+)", res.stdout))
         assert got == ["0", "1", "2"], (model, res.stdout)
     assert "1:fast:0.67,2:slow:0.33" in res.stdout, res.stdout
+    # two stages on [slow, fast]: the mixed-cluster DP puts the first, larger stage on rank 1
+    path.write_text(json.dumps({"per_node": 2, "devices": [slow, fast]}))
+    res = run_mpi(SCRIPT, 2, ["--model", "gpt2,kwargs", "--partition-num", "2", "--microbatches",
+                              "4", "--batch", "8", "--schedule", "1f1b", "--cluster-file", str(path)])
+    for model in ("gpt2", "kwargs"):
+        assert sorted(re.findall(rf"PASS {model} rank (\d+)", res.stdout)) == ["0", "1"]
+    assert re.search(r"PASS gpt2 rank 1 of 2 stage 0", res.stdout), res.stdout
 
 
 def test_trace_files_hold_every_rank_and_the_prediction(tmp_path: Path) -> None:

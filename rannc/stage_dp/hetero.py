@@ -1,0 +1,161 @@
+"""Stages over a mixed cluster: a min-max DP over (blocks, devices) where each stage takes a run
+of devices in memory order and its replicas split rows by speed within memory (`whale_shares`).
+
+The homogeneous DP (`dp.py`) costs every stage on the weakest device, so on a mixed cluster it
+cannot see that a stage on fast devices may take more blocks. Here a stage's time depends on
+which devices it gets: devices are ordered by memory (then speed), so earlier stages, which
+hold more microbatches' activations, get the larger memories, and stage s takes devices
+[i, i + d) of that order. best[b][i] is the smallest bottleneck of the first b blocks on the
+first i devices. Pure Python over k blocks and D devices, O(k^2 D^2) stage costs: meant for
+the tens of devices of a mixed cluster, not for hundreds.
+
+Index conventions: l, r first and last block of a stage; i its first device (in order), d its
+device count; j a replica.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from rannc.errors import RaNNCError
+from rannc.profile.estimate import BlockProfile
+from rannc.stage_dp.shares import whale_shares
+from rannc.stage_dp.tables import BlockIO
+
+
+@dataclass(frozen=True, slots=True)
+class HeteroStage:
+    first_block: int
+    last_block: int
+    devices: tuple[int, ...]  # positions in the cluster (ranks)
+    rows: tuple[float, ...]  # per replica, rows of each microbatch
+    forward_s: float
+    backward_s: float  # recomputation included
+    recompute_s: float
+    allreduce_s: float
+    memory_bytes: float  # the fullest replica's
+    recompute: bool
+
+
+@dataclass(frozen=True, slots=True)
+class HeteroDevices:
+    speed: Sequence[float]  # effective FLOP/s per rank
+    memory: Sequence[float]  # bytes a stage may use per rank (margin taken off)
+
+    def order(self) -> list[int]:
+        n = len(self.speed)
+        return sorted(range(n), key=lambda r: (-self.memory[r], -self.speed[r], r))
+
+
+def hetero_stages(prof: BlockProfile, io: BlockIO, static: np.ndarray, dev: HeteroDevices, *,
+                  rows: float, batch_of: Sequence[int], in_flight: int, saved: int,
+                  link_bw: float, allreduce_bw: float, microbatches: int, checkpointing: str,
+                  stages: int | None = None) -> list[HeteroStage] | None:
+    """The best split of all blocks over all devices (or into exactly `stages` stages), or None.
+
+    `rows`: rows of one microbatch; `batch_of[d]`: the profile batch size to read a stage of d
+    replicas at (its per-replica rows with equal shares); `prof`'s times are the weakest
+    device's, scaled here by each device's speed."""
+    k = io.params.shape[0]
+    order = dev.order()
+    n = len(order)
+    slow = min(dev.speed)
+    zero = np.zeros((1, prof.fwd.shape[1]))
+    pre = {x: np.vstack([zero, np.cumsum(getattr(prof, x), axis=0)]) for x in ("fwd", "bwd", "kept")}
+    options = [False, True] if checkpointing == "auto" else [checkpointing == "on"]
+    if checkpointing == "stage_aware":
+        options = [False, True]
+    cache: dict[tuple[int, int, int, int], HeteroStage | None] = {}
+
+    def stage(lo: int, r: int, i: int, d: int) -> HeteroStage | None:
+        key = (lo, r, i, d)
+        if key in cache:
+            return cache[key]
+        cache[key] = None
+        b = batch_of[d]
+        if b < 1 or b not in prof.batch_sizes:
+            return None
+        c = prof.column(b)
+        f = (pre["fwd"][r + 1, c] - pre["fwd"][lo, c]) / b
+        g = (pre["bwd"][r + 1, c] - pre["bwd"][lo, c]) / b
+        kept = (pre["kept"][r + 1, c] - pre["kept"][lo, c]) / b
+        work = float(prof.work[lo:r + 1, c].max())
+        in0, in1 = io.inputs[0][lo, r], io.inputs[1][lo, r]
+        out0, out1 = io.outputs[0][lo, r], io.outputs[1][lo, r]
+        fixed = static[lo, r] + work + in_flight * (in0 + out0) + saved * in0
+        comm_row = (in1 + out1) / link_bw
+        comm0 = (in0 + out0) / link_bw
+        ranks = [order[p] for p in range(i, i + d)]
+        v = [dev.speed[x] for x in ranks]
+        ar = 2.0 * float(io.grad_params[lo, r]) * (d - 1) / d / allreduce_bw
+        best: HeteroStage | None = None
+        for rc in options:
+            per_row = in_flight * (in1 + out1 + (0.0 if rc else kept)) + saved * in1 + (kept if rc else 0.0)
+            caps = [(dev.memory[x] - fixed) / per_row if per_row > 0 else math.inf for x in ranks]
+            try:
+                x = whale_shares(rows, v, caps)
+            except RaNNCError:
+                continue
+            pairs = list(zip(x, v, strict=True))
+            fw = max(xj * (f * slow / vj + comm_row / 2) for xj, vj in pairs) + comm0 / 2
+            rec = max(xj * f * slow / vj for xj, vj in pairs) if rc else 0.0
+            bw = max(xj * (g * slow / vj + comm_row / 2) for xj, vj in pairs) + comm0 / 2 + rec
+            mem = max(fixed + per_row * xj for xj in x)
+            cand = HeteroStage(lo, r, tuple(ranks), tuple(x), fw, bw, rec, ar, mem, rc)
+            if best is None or _h(cand, microbatches) < _h(best, microbatches):
+                best = cand
+        cache[key] = best
+        return best
+
+    inf = math.inf
+    # best[b, i]: the smallest bottleneck of the first b blocks on the first i devices (with
+    # `stages` forced, over exactly that many stages: one more dimension)
+    layers = 1 if stages is None else stages
+    best = np.full((layers + 1, k + 1, n + 1), inf)
+    arg: dict[tuple[int, int, int], tuple[int, int, HeteroStage]] = {}
+    best[0, 0, 0] = 0.0
+    cut_ok = io.cut_ok
+    for s in range(1, layers + 1):
+        src = 0 if stages is None else s - 1
+        for b in range(1, k + 1):
+            if not cut_ok[b]:
+                continue
+            for i in range(1, n + 1):
+                for lo in range(b):
+                    if not cut_ok[lo]:
+                        continue
+                    for i0 in range(i):
+                        prev = best[src, lo, i0] if stages is not None else (
+                            0.0 if (lo, i0) == (0, 0) else best[1, lo, i0])
+                        if prev == inf:
+                            continue
+                        st = stage(lo, b - 1, i0, i - i0)
+                        if st is None:
+                            continue
+                        val = max(prev, _h(st, microbatches))
+                        if val < best[s, b, i]:
+                            best[s, b, i] = val
+                            arg[(s, b, i)] = (lo, i0, st)
+    top = layers
+    if best[top, k, n] == inf:
+        return None
+    out: list[HeteroStage] = []
+    s, b, i = top, k, n
+    while b > 0:
+        lo, i0, st = arg[(s, b, i)]
+        out.append(st)
+        b, i = lo, i0
+        if stages is not None:
+            s -= 1
+    return list(reversed(out))
+
+
+def _h(st: HeteroStage, microbatches: int) -> float:
+    return st.forward_s + st.backward_s + st.allreduce_s / microbatches
+
+
+__all__ = ["HeteroDevices", "HeteroStage", "hetero_stages"]
