@@ -157,6 +157,18 @@ def plan_graph(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, conf
                     if not found:
                         counts = {S for S in range(1, D + 1) if not eager or min(S, m) == n_in}
                         infeasible.append((tab, D, counts))
+    mixed_dp = (not cluster.is_homogeneous and cluster.size <= _HETERO_DP_MAX
+                and bool(config.extra.get("hetero_dp", True))
+                and bool(config.extra.get("balance", True)))
+    static = io.params + io.grad_params * (1 + opt)
+    if not found and mixed_dp:
+        # The DP above plans every stage within the smallest device's memory; on a mixed
+        # cluster the mixed-cluster DP may still fit, with each stage on its own devices.
+        alts = _hetero_search(graph, atomic, costs, prof, io, static, cluster, config, block_of,
+                              batch_size, mbs, schedules, late, spec.link_bandwidth)
+        if alts:
+            stats.seconds["stage_dp"] = time.perf_counter() - t3
+            return min(alts, key=lambda p: p.predicted_iteration_time or math.inf)
     if not found:
         stats.seconds["stage_dp"] = time.perf_counter() - t3
         smallest = min((_memory_needed(tab, D, config, ok) for tab, D, ok in infeasible),
@@ -182,18 +194,17 @@ def plan_graph(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, conf
         raise RaNNCError("planner: no candidate survived refinement; please report this")
     out = _to_plan(graph, atomic, costs, best, block_of, world, batch_size)
     if not cluster.is_homogeneous:
-        static = io.params + io.grad_params * (1 + opt)
         # extra balance=False: equal shares in rank order, what a planner that assumes identical
         # devices would run (benchmarks compare against it)
         balance = bool(config.extra.get("balance", True))
         out = _heterogeneous(out, cluster, static, config.mem_margin, config.mem_limit_gb,
                              balance=balance)
-        if (balance and config.replicas is None and cluster.size <= _HETERO_DP_MAX
-                and config.extra.get("hetero_dp", True)):
+        if mixed_dp:
             t4 = time.perf_counter()
+            m0 = out.microbatches
             for alt in _hetero_search(graph, atomic, costs, prof, io, static, cluster, config,
-                                      block_of, batch_size, out.microbatches, schedules, late,
-                                      spec.link_bandwidth):
+                                      block_of, batch_size, sorted({max(1, m0 // 2), m0, 2 * m0}),
+                                      schedules, late, spec.link_bandwidth):
                 assert alt.predicted_iteration_time is not None
                 assert out.predicted_iteration_time is not None
                 if alt.predicted_iteration_time < out.predicted_iteration_time * (1 - 1e-9):
@@ -387,10 +398,11 @@ _HETERO_DP_MAX = 16  # devices; the mixed-cluster DP is O(blocks^2 devices^2) in
 
 def _hetero_search(graph: TaskGraph, atomic: AtomicPartition, costs: GraphCosts,
                    prof: BlockProfile, io: BlockIO, static: np.ndarray, cluster: Cluster,
-                   config: Config, block_of: Sequence[int], batch_size: int, m0: int,
-                   schedules: Sequence[str], late: bool, link_bw: float) -> list[Plan]:
+                   config: Config, block_of: Sequence[int], batch_size: int,
+                   microbatches: Sequence[int], schedules: Sequence[str], late: bool,
+                   link_bw: float) -> list[Plan]:
     """Plans from the mixed-cluster DP (`stage_dp.hetero`), one pipeline over all devices,
-    for the homogeneous plan's microbatch count and its neighbours, under each schedule."""
+    for each of `microbatches` and each schedule (forced replicas honoured)."""
     from rannc.schedule.predict import predict
     from rannc.stage_dp.hetero import HeteroDevices, hetero_stages
 
@@ -401,7 +413,9 @@ def _hetero_search(graph: TaskGraph, atomic: AtomicPartition, costs: GraphCosts,
                                 for d in cluster.devices])
     ar_bw = cluster.inter_node_bandwidth if cluster.nodes > 1 else link_bw
     out = []
-    for m in sorted({max(1, m0 // 2), m0, m0 * 2}):
+    if config.replicas is not None and sum(config.replicas) != world:
+        return []  # pipeline copies: not in the mixed-cluster DP yet
+    for m in microbatches:
         if m > batch_size or m > config.max_pipeline and config.microbatches is None:
             continue
         if config.microbatches is not None and m != config.microbatches:
@@ -413,7 +427,8 @@ def _hetero_search(graph: TaskGraph, atomic: AtomicPartition, costs: GraphCosts,
                                in_flight=min(world, m) if eager else m,
                                saved=m if eager and late else 0, link_bw=link_bw,
                                allreduce_bw=ar_bw, microbatches=m,
-                               checkpointing=config.checkpointing, stages=config.partition_num)
+                               checkpointing=config.checkpointing, stages=config.partition_num,
+                               replicas=config.replicas)
             if hs is None:
                 continue
             stages = []

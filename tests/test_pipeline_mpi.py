@@ -138,6 +138,49 @@ def test_a_mixed_cluster_splits_rows_by_speed_and_stays_exact(tmp_path: Path) ->
     assert re.search(r"PASS gpt2 rank 1 of 2 stage 0", res.stdout), res.stdout
 
 
+def test_a_mixed_cluster_with_a_rank_short_of_memory(tmp_path: Path) -> None:
+    """Issue 7 acceptance: ranks [fast, fast, 2x slower, fast with too little memory for its
+    speed share]. The stage replicated over ranks 1 to 3 splits rows by speed, then shifts rows
+    away from rank 3 (what fits its memory); training equals the unwrapped model."""
+    import dataclasses
+    import json
+
+    from model_zoo import make_case
+
+    import rannc
+    from rannc.atomic.components import atomic_components
+    from rannc.graph.capture import capture
+    from rannc.planner import plan_graph
+
+    fast = {"name": "fast", "memory_bytes": 16e9, "flops": 10e12, "mem_bandwidth": 1e12}
+    slow = {**fast, "name": "slow", "flops": 5e12, "mem_bandwidth": 0.5e12}
+    cfg = rannc.Config(replicas=[1, 3], microbatches=2, schedule="1f1b",
+                       extra={"hetero_dp": False})
+    case = make_case("gpt2", batch=12)
+    g = capture(case.model, case.args, case.kwargs).graph
+    atomic = atomic_components(g)
+    roomy = rannc.Cluster([rannc.DeviceSpec(**d) for d in (fast, fast, slow, fast)], per_node=4)
+    by_speed = plan_graph(g, atomic, roomy, cfg, batch_size=12).stages[1].predicted["memory_bytes"]
+    equal = plan_graph(g, atomic, roomy, dataclasses.replace(cfg, extra={"balance": False}),
+                       batch_size=12).stages[1].predicted["memory_bytes"]
+    assert equal < by_speed
+    # enough for an equal share of the rows, not for a fast device's speed share
+    small = {**fast, "name": "small", "memory_bytes": (equal + by_speed) / 2 / (1 - cfg.mem_margin)}
+    devices = [fast, fast, slow, small]
+    tight = rannc.Cluster([rannc.DeviceSpec(**d) for d in devices], per_node=4)
+    plan = plan_graph(g, atomic, tight, dataclasses.replace(cfg, extra={}), batch_size=12)
+    st = plan.stages[1]
+    share = dict(zip(st.devices, st.shares, strict=True))
+    assert share["slow"] < share["fast"] and share["small"] < share["fast"]  # memory, not speed
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps({"per_node": 4, "devices": devices}))
+    res = run_mpi(SCRIPT, 4, ["--model", "gpt2", "--replicas", "1,3", "--microbatches", "2",
+                              "--batch", "12", "--schedule", "1f1b", "--cluster-file", str(path)])
+    assert sorted(re.findall(r"PASS gpt2 rank (\d+)", res.stdout)) == ["0", "1", "2", "3"]
+    want = ",".join(f"{r}:{d}:{x:.2f}" for r, d, x in zip(st.ranks, st.devices, st.shares, strict=True))
+    assert want in res.stdout, (want, res.stdout)
+
+
 def test_trace_files_hold_every_rank_and_the_prediction(tmp_path: Path) -> None:
     from rannc.schedule import load_chrome_trace
 

@@ -54,8 +54,10 @@ class HeteroDevices:
 def hetero_stages(prof: BlockProfile, io: BlockIO, static: np.ndarray, dev: HeteroDevices, *,
                   rows: float, batch_of: Sequence[int], in_flight: int, saved: int,
                   link_bw: float, allreduce_bw: float, microbatches: int, checkpointing: str,
-                  stages: int | None = None) -> list[HeteroStage] | None:
-    """The best split of all blocks over all devices (or into exactly `stages` stages), or None.
+                  stages: int | None = None,
+                  replicas: Sequence[int] | None = None) -> list[HeteroStage] | None:
+    """The best split of all blocks over all devices (or into exactly `stages` stages, or with
+    stage s on exactly `replicas[s]` devices), or None.
 
     `rows`: rows of one microbatch; `batch_of[d]`: the profile batch size to read a stage of d
     replicas at (its per-replica rows with equal shares); `prof`'s times are the weakest
@@ -114,6 +116,8 @@ def hetero_stages(prof: BlockProfile, io: BlockIO, static: np.ndarray, dev: Hete
     inf = math.inf
     # best[b, i]: the smallest bottleneck of the first b blocks on the first i devices (with
     # `stages` forced, over exactly that many stages: one more dimension)
+    if replicas is not None:
+        stages = len(replicas)
     layers = 1 if stages is None else stages
     best = np.full((layers + 1, k + 1, n + 1), inf)
     arg: dict[tuple[int, int, int], tuple[int, int, HeteroStage]] = {}
@@ -129,6 +133,8 @@ def hetero_stages(prof: BlockProfile, io: BlockIO, static: np.ndarray, dev: Hete
                     if not cut_ok[lo]:
                         continue
                     for i0 in range(i):
+                        if replicas is not None and i - i0 != replicas[s - 1]:
+                            continue
                         prev = best[src, lo, i0] if stages is not None else (
                             0.0 if (lo, i0) == (0, 0) else best[1, lo, i0])
                         if prev == inf:
