@@ -201,7 +201,7 @@ class RaNNCModule(nn.Module):
         """Write the last iteration's per-rank events (recorded with `config.trace`) as a
         Chrome/Perfetto trace `path + ".json"` and a PNG timeline `path + ".png"`, the
         simulator's prediction for the same plan drawn below (from the plan's cost predictions,
-        or `predicted_from="measured"`: from this run's median action times). Every rank must
+        or `predicted_from="measured"`: from this run's mean action times). Every rank must
         call it (it gathers the events); rank 0 writes and returns the paths."""
         import torch.distributed as dist
 

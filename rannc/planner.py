@@ -35,6 +35,7 @@ from rannc.profile.device import Cluster
 from rannc.profile.estimate import BlockProfile, GraphCosts, _bytes
 from rannc.schedule import SCHEDULES, StageCosts, chain, in_flight, make_schedule, simulate
 from rannc.stage_dp.dp import stage_dp
+from rannc.stage_dp.hetero import HeteroDevices
 from rannc.stage_dp.shares import finish_time, whale_shares
 from rannc.stage_dp.tables import (
     BlockIO,
@@ -197,7 +198,7 @@ def plan_graph(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, conf
         # extra balance=False: equal shares in rank order, what a planner that assumes identical
         # devices would run (benchmarks compare against it)
         balance = bool(config.extra.get("balance", True))
-        out = _heterogeneous(out, cluster, static, config.mem_margin, config.mem_limit_gb,
+        out = _heterogeneous(out, cluster, _hetero_devices(cluster, config), static,
                              balance=balance)
         if mixed_dp:
             t4 = time.perf_counter()
@@ -404,13 +405,10 @@ def _hetero_search(graph: TaskGraph, atomic: AtomicPartition, costs: GraphCosts,
     """Plans from the mixed-cluster DP (`stage_dp.hetero`), one pipeline over all devices,
     for each of `microbatches` and each schedule (forced replicas honoured)."""
     from rannc.schedule.predict import predict
-    from rannc.stage_dp.hetero import HeteroDevices, hetero_stages
+    from rannc.stage_dp.hetero import hetero_stages
 
     world = cluster.size
-    cap = config.mem_limit_gb * 1e9 if config.mem_limit_gb is not None else None
-    dev = HeteroDevices(speed=[d.flops * d.efficiency for d in cluster.devices],
-                        memory=[(cap if cap is not None else d.memory_bytes) * (1 - config.mem_margin)
-                                for d in cluster.devices])
+    dev = _hetero_devices(cluster, config)
     ar_bw = cluster.inter_node_bandwidth if cluster.nodes > 1 else link_bw
     out = []
     if config.replicas is not None and sum(config.replicas) != world:
@@ -453,19 +451,24 @@ def _hetero_search(graph: TaskGraph, atomic: AtomicPartition, costs: GraphCosts,
     return out
 
 
-def _heterogeneous(plan: Plan, cluster: Cluster, static: np.ndarray, margin: float,
-                   limit_gb: float | None, balance: bool = True) -> Plan:
+def _hetero_devices(cluster: Cluster, config: Config) -> HeteroDevices:
+    """Each rank's effective speed and the memory a stage may use on it."""
+    cap = config.mem_limit_gb * 1e9 if config.mem_limit_gb is not None else None
+    return HeteroDevices(speed=[d.flops * d.efficiency for d in cluster.devices],
+                         memory=[(cap if cap is not None else d.memory_bytes) * (1 - config.mem_margin)
+                                 for d in cluster.devices])
+
+
+def _heterogeneous(plan: Plan, cluster: Cluster, dev: HeteroDevices, static: np.ndarray,
+                   balance: bool = True) -> Plan:
     """Place a plan made for the cluster's weakest device on its real devices: earlier
     stages (which hold more microbatches' activations) on the devices with more memory, and
     each stage's rows split among its replicas by speed within memory (`whale_shares`); the
     predicted stage times and iteration time follow."""
     from rannc.schedule.predict import predict
 
-    world = cluster.size
-    speed = [d.flops * d.efficiency for d in cluster.devices]
-    mem = [(d.memory_bytes if limit_gb is None else limit_gb * 1e9) * (1 - margin)
-           for d in cluster.devices]
-    order = sorted(range(world), key=lambda r: (-mem[r], -speed[r], r)) if balance else list(range(world))
+    speed, mem = dev.speed, dev.memory
+    order = dev.order() if balance else list(range(cluster.size))
     slow = min(speed)
     stages = []
     for st in plan.stages:

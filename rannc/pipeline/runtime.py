@@ -450,12 +450,16 @@ class PipelineRuntime:
                     g = link.grad if g is None else g + link.grad
                 gs.append(g)
             _backward(mic.rec, gs)
-        mic.in_grads = [
-            (x.grad if x.grad is not None else torch.zeros_like(x))
-            if self._is_activation(v) and isinstance(x, torch.Tensor) else None
-            for v, x in zip(self.me.inputs, mic.ins, strict=True)]
+        mic.in_grads = self._input_grads(mic.ins)
         mic.ins = mic.kept = mic.rec = mic.out_grads = None
         mic.links = {}
+
+    def _input_grads(self, ins: Sequence[Any]) -> list[Any]:
+        """Per stage input: its gradient (zeros if none reached it) where it is an activation
+        from an earlier stage, else None."""
+        return [(x.grad if x.grad is not None else torch.zeros_like(x))
+                if self._is_activation(v) and isinstance(x, torch.Tensor) else None
+                for v, x in zip(self.me.inputs, ins, strict=True)]
 
     def _send_input_grads(self, call: _Call, m: int) -> None:
         mic = call.micro[m]
@@ -642,9 +646,7 @@ class PipelineRuntime:
                         outs = part.module(*[env[v] for v in part.graph.inputs])
                         env.update(zip(part.graph.outputs, outs, strict=True))
             _backward([env[v] for v in self.me.outputs], mic.out_grads)
-            mic.in_grads = [(x.grad if x.grad is not None else torch.zeros_like(x))
-                            if self._is_activation(v) else None
-                            for v, x in zip(self.me.inputs, ins, strict=True)]
+            mic.in_grads = self._input_grads(ins)
             mic.saved = mic.out_grads = None
             self._send_input_grads(call, m)
 

@@ -44,13 +44,13 @@ def measured_costs(plan: Plan, events: Mapping[int, Sequence[Event]]) -> StageCo
             if e.action.op in (Op.F, Op.B, Op.R):
                 dur.setdefault((e.action.stage, e.action.op), []).append(e.end - e.start)
 
-    def med(s: int, op: Op) -> float:
+    def mean(s: int, op: Op) -> float:
         xs = dur.get((s, op))
         return statistics.fmean(xs) if xs else 0.0
 
     zero = [0.0] * n
-    return StageCosts(fwd=[med(s, Op.F) for s in range(n)], bwd=[med(s, Op.B) for s in range(n)],
-                      recompute=[med(s, Op.R) for s in range(n)], comm_fwd=zero, comm_bwd=zero,
+    return StageCosts(fwd=[mean(s, Op.F) for s in range(n)], bwd=[mean(s, Op.B) for s in range(n)],
+                      recompute=[mean(s, Op.R) for s in range(n)], comm_fwd=zero, comm_bwd=zero,
                       allreduce=zero)
 
 

@@ -140,6 +140,7 @@ def in_flight(sched: Schedule) -> list[tuple[int, int]]:
     out = []
     for acts in sched.actions:
         live = peak = rec = rec_peak = 0
+        rebuilt = {a.micro for a in acts if a.op is Op.R}
         for a in acts:
             if a.op is Op.F:
                 live += 1
@@ -149,7 +150,7 @@ def in_flight(sched: Schedule) -> list[tuple[int, int]]:
                 rec_peak = max(rec_peak, rec)
             elif a.op is Op.B:
                 live -= 1
-                if any(x.op is Op.R and x.micro == a.micro for x in acts):
+                if a.micro in rebuilt:
                     rec -= 1
         out.append((peak, rec_peak))
     return out
