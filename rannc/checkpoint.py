@@ -348,6 +348,65 @@ def _resolve(path: str | os.PathLike[str]) -> Path:
     raise RaNNCError(f"no rannc checkpoint at {final} (no {META_FILE} in it)")
 
 
+def _safe_reader(path: str) -> Any:
+    """A torch.distributed.checkpoint reader whose metadata file is read as
+    `torch.load(weights_only=True)` would read it: only checkpoint-metadata classes, torch's
+    dtypes, sizes and layouts and plain containers may be rebuilt. DCP itself uses `pickle.load`
+    there, so a doctored `.metadata` file could run code on every rank that loads it."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint.metadata as md
+
+    def allowed(module: str, name: str) -> Any:
+        obj = getattr(md, name, None) if module == md.__name__ else None
+        if isinstance(obj, type) and obj.__module__ == md.__name__:
+            return obj
+        if module == "torch":
+            obj = getattr(torch, name, None)
+            if isinstance(obj, (torch.dtype, torch.memory_format, torch.layout)) or obj is torch.Size:
+                return obj
+        if (module, name) == ("torch.distributed.checkpoint.filesystem", "_StorageInfo"):
+            return dcp.filesystem._StorageInfo  # a dataclass: file name, offset, length
+        if (module, name) == ("torch.serialization", "_get_layout"):  # a name -> layout table
+            return torch.serialization._get_layout
+        if (module, name) in {("collections", "OrderedDict"), ("builtins", "set"),
+                              ("builtins", "frozenset"), ("pathlib", "PosixPath"),
+                              ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
+                              ("pathlib", "PureWindowsPath")}:  # StorageMeta's checkpoint_id
+            return getattr(__import__(module), name)
+        return None
+
+    class Restricted(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            obj = allowed(module, name)
+            if obj is None:
+                raise pickle.UnpicklingError(f"{module}.{name} is not checkpoint metadata")
+            return obj
+
+    class SafeReader(dcp.FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> md.Metadata:
+            path = self._get_metadata_path(kwargs.get("rank"))
+            with self.fs.create_stream(path, "rb") as f:
+                try:
+                    metadata = Restricted(f).load()
+                except Exception as e:
+                    raise RaNNCError(
+                        f"checkpoint metadata {path} holds something other than checkpoint "
+                        f"metadata ({type(e).__name__}: {str(e).splitlines()[0][:300]}); rannc "
+                        "never unpickles arbitrary objects. Was the file written by "
+                        "save_checkpoint()?") from e
+            if not isinstance(metadata, md.Metadata):
+                raise RaNNCError(f"checkpoint metadata {path} is a {type(metadata).__name__}, "
+                                 "not torch.distributed.checkpoint metadata")
+            storage = metadata.storage_meta or md.StorageMeta()
+            storage.load_id = self.load_id
+            metadata.storage_meta = storage
+            return metadata
+
+    return SafeReader(path)
+
+
 def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer | None,
                     rt: PipelineRuntime | None, path: str | os.PathLike[str]) -> None:
     """Every rank reads the entries it holds (all of them before deployment)."""
@@ -359,7 +418,7 @@ def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer | None,
     if meta.get("format") != CHECKPOINT_FORMAT:
         raise RaNNCError(f"checkpoint {where} has format {meta.get('format')!r}, this rannc reads "
                          f"{CHECKPOINT_FORMAT}")
-    reader = dcp.FileSystemReader(str(where))
+    reader = _safe_reader(str(where))
     saved = reader.read_metadata().state_dict_metadata
     h = Holdings.of(model, rt)
     want: dict[str, torch.Tensor] = {}

@@ -163,6 +163,7 @@ def init_process_group(timeout_s: float = 300.0) -> DistContext:
             _context = _wrap_existing()
             _owned = False
             _timeout = timeout
+            _start_watchdog(_context, timeout_s)
             return _context
         launcher = detect_launcher()
         try:
@@ -176,7 +177,27 @@ def init_process_group(timeout_s: float = 300.0) -> DistContext:
             _reset_state()  # undo the GLOO_SOCKET_IFNAME pin of a half-done init
             raise
         _context, _owned, _timeout = ctx, True, timeout
+        _start_watchdog(ctx, timeout_s)
         return ctx
+
+
+def _start_watchdog(ctx: DistContext, timeout_s: float) -> None:
+    """Every rank watches the others from here on (rannc.health): a failed or dead rank becomes a
+    prompt, named error everywhere instead of a hang."""
+    import logging
+
+    from rannc import health
+
+    try:
+        health.start(ctx.rank, ctx.world_size, timeout_s,
+                     hosts_store=ctx.launcher == LAUNCHER_MPI and ctx.rank == 0,
+                     name_pids=ctx.launcher == LAUNCHER_MPI)
+    except health.RankFailure:
+        raise
+    except Exception as e:  # e.g. a user-made group on a store without compare_set
+        logging.getLogger("rannc").warning(
+            "rannc: no failure watchdog (%s: %s); a failed rank will show as a collective "
+            "timeout after %.0f s instead", type(e).__name__, e, timeout_s)
 
 
 def new_group(ranks: Sequence[int]) -> dist.ProcessGroup | None:
@@ -218,6 +239,9 @@ def shutdown() -> None:
     """
     global _owned
     with _lock:
+        from rannc import health
+
+        health.stop()
         if _owned and _initialized():
             dist.destroy_process_group()
         _owned = False

@@ -31,6 +31,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 from rannc import checkpoint as ckpt
 from rannc import clip as rclip
 from rannc import dist as rdist
+from rannc import health
 from rannc.atomic.components import AtomicPartition, atomic_components
 from rannc.config import Config
 from rannc.derive import derive_plan
@@ -71,6 +72,7 @@ class RaNNCModule(nn.Module):
         self._sync = True
         self._plan: Plan | None = None
         self._runtimes: dict[tuple[Any, ...], PipelineRuntime] = {}
+        self._calls = 0  # forward() calls: the "step" a failure report names
         self._last_rt: PipelineRuntime | None = None
         self._released: dict[str, torch.Size] = {}  # parameters this rank freed: their shapes
         self._placeholder: nn.Parameter | None = None
@@ -91,7 +93,10 @@ class RaNNCModule(nn.Module):
     # -- running -----------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if rdist.get_world_size() > 1:
-            return self._forward_distributed(args, kwargs)
+            rdist.init_process_group(self.config.timeout_s)  # starts the watchdog the phase needs
+            self._calls += 1
+            with health.phase("forward", self._calls):
+                return self._forward_distributed(args, kwargs)
         leaves, layout = flatten_inputs(args, kwargs)
         key = (layout.signature, self.training, _autocast_state())
         dep = self._deployments.get(key)
@@ -411,7 +416,7 @@ class RaNNCModule(nn.Module):
         groups = None
         if self.optimizer is not None:
             groups = self._opt_groups or ckpt.group_names(self.module, self.optimizer)
-        with self._without_placeholder():
+        with self._without_placeholder(), health.phase("checkpoint write"):
             ckpt.save_checkpoint(self.module, self.optimizer, self._last_rt, groups, path)
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
@@ -420,7 +425,7 @@ class RaNNCModule(nn.Module):
         rank must call it (collective); before the first call, each rank reads the whole model.
         """
         rdist.init_process_group(self.config.timeout_s)
-        with self._without_placeholder():
+        with self._without_placeholder(), health.phase("checkpoint read"):
             ckpt.load_checkpoint(self.module, self.optimizer, self._last_rt, path)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,

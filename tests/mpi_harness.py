@@ -111,8 +111,14 @@ def run_command(
         text=True,
         start_new_session=True,
     )
+    leftovers: list[int] = []
     try:
         out, err = proc.communicate(timeout=timeout)
+        # Ranks still alive once the launcher returned (the fault tests assert there are none).
+        leftovers = _tagged_pids(token)
+        if leftovers:  # give processes that are on their way out a moment
+            time.sleep(1.0)
+            leftovers = _tagged_pids(token)
     except subprocess.TimeoutExpired:
         kill_launch(proc, token)
         try:
@@ -125,6 +131,7 @@ def run_command(
         # Also on success: ranks that outlived the launcher would hold ports and CPU.
         kill_launch(proc, token)
     result = subprocess.CompletedProcess(list(cmd), proc.returncode, out, err)
+    result.leftovers = leftovers  # type: ignore[attr-defined]
     if check and proc.returncode != 0:
         pytest.fail(f"exit status {proc.returncode}\n" + _describe(cmd, proc.returncode, out, err))
     return result

@@ -31,3 +31,8 @@ def test_schedules_benchmark(part: str) -> None:
 def test_hetero_benchmark() -> None:
     out = run("benchmarks/hetero.py")
     assert out.count("x |") == 4, out
+
+
+def test_soak_benchmark() -> None:
+    out = run("benchmarks/soak.py")
+    assert "no errors" in out and out.count("| - |") == 2, out

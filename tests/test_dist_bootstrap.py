@@ -116,3 +116,13 @@ def test_new_group_before_init_says_what_to_do() -> None:
         pytest.skip("a process group already exists in this pytest process")
     with pytest.raises(RuntimeError, match="init_process_group"):
         dist.new_group([0])
+
+
+def test_mpiexec_rendezvous_and_gloo_listen_on_loopback_only() -> None:
+    # Single node: rannc's store (rank 0) and gloo's pair sockets must not be reachable from
+    # other hosts (their protocols are unauthenticated).
+    res = run_mpi(SCRIPT, 2, ["--timeout-s", "30", "--check-listen"], timeout=180)
+    lines = re.findall(r"LISTEN rank (\d+) (.*)", res.stdout)
+    assert {r for r, _ in lines} == {"0", "1"}, res.stdout + res.stderr
+    assert any(addrs != "-" for _, addrs in lines), res.stdout  # rank 0 at least has its store
+    assert ok_ranks(res.stdout, 2, "mpi") == {0, 1}, res.stdout + res.stderr

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from rannc import health
 from rannc.atomic.components import AtomicPartition
 from rannc.errors import InputMismatchError, RaNNCError
 from rannc.graph.capture import CapturedModel
@@ -707,7 +708,8 @@ class PipelineRuntime:
                 continue
             tensors = [new[n] for n in names]
             flat = torch.cat([t.reshape(-1) for t in tensors])
-            dist.all_reduce(flat, group=group)
+            with health.phase("gradient all-reduce"):
+                dist.all_reduce(flat, group=group)
             at = 0
             for n, t in zip(names, tensors, strict=True):
                 new[n] = flat[at:at + t.numel()].view_as(t)
@@ -758,7 +760,8 @@ class PipelineFunction(torch.autograd.Function):
         for v, g in zip(ctx.names, grads, strict=True):
             prev = grad_of.get(v)
             grad_of[v] = g if prev is None else prev if g is None else prev + g
-        ctx.runtime.backward(grad_of)
+        with health.phase("backward"):
+            ctx.runtime.backward(grad_of)
         return (None, None, None, *([None] * len(grads)))
 
 

@@ -31,6 +31,36 @@ def expected_identity(launcher: str) -> tuple[int, int, int]:
     return 0, 1, 0
 
 
+def listening_addresses() -> list[str]:
+    """The local addresses of this process's listening TCP sockets (Linux /proc)."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = []
+    for table, width in (("/proc/self/net/tcp", 8), ("/proc/self/net/tcp6", 32)):
+        try:
+            lines = open(table).read().splitlines()[1:]
+        except OSError:
+            continue
+        for ln in lines:
+            f = ln.split()
+            if f[3] != "0A" or f[9] not in inodes:  # 0A: LISTEN
+                continue
+            hexaddr, port = f[1].split(":")
+            raw = bytes.fromhex(hexaddr)
+            # /proc prints each 32-bit word in host (little-endian) order.
+            words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            import ipaddress
+            addr = ipaddress.ip_address(words if width == 32 else words[:4])
+            found.append(f"{addr}:{int(port, 16)}")
+    return found
+
+
 def check(cond: bool, what: str) -> None:
     if not cond:
         raise AssertionError(f"rank {dist.get_rank()}: {what}")
@@ -42,8 +72,18 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--expect-launcher", default=None)
     ap.add_argument("--fail-rank", type=int, default=None)
     ap.add_argument("--hang-rank", type=int, default=None)
+    ap.add_argument("--check-listen", action="store_true")
     a = ap.parse_args(argv)
 
+    preexisting: set[str] = set()
+    if a.check_listen:
+        # The launcher's and MPI's own sockets (Hydra's PMI port, MPICH's netmod) are not ours:
+        # initialise MPI first and look only at what rannc's rendezvous and gloo open after it.
+        if dist.detect_launcher() == "mpi":
+            from mpi4py import MPI
+
+            MPI.COMM_WORLD.Barrier()
+        preexisting = set(listening_addresses())
     before = (dist.get_rank(), dist.get_world_size(), dist.get_local_rank())
     ctx = dist.init_process_group(timeout_s=a.timeout_s)
     check(dist.init_process_group() is ctx, "init_process_group is not idempotent")
@@ -94,6 +134,15 @@ def main(argv: list[str]) -> int:
         check(bool(torch.all(s == len(spec))), f"subgroup {spec} all_reduce gave {s.tolist()}")
 
     dist.barrier()
+    if a.check_listen:
+        # Every socket this rank listens on -- rannc's store (rank 0), gloo's pairs -- must be
+        # on loopback when all ranks share one node.
+        import ipaddress
+
+        addrs = sorted(set(listening_addresses()) - preexisting)
+        sys.stdout.write(f"LISTEN rank {rank} {' '.join(addrs) or '-'}\n")
+        check(all(ipaddress.ip_address(x.rsplit(":", 1)[0]).is_loopback for x in addrs),
+              f"listening beyond loopback: {addrs}")
     # One write, newline included: print() writes the text and the newline separately, and
     # mpiexec then interleaves the ranks' lines ("...launcher mpiOK rank 2...").
     line = f"OK rank {rank} of {world} local {local} backend {ctx.backend} launcher {ctx.launcher}"

@@ -1,0 +1,107 @@
+"""A rank that fails -- raises or dies in forward, backward, the gradient all-reduce, a checkpoint
+write or the user's own code, or skips backward() -- ends the whole job promptly, with a
+message naming the failed rank and the step, under mpiexec and torchrun, and with no process
+left behind (rannc.health's watchdog; tests/scripts/fault_check.py injects the faults).
+
+The collective timeout is 5 s. "Promptly" is measured from the moment the faulty rank printed
+its FAULT line to the end of the launch.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from mpi_harness import run_mpi, run_torchrun
+
+SCRIPT = Path(__file__).resolve().parent / "scripts" / "fault_check.py"
+TIMEOUT_S = 5.0
+FAULT = re.compile(r"FAULT rank (\d+) step (\d+) at ([0-9.]+)")
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def launch(launcher: str, *args: str, n: int = 2) -> tuple[subprocess.CompletedProcess[str], float]:
+    run = run_mpi if launcher == "mpiexec" else run_torchrun
+    res = run(SCRIPT, n, ["--timeout-s", str(TIMEOUT_S), *args], timeout=120, check=False)
+    end = time.time()
+    m = FAULT.search(res.stdout)
+    assert m, res.stdout + res.stderr
+    return res, end - float(m[3])
+
+
+def assert_failed_cleanly(res: subprocess.CompletedProcess[str], seconds: float, limit: float) -> str:
+    text = res.stdout + res.stderr
+    assert res.returncode != 0, text
+    assert "DONE" not in res.stdout, text
+    assert seconds < limit, f"the job took {seconds:.1f} s after the fault to end\n{text}"
+    assert res.leftovers == [], f"processes left behind: {res.leftovers}\n{text}"  # type: ignore[attr-defined]
+    return text
+
+
+@pytest.mark.parametrize("where,phase", [
+    ("forward", "forward"),
+    ("backward", "backward"),
+    ("allreduce", "gradient all-reduce"),
+    ("checkpoint", "checkpoint write"),
+    ("between", "after backward"),
+])
+def test_a_rank_raising_stops_every_rank_naming_it(where: str, phase: str) -> None:
+    res, seconds = launch("mpiexec", "--where", where)
+    text = assert_failed_cleanly(res, seconds, TIMEOUT_S)
+    # The failed rank says what happened, and the other rank says why it stops.
+    assert f"rank 1 failed at step 3 ({phase}): " in text, text
+    assert f"injected fault in {where} on rank 1" in text, text
+    if where == "checkpoint":
+        # torch.distributed.checkpoint gathers the writers' errors and raises on every rank.
+        assert "rank 0 failed at step 3 (checkpoint write): CheckpointException: " \
+            "CheckpointException ranks:dict_keys([1])" in text, text
+    else:
+        assert re.search(r"rank 0 stops at step \d+ \([^)]*\): rank 1 failed at step 3", text), text
+
+
+def test_a_rank_killed_under_mpiexec_ends_the_job_and_its_pid_names_the_rank() -> None:
+    # Hydra SIGKILLs every rank the moment one dies, so nobody can speak after it; Hydra names
+    # the dead pid, and rannc's start-up line maps pids to ranks.
+    res, seconds = launch("mpiexec", "--where", "backward", "--how", "die")
+    text = assert_failed_cleanly(res, seconds, TIMEOUT_S)
+    pids = dict(re.findall(r"rank (\d+) pid (\d+) on", text))
+    assert f"PID {pids['1']} " in text, text
+
+
+def test_a_rank_skipping_backward_is_a_timeout_error_not_a_hang() -> None:
+    res, seconds = launch("mpiexec", "--where", "skip-backward")
+    text = assert_failed_cleanly(res, seconds, 2 * TIMEOUT_S + 3)
+    assert "RankFailure" in text and "Timed out" in text, text
+    assert "backward() on every rank or on none" in text, text
+    assert re.search(r"rank 1: step 4 \(forward\)", text), text
+
+
+def test_torchrun_a_rank_raising_stops_every_rank_naming_it() -> None:
+    res, seconds = launch("torchrun", "--where", "backward")
+    text = assert_failed_cleanly(res, seconds, TIMEOUT_S)
+    assert "rank 1 failed at step 3 (backward): ValueError: injected fault" in text, text
+    assert re.search(r"rank 0 stops at step 3 \([^)]*\): rank 1 failed at step 3", text), text
+
+
+def test_torchrun_a_rank_killed_is_named_with_its_step() -> None:
+    res, seconds = launch("torchrun", "--where", "backward", "--how", "die")
+    text = assert_failed_cleanly(res, seconds, TIMEOUT_S)
+    # The step is published when it starts; the phase only as often as the watchdog polls.
+    assert re.search(r"rank 1 \(pid \d+\) died at step 3 \((forward|backward)\)", text), text
+
+
+@pytest.mark.parametrize("launcher", ["mpiexec", "torchrun"])
+def test_a_rank_finishing_later_than_the_others_is_not_a_failure(launcher: str) -> None:
+    # Rank 0 is done first (under mpiexec it hosts the store, so it waits for the others); the
+    # watchdogs must not take a rank that exited normally for a dead one.
+    run = run_mpi if launcher == "mpiexec" else run_torchrun
+    res = run(SCRIPT, 2, ["--timeout-s", str(TIMEOUT_S), "--where", "none", "--linger", "2"],
+              timeout=120, check=False)
+    text = res.stdout + res.stderr
+    assert res.returncode == 0, text
+    assert "DONE rank 0" in text and "DONE rank 1" in text, text
+    assert "[rannc] rank" not in text, text
