@@ -107,10 +107,10 @@ class RaNNCModule(nn.Module):
         if self._plan is None:
             validate.check_config(self.config, ctx.world_size)
         leaves, layout = flatten_inputs(args, kwargs)
-        # Before anything a rank might do alone: every rank raises here, or none does.
-        sizes = validate.agree_on_call(validate.call_signature(args, kwargs, layout.batch_leaves),
-                                       layout.batch or 0, ctx.world_size, ctx.device)
         key = (layout.signature, self.training, _autocast_state())
+        # Before anything a rank might do alone: every rank raises here, or none does.
+        sizes = validate.agree_on_call(args, kwargs, leaves, layout, ctx,
+                                       validate.call_mode(self.training, key[2]))
         rt = self._runtimes.get(key)
         if rt is None:
             with self._shaped_params():

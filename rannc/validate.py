@@ -2,13 +2,13 @@
 
 A check that depends on one rank's inputs must give the same verdict on every rank: a rank
 that raised alone would leave the others waiting in the next collective (or, worse, matching
-their transfers against the wrong graph). So each rank describes its call in a small
-`CallSignature` (argument names, structure, and per tensor its dtype, device type and sizes
-beyond the batch dimension) and `agree_on_call` all-gathers a digest of it together with the
-local batch size, the all-gather every call needs anyway for the row layout, so checking costs
-no extra collective. Only when the digests differ do the ranks gather the full signatures, to
-say which rank passed what. Checks that read only the (now agreed) signature, like the input
-devices, then give the same verdict everywhere by construction.
+their transfers against the wrong graph). So `agree_on_call` all-gathers a digest of the call
+(its structure, keyword names, and per tensor the dtype, device type and sizes beyond the batch
+dimension) together with the local batch size, the all-gather every call needs anyway for the
+row layout: checking costs no extra collective, and the digest is of the capture key the call
+computes anyway. Only when the digests differ do the ranks gather a full `CallSignature` each
+(with argument names), to say which rank passed what. Checks that read only what the digest
+covers, like the input devices, then give the same verdict everywhere by construction.
 
 Everything but `agree_on_call` is a pure function.
 """
@@ -20,9 +20,10 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from rannc.config import Config
@@ -35,6 +36,10 @@ from rannc.errors import (
     PlanMismatchError,
     RaNNCError,
 )
+
+if TYPE_CHECKING:  # rannc.graph.capture imports this module
+    from rannc.dist import DistContext
+    from rannc.graph.capture import InputLayout
 
 _SAME_INPUTS = ("Every rank must pass the same arguments, each tensor with the same dtype, "
                 "device type and sizes in every dimension but the batch dimension (dim 0); only "
@@ -63,25 +68,31 @@ class LeafSignature:
 class CallSignature:
     """What every rank's call must have in common."""
 
+    mode: str  # "train mode, grad enabled" and any autocast: how the pipeline runs
     positional: int
     keywords: tuple[str, ...]
     structure: str  # the pytree spec of (args, kwargs)
     leaves: tuple[LeafSignature, ...]
 
-    def digest(self) -> int:
-        """A 56-bit hash stable across processes (Python's hash() of a str is not)."""
-        return int.from_bytes(hashlib.sha256(repr(self).encode()).digest()[:7], "big")
+
+def call_mode(training: bool, autocast: Sequence[tuple[str, bool, Any]]) -> str:
+    """How this call runs the pipeline: every rank must agree (a rank under no_grad runs only
+    forwards while the others wait for gradients). `autocast`: (device type, on, dtype)."""
+    casts = [f"autocast({dev}, {str(dtype).removeprefix('torch.')})"
+             for dev, on, dtype in autocast if on]
+    grad = "grad enabled" if torch.is_grad_enabled() else "no_grad"
+    return ", ".join([f"{'train' if training else 'eval'} mode", grad, *casts])
 
 
 def call_signature(args: Sequence[Any], kwargs: Mapping[str, Any],
-                   batch_leaves: Sequence[bool]) -> CallSignature:
-    """Describe a call; `batch_leaves` flags the leaves whose dim 0 is the batch (as
-    `flatten_inputs` found them), in the same (kwargs sorted by key) order."""
+                   batch_leaves: Sequence[bool], mode: str = "") -> CallSignature:
+    """Describe a call made in `mode` (`call_mode`); `batch_leaves` flags the leaves whose dim
+    0 is the batch (as `flatten_inputs` found them), in the same (kwargs sorted by key) order."""
     tree = (tuple(args), {k: kwargs[k] for k in sorted(kwargs)})
     pairs, spec = pytree.tree_flatten_with_path(tree)
     leaves = tuple(_leaf_signature(_leaf_name(path), x, b)
                    for (path, x), b in zip(pairs, batch_leaves, strict=True))
-    return CallSignature(len(args), tuple(sorted(kwargs)), str(spec), leaves)
+    return CallSignature(mode, len(args), tuple(sorted(kwargs)), str(spec), leaves)
 
 
 def _leaf_name(path: Sequence[Any]) -> str:
@@ -100,27 +111,42 @@ def _leaf_signature(name: str, x: Any, batched: bool) -> LeafSignature:
                          x.device.type)
 
 
-def agree_on_call(sig: CallSignature, local_batch: int, world_size: int,
-                  device: torch.device) -> list[int]:
-    """Every rank's local batch size, after checking that every rank made the same kind of
-    call. Collective (one all-gather per call; a second only when the calls differ), and
-    every rank raises the same `InputMismatchError` or `InputDeviceError`, or none does."""
-    import torch.distributed as dist
+def call_digest(layout: InputLayout, leaves: Sequence[Any], mode: str = "") -> int:
+    """A 56-bit hash of what every rank's call must share: the mode, the capture key
+    (structure, keyword names, dtypes, non-batch sizes) and the device types. Stable across
+    processes (Python's hash() of a str is not)."""
+    devices = tuple(x.device.type for x in leaves if isinstance(x, torch.Tensor))
+    text = repr((mode, layout.signature, devices))
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "big")
 
-    mine = torch.tensor([local_batch, sig.digest()], dtype=torch.int64, device=device)
-    every = [torch.zeros(2, dtype=torch.int64, device=device) for _ in range(world_size)]
+
+def agree_on_call(args: Sequence[Any], kwargs: Mapping[str, Any], leaves: Sequence[Any],
+                  layout: InputLayout, ctx: DistContext, mode: str) -> list[int]:
+    """Every rank's local batch size, after checking that every rank made the same kind of
+    call, in the same `mode` (`call_mode`), with inputs on its device. Collective (one
+    all-gather per call; a second only when the calls differ), and every rank raises the same
+    `InputMismatchError` or `InputDeviceError`, or none does."""
+    mine = torch.tensor([layout.batch or 0, call_digest(layout, leaves, mode)], dtype=torch.int64,
+                        device=ctx.device)
+    every = [torch.zeros(2, dtype=torch.int64, device=ctx.device) for _ in range(ctx.world_size)]
     dist.all_gather(every, mine)
     sizes = [int(x[0]) for x in every]
     if len({int(x[1]) for x in every}) > 1:  # all ranks see this, so all gather the details
-        sigs: list[Any] = [None] * world_size
-        dist.all_gather_object(sigs, sig)
+        sigs: list[Any] = [None] * ctx.world_size
+        dist.all_gather_object(sigs, call_signature(args, kwargs, layout.batch_leaves, mode))
         raise InputMismatchError(describe_mismatch(sigs, sizes))
-    check_devices(sig, device)
+    if any(isinstance(x, torch.Tensor) and x.device.type != ctx.device.type for x in leaves):
+        check_devices(call_signature(args, kwargs, layout.batch_leaves), ctx.device)
     return sizes
 
 
 def describe_mismatch(sigs: Sequence[CallSignature], sizes: Sequence[int]) -> str:
     """Name the first way the ranks' calls differ, with each rank's value and the fix."""
+    if len({s.mode for s in sigs}) > 1:
+        per = _by_rank([s.mode for s in sigs])
+        return (f"ranks called the model in different modes ({per}); the pipeline runs one way "
+                "on every rank. Fix: call model.train() or model.eval() on every rank, and "
+                "torch.no_grad() / torch.autocast around the call on every rank alike.")
     if len({s.keywords for s in sigs}) > 1:
         per = _by_rank([str(list(s.keywords)) for s in sigs])
         return (f"ranks called the model with different keyword arguments ({per}). {_SAME_INPUTS} "
@@ -217,6 +243,12 @@ def output_type_error(model_name: str, error: BaseException) -> OutputTypeError 
     if found is None:
         return None
     kind = found.group(1)
+    if "Cache" in kind:  # a Hugging Face model returning its key/value cache
+        return OutputTypeError(
+            f"{model_name}.forward returns (in its output) a {kind}, a key/value cache for "
+            "generation, which is not a tensor, a number or a pytree of them. Fix: set "
+            "use_cache=False (model.config.use_cache = False, or pass use_cache=False) when "
+            "training with rannc.")
     return OutputTypeError(
         f"{model_name}.forward returns (in its output) a {kind}, which is not a tensor, a number or a pytree "
         "(tuple, list, dict, dataclass registered with torch.utils._pytree, Hugging Face "
@@ -238,5 +270,7 @@ def rebuild_error(info: Mapping[str, Any]) -> RaNNCError:
     return known.get(info["type"], RaNNCError)(message)
 
 
-__all__ = ["CallSignature", "LeafSignature", "agree_on_call", "call_signature", "check_config",
+__all__ = ["CallSignature", "LeafSignature", "agree_on_call", "call_digest", "call_mode",
+           "call_signature",
+           "check_config",
            "check_devices", "describe_mismatch", "output_type_error", "rebuild_error"]

@@ -19,6 +19,7 @@ from torch import nn
 import rannc
 from rannc import validate
 from rannc.errors import ConfigError, InputDeviceError
+from rannc.graph.capture import flatten_inputs
 
 SCRIPT = Path(__file__).parent / "scripts" / "bad_input_check.py"
 
@@ -36,6 +37,9 @@ CASES: dict[str, tuple[str, list[str]]] = {
     "keyword_arguments_after_deployment": ("InputMismatchError", [
         "different keyword arguments", "rank 0: []", "rank 1: ['mask']",
         "Pass every keyword on every rank"]),
+    "grad_mode": ("InputMismatchError", [
+        "different modes", "rank 0: train mode, grad enabled", "rank 1: train mode, no_grad",
+        "torch.no_grad() / torch.autocast around the call on every rank alike"]),
     "input_device": ("InputDeviceError", [
         "input 'args[0]' on meta", "this rank's device cpu", "x.to('cpu')"]),
     "replicas_do_not_divide_ranks": ("ConfigError", [
@@ -154,21 +158,26 @@ def test_partition_num_beyond_the_ranks_and_replicas_of_another_length() -> None
 
 # -- the signature the ranks compare ----------------------------------------------------------
 def _sig(*args: object, **kwargs: object) -> validate.CallSignature:
-    from rannc.graph.capture import flatten_inputs
-
     _, layout = flatten_inputs(args, kwargs)
     return validate.call_signature(args, kwargs, layout.batch_leaves)
 
 
+def _digest(*args: object, **kwargs: object) -> int:
+    leaves, layout = flatten_inputs(args, kwargs)
+    return validate.call_digest(layout, leaves)
+
+
 def test_local_batch_sizes_may_differ_nothing_else_may() -> None:
-    base = _sig(torch.zeros(3, 5), mask=torch.ones(3, 5, dtype=torch.long))
-    assert _sig(torch.zeros(7, 5), mask=torch.ones(7, 5, dtype=torch.long)).digest() == base.digest()
-    others = [_sig(torch.zeros(3, 6), mask=torch.ones(3, 5, dtype=torch.long)),
-              _sig(torch.zeros(3, 5), mask=torch.ones(3, 5)),
-              _sig(torch.zeros(3, 5)),
-              _sig(torch.zeros(3, 5), torch.ones(3, 5, dtype=torch.long)),
-              _sig(torch.zeros(3, 5, device="meta"), mask=torch.ones(3, 5, dtype=torch.long))]
-    assert len({s.digest() for s in [base, *others]}) == 1 + len(others)
+    long = torch.long
+    base = _digest(torch.zeros(3, 5), mask=torch.ones(3, 5, dtype=long))
+    assert _digest(torch.zeros(7, 5), mask=torch.ones(7, 5, dtype=long)) == base
+    others = [_digest(torch.zeros(3, 6), mask=torch.ones(3, 5, dtype=long)),  # a size
+              _digest(torch.zeros(3, 5), mask=torch.ones(3, 5)),  # a dtype
+              _digest(torch.zeros(3, 5)),  # a keyword
+              _digest(torch.zeros(3, 5), torch.ones(3, 5, dtype=long)),  # positional, not keyword
+              _digest(torch.zeros(3, 5, device="meta"), mask=torch.ones(3, 5, dtype=long)),  # device
+              _digest(torch.zeros(3, 5), mask=torch.ones(3, 5, dtype=long), flag=True)]  # a value
+    assert len({base, *others}) == 1 + len(others)
 
 
 def test_mismatch_names_the_nested_argument_and_groups_ranks() -> None:

@@ -12,6 +12,7 @@ batch (fp32, rtol 1e-5), printed as "USABLE <when> rank <r> ok". TMPDIR holds th
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import sys
@@ -56,6 +57,11 @@ def case(name: str, rank: int, fn: Callable[[], Any]) -> None:
         say(f"CASE {name} rank {rank} {type(e).__name__}: {text}")
         return
     say(f"CASE {name} rank {rank} NO ERROR")
+
+
+def no_grad_on_rank_1(model: nn.Module, x: torch.Tensor, rank: int) -> Any:
+    with torch.no_grad() if rank == 1 else contextlib.nullcontext():
+        return model(x)
 
 
 def local_rows(rank: int) -> tuple[int, int]:
@@ -110,6 +116,7 @@ def main() -> None:
         torch.randn(n, WIDTH, dtype=torch.float32 if r == 0 else torch.float64)))
     case("keyword_arguments", r, lambda: main_model(
         torch.randn(n, WIDTH), **({"mask": torch.ones(n, 4)} if r == 0 else {})))
+    case("grad_mode", r, lambda: no_grad_on_rank_1(main_model, torch.randn(n, WIDTH), r))
     case("input_device", r, lambda: main_model(torch.randn(n, WIDTH, device="meta")))
     check_step("after_errors_before_deployment", main_model, ref, r, seed=1)
     # Deployed now: a rank with another signature would capture again and build a new runtime
