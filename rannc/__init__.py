@@ -7,7 +7,15 @@ The public names are listed in `__all__`; everything else is internal and may ch
 
 from rannc.config import Config
 from rannc.dist import barrier, get_rank, get_world_size
-from rannc.errors import CaptureError, ConfigError, InputMismatchError, RaNNCError
+from rannc.errors import (
+    CaptureError,
+    ConfigError,
+    InputDeviceError,
+    InputMismatchError,
+    OutputTypeError,
+    PlanMismatchError,
+    RaNNCError,
+)
 from rannc.module import RaNNCModule
 from rannc.planner import PlanInfeasibleError, plan
 from rannc.plans import Plan, StagePlan
@@ -20,9 +28,12 @@ __all__ = [
     "Config",
     "ConfigError",
     "DeviceSpec",
+    "InputDeviceError",
     "InputMismatchError",
+    "OutputTypeError",
     "Plan",
     "PlanInfeasibleError",
+    "PlanMismatchError",
     "RaNNCError",
     "RaNNCModule",
     "StagePlan",

@@ -8,6 +8,7 @@ RaNNCModule, then keyword options passed to RaNNCModule.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import os
 from collections.abc import Mapping
@@ -75,11 +76,13 @@ class Config:
                               ("profiler", _PROFILERS)):
             value = getattr(self, name)
             if value not in allowed:
-                raise ConfigError(f"Config.{name}={value!r} is not one of {', '.join(allowed)}")
+                raise ConfigError(f"Config.{name}={value!r} is not one of {', '.join(allowed)}; "
+                                  f"set {name} to one of them (or RANNC_{name.upper()})")
         for name in ("partition_num", "microbatches", "dry_run_np"):
             value = getattr(self, name)
             if value is not None and value < 1:
-                raise ConfigError(f"Config.{name}={value} must be at least 1 (or None for automatic)")
+                raise ConfigError(f"Config.{name}={value} must be at least 1; give a positive "
+                                  "count, or leave it unset (None) for the planner to choose")
         if self.replicas is not None and (not self.replicas or min(self.replicas) < 1):
             raise ConfigError(f"Config.replicas={self.replicas} must list at least one count, each >= 1")
         if self.blocks < 1:
@@ -99,7 +102,11 @@ class Config:
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(options) - names)
         if unknown:
-            raise ConfigError(f"unknown rannc option(s) {unknown}; valid names: {sorted(names)}")
+            hints = [f"{u!r} -> {m[0]!r}" for u in unknown
+                     for m in [difflib.get_close_matches(u, names, n=1)] if m]
+            hint = f" Did you mean: {', '.join(hints)}?" if hints else ""
+            raise ConfigError(f"unknown rannc option(s) {unknown}.{hint} Valid names: "
+                              f"{sorted(names)}")
         values: dict[str, Any] = {}
         for f in fields(cls):
             key = f"RANNC_{f.name.upper()}"

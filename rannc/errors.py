@@ -21,3 +21,15 @@ class InputMismatchError(RaNNCError):
 
 class ConfigError(RaNNCError, ValueError):
     """An invalid configuration value."""
+
+
+class InputDeviceError(InputMismatchError):
+    """A call's tensor input is not on the device its rank computes on."""
+
+
+class OutputTypeError(CaptureError):
+    """The model returns something that is not a tensor, a number or a pytree of them."""
+
+
+class PlanMismatchError(RaNNCError):
+    """A loaded plan was made for another model, input shapes or number of ranks."""

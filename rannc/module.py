@@ -31,7 +31,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 from rannc import checkpoint as ckpt
 from rannc import clip as rclip
 from rannc import dist as rdist
-from rannc import health
+from rannc import health, validate
 from rannc.atomic.components import AtomicPartition, atomic_components
 from rannc.config import Config
 from rannc.derive import derive_plan
@@ -108,15 +108,20 @@ class RaNNCModule(nn.Module):
 
     def _forward_distributed(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         ctx = rdist.init_process_group(self.config.timeout_s)
+        if self._plan is None:
+            validate.check_config(self.config, ctx.world_size)
         leaves, layout = flatten_inputs(args, kwargs)
         key = (layout.signature, self.training, _autocast_state())
+        # Before anything a rank might do alone: every rank raises here, or none does.
+        sizes = validate.agree_on_call(args, kwargs, leaves, layout, ctx,
+                                       validate.call_mode(self.training, key[2]))
         rt = self._runtimes.get(key)
         if rt is None:
             with self._shaped_params():
                 cap = capture(self.module, args, kwargs)
             atomic = atomic_components(cap.graph)
             if self._plan is None:
-                plan = self._make_plan(cap, atomic, ctx, leaves, layout.batch)
+                plan = self._make_plan(cap, atomic, ctx, leaves, sizes)
                 if ctx.rank == 0:
                     log.info("%s", plan.summary())
                 self._plan = plan
@@ -136,7 +141,7 @@ class RaNNCModule(nn.Module):
             self._owned = None
         cap = rt.cap
         self._last_rt = rt
-        flat = rt.forward(leaves, key)
+        flat = rt.forward(leaves, sizes)
         if torch.is_grad_enabled():
             idx = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
             names = [cap.graph.outputs[i] for i in idx]
@@ -147,7 +152,7 @@ class RaNNCModule(nn.Module):
         return pytree.tree_unflatten(flat, cap.out_spec)
 
     def _make_plan(self, cap: CapturedModel, atomic: AtomicPartition, ctx: rdist.DistContext,
-                   leaves: list[Any], local_batch: int | None) -> Plan:
+                   leaves: list[Any], sizes: list[int]) -> Plan:
         """Load the saved plan, or plan on rank 0 for this world and broadcast it (one plan for
         all ranks even though each measures its own device)."""
         import torch.distributed as dist
@@ -159,10 +164,8 @@ class RaNNCModule(nn.Module):
         cfg = self.config
         if cfg.load_deployment and os.path.exists(cfg.deployment_file):
             plan = Plan.load(cfg.deployment_file)
-            plan.check(cap.graph, ctx.world_size)
+            plan.check(cap.graph, ctx.world_size, source=f"the plan file {cfg.deployment_file}")
             return dataclasses.replace(plan, source=(cap.graph, atomic))
-        sizes: list[Any] = [None] * ctx.world_size
-        dist.all_gather_object(sizes, local_batch or 0)  # capture() refused calls without one
         # Every rank reports its own device (a mixed cluster is planned as such), unless the
         # user described the cluster in a file.
         reports: list[Any] = [None] * ctx.world_size
@@ -180,10 +183,11 @@ class RaNNCModule(nn.Module):
                 box[0] = plan_graph(cap.graph, atomic, cluster, cfg, batch_size=sum(sizes),
                                     oracle=oracle, costs=costs).to_dict()
             except RaNNCError as e:  # every rank raises it, none waits for a plan
-                box[0] = {"error": str(e), "type": type(e).__name__}
+                box[0] = {"error": str(e), "type": type(e).__name__,
+                          "needed_bytes": getattr(e, "needed_bytes", None)}
         dist.broadcast_object_list(box, src=0)
         if "error" in box[0]:
-            raise RaNNCError(f"planning failed on rank 0: {box[0]['error']}")
+            raise validate.rebuild_error(box[0])
         plan = dataclasses.replace(Plan.from_dict(box[0]), source=(cap.graph, atomic))
         if cfg.save_deployment and ctx.rank == 0:
             plan.save(cfg.deployment_file)

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from rannc.atomic.components import AtomicPartition
-from rannc.errors import ConfigError, RaNNCError
+from rannc.errors import ConfigError, PlanMismatchError, RaNNCError
 from rannc.graph.task_graph import TaskGraph
 
 PLAN_FORMAT = 1
@@ -149,18 +149,20 @@ class Plan:
         with open(path) as f:
             return cls.from_dict(json.load(f))
 
-    def check(self, graph: TaskGraph, world_size: int) -> None:
-        """Raise if this plan was made for another model or another number of ranks."""
+    def check(self, graph: TaskGraph, world_size: int, source: str = "the plan") -> None:
+        """Raise if this plan was made for another model or another number of ranks; `source`
+        names where it came from (a file) in the message."""
+        again = ("plan again (load_deployment=False; save_deployment=True writes a new plan "
+                 "file), or delete the plan file")
         if self.fingerprint != graph.fingerprint():
-            raise RaNNCError(
-                f"the plan was made for another model or input shapes (graph fingerprint "
-                f"{self.fingerprint}, this model's is {graph.fingerprint()}); plan again or "
-                "delete the deployment file"
+            raise PlanMismatchError(
+                f"{source} was made for another model or input shapes (graph fingerprint "
+                f"{self.fingerprint}, this model's is {graph.fingerprint()}). Fix: {again}."
             )
         if self.world_size != world_size:
-            raise RaNNCError(
-                f"the plan is for {self.world_size} ranks but {world_size} are running; launch "
-                f"{self.world_size} ranks or plan again"
+            raise PlanMismatchError(
+                f"{source} is for {self.world_size} ranks but {world_size} are running. Launch "
+                f"{self.world_size} ranks, or {again}."
             )
 
 

@@ -32,6 +32,7 @@ from torch.export.graph_signature import InputKind, OutputKind, TensorArgument
 from rannc.errors import CaptureError
 from rannc.graph.native import forward_reachable
 from rannc.graph.task_graph import Task, TaskGraph, Value, ValueKind
+from rannc.validate import output_type_error
 
 BATCH = sympy.Symbol("batch")
 
@@ -173,6 +174,9 @@ def _prepare_leaf(x: Any, batched: bool, device: torch.device | None) -> Any:
 
 def _capture_error(model: nn.Module, e: BaseException) -> CaptureError:
     """Name the innermost user module on the failing stack, and say what usually causes it."""
+    wrong_output = output_type_error(type(model).__name__, e)
+    if wrong_output is not None:  # found after tracing: no module to name, the type says it all
+        return wrong_output
     names = {id(m): n for n, m in model.named_modules()}
     path: str | None = None
     where = ""

@@ -26,7 +26,6 @@ Index conventions: s, t stages; m microbatches; j replicas; r ranks.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import math
 import time
@@ -40,7 +39,7 @@ from torch import nn
 
 from rannc import health
 from rannc.atomic.components import AtomicPartition
-from rannc.errors import InputMismatchError, RaNNCError
+from rannc.errors import RaNNCError
 from rannc.graph.capture import CapturedModel
 from rannc.graph.extract import StageGraph, build_stage_module, split_graph
 from rannc.graph.task_graph import Value, ValueKind, eval_dim
@@ -297,15 +296,14 @@ class PipelineRuntime:
         return list(zip(self.plan.stages[t].ranks, layout.rows[t][m], strict=True))
 
     # -- forward -----------------------------------------------------------
-    def forward(self, leaves: Sequence[Any], signature: Any) -> list[Any]:
-        """Run this rank's part of the call; returns the flat outputs for this rank.
+    def forward(self, leaves: Sequence[Any], sizes: Sequence[int]) -> list[Any]:
+        """Run this rank's part of the call, every rank's local batch sizes given (from
+        `validate.agree_on_call`); returns the flat outputs for this rank.
 
         Without grad mode only forwards run. Under fill-drain, the forwards run here and the
         rest of the line when `backward()` comes. Under 1F1B and the shifted critical path the
         whole line runs here, seeded with a unit gradient of the loss, and `backward()` commits
         the gradients scaled by the real one (gradients are linear in it)."""
-        local_n = _local_batch(self.cap, leaves)
-        sizes = self._allgather_sizes(local_n, signature)
         layout = RowLayout(sizes, self.plan.microbatches, [s.shares for s in self.plan.stages])
         grad = torch.is_grad_enabled()
         mode = "forward" if not grad else "eager" if self._eager_ok else "split"
@@ -540,22 +538,6 @@ class PipelineRuntime:
         for w in call.sends:
             w.wait()
         call.sends.clear()
-
-    def _allgather_sizes(self, local_n: int, signature: Any) -> list[int]:
-        """Every rank's local batch size; also checks that every rank passed the same kind of
-        inputs (a mismatch would otherwise hang or corrupt the transfers)."""
-        # A stable digest (Python's hash() of a str differs between processes).
-        sig = int.from_bytes(hashlib.sha256(repr(signature).encode()).digest()[:7], "big")
-        mine = torch.tensor([local_n, sig], dtype=torch.int64)
-        allv = [torch.zeros(2, dtype=torch.int64) for _ in range(self.world_size)]
-        dist.all_gather(allv, mine)
-        sigs = {int(x[1]) for x in allv}
-        if len(sigs) > 1:
-            raise InputMismatchError(
-                "ranks called the model with inputs of different structure, dtypes or non-batch "
-                "shapes; every rank must pass the same kinds of inputs (only the batch size, "
-                f"dim 0, may differ). Local batch sizes: {[int(x[0]) for x in allv]}")
-        return [int(x[0]) for x in allv]
 
     # -- backward ----------------------------------------------------------
     def backward(self, grad_of: dict[str, torch.Tensor | None]) -> None:
@@ -793,13 +775,6 @@ def _nonzero(g: torch.Tensor | None) -> bool:
 
 def _grad_or_zero(g: torch.Tensor | None) -> torch.Tensor:
     return torch.zeros((), dtype=torch.float64) if g is None else g.detach().reshape(()).to(torch.float64)
-
-
-def _local_batch(cap: CapturedModel, leaves: Sequence[Any]) -> int:
-    for b, x in zip(cap.layout.batch_leaves, leaves, strict=True):
-        if b:
-            return int(x.shape[0])
-    return 0
 
 
 __all__ = ["PipelineFunction", "PipelineRuntime"]

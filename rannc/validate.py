@@ -1,0 +1,276 @@
+"""Checks of a call's inputs and of the configuration, made before any rank waits on another.
+
+A check that depends on one rank's inputs must give the same verdict on every rank: a rank
+that raised alone would leave the others waiting in the next collective (or, worse, matching
+their transfers against the wrong graph). So `agree_on_call` all-gathers a digest of the call
+(its structure, keyword names, and per tensor the dtype, device type and sizes beyond the batch
+dimension) together with the local batch size, the all-gather every call needs anyway for the
+row layout: checking costs no extra collective, and the digest is of the capture key the call
+computes anyway. Only when the digests differ do the ranks gather a full `CallSignature` each
+(with argument names), to say which rank passed what. Checks that read only what the digest
+covers, like the input devices, then give the same verdict everywhere by construction.
+
+Everything but `agree_on_call` is a pure function.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+
+from rannc.config import Config
+from rannc.errors import (
+    CaptureError,
+    ConfigError,
+    InputDeviceError,
+    InputMismatchError,
+    OutputTypeError,
+    PlanMismatchError,
+    RaNNCError,
+)
+
+if TYPE_CHECKING:  # rannc.graph.capture imports this module
+    from rannc.dist import DistContext
+    from rannc.graph.capture import InputLayout
+
+_SAME_INPUTS = ("Every rank must pass the same arguments, each tensor with the same dtype, "
+                "device type and sizes in every dimension but the batch dimension (dim 0); only "
+                "the local batch size may differ.")
+
+
+@dataclass(frozen=True, slots=True)
+class LeafSignature:
+    """One input leaf as the other ranks must also pass it."""
+
+    name: str  # where the user passed it: "args[0]", "attention_mask", "batch['ids']"
+    tensor: bool
+    batched: bool  # dim 0 is the batch dimension
+    shape: tuple[int, ...]  # sizes after the batch dim (batched), else every size
+    dtype: str  # "float32"; a non-tensor's repr
+    device: str  # device type ("cpu", "cuda", "meta"); "" for a non-tensor
+
+    def describe(self) -> str:
+        if not self.tensor:
+            return f"the value {self.dtype}"
+        dims = ["B", *map(str, self.shape)] if self.batched else list(map(str, self.shape))
+        return f"a tensor [{', '.join(dims)}] {self.dtype} on {self.device}"
+
+
+@dataclass(frozen=True, slots=True)
+class CallSignature:
+    """What every rank's call must have in common."""
+
+    mode: str  # "train mode, grad enabled" and any autocast: how the pipeline runs
+    positional: int
+    keywords: tuple[str, ...]
+    structure: str  # the pytree spec of (args, kwargs)
+    leaves: tuple[LeafSignature, ...]
+
+
+def call_mode(training: bool, autocast: Sequence[tuple[str, bool, Any]]) -> str:
+    """How this call runs the pipeline: every rank must agree (a rank under no_grad runs only
+    forwards while the others wait for gradients). `autocast`: (device type, on, dtype)."""
+    casts = [f"autocast({dev}, {str(dtype).removeprefix('torch.')})"
+             for dev, on, dtype in autocast if on]
+    grad = "grad enabled" if torch.is_grad_enabled() else "no_grad"
+    return ", ".join([f"{'train' if training else 'eval'} mode", grad, *casts])
+
+
+def call_signature(args: Sequence[Any], kwargs: Mapping[str, Any],
+                   batch_leaves: Sequence[bool], mode: str = "") -> CallSignature:
+    """Describe a call made in `mode` (`call_mode`); `batch_leaves` flags the leaves whose dim
+    0 is the batch (as `flatten_inputs` found them), in the same (kwargs sorted by key) order."""
+    tree = (tuple(args), {k: kwargs[k] for k in sorted(kwargs)})
+    pairs, spec = pytree.tree_flatten_with_path(tree)
+    leaves = tuple(_leaf_signature(_leaf_name(path), x, b)
+                   for (path, x), b in zip(pairs, batch_leaves, strict=True))
+    return CallSignature(mode, len(args), tuple(sorted(kwargs)), str(spec), leaves)
+
+
+def _leaf_name(path: Sequence[Any]) -> str:
+    """'args[1]' for a positional argument, the keyword for a keyword one, then the inner path."""
+    top, key, rest = path[0], path[1], path[2:]
+    if top.idx == 0:
+        return f"args[{key.idx}]" + pytree.keystr(tuple(rest))
+    return f"{key.key}" + pytree.keystr(tuple(rest))
+
+
+def _leaf_signature(name: str, x: Any, batched: bool) -> LeafSignature:
+    if not isinstance(x, torch.Tensor):
+        return LeafSignature(name, False, False, (), repr(x), "")
+    shape = tuple(x.shape[1:]) if batched else tuple(x.shape)
+    return LeafSignature(name, True, batched, shape, str(x.dtype).removeprefix("torch."),
+                         x.device.type)
+
+
+def call_digest(layout: InputLayout, leaves: Sequence[Any], mode: str = "") -> int:
+    """A 56-bit hash of what every rank's call must share: the mode, the capture key
+    (structure, keyword names, dtypes, non-batch sizes) and the device types. Stable across
+    processes (Python's hash() of a str is not)."""
+    devices = tuple(x.device.type for x in leaves if isinstance(x, torch.Tensor))
+    text = repr((mode, layout.signature, devices))
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "big")
+
+
+def agree_on_call(args: Sequence[Any], kwargs: Mapping[str, Any], leaves: Sequence[Any],
+                  layout: InputLayout, ctx: DistContext, mode: str) -> list[int]:
+    """Every rank's local batch size, after checking that every rank made the same kind of
+    call, in the same `mode` (`call_mode`), with inputs on its device. Collective (one
+    all-gather per call; a second only when the calls differ), and every rank raises the same
+    `InputMismatchError` or `InputDeviceError`, or none does."""
+    mine = torch.tensor([layout.batch or 0, call_digest(layout, leaves, mode)], dtype=torch.int64,
+                        device=ctx.device)
+    every = [torch.zeros(2, dtype=torch.int64, device=ctx.device) for _ in range(ctx.world_size)]
+    dist.all_gather(every, mine)
+    sizes = [int(x[0]) for x in every]
+    if len({int(x[1]) for x in every}) > 1:  # all ranks see this, so all gather the details
+        sigs: list[Any] = [None] * ctx.world_size
+        dist.all_gather_object(sigs, call_signature(args, kwargs, layout.batch_leaves, mode))
+        raise InputMismatchError(describe_mismatch(sigs, sizes))
+    if any(isinstance(x, torch.Tensor) and x.device.type != ctx.device.type for x in leaves):
+        check_devices(call_signature(args, kwargs, layout.batch_leaves), ctx.device)
+    return sizes
+
+
+def describe_mismatch(sigs: Sequence[CallSignature], sizes: Sequence[int]) -> str:
+    """Name the first way the ranks' calls differ, with each rank's value and the fix."""
+    if len({s.mode for s in sigs}) > 1:
+        per = _by_rank([s.mode for s in sigs])
+        return (f"ranks called the model in different modes ({per}); the pipeline runs one way "
+                "on every rank. Fix: call model.train() or model.eval() on every rank, and "
+                "torch.no_grad() / torch.autocast around the call on every rank alike.")
+    if len({s.keywords for s in sigs}) > 1:
+        per = _by_rank([str(list(s.keywords)) for s in sigs])
+        return (f"ranks called the model with different keyword arguments ({per}). {_SAME_INPUTS} "
+                "Pass every keyword on every rank; where a rank has nothing to pass, pass a "
+                "placeholder of the same shape and dtype (e.g. an all-ones attention mask).")
+    if len({s.positional for s in sigs}) > 1:
+        per = _by_rank([str(s.positional) for s in sigs])
+        return (f"ranks called the model with different numbers of positional arguments "
+                f"({per}). {_SAME_INPUTS}")
+    if len({s.structure for s in sigs}) > 1 or len({len(s.leaves) for s in sigs}) > 1:
+        per = _by_rank([s.structure for s in sigs])
+        return (f"ranks called the model with differently nested arguments ({per}). "
+                f"{_SAME_INPUTS}")
+    for i, leaf in enumerate(sigs[0].leaves):
+        column = [s.leaves[i] for s in sigs]
+        if any(x != leaf for x in column):
+            return _leaf_mismatch(column, sizes)
+    return f"ranks called the model with different inputs. {_SAME_INPUTS}"  # digests collided
+
+
+def _leaf_mismatch(column: Sequence[LeafSignature], sizes: Sequence[int]) -> str:
+    name = column[0].name
+    per = _by_rank([x.describe() for x in column])
+    what = ("dtypes" if len({x.dtype for x in column}) > 1 else
+            "device types" if len({x.device for x in column}) > 1 else
+            "shapes" if len({(x.shape, x.batched) for x in column}) > 1 else "values")
+    fix = {
+        "dtypes": "cast it to one dtype on every rank (e.g. x.to(torch.float32)).",
+        "device types": "move it to the rank's device on every rank (e.g. x.to('cuda')).",
+        "shapes": ("pad it to one size on every rank (e.g. every sequence to a fixed maximum "
+                   f"length). The local batch sizes (B) were {list(sizes)}."),
+        "values": "pass the same non-tensor value on every rank.",
+    }[what]
+    return (f"argument {name!r} differs across ranks in its {what}: {per}. Only the local batch "
+            f"size (dim 0) may differ between ranks. Fix: {fix}")
+
+
+def _by_rank(texts: Sequence[str]) -> str:
+    """'rank 0: X; ranks 1, 2: Y' -- each distinct value once, with the ranks that gave it."""
+    groups: dict[str, list[int]] = {}
+    for r, t in enumerate(texts):
+        groups.setdefault(t, []).append(r)
+    parts = []
+    for t, ranks in groups.items():
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+        parts.append(f"{who}: {t}")
+    return "; ".join(parts)
+
+
+def check_devices(sig: CallSignature, device: torch.device) -> None:
+    """Refuse a tensor input on another device type than the rank computes on (inputs are
+    sent between ranks as they are; a meta or CPU tensor under NCCL cannot be)."""
+    wrong = [x for x in sig.leaves if x.tensor and x.device != device.type]
+    if wrong:
+        listed = ", ".join(f"{x.name!r} on {x.device}" for x in wrong)
+        raise InputDeviceError(
+            f"{'inputs' if len(wrong) > 1 else 'input'} {listed} "
+            f"{'are' if len(wrong) > 1 else 'is'} not on this rank's device {device} (device type "
+            f"{device.type!r}); rannc sends inputs between ranks as they are. Fix: move every "
+            f"input to the rank's device before the call: x.to({str(device)!r}) here (under "
+            "NCCL each rank computes on cuda:<local rank>, under gloo on cpu).")
+
+
+def check_config(config: Config, world_size: int) -> None:
+    """What `Config` cannot check alone: the forced sizes against the number of ranks. Every
+    rank runs it before its first collective, with the same config, so all raise or none."""
+    if config.replicas is not None:
+        per = sum(config.replicas)
+        if world_size % per:
+            raise ConfigError(
+                f"replicas={config.replicas} sum to {per} ranks per pipeline, which does not "
+                f"divide the {world_size} ranks running. Fix: give counts that sum to "
+                f"{world_size} (or a divisor of it, to run {world_size} // sum copies of the "
+                "pipeline), or leave replicas unset for the planner to choose.")
+        if config.partition_num is not None and config.partition_num != len(config.replicas):
+            raise ConfigError(
+                f"partition_num={config.partition_num} but replicas={config.replicas} lists "
+                f"{len(config.replicas)} stages. Fix: give one replica count per stage, or "
+                "drop partition_num.")
+    if config.partition_num is not None and config.partition_num > world_size:
+        raise ConfigError(
+            f"partition_num={config.partition_num} stages need at least that many ranks but "
+            f"{world_size} run (one stage per rank). Fix: launch at least "
+            f"{config.partition_num} ranks or lower partition_num.")
+
+
+_UNKNOWN_OUTPUT = re.compile(r"Found <class '([^']+)'> in output, which is not a known type")
+
+
+def output_type_error(model_name: str, error: BaseException) -> OutputTypeError | None:
+    """torch.export's complaint about an output type it cannot flatten, said in rannc's
+    terms (None when `error` is something else)."""
+    found = _UNKNOWN_OUTPUT.search(str(error))
+    if found is None:
+        return None
+    kind = found.group(1)
+    if "Cache" in kind:  # a Hugging Face model returning its key/value cache
+        return OutputTypeError(
+            f"{model_name}.forward returns (in its output) a {kind}, a key/value cache for "
+            "generation, which is not a tensor, a number or a pytree of them. Fix: set "
+            "use_cache=False (model.config.use_cache = False, or pass use_cache=False) when "
+            "training with rannc.")
+    return OutputTypeError(
+        f"{model_name}.forward returns (in its output) a {kind}, which is not a tensor, a number or a pytree "
+        "(tuple, list, dict, dataclass registered with torch.utils._pytree, Hugging Face "
+        "ModelOutput) of them; rannc must split and combine every output by rows. Fix: return "
+        "the tensors in a tuple or dict, or register the class as a pytree node with "
+        f"torch.utils._pytree.register_pytree_node({kind.rsplit('.', 1)[-1]}, ...).")
+
+
+def rebuild_error(info: Mapping[str, Any]) -> RaNNCError:
+    """The error rank 0 met while planning (sent as {"type", "error", ...}), raised again on
+    every rank with its own type, so `except PlanInfeasibleError` works on every rank."""
+    from rannc.planner import PlanInfeasibleError
+
+    message = f"planning failed on rank 0: {info['error']}"
+    if info["type"] == PlanInfeasibleError.__name__:
+        return PlanInfeasibleError(message, needed_bytes=info.get("needed_bytes", math.nan))
+    known: dict[str, type[RaNNCError]] = {
+        c.__name__: c for c in (ConfigError, CaptureError, InputMismatchError, PlanMismatchError)}
+    return known.get(info["type"], RaNNCError)(message)
+
+
+__all__ = ["CallSignature", "LeafSignature", "agree_on_call", "call_digest", "call_mode",
+           "call_signature",
+           "check_config",
+           "check_devices", "describe_mismatch", "output_type_error", "rebuild_error"]

@@ -1,0 +1,146 @@
+"""Every bad input that involves several ranks, in one launch, each a clear error on every rank.
+
+    mpiexec -n 2 python tests/scripts/bad_input_check.py TMPDIR
+
+Each scenario calls a RaNNCModule wrongly on purpose, catches the error on every rank and
+prints "CASE <name> rank <r> <ErrorType>: <message>" (or "CASE <name> rank <r> NO ERROR"). A
+rank that raised while another waited would hang the launch instead (the test's timeout
+reports it). The scenarios on the model `main` come before and after its deployment; after
+them `main` still trains: its loss and held gradients match the unwrapped model on the global
+batch (fp32, rtol 1e-5), printed as "USABLE <when> rank <r> ok". TMPDIR holds the plan files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+import rannc
+from rannc import dist as rdist
+
+RTOL, ATOL = 1e-5, 1e-6
+WIDTH = 8
+
+
+class Net(nn.Module):
+    """A loss-returning MLP with an optional keyword input."""
+
+    def __init__(self, width: int = WIDTH) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(width, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        y = self.c(torch.relu(self.b(torch.relu(self.a(x)))))
+        if mask is not None:
+            y = y * mask
+        return y.pow(2).mean()
+
+
+def say(line: str) -> None:
+    """One write per line: two ranks' lines never interleave (writes under 4 KB to a pipe are
+    atomic; print() may write the text and the newline separately)."""
+    os.write(1, (line + "\n").encode())
+
+
+def case(name: str, rank: int, fn: Callable[[], Any]) -> None:
+    try:
+        fn()
+    except rannc.RaNNCError as e:
+        text = " ".join(str(e).split())
+        say(f"CASE {name} rank {rank} {type(e).__name__}: {text}")
+        return
+    say(f"CASE {name} rank {rank} NO ERROR")
+
+
+def no_grad_on_rank_1(model: nn.Module, x: torch.Tensor, rank: int) -> Any:
+    with torch.no_grad() if rank == 1 else contextlib.nullcontext():
+        return model(x)
+
+
+def local_rows(rank: int) -> tuple[int, int]:
+    """Rank 0 has 3 rows, rank 1 has 5: local batch sizes may differ, nothing else may."""
+    return (0, 3) if rank == 0 else (3, 8)
+
+
+def check_step(name: str, model: rannc.RaNNCModule, ref: nn.Module, rank: int, seed: int) -> None:
+    """One training step of `model` on this rank's rows equals `ref` on the global batch."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(8, WIDTH, generator=g)
+    lo, hi = local_rows(rank)
+    loss = model(x[lo:hi])
+    loss.backward()
+    ref.zero_grad()
+    ref_loss = ref(x)
+    ref_loss.backward()
+    torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=RTOL, atol=ATOL)
+    ref_params = dict(ref.named_parameters())
+    held = 0
+    for n, p in model.named_parameters():
+        assert p.grad is not None, n
+        torch.testing.assert_close(p.grad, ref_params[n].grad, rtol=RTOL, atol=ATOL)
+        held += 1
+    assert held > 0
+    model.zero_grad()
+    say(f"USABLE {name} rank {rank} ok ({held} parameters checked)")
+
+
+def save_plan(path: str, model: nn.Module, n: int, rank: int) -> None:
+    """Plan `model` for n CPU-like devices (pure: no process group) and save it on rank 0."""
+    if rank == 0:
+        cluster = rannc.Cluster.homogeneous(device="V100-32GB", n=n, per_node=n)
+        p = rannc.plan(model, (torch.randn(8, WIDTH),), cluster=cluster,
+                       config=rannc.Config(profiler="estimate", partition_num=2))
+        p.save(path)
+    rannc.barrier()
+
+
+def main() -> None:
+    tmp = sys.argv[1]
+    ctx = rdist.init_process_group(120)
+    r = ctx.rank
+    torch.manual_seed(0)
+    net = Net()
+    ref = copy.deepcopy(net)
+    main_model = rannc.RaNNCModule(net, partition_num=2, profiler="estimate")
+    n = 3 if r == 0 else 5  # different local batch sizes: allowed
+
+    case("input_shape", r, lambda: main_model(torch.randn(n, WIDTH if r == 0 else WIDTH + 1)))
+    case("input_dtype", r, lambda: main_model(
+        torch.randn(n, WIDTH, dtype=torch.float32 if r == 0 else torch.float64)))
+    case("keyword_arguments", r, lambda: main_model(
+        torch.randn(n, WIDTH), **({"mask": torch.ones(n, 4)} if r == 0 else {})))
+    case("grad_mode", r, lambda: no_grad_on_rank_1(main_model, torch.randn(n, WIDTH), r))
+    case("input_device", r, lambda: main_model(torch.randn(n, WIDTH, device="meta")))
+    check_step("after_errors_before_deployment", main_model, ref, r, seed=1)
+    # Deployed now: a rank with another signature would capture again and build a new runtime
+    # alone, unless the check comes first.
+    case("keyword_arguments_after_deployment", r, lambda: main_model(
+        torch.randn(n, WIDTH), **({"mask": torch.ones(n, 4)} if r == 1 else {})))
+    check_step("after_errors_after_deployment", main_model, ref, r, seed=2)
+
+    case("replicas_do_not_divide_ranks", r, lambda: rannc.RaNNCModule(
+        Net(), replicas=[2, 1], profiler="estimate")(torch.randn(n, WIDTH)))
+    case("no_plan_fits_memory", r, lambda: rannc.RaNNCModule(
+        Net(), profiler="estimate", mem_limit_gb=1e-6)(torch.randn(n, WIDTH)))
+
+    three = os.path.join(tmp, "plan_for_3_ranks.json")
+    save_plan(three, Net(), 3, r)
+    case("plan_file_other_world_size", r, lambda: rannc.RaNNCModule(
+        Net(), load_deployment=True, deployment_file=three)(torch.randn(n, WIDTH)))
+    other = os.path.join(tmp, "plan_of_other_model.json")
+    save_plan(other, nn.Sequential(nn.Linear(WIDTH, 32), nn.ReLU(), nn.Linear(32, 1)), 2, r)
+    case("plan_file_other_model", r, lambda: rannc.RaNNCModule(
+        Net(), load_deployment=True, deployment_file=other)(torch.randn(n, WIDTH)))
+    check_step("at_the_end", main_model, ref, r, seed=3)
+    say(f"DONE rank {r}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,196 @@
+"""Bad input, one test each: a clear error naming the problem, the values and the fix.
+
+The cross-rank cases run in ONE 2-rank launch (tests/scripts/bad_input_check.py, about 25 s):
+every rank must raise the same error at the same point (a rank raising alone would hang the
+others, and the launch's timeout would fail the test), and the job must still train exactly
+afterwards. The rest run in this process.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from mpi_harness import run_mpi
+from torch import nn
+
+import rannc
+from rannc import validate
+from rannc.errors import ConfigError, InputDeviceError
+from rannc.graph.capture import flatten_inputs
+
+SCRIPT = Path(__file__).parent / "scripts" / "bad_input_check.py"
+
+# case -> (error type, what the message must say: the problem and values, then the fix)
+CASES: dict[str, tuple[str, list[str]]] = {
+    "input_shape": ("InputMismatchError", [
+        "'args[0]' differs across ranks in its shapes", "rank 0: a tensor [B, 8] float32",
+        "rank 1: a tensor [B, 9] float32", "batch sizes (B) were [3, 5]", "Fix: pad it"]),
+    "input_dtype": ("InputMismatchError", [
+        "'args[0]' differs across ranks in its dtypes", "rank 0: a tensor [B, 8] float32",
+        "rank 1: a tensor [B, 8] float64", "Fix: cast it to one dtype"]),
+    "keyword_arguments": ("InputMismatchError", [
+        "different keyword arguments", "rank 0: ['mask']", "rank 1: []",
+        "Pass every keyword on every rank"]),
+    "keyword_arguments_after_deployment": ("InputMismatchError", [
+        "different keyword arguments", "rank 0: []", "rank 1: ['mask']",
+        "Pass every keyword on every rank"]),
+    "grad_mode": ("InputMismatchError", [
+        "different modes", "rank 0: train mode, grad enabled", "rank 1: train mode, no_grad",
+        "torch.no_grad() / torch.autocast around the call on every rank alike"]),
+    "input_device": ("InputDeviceError", [
+        "input 'args[0]' on meta", "this rank's device cpu", "x.to('cpu')"]),
+    "replicas_do_not_divide_ranks": ("ConfigError", [
+        "replicas=[2, 1] sum to 3", "does not divide the 2 ranks", "Fix: give counts"]),
+    "no_plan_fits_memory": ("PlanInfeasibleError", [
+        "no plan fits", "needs at least", "1.00 KB", "raise mem_limit_gb"]),
+    "plan_file_other_world_size": ("PlanMismatchError", [
+        "plan_for_3_ranks.json is for 3 ranks but 2 are running", "Launch 3 ranks",
+        "plan again"]),
+    "plan_file_other_model": ("PlanMismatchError", [
+        "plan_of_other_model.json was made for another model", "fingerprint", "plan again"]),
+}
+
+
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory: pytest.TempPathFactory) -> str:
+    res = run_mpi(SCRIPT, 2, [str(tmp_path_factory.mktemp("plans"))], timeout=150)
+    return res.stdout
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_cross_rank_bad_input_is_the_same_clear_error_on_every_rank(launch: str, name: str) -> None:
+    kind, says = CASES[name]
+    lines = re.findall(rf"^CASE {name} rank (\d) (.*)$", launch, re.MULTILINE)
+    assert sorted(r for r, _ in lines) == ["0", "1"], launch
+    (_, first), (_, second) = lines
+    assert first == second, f"the ranks raised different errors:\n{first}\n{second}"
+    assert first.startswith(f"{kind}: "), first
+    for text in says:
+        assert text in first, f"{text!r} missing from: {first}"
+
+
+def test_job_still_trains_exactly_after_the_errors(launch: str) -> None:
+    for when in ("after_errors_before_deployment", "after_errors_after_deployment", "at_the_end"):
+        for r in (0, 1):
+            assert re.search(rf"^USABLE {when} rank {r} ok", launch, re.MULTILINE), launch
+    assert "DONE rank 0" in launch and "DONE rank 1" in launch
+
+
+# -- one process ------------------------------------------------------------------------------
+class _Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = _Gate()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gate(x)
+
+
+class _Gate(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:  # control flow on a tensor's value: torch.export cannot capture it
+            return x * 2
+        return x
+
+
+def test_model_torch_export_cannot_capture() -> None:
+    with pytest.raises(rannc.CaptureError) as info:
+        rannc.RaNNCModule(_Branchy())(torch.randn(4, 3))
+    text = str(info.value)
+    assert "could not capture" in text and "module 'gate'" in text, text
+    assert "Fix: rewrite that line with torch.where" in text, text
+    assert info.value.module_path == "gate"
+
+
+class _Holder:
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
+class _ReturnsObject(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> _Holder:
+        return _Holder(self.a(x))
+
+
+def test_output_not_a_tensor_number_or_pytree() -> None:
+    with pytest.raises(rannc.OutputTypeError) as info:
+        rannc.RaNNCModule(_ReturnsObject())(torch.randn(4, 3))
+    text = str(info.value)
+    assert "_ReturnsObject.forward returns (in its output) a " in text and "_Holder" in text, text
+    assert "not a tensor, a number or a pytree" in text, text
+    assert "return the tensors in a tuple or dict" in text, text
+    assert "register_pytree_node(_Holder" in text, text
+
+
+def test_zero_microbatches() -> None:
+    with pytest.raises(ConfigError, match=r"Config.microbatches=0 must be at least 1; give a "
+                                          r"positive count, or leave it unset"):
+        rannc.RaNNCModule(nn.Linear(2, 2), microbatches=0)
+
+
+def test_unknown_schedule() -> None:
+    with pytest.raises(ConfigError, match=r"Config.schedule='zigzag' is not one of auto, gpipe, "
+                                          r"1f1b, scp; set schedule to one of them"):
+        rannc.RaNNCModule(nn.Linear(2, 2), schedule="zigzag")
+
+
+def test_unknown_option_name() -> None:
+    with pytest.raises(ConfigError, match=r"unknown rannc option\(s\) \['microbatch'\]\. Did you "
+                                          r"mean: 'microbatch' -> 'microbatches'\?"):
+        rannc.RaNNCModule(nn.Linear(2, 2), microbatch=2)
+
+
+def test_partition_num_beyond_the_ranks_and_replicas_of_another_length() -> None:
+    with pytest.raises(ConfigError, match=r"partition_num=4 stages need at least that many ranks "
+                                          r"but 2 run.*launch at least 4 ranks"):
+        validate.check_config(rannc.Config(partition_num=4), 2)
+    with pytest.raises(ConfigError, match=r"partition_num=3 but replicas=\[1, 1\] lists 2 stages"):
+        validate.check_config(rannc.Config(partition_num=3, replicas=[1, 1]), 2)
+    validate.check_config(rannc.Config(replicas=[1, 1]), 4)  # two copies of the pipeline: fine
+
+
+# -- the signature the ranks compare ----------------------------------------------------------
+def _sig(*args: object, **kwargs: object) -> validate.CallSignature:
+    _, layout = flatten_inputs(args, kwargs)
+    return validate.call_signature(args, kwargs, layout.batch_leaves)
+
+
+def _digest(*args: object, **kwargs: object) -> int:
+    leaves, layout = flatten_inputs(args, kwargs)
+    return validate.call_digest(layout, leaves)
+
+
+def test_local_batch_sizes_may_differ_nothing_else_may() -> None:
+    long = torch.long
+    base = _digest(torch.zeros(3, 5), mask=torch.ones(3, 5, dtype=long))
+    assert _digest(torch.zeros(7, 5), mask=torch.ones(7, 5, dtype=long)) == base
+    others = [_digest(torch.zeros(3, 6), mask=torch.ones(3, 5, dtype=long)),  # a size
+              _digest(torch.zeros(3, 5), mask=torch.ones(3, 5)),  # a dtype
+              _digest(torch.zeros(3, 5)),  # a keyword
+              _digest(torch.zeros(3, 5), torch.ones(3, 5, dtype=long)),  # positional, not keyword
+              _digest(torch.zeros(3, 5, device="meta"), mask=torch.ones(3, 5, dtype=long)),  # device
+              _digest(torch.zeros(3, 5), mask=torch.ones(3, 5, dtype=long), flag=True)]  # a value
+    assert len({base, *others}) == 1 + len(others)
+
+
+def test_mismatch_names_the_nested_argument_and_groups_ranks() -> None:
+    ok = _sig(torch.zeros(2, 4), batch={"ids": torch.zeros(2, 16, dtype=torch.long)})
+    bad = _sig(torch.zeros(2, 4), batch={"ids": torch.zeros(2, 32, dtype=torch.long)})
+    text = validate.describe_mismatch([ok, bad, ok], [2, 2, 2])
+    assert "argument \"batch['ids']\" differs across ranks in its shapes" in text, text
+    assert "ranks 0, 2: a tensor [B, 16] int64 on cpu; rank 1: a tensor [B, 32] int64" in text
+
+
+def test_input_device_check_reads_device_types_only() -> None:
+    sig = _sig(torch.zeros(2, 4), mask=torch.zeros(2, 4))
+    validate.check_devices(sig, torch.device("cpu"))
+    with pytest.raises(InputDeviceError, match=r"inputs 'args\[0\]' on cpu, 'mask' on cpu are not "
+                                               r"on this rank's device cuda:1.*x.to\('cuda:1'\)"):
+        validate.check_devices(sig, torch.device("cuda", 1))
