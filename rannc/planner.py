@@ -31,7 +31,7 @@ from rannc.config import Config
 from rannc.errors import ConfigError, RaNNCError
 from rannc.graph.task_graph import TaskGraph, ValueKind
 from rannc.plans import Plan, StagePlan, stage_ranks
-from rannc.profile.device import Cluster
+from rannc.profile.device import Cluster, DeviceSpec
 from rannc.profile.estimate import BlockProfile, GraphCosts, _bytes
 from rannc.schedule import SCHEDULES, StageCosts, chain, in_flight, make_schedule, simulate
 from rannc.stage_dp.dp import stage_dp
@@ -85,11 +85,8 @@ def plan_graph(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, conf
     """Plan `graph` (captured at global batch `batch_size`) for `cluster`."""
     stats = stats if stats is not None else PlanStats()
     t0 = time.perf_counter()
-    spec = min(cluster.devices, key=lambda d: (d.memory_bytes, d.flops))  # conservative
-    limit = spec.memory_bytes if config.mem_limit_gb is None else config.mem_limit_gb * 1e9
-    limit *= 1.0 - config.mem_margin
-    opt = 2.0 if config.opt_param_factor is None else config.opt_param_factor
-    mem = MemoryModel(opt_param_factor=opt, limit=limit, checkpointing=config.checkpointing)
+    spec, mem = _memory_model(cluster, config)
+    limit, opt = mem.limit, mem.opt_param_factor
     costs = costs if costs is not None else GraphCosts.of(graph, atomic)
     oracle = oracle or EstimateOracle(costs, cluster)
     world = cluster.size
@@ -119,22 +116,8 @@ def plan_graph(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, conf
 
     t3 = time.perf_counter()
     schedules = list(SCHEDULES) if config.schedule == "auto" else [config.schedule]
-    # eager schedules keep every microbatch's stage inputs when a batch output (logits) might
-    # also get a gradient (the runtime's late pass)
-    late = any(v is not None and graph.values[v].batch_dim is not None
-               and graph.values[v].dtype.startswith(("float", "bfloat"))
-               for v in graph.outputs)
-    tables: dict[tuple[int, int, int, int, int], StageTables] = {}
-
-    def table(D: int, R: int, m: int, n_in: int, saved: int) -> StageTables:
-        key = (D, R, m, n_in, saved)
-        if key not in tables:
-            cross_node = R > 1 or D > cluster.per_node
-            ar_bw = cluster.inter_node_bandwidth if cross_node else spec.link_bandwidth
-            tables[key] = stage_tables(prof, io, mem, batch_size=batch_size, devices=D, copies=R,
-                                       microbatches=m, link_bw=spec.link_bandwidth,
-                                       allreduce_bw=ar_bw, inflight=n_in, saved_inputs=saved)
-        return tables[key]
+    late = _late_pass(graph)
+    table = _TableCache(prof, io, mem, cluster, batch_size, spec.link_bandwidth)
 
     found: list[_Candidate] = []
     # (tables, devices, the stage counts they hold for), kept only while nothing fits, for the error
@@ -227,6 +210,59 @@ def plan_graph(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, conf
     return out
 
 
+def plan_split(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, config: Config, *,
+               batch_size: int, block_of: Sequence[int], bounds: Sequence[int],
+               replicas: Sequence[int], oracle: BlockOracle | None = None,
+               costs: GraphCosts | None = None) -> Plan:
+    """The plan that runs a split chosen elsewhere, costed as `plan_graph` costs its own.
+
+    `block_of` groups the atomic components into blocks in topological order (e.g. one block per
+    model layer); stage s holds blocks bounds[s] .. bounds[s+1]-1 on replicas[s] devices, one
+    pipeline over the whole (homogeneous) cluster. The oracle, memory model, recomputation and
+    simulator are the planner's, and so is the search over microbatch counts and schedules: the
+    fastest that fits is returned, so two partitioners' splits differ only in the split.
+    Raises PlanInfeasibleError when no microbatch count fits device memory.
+    """
+    k = max(block_of) + 1
+    S = len(replicas)
+    if (len(bounds) != S + 1 or bounds[0] != 0 or bounds[-1] != k
+            or any(b >= c for b, c in zip(bounds, bounds[1:], strict=False))):
+        raise ConfigError(f"split bounds {list(bounds)} must rise strictly from 0 to the {k} blocks, "
+                          f"one more entry than the {S} stages of replicas {list(replicas)}")
+    if sum(replicas) != cluster.size or min(replicas) < 1 or not cluster.is_homogeneous:
+        raise ConfigError(f"replicas {list(replicas)} must be positive and use the {cluster.size} "
+                          "devices of a homogeneous cluster")
+    spec, mem = _memory_model(cluster, config)
+    costs = costs if costs is not None else GraphCosts.of(graph, atomic)
+    oracle = oracle or EstimateOracle(costs, cluster)
+    D, R = cluster.size, 1
+    mbs = _microbatch_counts(config, batch_size)
+    prof = oracle.block_profile(block_of, sorted({batch_per_replica(batch_size, R, m, d)
+                                                  for m in mbs for d in range(1, D + 1)}))
+    table = _TableCache(prof, BlockIO.of(graph, atomic, block_of), mem, cluster, batch_size,
+                        spec.link_bandwidth)
+    late = _late_pass(graph)
+    best: _Refined | None = None
+    need = math.inf
+    for m in mbs:
+        if m > batch_size:
+            continue
+        for sched in SCHEDULES if config.schedule == "auto" else [config.schedule]:
+            eager = sched != "gpipe"
+            tab = table(D, R, m, min(S, m) if eager else m, m if eager and late else 0)
+            idx = [(bounds[s], bounds[s + 1] - 1, replicas[s]) for s in range(S)]
+            need = min(need, max(float(tab.memory_min[x]) for x in idx))
+            ref = _refine(_candidate(tab, D, R, m, bounds, replicas, sched), table, late)
+            if ref is not None and (best is None or ref.time < best.time * (1 - 1e-9)):
+                best = ref
+    if best is None:
+        raise PlanInfeasibleError(
+            f"the split {list(bounds)} with replicas {list(replicas)} fits no microbatch count "
+            f"{mbs}: its largest stage needs {fmt_bytes(need)} of {fmt_bytes(mem.limit)} usable "
+            f"on {spec.name}", needed_bytes=need / (1.0 - config.mem_margin))
+    return _to_plan(graph, atomic, costs, best, block_of, cluster.size, batch_size)
+
+
 _SIMULATED = 6  # candidates per schedule the simulator judges
 
 
@@ -243,6 +279,47 @@ class _Refined:
     memory: tuple[float, ...]
     in_flight: tuple[int, ...]
     recompute_s: tuple[float, ...]
+
+
+class _TableCache:
+    """Stage tables per (devices per pipeline D, copies R, microbatches m, in-flight bound,
+    saved inputs), built on first use."""
+
+    def __init__(self, prof: BlockProfile, io: BlockIO, mem: MemoryModel, cluster: Cluster,
+                 batch_size: int, link_bw: float) -> None:
+        self.prof, self.io, self.mem, self.batch_size = prof, io, mem, batch_size
+        self.cluster, self.link_bw = cluster, link_bw
+        self.tables: dict[tuple[int, int, int, int, int], StageTables] = {}
+
+    def __call__(self, D: int, R: int, m: int, n_in: int, saved: int) -> StageTables:
+        key = (D, R, m, n_in, saved)
+        if key not in self.tables:
+            c = self.cluster
+            link = self.link_bw
+            cross_node = R > 1 or D > c.per_node
+            ar_bw = c.inter_node_bandwidth if cross_node else link
+            self.tables[key] = stage_tables(self.prof, self.io, self.mem, batch_size=self.batch_size,
+                                            devices=D, copies=R, microbatches=m, link_bw=link,
+                                            allreduce_bw=ar_bw, inflight=n_in, saved_inputs=saved)
+        return self.tables[key]
+
+
+def _memory_model(cluster: Cluster, config: Config) -> tuple[DeviceSpec, MemoryModel]:
+    """The device every stage is planned on (the smallest memory, then the slowest) and the
+    memory model on it."""
+    spec = min(cluster.devices, key=lambda d: (d.memory_bytes, d.flops))  # conservative
+    limit = spec.memory_bytes if config.mem_limit_gb is None else config.mem_limit_gb * 1e9
+    limit *= 1.0 - config.mem_margin
+    opt = 2.0 if config.opt_param_factor is None else config.opt_param_factor
+    return spec, MemoryModel(opt_param_factor=opt, limit=limit, checkpointing=config.checkpointing)
+
+
+def _late_pass(graph: TaskGraph) -> bool:
+    """Eager schedules keep every microbatch's stage inputs when a batch output (logits) might
+    also get a gradient (the runtime's late pass)."""
+    return any(v is not None and graph.values[v].batch_dim is not None
+               and graph.values[v].dtype.startswith(("float", "bfloat"))
+               for v in graph.outputs)
 
 
 def _refine(c: _Candidate, table: Any, late: bool) -> _Refined | None:
