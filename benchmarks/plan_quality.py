@@ -219,7 +219,7 @@ def _pippy_bounds(split: Callable[[Any], Any], model: Any, layers: Layers) -> li
 # -- one model ---------------------------------------------------------------------------------
 
 def one(name: str, kind: str, a: tuple[int, ...], device: str, worlds: Sequence[int],
-        per_node: int) -> dict[str, Any]:
+        per_node: int, blocks: int = 32) -> dict[str, Any]:
     import logging
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -240,7 +240,7 @@ def one(name: str, kind: str, a: tuple[int, ...], device: str, worlds: Sequence[
     for W in worlds:
         cluster = rannc.Cluster.homogeneous(device, W, per_node)
         spec = cluster.slowest
-        cfg = rannc.Config()
+        cfg = rannc.Config(blocks=blocks)
         row: dict[str, Any] = {}
         try:
             p = plan_graph(g, at, cluster, cfg, batch_size=batch, costs=costs)
@@ -301,7 +301,7 @@ def table(results: list[dict[str, Any]], W: int) -> list[str]:
         rt = row["rannc"].get("time")
         peers = [row[p]["time"] for p in PEERS if "time" in row[p]]
         best = min(peers) if peers else None
-        ratio = f"{best / rt:.2f}" if rt and best else "n/a"
+        ratio = f"{best / rt:.3f}" if rt and best else "n/a"
         bound = f"{rt / row['bound']:.2f}" if rt else "n/a"
         out.append(f"| {r['model']} | {r['params_b']:.2f} | {r['layers']} | {cell(row['rannc'])} | "
                    + " | ".join(cell(row[p]) for p in PEERS)
@@ -357,6 +357,7 @@ def main() -> None:
     p.add_argument("--device", default="V100-32GB")
     p.add_argument("--devices", default="8,32", help="device counts")
     p.add_argument("--per-node", type=int, default=8)
+    p.add_argument("--blocks", type=int, default=32, help="rannc's k (Config.blocks)")
     p.add_argument("--plot", default=None, help="PNG path (default docs/plan_quality.png; none "
                    "with --smoke unless given)")
     p.add_argument("--results", default=None, help="a folder for each model's raw results: "
@@ -368,28 +369,31 @@ def main() -> None:
     per_node = 2 if a.smoke else a.per_node
     if a.one:
         kind, args = catalogue[a.one]
-        print(json.dumps(one(a.one, kind, args, a.device, worlds, per_node)))
+        print(json.dumps(one(a.one, kind, args, a.device, worlds, per_node, a.blocks)))
         return
     names = list(catalogue) if a.models is None else a.models.split(",")
     unknown = [n for n in names if n not in catalogue]
     if unknown:
         raise SystemExit(f"unknown models {unknown}; choose from {list(catalogue)}")
     print(f"machine: {machine()}; date: {datetime.date.today()}; costs: rannc's estimate oracle "
-          f"({a.device}, {per_node} per node), not a GPU; python: {sys.executable}", flush=True)
+          f"({a.device}, {per_node} per node), not a GPU; rannc k = {a.blocks} blocks; python: "
+          f"{sys.executable}", flush=True)
     results = []
     for name in names:
         if a.smoke:  # tiny models: in this process, seconds
             kind, args = catalogue[name]
-            results.append(one(name, kind, args, a.device, worlds, per_node))
+            results.append(one(name, kind, args, a.device, worlds, per_node, a.blocks))
             continue
-        saved = Path(a.results) / f"{name.replace(' ', '_')}_{a.device}_{'-'.join(map(str, worlds))}.json" \
-            if a.results else None
+        tag = f"{name.replace(' ', '_')}_{a.device}_{'-'.join(map(str, worlds))}"
+        tag += "" if a.blocks == 32 else f"_k{a.blocks}"
+        saved = Path(a.results) / f"{tag}.json" if a.results else None
         if saved is not None and saved.exists():
             results.append(json.loads(saved.read_text()))
             continue
         # a fresh process per model: captures of the largest take GBs
         cmd = [sys.executable, __file__, "--one", name, "--device", a.device,
-               "--devices", ",".join(map(str, worlds)), "--per-node", str(a.per_node)]
+               "--devices", ",".join(map(str, worlds)), "--per-node", str(a.per_node),
+               "--blocks", str(a.blocks)]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
         if out.returncode != 0:
             raise SystemExit(f"{name} failed:\n{out.stderr[-3000:]}")
