@@ -8,6 +8,7 @@ then the same figures as a Markdown table row.
 
     PYTHONPATH=. .venv/bin/python benchmarks/capture_meta.py            # 48 x 2048, ~2.5 B
     PYTHONPATH=. .venv/bin/python benchmarks/capture_meta.py --layers 2 --hidden 256 --heads 4
+    PYTHONPATH=. .venv/bin/python benchmarks/capture_meta.py --smoke   # 2 x 64, seconds
 """
 
 from __future__ import annotations
@@ -35,7 +36,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=30522, help="vocabulary size (default 30522)")
     p.add_argument("--batch", type=int, default=8, help="batch size (default 8)")
     p.add_argument("--seq", type=int, default=128, help="sequence length (default 128)")
-    return p.parse_args(argv)
+    p.add_argument("--smoke", action="store_true", help="a tiny BERT (2 x 64), seconds")
+    a = p.parse_args(argv)
+    if a.smoke:
+        a.layers, a.hidden, a.heads, a.vocab, a.seq = 2, 64, 2, 128, 16
+    return a
 
 
 def peak_rss_mb() -> float:

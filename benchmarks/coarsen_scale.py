@@ -9,6 +9,7 @@ sent between blocks.
 
     PYTHONPATH=. .venv/bin/python benchmarks/coarsen_scale.py
     PYTHONPATH=. .venv/bin/python benchmarks/coarsen_scale.py --layers 512 --ks 16 64
+    PYTHONPATH=. .venv/bin/python benchmarks/coarsen_scale.py --smoke   # tiny graphs, seconds
 """
 
 from __future__ import annotations
@@ -60,7 +61,10 @@ def main() -> None:
     ap.add_argument("--ks", type=int, nargs="+", default=[8, 32, 128, 1024], help="block counts")
     ap.add_argument("--ref-layers", type=int, default=25, help="layers of the reference's graph")
     ap.add_argument("--repeat", type=int, default=3, help="native runs per k (median)")
+    ap.add_argument("--smoke", action="store_true", help="8 and 3 layers, k 8 and 32, one run")
     args = ap.parse_args()
+    if args.smoke:
+        args.layers, args.ks, args.ref_layers, args.repeat = 8, [8, 32], 3, 1
 
     big = bert_like(args.layers)
     print(f"native form_blocks: {big.n} components, {len(big.values)} values")

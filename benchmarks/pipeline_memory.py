@@ -2,6 +2,7 @@
 
     PYTHONPATH=. .venv/bin/python benchmarks/pipeline_memory.py            # L8 H768, batch 8 x 128
     PYTHONPATH=. .venv/bin/python benchmarks/pipeline_memory.py --layers 2 --hidden 256 --steps 2
+    PYTHONPATH=. .venv/bin/python benchmarks/pipeline_memory.py --smoke   # 2 x 64 on 2 ranks
 
 The driver (this command) runs three configurations, each in fresh processes, one after another:
 
@@ -325,7 +326,11 @@ def main() -> None:
     p.add_argument("--worker", choices=("plain", "rannc"), help=argparse.SUPPRESS)
     p.add_argument("--label", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--smoke", action="store_true", help="BERT 2 x 64 on 2 ranks, 2 steps: seconds")
     a = p.parse_args()
+    if a.smoke and not a.worker:
+        a.layers, a.hidden, a.heads, a.intermediate, a.vocab = 2, 64, 2, 256, 128
+        a.batch, a.seq, a.steps, a.np, a.timeout = 4, 16, 2, 2, min(a.timeout, 300)
     if a.worker:
         a.mode = a.worker
         worker(a)

@@ -12,6 +12,7 @@ and bandwidth), as `rannc.plan` does by default.
         --heads 4 --seq 128 --batch 8 --batch-sizes 1 8
     PYTHONPATH=. .venv/bin/python benchmarks/profile_measure.py --device cuda --layers 24 \\
         --hidden 1024 --heads 16 --seq 512 --batch 8 --batch-sizes 1 2 4 8   # BERT-Large
+    PYTHONPATH=. .venv/bin/python benchmarks/profile_measure.py --smoke   # seconds
 """
 
 from __future__ import annotations
@@ -42,7 +43,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--blocks", type=int, default=6)
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
-    return p.parse_args(argv)
+    p.add_argument("--smoke", action="store_true", help="1 layer, 2 blocks, one batch size: seconds")
+    a = p.parse_args(argv)
+    if a.smoke:
+        a.layers, a.blocks, a.batch_sizes, a.threads = 1, 2, [2], a.threads or 1
+    return a
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,6 +1,7 @@
 """rannc with one stage vs plain PyTorch on the same model, measured side by side in one run.
 
     python benchmarks/single_stage_overhead.py --layers 4 --hidden 256 --batch 16 --seq 128
+    python benchmarks/single_stage_overhead.py --smoke   # a tiny BERT, seconds
 
 Both train a copy of the same BERT with AdamW on the same batch; iterations
 alternate between the two in ABBA order (after a warm-up), so machine noise and
@@ -41,7 +42,10 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
+    p.add_argument("--smoke", action="store_true", help="1 x 64 BERT, 2 iterations: seconds")
     a = p.parse_args()
+    if a.smoke:
+        a.layers, a.hidden, a.batch, a.seq, a.iters, a.threads = 1, 64, 2, 16, 2, a.threads or 1
     logging.getLogger("transformers").setLevel(logging.ERROR)
     if a.threads:
         torch.set_num_threads(a.threads)

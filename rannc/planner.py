@@ -31,7 +31,7 @@ from rannc.config import Config
 from rannc.errors import ConfigError, RaNNCError
 from rannc.graph.task_graph import TaskGraph, ValueKind
 from rannc.plans import Plan, StagePlan, stage_ranks
-from rannc.profile.device import Cluster
+from rannc.profile.device import Cluster, DeviceSpec
 from rannc.profile.estimate import BlockProfile, GraphCosts, _bytes
 from rannc.schedule import SCHEDULES, StageCosts, chain, in_flight, make_schedule, simulate
 from rannc.stage_dp.dp import stage_dp
@@ -85,11 +85,8 @@ def plan_graph(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, conf
     """Plan `graph` (captured at global batch `batch_size`) for `cluster`."""
     stats = stats if stats is not None else PlanStats()
     t0 = time.perf_counter()
-    spec = min(cluster.devices, key=lambda d: (d.memory_bytes, d.flops))  # conservative
-    limit = spec.memory_bytes if config.mem_limit_gb is None else config.mem_limit_gb * 1e9
-    limit *= 1.0 - config.mem_margin
-    opt = 2.0 if config.opt_param_factor is None else config.opt_param_factor
-    mem = MemoryModel(opt_param_factor=opt, limit=limit, checkpointing=config.checkpointing)
+    spec, mem = _memory_model(cluster, config)
+    limit, opt = mem.limit, mem.opt_param_factor
     costs = costs if costs is not None else GraphCosts.of(graph, atomic)
     oracle = oracle or EstimateOracle(costs, cluster)
     world = cluster.size
@@ -119,22 +116,8 @@ def plan_graph(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, conf
 
     t3 = time.perf_counter()
     schedules = list(SCHEDULES) if config.schedule == "auto" else [config.schedule]
-    # eager schedules keep every microbatch's stage inputs when a batch output (logits) might
-    # also get a gradient (the runtime's late pass)
-    late = any(v is not None and graph.values[v].batch_dim is not None
-               and graph.values[v].dtype.startswith(("float", "bfloat"))
-               for v in graph.outputs)
-    tables: dict[tuple[int, int, int, int, int], StageTables] = {}
-
-    def table(D: int, R: int, m: int, n_in: int, saved: int) -> StageTables:
-        key = (D, R, m, n_in, saved)
-        if key not in tables:
-            cross_node = R > 1 or D > cluster.per_node
-            ar_bw = cluster.inter_node_bandwidth if cross_node else spec.link_bandwidth
-            tables[key] = stage_tables(prof, io, mem, batch_size=batch_size, devices=D, copies=R,
-                                       microbatches=m, link_bw=spec.link_bandwidth,
-                                       allreduce_bw=ar_bw, inflight=n_in, saved_inputs=saved)
-        return tables[key]
+    late = _late_pass(graph)
+    table = _TableCache(prof, io, mem, cluster, batch_size, spec.link_bandwidth)
 
     found: list[_Candidate] = []
     # (tables, devices, the stage counts they hold for), kept only while nothing fits, for the error
@@ -227,6 +210,72 @@ def plan_graph(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, conf
     return out
 
 
+def plan_splits(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, config: Config, *,
+                batch_size: int, block_of: Sequence[int],
+                splits: Sequence[tuple[Sequence[int], Sequence[int]]],
+                oracle: BlockOracle | None = None, costs: GraphCosts | None = None) -> list[Plan | None]:
+    """Plans that run splits chosen elsewhere, costed as `plan_graph` costs its own.
+
+    `block_of` groups the atomic components into blocks in topological order (e.g. one block per
+    model layer); a split (bounds, replicas) puts blocks bounds[s] .. bounds[s+1]-1 on stage s with
+    replicas[s] devices, one pipeline over the whole (homogeneous) cluster. The oracle, memory
+    model, recomputation and simulator are the planner's, and so is the search over microbatch
+    counts and schedules: each split gets the fastest that fits (None: none fits), so two
+    partitioners' splits differ only in the split. The stage tables are shared by the splits.
+    """
+    if not splits:
+        return []
+    k = max(block_of) + 1
+    for bounds, replicas in splits:
+        S = len(replicas)
+        if (len(bounds) != S + 1 or bounds[0] != 0 or bounds[-1] != k
+                or any(b >= c for b, c in zip(bounds, bounds[1:], strict=False))):
+            raise ConfigError(f"split bounds {list(bounds)} must rise strictly from 0 to the {k} "
+                              f"blocks, one more entry than the {S} stages of replicas {list(replicas)}")
+        if sum(replicas) != cluster.size or min(replicas) < 1 or not cluster.is_homogeneous:
+            raise ConfigError(f"replicas {list(replicas)} must be positive and use the {cluster.size} "
+                              "devices of a homogeneous cluster")
+    spec, mem = _memory_model(cluster, config)
+    costs = costs if costs is not None else GraphCosts.of(graph, atomic)
+    oracle = oracle or EstimateOracle(costs, cluster)
+    D, R = cluster.size, 1
+    width = max(max(r) for _, r in splits)  # tables only up to the replica counts asked for
+    mbs = [m for m in _microbatch_counts(config, batch_size) if m <= batch_size]
+    prof = oracle.block_profile(block_of, sorted({batch_per_replica(batch_size, R, m, d)
+                                                  for m in mbs for d in range(1, width + 1)}))
+    io = BlockIO.of(graph, atomic, block_of)
+    late = _late_pass(graph)
+    best: list[_Refined | None] = [None] * len(splits)
+    for m in mbs:  # one microbatch count's tables at a time: they are (blocks^2 x width) each
+        table = _TableCache(prof, io, mem, cluster, batch_size, spec.link_bandwidth, width=width)
+        for sched in SCHEDULES if config.schedule == "auto" else [config.schedule]:
+            eager = sched != "gpipe"
+            for i, (bounds, replicas) in enumerate(splits):
+                tab = table(D, R, m, min(len(replicas), m) if eager else m, m if eager and late else 0)
+                ref = _refine(_candidate(tab, D, R, m, bounds, replicas, sched), table, late)
+                old = best[i]
+                if ref is not None and (old is None or ref.time < old.time * (1 - 1e-9)):
+                    best[i] = ref
+    return [None if b is None else _to_plan(graph, atomic, costs, b, block_of, cluster.size, batch_size)
+            for b in best]
+
+
+def plan_split(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, config: Config, *,
+               batch_size: int, block_of: Sequence[int], bounds: Sequence[int],
+               replicas: Sequence[int], oracle: BlockOracle | None = None,
+               costs: GraphCosts | None = None) -> Plan:
+    """`plan_splits` for one split; raises PlanInfeasibleError when it fits no microbatch count."""
+    (out,) = plan_splits(graph, atomic, cluster, config, batch_size=batch_size, block_of=block_of,
+                         splits=[(bounds, replicas)], oracle=oracle, costs=costs)
+    if out is None:
+        _, mem = _memory_model(cluster, config)
+        raise PlanInfeasibleError(
+            f"the split {list(bounds)} with replicas {list(replicas)} fits no microbatch count "
+            f"within {fmt_bytes(mem.limit)} per device ({cluster.slowest.name}); use more "
+            "replicas or stages, or larger devices", needed_bytes=math.inf)
+    return out
+
+
 _SIMULATED = 6  # candidates per schedule the simulator judges
 
 
@@ -243,6 +292,49 @@ class _Refined:
     memory: tuple[float, ...]
     in_flight: tuple[int, ...]
     recompute_s: tuple[float, ...]
+
+
+class _TableCache:
+    """Stage tables per (devices per pipeline D, copies R, microbatches m, in-flight bound,
+    saved inputs), built on first use."""
+
+    def __init__(self, prof: BlockProfile, io: BlockIO, mem: MemoryModel, cluster: Cluster,
+                 batch_size: int, link_bw: float, width: int | None = None) -> None:
+        self.prof, self.io, self.mem, self.batch_size = prof, io, mem, batch_size
+        self.cluster, self.link_bw = cluster, link_bw
+        self.width = width  # replica counts beyond it are not tabled
+        self.tables: dict[tuple[int, int, int, int, int], StageTables] = {}
+
+    def __call__(self, D: int, R: int, m: int, n_in: int, saved: int) -> StageTables:
+        key = (D, R, m, n_in, saved)
+        if key not in self.tables:
+            c = self.cluster
+            link = self.link_bw
+            cross_node = R > 1 or D > c.per_node
+            ar_bw = c.inter_node_bandwidth if cross_node else link
+            width = D if self.width is None else min(D, self.width)
+            self.tables[key] = stage_tables(self.prof, self.io, self.mem, batch_size=self.batch_size,
+                                            devices=width, copies=R, microbatches=m, link_bw=link,
+                                            allreduce_bw=ar_bw, inflight=n_in, saved_inputs=saved)
+        return self.tables[key]
+
+
+def _memory_model(cluster: Cluster, config: Config) -> tuple[DeviceSpec, MemoryModel]:
+    """The device every stage is planned on (the smallest memory, then the slowest) and the
+    memory model on it."""
+    spec = min(cluster.devices, key=lambda d: (d.memory_bytes, d.flops))  # conservative
+    limit = spec.memory_bytes if config.mem_limit_gb is None else config.mem_limit_gb * 1e9
+    limit *= 1.0 - config.mem_margin
+    opt = 2.0 if config.opt_param_factor is None else config.opt_param_factor
+    return spec, MemoryModel(opt_param_factor=opt, limit=limit, checkpointing=config.checkpointing)
+
+
+def _late_pass(graph: TaskGraph) -> bool:
+    """Eager schedules keep every microbatch's stage inputs when a batch output (logits) might
+    also get a gradient (the runtime's late pass)."""
+    return any(v is not None and graph.values[v].batch_dim is not None
+               and graph.values[v].dtype.startswith(("float", "bfloat"))
+               for v in graph.outputs)
 
 
 def _refine(c: _Candidate, table: Any, late: bool) -> _Refined | None:

@@ -33,6 +33,73 @@ def test_hetero_benchmark() -> None:
     assert out.count("x |") == 4, out
 
 
+def rows(out: str, start: str) -> list[list[str]]:
+    """The Markdown table rows starting with `start`, as lists of cells."""
+    return [[c.strip() for c in ln.strip().strip("|").split("|")]
+            for ln in out.splitlines() if ln.startswith(start)]
+
+
+def test_capture_meta_benchmark() -> None:
+    out = run("benchmarks/capture_meta.py")
+    (row,) = rows(out, "| BertForPreTraining L2 H64 A2")
+    assert int(row[5]) > 0 and int(row[7]) > 0, row  # tasks, atomic components
+
+
+def test_coarsen_scale_benchmark() -> None:
+    out = run("benchmarks/coarsen_scale.py")
+    assert "k=8 " in out and "k=32 " in out and "identical: True" in out, out
+
+
+def test_plan_balance_benchmark() -> None:
+    out = run("benchmarks/plan_balance.py")
+    assert [r[0] for r in rows(out, "| auto") + rows(out, "| 2 ")] == ["auto", "2"], out
+
+
+def test_plan_scale_benchmark(tmp_path: Path) -> None:
+    png = tmp_path / "scale.png"
+    out = run("benchmarks/plan_scale.py", "--plot", str(png))
+    found = rows(out, "| 2x64") + rows(out, "| 4x64")
+    assert [r[0] for r in found] == ["2x64", "4x64"], out
+    assert all(int(r[2]) > 0 for r in found), found  # atomic components
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_profile_measure_benchmark() -> None:
+    out = run("benchmarks/profile_measure.py")
+    assert len(rows(out, "| 0 | 2 |") + rows(out, "| 1 | 2 |")) == 2, out
+    assert rows(out, "| all | 2 |"), out
+
+
+def test_single_stage_overhead_benchmark() -> None:
+    out = run("benchmarks/single_stage_overhead.py")
+    assert "rannc  median" in out and "throughput ratio rannc/plain:" in out, out
+
+
+def test_pipeline_memory_benchmark() -> None:
+    out = run("benchmarks/pipeline_memory.py")
+    assert rows(out, "| rannc x2, rank 0") and rows(out, "| rannc x2, rank 1"), out
+    assert rows(out, "| **sum of the 2 ranks**"), out
+
+
+def test_plan_quality_benchmark(tmp_path: Path) -> None:
+    import importlib.util
+
+    png = tmp_path / "quality.png"
+    out = run("benchmarks/plan_quality.py", "--plot", str(png))
+    found = rows(out, "| BERT 2x64") + rows(out, "| ResNet (1, 1)x1") + rows(out, "| GPT-2 2x64")
+    assert len(found) == 3, out
+    peers = {"deepspeed": (4, 5), "torchgpipe": (6,), "pippy": (7,)}
+    for r in found:
+        assert len(r) == 11, r
+        assert float(r[3].split()[0]) > 0 and float(r[8]) > 0, r  # rannc, bound
+        assert float(r[10]) >= 1.0, r  # rannc is never faster than the bound
+        for module, cols in peers.items():
+            installed = importlib.util.find_spec(module) is not None
+            for c in cols:
+                assert (r[c] != "not installed") == installed, (module, r)
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
 def test_soak_benchmark() -> None:
     out = run("benchmarks/soak.py")
     assert "no errors" in out and out.count("| - |") == 2, out

@@ -1,0 +1,414 @@
+"""Plan quality against the peers' partitioners, same costs for everyone (issue 8, study 1).
+
+For each model (built on the meta device) and device count (8 per node, V100-32GB by default),
+ONE cost table, rannc's estimate oracle (`GraphCosts`), costs every plan, and one cost model,
+the planner's stage tables and schedule simulator, predicts its iteration time:
+- rannc: `plan_graph`, its own blocks, stages, replicas, microbatches and schedule;
+- the peers split the model's natural layer sequence (BERT: embeddings, each encoder layer,
+  head; ResNet: stem, each bottleneck unit, head; GPT-2: embeddings, each block, head) with
+  their own code: DeepSpeed's `partition_method` "parameters" and "uniform"
+  (`deepspeed.runtime.utils.partition_balanced` / `partition_uniform`, as
+  `PipelineModule._partition_layers` calls them), torchgpipe's `balance_by_time` partition
+  (`torchgpipe.balance.balance_cost` on per-layer times in microseconds, as `profile_times`
+  returns them; the times come from the oracle, not a GPU) and PiPPy's
+  `split_into_equal_size` (torchpippy, run on an fx graph with one call_module node per layer);
+- a peer runs S stages x W/S data-parallel copies (uniform replicas, all it can express), for
+  every S dividing the W devices, and keeps the fastest S that fits memory; each split gets the
+  planner's own microbatch-count and schedule search (`rannc.planner.plan_splits`), so the
+  peers differ from rannc in the split and the replica counts only;
+- the bound: the whole batch's forward + backward compute time on one device / W.
+
+Peers are imported from the benchmark environment (`bash scripts/bench_env.sh`); where one is
+not installed its column says so. Prints one Markdown table per device count, the machine and
+the date, and draws `docs/plan_quality.png`.
+
+    bash scripts/bench_env.sh
+    PYTHONPATH=. .venv-bench/bin/python benchmarks/plan_quality.py
+    PYTHONPATH=. .venv/bin/python benchmarks/plan_quality.py --smoke   # tiny models, no peers needed
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "examples" / "models")]
+
+# DeepSpeed probes for CUDA/XPU/NPU... when imported; on a CPU-only machine it falls back to its
+# CPU accelerator with a warning. Naming it skips the probe (only its partition functions are used).
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+PEERS = ("DeepSpeed parameters", "DeepSpeed uniform", "torchgpipe time", "PiPPy equal size")
+
+# name -> (builder key, arguments); the global batch is part of the model's inputs
+MODELS: dict[str, tuple[str, tuple[int, ...]]] = {
+    "BERT-Large 24x1024": ("bert", (24, 1024, 256, 128)),
+    "BERT 96x1024": ("bert", (96, 1024, 256, 128)),
+    "BERT 24x2048": ("bert", (24, 2048, 256, 128)),
+    "BERT 256x2048": ("bert", (256, 2048, 256, 128)),
+    "ResNet50x1": ("resnet", (50, 1, 512, 224)),
+    "ResNet101x4": ("resnet", (101, 4, 512, 224)),
+    "ResNet152x8": ("resnet", (152, 8, 512, 224)),
+    "GPT-2 24x1024": ("gpt2", (24, 1024, 64, 512)),
+    "GPT-2 48x1600": ("gpt2", (48, 1600, 64, 1024)),
+}
+SMOKE: dict[str, tuple[str, tuple[int, ...]]] = {
+    "BERT 2x64": ("bert", (2, 64, 16, 16)),
+    "ResNet (1, 1)x1": ("resnet", (0, 1, 32, 16)),
+    "GPT-2 2x64": ("gpt2", (2, 64, 16, 32)),
+}
+
+
+# -- models and their layer sequences ---------------------------------------------------------
+
+Layers = list[list[str]]  # per layer, the module paths it holds (in forward order)
+
+
+def build(kind: str, a: tuple[int, ...]) -> tuple[Any, tuple[Any, ...], dict[str, Any], int, Layers]:
+    """(model on meta, args, kwargs, global batch, layers) for a MODELS entry."""
+    import torch
+
+    with torch.device("meta"):
+        if kind == "bert":
+            from bert_factory import bert
+
+            L, H, batch, seq = a
+            vocab = 128 if H < 256 else 30522
+            model, kw = bert(L, H, batch, seq=seq, vocab=vocab)
+            layers = ([["bert.embeddings"]] + [[f"bert.encoder.layer.{i}"] for i in range(L)]
+                      + [["bert.pooler", "cls"]])
+            return model, (), kw, batch, layers
+        if kind == "gpt2":
+            from transformers import GPT2Config, GPT2LMHeadModel
+
+            L, H, batch, seq = a
+            vocab = 128 if H < 256 else 50257
+            model = GPT2LMHeadModel(GPT2Config(n_layer=L, n_embd=H, n_head=max(1, H // 64),
+                                               n_positions=seq, vocab_size=vocab, use_cache=False))
+            ids = torch.zeros(batch, seq, dtype=torch.long)
+            layers = ([["transformer.wte", "transformer.wpe", "transformer.drop"]]
+                      + [[f"transformer.h.{i}"] for i in range(L)] + [["transformer.ln_f", "lm_head"]])
+            return model, (), {"input_ids": ids, "labels": ids, "use_cache": False}, batch, layers
+        from resnet import bit_resnet
+
+        from benchmarks.schedules import _WithLoss
+
+        depth, width, batch, px = a
+        net = (bit_resnet(depth, width) if depth else
+               bit_resnet(blocks=(1, 1), base_channels=8, num_classes=10))
+        model = _WithLoss(net)
+        x = (torch.empty(batch, 3, px, px), torch.zeros(batch, dtype=torch.long))
+        layers = [["net.root"]]
+        for i, stage in enumerate(net.body):
+            layers += [[f"net.body.{i}.units.{j}"] for j in range(len(stage.units))]
+        layers.append(["net.norm", "net.relu", "net.pool", "net.head"])
+        return model, x, {}, batch, layers
+
+
+def layer_of_components(graph: Any, atomic: Any, layers: Layers) -> list[int]:
+    """Each atomic component's layer: the layer holding its module path; a component outside
+    every layer (the model's own glue: masks, the loss) joins the layer before it. Raises if the
+    components do not run layer after layer, since a stage must be a run of layers."""
+    owner = {path: i for i, paths in enumerate(layers) for path in paths}
+    out, cur = [], 0
+    for c in atomic.components:
+        path = graph.tasks[c.task].module_path or ""
+        parts = path.split(".")
+        hit = next((owner[".".join(parts[:n])] for n in range(len(parts), 0, -1)
+                    if ".".join(parts[:n]) in owner), None)
+        if hit is not None:
+            if hit < cur:
+                raise RuntimeError(f"component {c.index} ({path}) of layer {hit} runs after layer "
+                                   f"{cur}: the layer sequence does not follow the graph")
+            cur = hit
+        out.append(cur)
+    missing = sorted(set(range(len(layers))) - set(out))
+    if missing:
+        raise RuntimeError(f"layers {missing} ({[layers[i] for i in missing]}) hold no component")
+    return out
+
+
+def layer_params(model: Any, layers: Layers, buffers: bool = False) -> list[int]:
+    """Trainable parameter elements per layer (tied ones counted in each layer holding them,
+    as DeepSpeed's `_count_layer_params` does), plus buffers when asked."""
+    out = []
+    for paths in layers:
+        seen: dict[int, int] = {}
+        for p in paths:
+            mod = model.get_submodule(p)
+            for t in mod.parameters():
+                if t.requires_grad:
+                    seen[id(t)] = t.numel()
+            if buffers:
+                for t in mod.buffers():
+                    seen[id(t)] = t.numel()
+        out.append(sum(seen.values()))
+    return out
+
+
+# -- the peers' partitioners (their own code) --------------------------------------------------
+
+Split = Callable[[int], list[int] | None]  # stages -> layer bounds (None: it cannot make S stages)
+
+
+def peer_splitters(model: Any, layers: Layers, times_us: list[int]) -> dict[str, Split | str]:
+    """Each peer's split function, or why it is missing."""
+    n = len(layers)
+    out: dict[str, Split | str] = {}
+    try:
+        from deepspeed.runtime.utils import partition_balanced, partition_uniform
+    except ImportError:
+        out["DeepSpeed parameters"] = out["DeepSpeed uniform"] = "not installed"
+    else:
+        params = layer_params(model, layers)
+        out["DeepSpeed parameters"] = lambda S: [int(x) for x in partition_balanced(params, S)]
+        out["DeepSpeed uniform"] = lambda S: [int(x) for x in partition_uniform(n, S)]
+    try:
+        from torchgpipe.balance import balance_cost
+    except ImportError:
+        out["torchgpipe time"] = "not installed"
+    else:
+        def gpipe(S: int) -> list[int]:
+            counts = balance_cost(times_us, S)
+            return [sum(counts[:i]) for i in range(S + 1)]
+        out["torchgpipe time"] = gpipe
+    try:
+        from pippy.ModelSplit import split_into_equal_size
+    except ImportError:
+        out["PiPPy equal size"] = "not installed"
+    else:
+        out["PiPPy equal size"] = lambda S: _pippy_bounds(split_into_equal_size(S), model, layers)
+    return out
+
+
+def _pippy_bounds(split: Callable[[Any], Any], model: Any, layers: Layers) -> list[int] | None:
+    """Run PiPPy's split pass on an fx graph with one call_module node per layer and read where
+    it put `pipe_split`. PiPPy counts a call_module's parameters (not buffers) as a whole."""
+    import torch
+    from torch import fx
+
+    root = torch.nn.Module()
+    g = fx.Graph()
+    x = g.placeholder("x")
+    for i, paths in enumerate(layers):
+        root.add_module(f"layer{i}", torch.nn.ModuleList([model.get_submodule(p) for p in paths]))
+        x = g.call_module(f"layer{i}", (x,))
+    g.output(x)
+    try:
+        gm = split(fx.GraphModule(root, g))
+    except AssertionError:  # PiPPy asserts it made the stages asked for
+        return None
+    bounds, seen = [0], 0
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            seen += 1
+        elif node.op == "call_function" and getattr(node.target, "__name__", "") == "pipe_split":
+            bounds.append(seen)
+    return bounds + [len(layers)]
+
+
+# -- one model ---------------------------------------------------------------------------------
+
+def one(name: str, kind: str, a: tuple[int, ...], device: str, worlds: Sequence[int],
+        per_node: int, blocks: int = 32) -> dict[str, Any]:
+    import logging
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    import rannc
+    from rannc.atomic.components import atomic_components
+    from rannc.graph.capture import capture
+    from rannc.planner import plan_graph, plan_splits
+    from rannc.profile.estimate import GraphCosts
+
+    model, args, kw, batch, layers = build(kind, a)
+    params = sum(p.numel() for p in model.parameters())
+    g = capture(model, args, kw).graph
+    at = atomic_components(g)
+    costs = GraphCosts.of(g, at)
+    layer_of = layer_of_components(g, at, layers)
+    res: dict[str, Any] = {"model": name, "params_b": params / 1e9, "layers": len(layers),
+                           "components": len(at.components), "batch": batch, "worlds": {}}
+    for W in worlds:
+        cluster = rannc.Cluster.homogeneous(device, W, per_node)
+        spec = cluster.slowest
+        cfg = rannc.Config(blocks=blocks)
+        row: dict[str, Any] = {}
+        try:
+            p = plan_graph(g, at, cluster, cfg, batch_size=batch, costs=costs)
+            row["rannc"] = {"time": p.predicted_iteration_time, "m": p.microbatches,
+                            "schedule": p.schedule, "replicas": [st.replicas for st in p.stages]}
+        except rannc.PlanInfeasibleError as e:
+            row["rannc"] = {"status": f"no plan fits ({e.needed_bytes / 1e9:.0f} GB needed)"}
+        comp_t = costs.component_time(spec, max(1, batch // W))
+        times_us = [0] * len(layers)
+        for c, lay in enumerate(layer_of):
+            times_us[lay] += int(comp_t[c] * 1e6)
+        splitters = peer_splitters(model, layers, times_us)
+        best: dict[str, dict[str, Any]] = {}
+        for S in [s for s in range(1, W + 1) if W % s == 0 and s <= len(layers)]:
+            splits: dict[str, list[int]] = {}
+            for peer, fn in splitters.items():
+                if callable(fn):
+                    b = fn(S)  # DeepSpeed and PiPPy may leave a stage empty: not a split
+                    if b is not None and len(b) == S + 1 and all(
+                            x < y for x, y in zip(b, b[1:], strict=False)):
+                        splits[peer] = b
+            distinct = sorted({tuple(b) for b in splits.values()})
+            plans = plan_splits(g, at, cluster, cfg, batch_size=batch, block_of=layer_of,
+                                splits=[(list(b), [W // S] * S) for b in distinct], costs=costs)
+            by_split = dict(zip(distinct, plans, strict=True))
+            for peer, b in splits.items():
+                pl = by_split[tuple(b)]
+                if pl is not None and (peer not in best or pl.predicted_iteration_time < best[peer]["time"]):
+                    best[peer] = {"time": pl.predicted_iteration_time, "S": S, "m": pl.microbatches,
+                                  "schedule": pl.schedule, "bounds": b}
+        for peer in PEERS:
+            fn = splitters[peer]
+            row[peer] = best.get(peer, {"status": fn if isinstance(fn, str) else "no split fits"})
+        row["bound"] = float(costs.component_time(spec, batch).sum()) / W
+        res["worlds"][str(W)] = row
+    return res
+
+
+# -- report ------------------------------------------------------------------------------------
+
+def cell(r: dict[str, Any]) -> str:
+    if "time" not in r:
+        return r["status"]
+    if "S" in r:  # a peer: S stages x W/S replicas each
+        return f"{r['time']:.4g} (S={r['S']}, m={r['m']}, {r['schedule']})"
+    reps = r["replicas"]
+    shape = f"{len(reps)} stages x {reps[0]}" if len(set(reps)) == 1 else f"replicas {reps}"
+    return f"{r['time']:.4g} ({shape}, m={r['m']}, {r['schedule']})"
+
+
+def table(results: list[dict[str, Any]], W: int) -> list[str]:
+    out = [f"**{W} devices**", "",
+           "| model | params (B) | layers | rannc s/iter | " + " | ".join(f"{p} s/iter" for p in PEERS)
+           + " | bound s/iter | best peer / rannc | rannc / bound |",
+           "|---" * (7 + len(PEERS)) + "|"]
+    for r in results:
+        row = r["worlds"][str(W)]
+        rt = row["rannc"].get("time")
+        peers = [row[p]["time"] for p in PEERS if "time" in row[p]]
+        best = min(peers) if peers else None
+        ratio = f"{best / rt:.3f}" if rt and best else "n/a"
+        bound = f"{rt / row['bound']:.2f}" if rt else "n/a"
+        out.append(f"| {r['model']} | {r['params_b']:.2f} | {r['layers']} | {cell(row['rannc'])} | "
+                   + " | ".join(cell(row[p]) for p in PEERS)
+                   + f" | {row['bound']:.4g} | {ratio} | {bound} |")
+    return out
+
+
+def plot(results: list[dict[str, Any]], worlds: Sequence[int], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(worlds), 1, figsize=(11, 3.6 * len(worlds)), squeeze=False)
+    names = ["rannc", *PEERS]
+    width = 0.8 / len(names)
+    for ax, W in zip(axes[:, 0], worlds, strict=True):
+        for j, who in enumerate(names):
+            xs, ys = [], []
+            for i, r in enumerate(results):
+                row = r["worlds"][str(W)]
+                if "time" in row[who]:
+                    xs.append(i + (j - (len(names) - 1) / 2) * width)
+                    ys.append(row[who]["time"] / row["bound"])
+            ax.bar(xs, ys, width, label=who)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks(range(len(results)), [r["model"] for r in results], fontsize=8)
+        ax.set_ylabel("predicted s/iter / bound")
+        ax.set_yscale("log")
+        ax.set_title(f"{W} devices ({title})", fontsize=9)
+        ax.legend(fontsize=7, ncol=len(names))
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for ln in Path("/proc/cpuinfo").read_text().splitlines():
+            if ln.startswith("model name"):
+                cpu = ln.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} CPUs"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--smoke", action="store_true", help="tiny models on 4 devices, seconds")
+    p.add_argument("--models", default=None, help="comma-separated names of MODELS")
+    p.add_argument("--device", default="V100-32GB")
+    p.add_argument("--devices", default="8,32", help="device counts")
+    p.add_argument("--per-node", type=int, default=8)
+    p.add_argument("--blocks", type=int, default=32, help="rannc's k (Config.blocks)")
+    p.add_argument("--plot", default=None, help="PNG path (default docs/plan_quality.png; none "
+                   "with --smoke unless given)")
+    p.add_argument("--results", default=None, help="a folder for each model's raw results: "
+                   "written as each model finishes and reused when present (resumable)")
+    p.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args()
+    catalogue = SMOKE if a.smoke else MODELS
+    worlds = [4] if a.smoke else [int(x) for x in a.devices.split(",")]
+    per_node = 2 if a.smoke else a.per_node
+    if a.one:
+        kind, args = catalogue[a.one]
+        print(json.dumps(one(a.one, kind, args, a.device, worlds, per_node, a.blocks)))
+        return
+    names = list(catalogue) if a.models is None else a.models.split(",")
+    unknown = [n for n in names if n not in catalogue]
+    if unknown:
+        raise SystemExit(f"unknown models {unknown}; choose from {list(catalogue)}")
+    print(f"machine: {machine()}; date: {datetime.date.today()}; costs: rannc's estimate oracle "
+          f"({a.device}, {per_node} per node), not a GPU; rannc k = {a.blocks} blocks; python: "
+          f"{sys.executable}", flush=True)
+    results = []
+    for name in names:
+        if a.smoke:  # tiny models: in this process, seconds
+            kind, args = catalogue[name]
+            results.append(one(name, kind, args, a.device, worlds, per_node, a.blocks))
+            continue
+        tag = f"{name.replace(' ', '_')}_{a.device}_{'-'.join(map(str, worlds))}"
+        tag += "" if a.blocks == 32 else f"_k{a.blocks}"
+        saved = Path(a.results) / f"{tag}.json" if a.results else None
+        if saved is not None and saved.exists():
+            results.append(json.loads(saved.read_text()))
+            continue
+        # a fresh process per model: captures of the largest take GBs
+        cmd = [sys.executable, __file__, "--one", name, "--device", a.device,
+               "--devices", ",".join(map(str, worlds)), "--per-node", str(a.per_node),
+               "--blocks", str(a.blocks)]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+        if out.returncode != 0:
+            raise SystemExit(f"{name} failed:\n{out.stderr[-3000:]}")
+        results.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        if saved is not None:
+            saved.parent.mkdir(parents=True, exist_ok=True)
+            saved.write_text(json.dumps(results[-1]))
+        print(f"done: {name}", file=sys.stderr, flush=True)
+    for W in worlds:
+        print("\n".join(["", *table(results, W)]), flush=True)
+    path = a.plot or (None if a.smoke else str(ROOT / "docs" / "plan_quality.png"))
+    if path:
+        plot(results, worlds, Path(path), f"{a.device}, estimate oracle, {datetime.date.today()}")
+        print(f"\nplot: {path}")
+
+
+if __name__ == "__main__":
+    main()
