@@ -31,7 +31,9 @@ rannc and pipelining on the same stages must agree (they train the same thing).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -282,10 +284,16 @@ def worker(a: argparse.Namespace) -> None:
     losses = [step(x, y) for x, y in data[:a.warmup]]
     dist.barrier()
     pm.reset_peak()
+    prof_dir = os.environ.get("RUNTIME_PEERS_PROFILE")  # a folder: torch.profiler tables per rank
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if prof_dir else None
     t0 = time.perf_counter()
-    losses += [step(x, y) for x, y in data[a.warmup:]]
+    with prof or contextlib.nullcontext():
+        losses += [step(x, y) for x, y in data[a.warmup:]]
     dist.barrier()
     elapsed = time.perf_counter() - t0
+    if prof is not None and prof_dir:
+        Path(prof_dir, f"{a.label}.rank{rank}.txt").write_text(
+            prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
     peak_kb = pm.status_kb("VmHWM") - base_kb
     if v.startswith("rannc"):
         plan = model.plan
@@ -319,7 +327,7 @@ def driver(a: argparse.Namespace) -> None:
         sys.exit("no mpiexec next to the interpreter or on PATH (pip install mpi4py mpich)")
     tmp = Path(tempfile.mkdtemp(prefix="rannc_runtime_peers_"))
     me = [sys.executable, str(Path(__file__).resolve())]
-    variants = SMOKE_VARIANTS if a.smoke else VARIANTS
+    variants = SMOKE_VARIANTS if a.smoke else tuple(v for v in VARIANTS if v in a.variants)
     cases = [(m, n) for m in a.models for n in a.ranks]
     results: dict[tuple[str, int, str], list[list[dict[str, Any]]]] = {}
     split_layer: set[tuple[str, int, str]] = set()  # pipelining runs whose rannc plan cut a layer
@@ -375,7 +383,9 @@ def report(a: argparse.Namespace, cases: list[tuple[str, int]], variants: tuple[
             ratio = speed(ref) / speed(key)
             loss = first["losses"][-1]
             ref_loss = results[ref][0][0]["losses"][-1]
-            if abs(loss - ref_loss) > LOSS_RTOL * abs(ref_loss):
+            # pipelining runs rannc's stages and microbatches, so it must train the same thing;
+            # the other rows may differ by BatchNorm statistics over other row groups
+            if v.startswith("pipe") and abs(loss - ref_loss) > LOSS_RTOL * abs(ref_loss):
                 bad.append(f"{model} x{n} {v}: loss {loss:.6f} vs {ref[2]} {ref_loss:.6f}")
             peaks = [statistics.median(runs[r]["peak_mb"] for runs in results[key]) for r in range(n)]
             reps = ", ".join(f"{runs[0]['samples_s']:.1f}" for runs in results[key])
@@ -393,7 +403,7 @@ def report(a: argparse.Namespace, cases: list[tuple[str, int]], variants: tuple[
         for v in variants:
             print(f"{model} x{n} {NAMES[v]}: losses " + ", ".join(
                 f"{x:.5f}" for x in results[(model, n, v)][0][0]["losses"]))
-    print("loss check: " + ("every variant agrees with its rannc row within "
+    print("loss check: " + ("every pipelining run agrees with rannc on the same stages within "
                             f"{LOSS_RTOL:g} relative" if not bad else "MISMATCH " + "; ".join(bad)))
     if a.plot:
         plot(a.plot, cases, variants, speed)
@@ -412,7 +422,7 @@ def plot(path: str, cases: list[tuple[str, int]], variants: tuple[str, ...], spe
         vals = [speed((model, n, v)) for v in variants]
         ax.bar(range(len(variants)), vals, color=["C0" if v.startswith("rannc") else "C1"
                                                   if v.startswith("pipe") else "C2" for v in variants])
-        ax.set_xticks(range(len(variants)), [NAMES[v].replace("pipelining ", "pipe\n").replace(
+        ax.set_xticks(range(len(variants)), [NAMES[v].replace("pipelining Schedule", "pipe\n").replace(
             "rannc ", "rannc\n") for v in variants], fontsize=7)
         ax.set_title(f"{model}, {n} ranks" + (" (2 cores)" if n > 2 else ""), fontsize=9)
         ax.set_ylabel("samples/s")
@@ -427,6 +437,8 @@ def main() -> None:
     p.add_argument("--models", nargs="+", default=["bert", "resnet"], choices=["bert", "resnet"])
     p.add_argument("--ranks", nargs="+", type=int, default=[2, 4])
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS,
+                   help="a subset (a pipelining variant needs its rannc one)")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--microbatches", type=int, default=4)
