@@ -103,3 +103,26 @@ def test_plan_quality_benchmark(tmp_path: Path) -> None:
 def test_soak_benchmark() -> None:
     out = run("benchmarks/soak.py")
     assert "no errors" in out and out.count("| - |") == 2, out
+
+
+def test_runtime_peers_benchmark() -> None:
+    """rannc, torch.distributed.pipelining on the same stages, and DDP: one row each, a positive
+    speed, and the same loss (the script exits non-zero when the losses disagree)."""
+    out = run("benchmarks/runtime_peers.py")
+    rows = [ln.split("|")[1:-1] for ln in out.splitlines() if ln.startswith("| bert | 2 |")]
+    assert [r[2].strip() for r in rows] == ["rannc 1f1b", "pipelining Schedule1F1B", "DDP"], out
+    assert all(float(r[5]) > 0 for r in rows), out
+    assert "loss check: every pipelining run agrees" in out, out
+
+
+def test_capacity_benchmark() -> None:
+    """The planner-side table (rannc fits at least what DDP fits: DDP's layout is one of its
+    candidates) and the measured rows of both runs."""
+    out = run("benchmarks/capacity.py")
+    layers = {r[2].strip(): int(r[3]) for r in (ln.split("|") for ln in out.splitlines())
+              if len(r) > 3 and r[1].strip() == "64"}
+    assert set(layers) == {"rannc", "DDP", "equal split"}, out
+    assert layers["rannc"] >= layers["DDP"] > 0, out
+    measured = [ln.split("|")[1:-1] for ln in out.splitlines() if ln.startswith(("| rannc | L", "| DDP | L"))]
+    assert sorted(r[0].strip() for r in measured) == ["DDP", "DDP", "rannc", "rannc"], out
+    assert all(float(r[6]) > 0 and float(r[5]) > 0 for r in measured), out

@@ -1,0 +1,476 @@
+"""Runtime of rannc against torch.distributed.pipelining and DDP on the same stages (issue 8, study 2).
+
+    PYTHONPATH=. .venv/bin/python benchmarks/runtime_peers.py            # BERT + ResNet, 2 and 4 ranks
+    PYTHONPATH=. .venv/bin/python benchmarks/runtime_peers.py --smoke    # tiny, 2 ranks, 1 repeat
+
+A small BERT (pre-LN transformer layers between an embedding and a vocabulary head) and a small
+ResNet (pre-activation bottlenecks), each written as ``nn.Sequential`` of layers wrapped by a
+module that returns the loss, so both tools can be split at the same layer boundaries. rannc gets
+the wrapper as it is (an unmodified ``nn.Module``). Variants, each in fresh ``mpiexec`` ranks
+(gloo, one OpenMP thread per rank):
+
+* ``rannc auto``: ``RaNNCModule`` with nothing forced;
+* ``rannc gpipe`` / ``rannc 1f1b``: forced to one stage per rank, ``--microbatches``, no
+  recomputation, that schedule;
+* ``pipelining GPipe`` / ``pipelining 1F1B``: ``torch.distributed.pipelining``'s
+  ``PipelineStage`` with ``ScheduleGPipe`` / ``Schedule1F1B``, stages cut at the layer
+  boundaries of the rannc plan of the same schedule (read from its saved deployment file), the
+  same microbatch count;
+* ``DDP``: ``DistributedDataParallel`` over the whole model, each rank its rows.
+
+All train with AdamW from the same seed on the same global batches. The driver runs the variants
+round-robin over ``--repeats`` (so load on the machine hits all alike) and reports medians.
+rannc plans once (first repeat) and reloads its plan after, so every repeat runs the same stages.
+Per variant and rank: samples/s over ``--steps`` steps after ``--warmup`` steps (rank 0's clock,
+between barriers), and the peak resident memory during the measured steps above the baseline taken
+after imports and data, before the model is built (``VmHWM`` reset after warm-up, as in
+``benchmarks/pipeline_memory.py``). The loss of the last measured step is printed per variant:
+rannc and pipelining on the same stages must agree (they train the same thing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import pipeline_memory as pm  # noqa: E402  (its launcher and VmHWM helpers)
+
+ROOT = Path(__file__).resolve().parents[1]
+VARIANTS = ("rannc_auto", "rannc_gpipe", "rannc_1f1b", "pipe_gpipe", "pipe_1f1b", "ddp")
+SMOKE_VARIANTS = ("rannc_1f1b", "pipe_1f1b", "ddp")
+NAMES = {"rannc_auto": "rannc auto", "rannc_gpipe": "rannc gpipe", "rannc_1f1b": "rannc 1f1b",
+         "pipe_gpipe": "pipelining ScheduleGPipe", "pipe_1f1b": "pipelining Schedule1F1B",
+         "ddp": "DDP"}
+# the rannc row each variant is compared with
+COUNTERPART = {"rannc_auto": "rannc_auto", "rannc_gpipe": "rannc_auto", "rannc_1f1b": "rannc_auto",
+               "pipe_gpipe": "rannc_gpipe", "pipe_1f1b": "rannc_1f1b", "ddp": "rannc_auto"}
+LOSS_RTOL = 1e-3  # float32 sums in another order over a few steps
+
+
+# -- the models: a sequence of layers, and a wrapper returning the loss ----------------------
+def build(name: str, a: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """(wrapper returning the loss, its nn.Sequential of layers, loss_fn(output, target))."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class Embed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tok = nn.Embedding(a.vocab, a.hidden)
+            self.pos = nn.Parameter(torch.randn(a.seq, a.hidden) * 0.02)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.tok(ids) + self.pos  # (B, S, H)
+
+    class Block(nn.Module):
+        """A pre-LN transformer layer (BERT's, with the norms moved before each sublayer)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln1, self.ln2 = nn.LayerNorm(a.hidden), nn.LayerNorm(a.hidden)
+            self.qkv, self.proj = nn.Linear(a.hidden, 3 * a.hidden), nn.Linear(a.hidden, a.hidden)
+            self.fc1, self.fc2 = nn.Linear(a.hidden, 4 * a.hidden), nn.Linear(4 * a.hidden, a.hidden)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            B, S, H = x.shape
+            q, k, v = self.qkv(self.ln1(x)).view(B, S, 3, a.heads, H // a.heads).unbind(2)
+            att = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+            x = x + self.proj(att.transpose(1, 2).reshape(B, S, H))
+            return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+    class Head(nn.Sequential):
+        def __init__(self, *mods: nn.Module) -> None:
+            super().__init__(*mods)
+
+    class Wrapper(nn.Module):
+        def __init__(self, layers: nn.Sequential, loss_fn: Any) -> None:
+            super().__init__()
+            self.layers, self.loss_fn = layers, loss_fn
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return self.loss_fn(self.layers(x), y)
+
+    torch.manual_seed(0)
+    if name == "bert":
+        layers = nn.Sequential(Embed(), *[Block() for _ in range(a.layers)],
+                               Head(nn.LayerNorm(a.hidden), nn.Linear(a.hidden, a.vocab)))
+
+        def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(out.flatten(0, 1), y.flatten())
+    else:
+        from examples.models.resnet import PreActBottleneck
+
+        c = a.channels
+        units: list[nn.Module] = [nn.Conv2d(3, c, 3, padding=1, bias=False)]
+        cin = c
+        for i in range(a.units):
+            cout, stride = c * 4 * 2 ** (i // 2), 2 if i and i % 2 == 0 else 1
+            units.append(PreActBottleneck(cin, cout, cout // 4, stride))
+            cin = cout
+        units.append(Head(nn.BatchNorm2d(cin), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(cin, 10)))
+        layers = nn.Sequential(*units)
+
+        def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(out, y)
+    return Wrapper(layers, loss_fn), layers, loss_fn
+
+
+def batches(name: str, a: argparse.Namespace, n: int) -> list[tuple[Any, Any]]:
+    """`n` global batches (x, y), the same for every variant."""
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    if name == "bert":
+        out = []
+        for _ in range(n):
+            x = torch.randint(0, a.vocab, (a.batch, a.seq), generator=g)
+            out.append((x, torch.roll(x, -1, dims=1)))
+        return out
+    return [(torch.randn(a.batch, 3, a.image, a.image, generator=g),
+             torch.randint(0, 10, (a.batch,), generator=g)) for _ in range(n)]
+
+
+def stage_bounds(plan_file: Path, n_layers: int) -> tuple[list[int], bool]:
+    """Layer index where each stage of a saved rannc plan starts, and whether every stage holds
+    whole layers (no layer cut in two)."""
+    plan = json.loads(plan_file.read_text())
+    spans = []
+    for st in plan["stages"]:
+        idx = sorted({int(n.split(".")[1]) for n in st["param_names"] if n.startswith("layers.")})
+        spans.append((idx[0], idx[-1]) if idx else None)
+    starts, whole, prev_hi = [0], True, spans[0][1] if spans[0] else 0
+    for sp in spans[1:]:
+        if sp is None:
+            raise SystemExit(f"{plan_file}: a stage holds no layer parameters; cannot mirror it")
+        whole &= sp[0] > prev_hi
+        starts.append(prev_hi + 1 if sp[0] <= prev_hi else sp[0])
+        prev_hi = sp[1]
+    return starts + [n_layers], whole
+
+
+def aligned_plan(name: str, a: argparse.Namespace, n: int, schedule: str, path: Path) -> str:
+    """rannc's plan for one stage per rank with this schedule, its cuts moved to the nearest
+    layer boundary (saved to `path` for the rannc run to load), so that pipelining can run the
+    very same stages; returns a note of what was moved."""
+    import dataclasses
+
+    import rannc
+    from rannc.atomic.components import atomic_components
+    from rannc.graph.capture import capture
+    from rannc.planner import param_names_of
+    from rannc.profile.device import measure_local_device
+
+    wrapper, _, _ = build(name, a)
+    (x, y), = batches(name, a, 1)
+    cluster = rannc.Cluster.homogeneous(measure_local_device(), n=n, per_node=n)
+    cfg = rannc.Config(partition_num=n, microbatches=a.microbatches, checkpointing="off",
+                       schedule=schedule)
+    plan = rannc.plan(wrapper, (x, y), cluster=cluster, config=cfg)
+    graph = capture(wrapper, (x, y), {}).graph
+    atomic = atomic_components(graph)
+    layer_of, cur = [], 0  # a component without layer parameters belongs to the layer before it
+    for c in range(len(atomic.components)):
+        idx = [int(p.split(".")[1]) for p in param_names_of(graph, atomic, [c]) if p.startswith("layers.")]
+        cur = idx[0] if idx else cur
+        layer_of.append(cur)
+    first = {}
+    for c, lay in enumerate(layer_of):
+        first.setdefault(lay, c)
+    notes, cuts = [], []
+    for st in plan.stages[1:]:
+        c = st.components[0]
+        lay = layer_of[c]
+        if c == first[lay]:
+            cuts.append(c)
+            continue
+        nxt = first.get(lay + 1, len(layer_of))
+        to = first[lay] if c - first[lay] <= nxt - c else nxt
+        notes.append(f"cut inside layer {lay} (component {c}) moved to component {to}")
+        cuts.append(to)
+    bounds = [0, *cuts, len(layer_of)]
+    stages = []
+    for st, lo, hi in zip(plan.stages, bounds, bounds[1:], strict=False):
+        comps = tuple(range(lo, hi))
+        stages.append(dataclasses.replace(st, components=comps, recompute=0.0,
+                                          param_names=param_names_of(graph, atomic, comps)))
+    dataclasses.replace(plan, stages=tuple(stages)).save(path)
+    return "; ".join(notes) or "rannc's cuts are at layer boundaries"
+
+
+# -- one process of one variant ---------------------------------------------------------------
+def worker(a: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import rannc
+    from rannc import dist as rdist
+
+    rdist.init_process_group(timeout_s=600)
+    rank, world = rdist.get_rank(), rdist.get_world_size()
+    data = batches(a.model, a, a.warmup + a.steps)
+    lo, hi = rank * a.batch // world, (rank + 1) * a.batch // world  # this rank's rows
+    base_kb = pm.status_kb("VmRSS")
+    wrapper, layers, loss_fn = build(a.model, a)
+    v = a.variant
+    layout = ""
+    if v.startswith("rannc"):
+        opt = torch.optim.AdamW(wrapper.parameters(), lr=1e-3)
+        opts: dict[str, Any] = dict(save_deployment=True, load_deployment=True,
+                                    deployment_file=a.plan_file)
+        if v != "rannc_auto":
+            opts.update(partition_num=world, microbatches=a.microbatches, checkpointing="off",
+                        schedule=v.split("_")[1])
+        model = rannc.RaNNCModule(wrapper, opt, **opts)
+
+        def step(x: Any, y: Any) -> float:
+            loss = model(x[lo:hi], y[lo:hi])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return float(loss.item())
+    elif v == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        ddp = DistributedDataParallel(wrapper)
+        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+        layout = f"1 x {world}"
+
+        def step(x: Any, y: Any) -> float:
+            loss = ddp(x[lo:hi], y[lo:hi])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            out = loss.detach().clone() / world
+            dist.all_reduce(out)
+            return float(out.item())
+    else:
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        starts = [int(s) for s in a.bounds.split(",")]
+        mine = torch.nn.Sequential(*layers[starts[rank]:starts[rank + 1]])
+        del wrapper, layers
+        opt = torch.optim.AdamW(mine.parameters(), lr=1e-3)
+        stage = PipelineStage(mine, rank, world, torch.device("cpu"))
+        kind = ScheduleGPipe if v == "pipe_gpipe" else Schedule1F1B
+        sched = kind(stage, n_microbatches=a.microbatches, loss_fn=loss_fn)
+        layout = f"{world} x 1"
+
+        def step(x: Any, y: Any) -> float:
+            losses: list[torch.Tensor] = []
+            if rank == 0:
+                sched.step(x)
+            elif rank == world - 1:
+                sched.step(target=y, losses=losses)
+            else:
+                sched.step()
+            opt.step()
+            opt.zero_grad()
+            out = torch.stack(losses).mean() if losses else torch.zeros(())
+            dist.broadcast(out, src=world - 1)
+            return float(out.item())
+
+    losses = [step(x, y) for x, y in data[:a.warmup]]
+    dist.barrier()
+    pm.reset_peak()
+    prof_dir = os.environ.get("RUNTIME_PEERS_PROFILE")  # a folder: torch.profiler tables per rank
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if prof_dir else None
+    t0 = time.perf_counter()
+    with prof or contextlib.nullcontext():
+        losses += [step(x, y) for x, y in data[a.warmup:]]
+    dist.barrier()
+    elapsed = time.perf_counter() - t0
+    if prof is not None and prof_dir:
+        Path(prof_dir, f"{a.label}.rank{rank}.txt").write_text(
+            prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    peak_kb = pm.status_kb("VmHWM") - base_kb
+    if v.startswith("rannc"):
+        plan = model.plan
+        reps = [st.replicas for st in plan.stages]
+        layout = f"{len(reps)} x {reps[0]}" if len(set(reps)) == 1 else f"replicas {reps}"
+        mbs, sched_name = plan.microbatches, plan.schedule
+    elif v == "ddp":
+        mbs, sched_name = 1, "-"
+    else:
+        mbs, sched_name = a.microbatches, v.split("_")[1]
+    out = dict(variant=v, rank=rank, world=world, elapsed=elapsed,
+               samples_s=a.batch * a.steps / elapsed, peak_mb=peak_kb / 1024, layout=layout,
+               microbatches=mbs, schedule=sched_name, losses=losses)
+    Path(a.out, f"{a.label}.rank{rank}.json").write_text(json.dumps(out))
+    rdist.shutdown()
+
+
+# -- the driver -------------------------------------------------------------------------------
+def model_args(name: str, a: argparse.Namespace) -> list[str]:
+    keys = ("vocab", "hidden", "layers", "heads", "seq") if name == "bert" else ("channels", "units", "image")
+    return [f"--{k}={getattr(a, k)}" for k in keys] + [f"--batch={a.batch_of[name]}"]
+
+
+def n_layers(name: str, a: argparse.Namespace) -> int:
+    return a.layers + 2 if name == "bert" else a.units + 2
+
+
+def driver(a: argparse.Namespace) -> None:
+    mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
+    if mpiexec is None:
+        sys.exit("no mpiexec next to the interpreter or on PATH (pip install mpi4py mpich)")
+    tmp = Path(tempfile.mkdtemp(prefix="rannc_runtime_peers_"))
+    me = [sys.executable, str(Path(__file__).resolve())]
+    variants = SMOKE_VARIANTS if a.smoke else tuple(v for v in VARIANTS if v in a.variants)
+    cases = [(m, n) for m in a.models for n in a.ranks]
+    results: dict[tuple[str, int, str], list[list[dict[str, Any]]]] = {}
+    split_layer: set[tuple[str, int, str]] = set()  # pipelining runs whose rannc plan cut a layer
+    moved: set[tuple[str, int, str]] = set()  # rannc runs whose cut was moved to a layer boundary
+    try:
+        for rep in range(a.repeats):
+            for model, n in cases:
+                for v in variants:
+                    label = f"{model}_{n}_{v}_{rep}"
+                    src = "rannc_" + v.split("_")[1] if v.startswith("pipe") else v
+                    plan_file = tmp / f"plan_{model}_{n}_{src}.json"
+                    extra = [f"--plan-file={plan_file}"]
+                    if rep == 0 and v in ("rannc_gpipe", "rannc_1f1b"):
+                        ns = argparse.Namespace(**{**vars(a), "batch": a.batch_of[model]})
+                        note = aligned_plan(model, ns, n, v.split("_")[1], plan_file)
+                        print(f"  {model} x{n} {v}: {note}", flush=True)
+                        if not note.startswith("rannc's"):
+                            moved.add((model, n, v))
+                    if v.startswith("pipe"):
+                        bounds, whole = stage_bounds(plan_file, n_layers(model, a))
+                        extra.append("--bounds=" + ",".join(map(str, bounds)))
+                        if not whole or (model, n, src) in moved:
+                            split_layer.add((model, n, v))
+                        if rep == 0:
+                            print(f"  {model} x{n} {v}: layer bounds {bounds} from {src}"
+                                  f"{'' if whole else ' (rannc cut a layer in two: stages NOT identical)'}")
+                    pm.launch([mpiexec, "-n", str(n), *me, "--worker", v, "--model", model,
+                               "--label", label, "--out", str(tmp), f"--steps={a.steps}",
+                               f"--warmup={a.warmup}", f"--microbatches={a.microbatches}",
+                               *model_args(model, a), *extra], a.timeout)
+                    rows = [json.loads(p.read_text()) for p in sorted(tmp.glob(f"{label}.rank*.json"))]
+                    results.setdefault((model, n, v), []).append(rows)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    report(a, cases, variants, results, split_layer | moved)
+
+
+def report(a: argparse.Namespace, cases: list[tuple[str, int]], variants: tuple[str, ...],
+           results: dict[tuple[str, int, str], list[list[dict[str, Any]]]],
+           split_layer: set[tuple[str, int, str]]) -> None:
+    def speed(key: tuple[str, int, str]) -> float:
+        return statistics.median(runs[0]["samples_s"] for runs in results[key])
+
+    head = ["model", "ranks", "variant", "stages x replicas", "microbatches", "samples/s (median)",
+            "all repeats", "rannc row / this row", "loss, last step", "per-rank peak MB (median)"]
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    bad = []
+    for model, n in cases:
+        for v in variants:
+            key = (model, n, v)
+            first = results[key][0][0]
+            ref = (model, n, COUNTERPART[v] if COUNTERPART[v] in variants else "rannc_1f1b")
+            ratio = speed(ref) / speed(key)
+            loss = first["losses"][-1]
+            ref_loss = results[ref][0][0]["losses"][-1]
+            # pipelining runs rannc's stages and microbatches, so it must train the same thing;
+            # the other rows may differ by BatchNorm statistics over other row groups
+            if v.startswith("pipe") and abs(loss - ref_loss) > LOSS_RTOL * abs(ref_loss):
+                bad.append(f"{model} x{n} {v}: loss {loss:.6f} vs {ref[2]} {ref_loss:.6f}")
+            peaks = [statistics.median(runs[r]["peak_mb"] for runs in results[key]) for r in range(n)]
+            reps = ", ".join(f"{runs[0]['samples_s']:.1f}" for runs in results[key])
+            over = " (oversubscribed: 2 cores)" if n > 2 else ""
+            lines.append("| " + " | ".join([
+                model, f"{n}{over}", NAMES[v], first["layout"] + (
+                    "*" if key in split_layer else ""), str(first["microbatches"]),
+                f"{speed(key):.2f}", reps, f"{ratio:.2f}" if ref[2] != v else "1 (reference)",
+                f"{loss:.5f}", " / ".join(f"{p:.0f}" for p in peaks)]) + " |")
+    print("\n" + "\n".join(lines))
+    if split_layer:
+        print("\n\\* rannc's own cut fell inside a layer; these rows run its plan with the cut moved "
+              "to the nearest layer boundary (rannc) and the same layer split (pipelining)")
+    for model, n in cases:
+        for v in variants:
+            print(f"{model} x{n} {NAMES[v]}: losses " + ", ".join(
+                f"{x:.5f}" for x in results[(model, n, v)][0][0]["losses"]))
+    print("loss check: " + ("every pipelining run agrees with rannc on the same stages within "
+                            f"{LOSS_RTOL:g} relative" if not bad else "MISMATCH " + "; ".join(bad)))
+    if a.plot:
+        plot(a.plot, cases, variants, speed)
+    if bad:
+        sys.exit(1)
+
+
+def plot(path: str, cases: list[tuple[str, int]], variants: tuple[str, ...], speed: Any) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(cases), figsize=(3.2 * len(cases), 3.6), squeeze=False)
+    for ax, (model, n) in zip(axes[0], cases, strict=True):
+        vals = [speed((model, n, v)) for v in variants]
+        ax.bar(range(len(variants)), vals, color=["C0" if v.startswith("rannc") else "C1"
+                                                  if v.startswith("pipe") else "C2" for v in variants])
+        ax.set_xticks(range(len(variants)), [NAMES[v].replace("pipelining Schedule", "pipe\n").replace(
+            "rannc ", "rannc\n") for v in variants], fontsize=7)
+        ax.set_title(f"{model}, {n} ranks" + (" (2 cores)" if n > 2 else ""), fontsize=9)
+        ax.set_ylabel("samples/s")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot written to {path}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--smoke", action="store_true", help="tiny BERT, 2 ranks, 1 repeat, 3 variants")
+    p.add_argument("--models", nargs="+", default=["bert", "resnet"], choices=["bert", "resnet"])
+    p.add_argument("--ranks", nargs="+", type=int, default=[2, 4])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS,
+                   help="a subset (a pipelining variant needs its rannc one)")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--channels", type=int, default=16)
+    p.add_argument("--units", type=int, default=6)
+    p.add_argument("--image", type=int, default=32)
+    p.add_argument("--batch", type=int, default=0, help="global batch (0: 16 for BERT, 32 for ResNet)")
+    p.add_argument("--plot", default="", help="PNG path for the bar plot")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per launch")
+    p.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--label", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--plan-file", help=argparse.SUPPRESS)
+    p.add_argument("--bounds", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.worker:
+        a.variant = a.worker
+        worker(a)
+        return
+    if a.smoke:
+        a.models, a.ranks, a.repeats, a.steps, a.warmup = ["bert"], [2], 1, 2, 1
+        a.vocab, a.hidden, a.layers, a.heads, a.seq, a.microbatches = 128, 32, 2, 2, 16, 2
+        a.batch = a.batch or 8
+    a.batch_of = {"bert": a.batch or 16, "resnet": a.batch or 32}
+    driver(a)
+
+
+if __name__ == "__main__":
+    main()
