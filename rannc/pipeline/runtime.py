@@ -686,10 +686,18 @@ class PipelineRuntime:
     def _reduce_grads(self, before: dict[str, torch.Tensor | None]) -> None:
         """Sum this backward's gradients over the ranks holding each parameter and add them to
         what `.grad` held before. Under no_sync the local sums wait in `_pending` (and show in
-        `.grad`) until the next synchronised backward reduces them together."""
+        `.grad`) until the next synchronised backward reduces them together.
+
+        A parameter that got no gradient on any rank holding it (the loss does not depend on
+        it) keeps `.grad` None, as in the original model: an optimizer then skips it, where a
+        zero gradient would still apply weight decay and move its Adam moments."""
         new = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in self.held.items()}
+        got = {n for n, p in self.held.items() if p.grad is not None or n in self._pending}
         if not self.sync:
             for n, p in self.held.items():
+                if n not in got:
+                    p.grad = before[n]
+                    continue
                 pend = self._pending.get(n)
                 self._pending[n] = new[n] if pend is None else pend + new[n]
                 prev = before[n]
@@ -706,15 +714,19 @@ class PipelineRuntime:
             if group is None:
                 continue
             tensors = [new[n] for n in names]
-            flat = torch.cat([t.reshape(-1) for t in tensors])
+            # One more element per parameter: on how many of these ranks it got a gradient.
+            flags = torch.tensor([float(n in got) for n in names], dtype=tensors[0].dtype,
+                                 device=tensors[0].device)
+            flat = torch.cat([t.reshape(-1) for t in tensors] + [flags])
             dist.all_reduce(flat, group=group)
             at = 0
             for n, t in zip(names, tensors, strict=True):
                 new[n] = flat[at:at + t.numel()].view_as(t)
                 at += t.numel()
+            got |= {n for n, f in zip(names, flat[at:].tolist(), strict=True) if f > 0}
         for n, p in self.held.items():
             b = base[n]
-            p.grad = new[n] if b is None else b + new[n]
+            p.grad = b if n not in got else new[n] if b is None else b + new[n]
         self._share_overflow()
 
     def _share_overflow(self) -> None:
