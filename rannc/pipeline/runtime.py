@@ -714,16 +714,18 @@ class PipelineRuntime:
             if group is None:
                 continue
             tensors = [new[n] for n in names]
-            # One more element per parameter: on how many of these ranks it got a gradient.
-            flags = torch.tensor([float(n in got) for n in names], dtype=tensors[0].dtype,
-                                 device=tensors[0].device)
-            flat = torch.cat([t.reshape(-1) for t in tensors] + [flags])
+            flat = torch.cat([t.reshape(-1) for t in tensors])
             dist.all_reduce(flat, group=group)
             at = 0
             for n, t in zip(names, tensors, strict=True):
                 new[n] = flat[at:at + t.numel()].view_as(t)
                 at += t.numel()
-            got |= {n for n, f in zip(names, flat[at:].tolist(), strict=True) if f > 0}
+            # On how many of these ranks each parameter got a gradient. A collective of its
+            # own: appended to `flat` it would change how the backend chunks the sum, and with
+            # it the float rounding of the gradients.
+            flags = torch.tensor([float(n in got) for n in names], device=tensors[0].device)
+            dist.all_reduce(flags, group=group)
+            got |= {n for n, f in zip(names, flags.tolist(), strict=True) if f > 0}
         for n, p in self.held.items():
             b = base[n]
             p.grad = b if n not in got else new[n] if b is None else b + new[n]
