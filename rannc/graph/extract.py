@@ -9,7 +9,10 @@ inputs, parameters, buffers, constants, earlier stages' values) and whose
 output is the tuple of the values later stages or the model's outputs need.
 
 Cloned constant tasks (phase 1) run in every stage that holds them, so their
-results never cross a stage boundary.
+results never cross a stage boundary. Parameters stay inputs: the executor
+passes the model's own tensors, so autograd accumulates into the user's
+parameters and in-place buffer updates (BatchNorm statistics) land in the
+user's buffers.
 
 An in-place task (`add_`, `relu_`) on an activation is exact in the original model because
 every reader of the old value runs before it in program order and the tensor is not an
@@ -17,10 +20,7 @@ autograd leaf. Across a stage boundary neither holds, so the stage module copies
 a stage that writes into one of its inputs writes into a clone of it (a received activation
 is a leaf that requires grad, and the pipeline keeps stage inputs for recomputation), and a
 stage that writes into a value it also sends sends a clone taken before the write (its
-readers in later stages read the value as it was before the write). Parameters stay inputs: the executor
-passes the model's own tensors, so autograd accumulates into the user's
-parameters and in-place buffer updates (BatchNorm statistics) land in the
-user's buffers.
+readers in later stages read the value as it was before the write).
 """
 
 from __future__ import annotations
