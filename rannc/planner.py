@@ -155,6 +155,13 @@ def plan_graph(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, conf
             return min(alts, key=lambda p: p.predicted_iteration_time or math.inf)
     if not found:
         stats.seconds["stage_dp"] = time.perf_counter() - t3
+        if not infeasible:  # no layout was even tried: the batch has too few rows for them all
+            rows = min((m * R for _D, R in layouts for m in mbs), default=0)
+            raise ConfigError(
+                f"the global batch of {batch_size} rows cannot be split: every layout considered "
+                f"(microbatches {sorted(mbs)}, pipeline copies {sorted({R for _D, R in layouts})}) "
+                f"needs at least one row per microbatch of each copy, so at least {rows} rows; "
+                "use a larger global batch, or force fewer microbatches or replicas")
         smallest = min((_memory_needed(tab, D, config, ok) for tab, D, ok in infeasible),
                        default=math.inf)
         need = smallest / (1.0 - config.mem_margin)

@@ -271,14 +271,37 @@ def _mutated_args(node: fx.Node) -> list[fx.Node]:
     return out
 
 
+def _drop_dead_code(gm: fx.GraphModule, buffers: set[str]) -> None:
+    """Erase tasks whose results nothing reads (a branch the model computes and drops).
+
+    Besides costing time, a dead task split from its producer by a stage boundary would send
+    back a zero gradient where the original model has none (`.grad` None, skipped by the
+    optimizer). Kept: tasks writing a graph input or a buffer in place, tasks reading a buffer
+    (BatchNorm in training updates its statistics without saying so in its schema), and
+    random ops (dropping one would shift the random stream of the ops after it)."""
+    for node in reversed(list(gm.graph.nodes)):
+        if node.op != "call_function" or node.users:
+            continue
+        t = node.target
+        if isinstance(t, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in t.tags:
+            continue
+        if any(a.op == "placeholder" for a in _mutated_args(node)):
+            continue
+        if any(a.op == "placeholder" and a.name in buffers for a in node.all_input_nodes):
+            continue
+        gm.graph.erase_node(node)
+
+
 def _from_exported(ep: ExportedProgram, layout: InputLayout, seconds: float) -> CapturedModel:
     gm = ep.graph_module
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and _op_name(node) in _DROPPED_OPS and not node.users:
             gm.graph.erase_node(node)
+    sig = ep.graph_signature
+    _drop_dead_code(gm, {str(getattr(spec.arg, "name", "")) for spec in sig.input_specs
+                         if spec.kind is InputKind.BUFFER})
     gm.recompile()
 
-    sig = ep.graph_signature
     kind_of: dict[str, tuple[ValueKind, str | None]] = {}
     constants: dict[str, torch.Tensor] = {}
     user_inputs: list[str | None] = []

@@ -13,6 +13,14 @@ results never cross a stage boundary. Parameters stay inputs: the executor
 passes the model's own tensors, so autograd accumulates into the user's
 parameters and in-place buffer updates (BatchNorm statistics) land in the
 user's buffers.
+
+An in-place task (`add_`, `relu_`) on an activation is exact in the original model because
+every reader of the old value runs before it in program order and the tensor is not an
+autograd leaf. Across a stage boundary neither holds, so the stage module copies instead:
+a stage that writes into one of its inputs writes into a clone of it (a received activation
+is a leaf that requires grad, and the pipeline keeps stage inputs for recomputation), and a
+stage that writes into a value it also sends sends a clone taken before the write (its
+readers in later stages read the value as it was before the write).
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ import torch.fx as fx
 from rannc.atomic.components import AtomicPartition
 from rannc.errors import RaNNCError
 from rannc.graph.group_check import check_ordered_groups
-from rannc.graph.task_graph import TaskGraph
+from rannc.graph.task_graph import TaskGraph, ValueKind
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,13 +128,25 @@ def build_stage_module(gm: fx.GraphModule, graph: TaskGraph, stage: StageGraph) 
             env[n] = new.get_attr(str(n.target))
         return env[n]
 
+    copied: dict[str, fx.Node] = {}  # written activations: their copy (see the docstring)
     for t in stage.tasks:
         node = old_nodes[graph.tasks[t].name]
+        for v in graph.tasks[t].mutates:
+            if graph.values[v].kind is not ValueKind.ACTIVATION or v in copied:
+                continue
+            if v not in stage.inputs and v not in stage.outputs:
+                continue
+            w = old_nodes[v]
+            copied[v] = new.call_function(torch.ops.aten.clone.default, (env[w],))
+            copied[v].meta = dict(w.meta)
+            if v in stage.inputs:  # the stage and its readers from here on use the copy
+                env[w] = copied[v]
+            # (a value the stage sends goes out as it was before the write: see the output)
         env[node] = new.node_copy(node, arg)
         for u in node.users:
             if u.name in graph.values and graph.values[u.name].producer == node.name:
                 env[u] = new.node_copy(u, arg)
-    new.output(tuple(env[old_nodes[v]] for v in stage.outputs))
+    new.output(tuple(copied.get(v, env[old_nodes[v]]) for v in stage.outputs))
     new.lint()
     return fx.GraphModule(root, new, class_name=f"Stage{stage.index}")
 

@@ -669,10 +669,18 @@ class PipelineRuntime:
     def _reduce_grads(self, before: dict[str, torch.Tensor | None]) -> None:
         """Sum this backward's gradients over the ranks holding each parameter and add them to
         what `.grad` held before. Under no_sync the local sums wait in `_pending` (and show in
-        `.grad`) until the next synchronised backward reduces them together."""
+        `.grad`) until the next synchronised backward reduces them together.
+
+        A parameter that got no gradient on any rank holding it (the loss does not depend on
+        it) keeps `.grad` None, as in the original model: an optimizer then skips it, where a
+        zero gradient would still apply weight decay and move its Adam moments."""
         new = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in self.held.items()}
+        got = {n for n, p in self.held.items() if p.grad is not None or n in self._pending}
         if not self.sync:
             for n, p in self.held.items():
+                if n not in got:
+                    p.grad = before[n]
+                    continue
                 pend = self._pending.get(n)
                 self._pending[n] = new[n] if pend is None else pend + new[n]
                 prev = before[n]
@@ -696,9 +704,15 @@ class PipelineRuntime:
             for n, t in zip(names, tensors, strict=True):
                 new[n] = flat[at:at + t.numel()].view_as(t)
                 at += t.numel()
+            # On how many of these ranks each parameter got a gradient. A collective of its
+            # own: appended to `flat` it would change how the backend chunks the sum, and with
+            # it the float rounding of the gradients.
+            flags = torch.tensor([float(n in got) for n in names], device=tensors[0].device)
+            dist.all_reduce(flags, group=group)
+            got |= {n for n, f in zip(names, flags.tolist(), strict=True) if f > 0}
         for n, p in self.held.items():
             b = base[n]
-            p.grad = new[n] if b is None else b + new[n]
+            p.grad = b if n not in got else new[n] if b is None else b + new[n]
         self._share_overflow()
 
     def _share_overflow(self) -> None:

@@ -15,6 +15,7 @@ import contextlib
 import copy
 import dataclasses
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -57,9 +58,14 @@ def user_loss(name: str, out: Any, y: torch.Tensor | None) -> torch.Tensor:
 
 
 def compare_and_loss(name: str, out: Any, ref_out: Any, y: torch.Tensor, sizes: list[int],
-                     rank: int, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+                     rank: int, what: str,
+                     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Check this rank's output rows against the reference's; return (this rank's loss, the
-    reference loss whose gradient DDP semantics give)."""
+    reference loss whose gradient DDP semantics give). `loss_fn(out, y)` replaces the model
+    set's `user_loss(name, ...)` (random models)."""
+    if loss_fn is None:
+        loss_fn = lambda o, yy: user_loss(name, o, yy)  # noqa: E731
     n = sum(sizes)
     ranges = [(sum(sizes[:q]), sum(sizes[:q + 1])) for q in range(len(sizes))]
     mine = ranges[rank]
@@ -67,11 +73,11 @@ def compare_and_loss(name: str, out: Any, ref_out: Any, y: torch.Tensor, sizes: 
         if isinstance(x, torch.Tensor):
             torch.testing.assert_close(x, rows_of(r, mine, n), rtol=RTOL, atol=ATOL,
                                        msg=lambda m: f"rank {rank} {what} output: {m}")
-    loss = user_loss(name, out, y[mine[0]:mine[1]])
+    loss = loss_fn(out, y[mine[0]:mine[1]])
     if name in ("bert", "gpt2"):
         return loss, ref_out.loss
-    ref_loss = sum(user_loss(name, pytree.tree_map(lambda t, rr=rr: rows_of(t, rr, n), ref_out),
-                             y[rr[0]:rr[1]]) for rr in ranges) / len(sizes)
+    ref_loss = sum(loss_fn(pytree.tree_map(lambda t, rr=rr: rows_of(t, rr, n), ref_out),
+                           y[rr[0]:rr[1]]) for rr in ranges) / len(sizes)
     return loss, ref_loss
 
 
