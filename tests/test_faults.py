@@ -66,10 +66,11 @@ def test_a_rank_raising_stops_every_rank_naming_it(where: str, phase: str) -> No
 def test_a_rank_killed_under_mpiexec_ends_the_job_and_its_pid_names_the_rank() -> None:
     # Hydra SIGKILLs every rank the moment one dies, so nobody can speak after it; Hydra names
     # the dead pid, and rannc's start-up line maps pids to ranks.
+    # Now and then rank 0's watchdog sees the dead pid before Hydra acts, and names it itself.
     res, seconds = launch("mpiexec", "--where", "backward", "--how", "die")
     text = assert_failed_cleanly(res, seconds, TIMEOUT_S)
     pids = dict(re.findall(r"rank (\d+) pid (\d+) on", text))
-    assert f"PID {pids['1']} " in text, text
+    assert f"PID {pids['1']} " in text or f"rank 1 (pid {pids['1']}) died at step 3" in text, text
 
 
 def test_a_rank_skipping_backward_is_a_timeout_error_not_a_hang() -> None:
