@@ -130,8 +130,7 @@ class Health:
         with contextlib.suppress(Exception):  # the store may be gone with rank 0
             self.store.compare_set("failed", "", record)
             self.store.add("failing", 1)
-            sys.stderr.write(f"[rannc] rank {self.rank} failed at step {self.step} "
-                             f"({self.phase}): {error}\n")
+            sys.stderr.write(f"[rannc] {_failed(json.loads(record))}\n")
             sys.stderr.flush()
             deadline = time.monotonic() + ACK_WAIT_S
             while time.monotonic() < deadline:
@@ -151,23 +150,17 @@ class Health:
             time.sleep(0.05)
             failed, dead = self._failure(), self._dead_peers()
         if failed is not None:
-            parts.append(f"Rank {failed['rank']} failed at step {failed['step']} "
-                         f"({failed['phase']}): {failed['error']}.")
+            text = _failed(failed)
+            parts.append(text[0].upper() + text[1:] + ".")
         for r in dead:
             parts.append(self._died(r) + ".")
-        where = []
-        for r in range(self.world):
-            if r == self.rank:
-                where.append(f"rank {r}: step {self.step} ({self.phase})")
-                continue
-            with contextlib.suppress(Exception):
-                b = json.loads(self.store.get(f"beat/{r}")) if self.store.check([f"beat/{r}"]) else None
-                if b is not None:
-                    where.append(f"rank {r}: step {b['step']} ({b['phase']})")
-        if where:
-            parts.append("Last reported: " + "; ".join(where) + ".")
-        steps = {w.split(": step ")[1] for w in where}
-        if failed is None and not dead and len(steps) > 1:
+        where = {r: (self.step, self.phase) if r == self.rank else self._last(r)
+                 for r in range(self.world)}
+        known = {r: w for r, w in where.items() if w is not None}
+        if known:
+            parts.append("Last reported: " + "; ".join(
+                f"rank {r}: step {step} ({phase})" for r, (step, phase) in known.items()) + ".")
+        if failed is None and not dead and len(set(known.values())) > 1:
             parts.append("The ranks are at different points: every rank must make the same calls "
                          "in the same order -- forward() on every rank, and backward() on every "
                          "rank or on none (a loss that is not back-propagated everywhere).")
@@ -193,16 +186,12 @@ class Health:
             if r in self._exited or r == self.rank or info.get("host") != self._host \
                     or _alive(int(info["pid"])):
                 continue
-            if self._last_phase(r) == EXITED:  # it finished its script: not a failure
+            last = self._last(r)
+            if last is not None and last[1] == EXITED:  # it finished its script: not a failure
                 self._exited.add(r)
                 continue
             dead.append(r)
         return dead
-
-    def _last_phase(self, r: int) -> str:
-        with contextlib.suppress(Exception):
-            return str(json.loads(self.store.get(f"beat/{r}"))["phase"])
-        return ""
 
     def close(self) -> None:
         """At this process's normal exit: stop watching and tell the others this rank is done
@@ -225,14 +214,18 @@ class Health:
                     time.sleep(0.05)
 
     def _died(self, r: int) -> str:
-        return (f"rank {r} (pid {self.peers[r]['pid']}) died at {self._last(r)} without reporting "
+        last = self._last(r)
+        at = f"step {last[0]} ({last[1]})" if last is not None else "an unknown step"
+        return (f"rank {r} (pid {self.peers[r]['pid']}) died at {at} without reporting "
                 "an error (killed, out of memory, or a crash in native code)")
 
-    def _last(self, r: int) -> str:
+    def _last(self, r: int) -> tuple[int, str] | None:
+        """Rank r's last published (step, phase), None if it cannot be read."""
         with contextlib.suppress(Exception):
-            b = json.loads(self.store.get(f"beat/{r}"))
-            return f"step {b['step']} ({b['phase']})"
-        return "an unknown step"
+            if self.store.check([f"beat/{r}"]):
+                b = json.loads(self.store.get(f"beat/{r}"))
+                return int(b["step"]), str(b["phase"])
+        return None
 
     def _loop(self) -> None:
         while True:
@@ -247,8 +240,7 @@ class Health:
                 self._beat()
                 failed = self._failure()
                 if failed is not None and failed["rank"] != self.rank:
-                    self._stop(f"rank {failed['rank']} failed at step {failed['step']} "
-                               f"({failed['phase']}): {failed['error']}", ack=True)
+                    self._stop(_failed(failed), ack=True)
                 dead = self._dead_peers()
                 if dead:
                     self._stop("; ".join(self._died(r) for r in dead))
@@ -352,6 +344,12 @@ def _exit_on_sigterm(signum: int, frame: types.FrameType | None) -> None:
     # Reached only when the main thread is in Python; the watchdog usually speaks first.
     time.sleep(2 * POLL_S)
     os._exit(128 + signum)
+
+
+def _failed(record: dict[str, Any]) -> str:
+    """A failure record as every message gives it."""
+    return (f"rank {record['rank']} failed at step {record['step']} ({record['phase']}): "
+            f"{record['error']}")
 
 
 def _alive(pid: int) -> bool:

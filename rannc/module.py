@@ -93,10 +93,10 @@ class RaNNCModule(nn.Module):
     # -- running -----------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if rdist.get_world_size() > 1:
-            rdist.init_process_group(self.config.timeout_s)  # starts the watchdog the phase needs
+            ctx = rdist.init_process_group(self.config.timeout_s)  # and the phase's watchdog
             self._calls += 1
             with health.phase("forward", self._calls):
-                return self._forward_distributed(args, kwargs)
+                return self._forward_distributed(ctx, args, kwargs)
         leaves, layout = flatten_inputs(args, kwargs)
         key = (layout.signature, self.training, _autocast_state())
         dep = self._deployments.get(key)
@@ -106,8 +106,8 @@ class RaNNCModule(nn.Module):
         values = run_chain(dep.modules, dep.stages, dep.captured.bind(self.module, leaves))
         return dep.captured.unflatten_outputs(values)
 
-    def _forward_distributed(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        ctx = rdist.init_process_group(self.config.timeout_s)
+    def _forward_distributed(self, ctx: rdist.DistContext, args: tuple[Any, ...],
+                             kwargs: dict[str, Any]) -> Any:
         if self._plan is None:
             validate.check_config(self.config, ctx.world_size)
         leaves, layout = flatten_inputs(args, kwargs)
