@@ -79,11 +79,6 @@ class DagSpec:
         after capture drops dead code (so at most that many stages can be forced)."""
         return sum(self._live())
 
-    @property
-    def has_dead_batchnorm(self) -> bool:
-        """A BatchNorm no output depends on (capture keeps it: it updates its statistics)."""
-        return any(n.op == "bn" and not live for n, live in zip(self.nodes, self._live(), strict=True))
-
     def describe(self) -> str:
         """One line per node, to read a failing example."""
         lines = [f"x[{self.in_width}]" + (f", y[{self.in2_width}]" if self.in2_width else "")]

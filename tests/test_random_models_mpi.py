@@ -32,14 +32,12 @@ def test_random_models_equal_the_unwrapped_model(n: int, examples: int, seed: in
         (str(r), str(examples)) for r in range(n)]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known runtime limitation found by the random models (seed 2, 2 ranks, 1F1B): a BatchNorm "
-    "no output depends on "
-    "(kept by capture, it updates its statistics) in a later stage than its input's producer "
-    "sends back a zero input gradient, so the producer's parameters get .grad zeros where the "
-    "original has None, and AdamW's weight decay then moves them; fixing it needs the stages "
-    "to agree statically which inputs can carry a gradient"))
 def test_dead_batchnorm_branch_across_stages() -> None:
+    """Found by the random models (seed 2, 2 ranks, 1F1B): a BatchNorm no output depends on
+    (kept by capture for its statistics), in a later stage than its input's producer, sent
+    back a zero input gradient, so the producer's parameters got zeros where the original has
+    None and AdamW's weight decay moved them. The stages now agree statically which inputs
+    carry a gradient back."""
     res = run_mpi(SCRIPT, 2, ["--dead-batchnorm"], timeout=120)
     assert sorted(re.findall(r"EXAMPLE 0 rank (\d+) PASS", res.stdout)) == ["0", "1"], \
         res.stdout[-3000:]

@@ -109,6 +109,7 @@ class PipelineRuntime:
         self.vid = {v: i for i, v in enumerate(sorted(self.graph.values))}
         self.out_stage = self._output_stages()
         self._suppliers, self._consumers = self._routes()
+        self._grad_edges = self._gradient_edges()
         self._check_boundaries()
         self.held = self._held_params()
         self._groups = self._param_groups()
@@ -196,6 +197,21 @@ class PipelineRuntime:
             if v in self.stages[g].outputs:
                 return g
         raise RaNNCError(f"no stage before {t} supplies value {v}")
+
+    def _gradient_edges(self) -> set[tuple[str, int]]:
+        """The moved values (v, t) whose gradient stage t can send back: stage t has a task
+        reading v with an output some float model output depends on. Both ends read this
+        fixed set, so a value only a dead branch reads (a BatchNorm that no output uses, kept
+        for its statistics) sends nothing back, and its producer's parameters keep `.grad`
+        None as in the original model, where zeros would let weight decay move them."""
+        g = self.graph
+        live = {v for v in self.out_stage if _is_float(g.values[v])}
+        for task in reversed(g.tasks):
+            if any(o in live for o in task.outputs):
+                live.update(v for v in task.inputs if _is_float(g.values[v]))
+        return {(v, t) for t, st in enumerate(self.stages) for i in st.tasks
+                for v in g.tasks[i].inputs
+                if self._is_activation(v) and any(o in live for o in g.tasks[i].outputs)}
 
     def supplier(self, v: str, t: int) -> int:
         """The stage that sends moved value v to stage t (-1: a model input, from its owners)."""
@@ -454,10 +470,10 @@ class PipelineRuntime:
         mic.links = {}
 
     def _input_grads(self, ins: Sequence[Any]) -> list[Any]:
-        """Per stage input: its gradient (zeros if none reached it) where it is an activation
-        from an earlier stage, else None."""
+        """Per stage input: its gradient (zeros if none reached it) where the sender waits for
+        one (`_gradient_edges`), else None."""
         return [(x.grad if x.grad is not None else torch.zeros_like(x))
-                if self._is_activation(v) and isinstance(x, torch.Tensor) else None
+                if (v, self.s) in self._grad_edges and isinstance(x, torch.Tensor) else None
                 for v, x in zip(self.me.inputs, ins, strict=True)]
 
     def _send_input_grads(self, call: _Call, m: int) -> None:
@@ -652,6 +668,8 @@ class PipelineRuntime:
         total: torch.Tensor | None = None
         if self._moves(v):
             for t in self.consumers(v, self.s):
+                if (v, t) not in self._grad_edges:
+                    continue
                 g = self._recv_rows(v, rows, self._replicas(t, m, call.layout), _GRAD, m, call)
                 total = g if total is None else total + g
         if self.out_stage.get(v) == self.s:
