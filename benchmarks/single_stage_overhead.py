@@ -12,6 +12,7 @@ Prints samples per second of each and their ratio (rannc / plain).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import logging
 import statistics
@@ -24,14 +25,37 @@ from transformers import BertConfig, BertForPreTraining
 import rannc
 
 
-def step_fn(model: torch.nn.Module, opt: torch.optim.Optimizer,
-            batch: dict[str, torch.Tensor]) -> Callable[[], None]:
+def step_fn(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: dict[str, torch.Tensor],
+            autocast: torch.dtype | None = None) -> Callable[[], None]:
+    """One training iteration; forward under `torch.autocast(<batch device>, autocast)` if given."""
+    device_type = next(iter(batch.values())).device.type
+
     def step() -> None:
-        loss = model(**batch).loss
+        with torch.autocast(device_type, dtype=autocast) if autocast else contextlib.nullcontext():
+            loss = model(**batch).loss
         loss.backward()
         opt.step()
         opt.zero_grad()
     return step
+
+
+def alternate(runs: dict[str, Callable[[], None]], iters: int, warmup: int = 2,
+              sync: Callable[[], None] = lambda: None) -> dict[str, list[float]]:
+    """Seconds of each of `iters` calls of every run, in ABBA order after `warmup` calls each.
+    `sync` is called before and after every timed call (torch.cuda.synchronize on a GPU)."""
+    for f in runs.values():  # warm-up; rannc captures here
+        for _ in range(warmup):
+            f()
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    order = list(runs)
+    for i in range(iters):
+        for k in order if i % 2 == 0 else reversed(order):
+            sync()
+            t0 = time.perf_counter()
+            runs[k]()
+            sync()
+            times[k].append(time.perf_counter() - t0)
+    return times
 
 
 def main() -> None:
@@ -62,17 +86,7 @@ def main() -> None:
     batch = dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids,
                  next_sentence_label=torch.zeros(a.batch, dtype=torch.long))
     runs = {"plain": step_fn(plain, opt_p, batch), "rannc": step_fn(wrapped, opt_w, batch)}
-    for f in runs.values():  # warm-up; rannc captures here
-        f()
-        f()
-    times: dict[str, list[float]] = {k: [] for k in runs}
-    order = list(runs)
-    for i in range(a.iters):
-        for k in order if i % 2 == 0 else reversed(order):
-            f = runs[k]
-            t0 = time.perf_counter()
-            f()
-            times[k].append(time.perf_counter() - t0)
+    times = alternate(runs, a.iters)
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"BERT L{a.layers} H{a.hidden}, batch {a.batch} x seq {a.seq}, {a.iters} alternating "
           f"iterations, torch threads {torch.get_num_threads()}")

@@ -75,6 +75,23 @@ def test_single_stage_overhead_benchmark() -> None:
     assert "rannc  median" in out and "throughput ratio rannc/plain:" in out, out
 
 
+def test_gpu_study_benchmark(tmp_path: Path) -> None:
+    """Issue 8 study 5 at tiny sizes on this machine's device: both variants for fp32 and bf16
+    (autocast), and predicted vs measured times of the 1- and 2-stage splits."""
+    png = tmp_path / "gpu.png"
+    out = run("benchmarks/gpu_study.py", "--plot", str(png))
+    assert out.startswith("machine: "), out
+    for dtype in ("fp32", "bf16"):
+        found = rows(out, f"| {dtype} | plain |") + rows(out, f"| {dtype} | rannc |")
+        assert [r[1] for r in found] == ["plain", "rannc"], out
+        assert all(float(r[3]) > 0 and r[6].endswith("%") for r in found), found  # samples/s, MFU
+        splits = [(r[1], r[2]) for r in rows(out, f"| {dtype} | ") if r[1].isdigit()]
+        assert splits == [("1", "0"), ("2", "0"), ("2", "1")], out
+        assert all(float(r[7]) > 0 for r in rows(out, f"| {dtype} | ") if r[1].isdigit()), out
+    assert "model FLOPs per iteration: fp32: formula" in out, out
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
 def test_pipeline_memory_benchmark() -> None:
     out = run("benchmarks/pipeline_memory.py")
     assert rows(out, "| rannc x2, rank 0") and rows(out, "| rannc x2, rank 1"), out
