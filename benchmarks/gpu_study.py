@@ -18,8 +18,8 @@
    transfer at link bandwidth), the estimate oracle's compute time on the table spec and on
    the measured local spec (what `rannc.plan` uses by default), and the time the measure
    oracle (`MeasureOracle`: CUDA events, median of many runs) takes to run that stage's graph
-   forward and backward on this device. The estimate prices every FLOP at `DeviceSpec.flops`
-   (fp32) whatever the dtype, which the bf16 rows show.
+   forward and backward on this device. The estimate prices tasks with half-precision
+   outputs (autocast) at `DeviceSpec.flops_half`, the others at `DeviceSpec.flops` (fp32).
 
 Model FLOPs per iteration, both printed:
 - formula: 6 * N * tokens + 12 * L * h * s^2 * batch (Megatron-LM, Narayanan et al. 2021;

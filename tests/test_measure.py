@@ -314,3 +314,27 @@ def test_rows_cut_and_tile_whole_samples() -> None:
     assert torch.equal(_rows(x, val, 5), torch.cat([x, x, x], dim=1)[:, :20])
     flat = Value("s", ValueKind.ACTIVATION, (), "float32")
     assert _rows(torch.tensor(1.0), flat, 7).shape == ()
+
+
+def test_estimate_prices_autocast_products_at_the_half_precision_peak() -> None:
+    """A bf16 matrix product (autocast) runs on tensor cores: the estimate charges it at
+    `flops_half`, not at the fp32 peak, and an fp32 graph's products stay at `flops`."""
+    model = nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512))
+    x = torch.randn(64, 512)
+    spec = DeviceSpec("tc", 1e10, 1e12, 1e15, flops_half=8e12, efficiency=1.0, op_overhead=0.0)
+    no_tc = DeviceSpec("no-tc", 1e10, 1e12, 1e15, efficiency=1.0, op_overhead=0.0)
+
+    def matmul_seconds(autocast: bool, s: DeviceSpec) -> float:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            graph = capture(model, (x,), {}).graph
+        costs = GraphCosts.of(graph, atomic_components(graph))
+        fwd, _ = costs.task_times(s, 64)
+        mm = [t for t, task in enumerate(graph.tasks) if "linear" in task.op or "addmm" in task.op
+              or task.op.startswith("aten.mm")]
+        assert mm, [t.op for t in graph.tasks]
+        return float(fwd[mm].sum())
+
+    fp32, bf16 = matmul_seconds(False, spec), matmul_seconds(True, spec)
+    assert fp32 == pytest.approx(2 * 2 * 64 * 512 * 512 / 1e12, rel=0.05)
+    assert bf16 == pytest.approx(fp32 / 8, rel=0.05)
+    assert matmul_seconds(True, no_tc) == pytest.approx(fp32, rel=0.05)  # no tensor cores: fp32 peak

@@ -177,8 +177,9 @@ _LOCAL: DeviceSpec | None = None
 
 def measure_local_device() -> DeviceSpec:
     """This process's device (the current CUDA device, else the CPU), measured once per process:
-    FLOP/s of a square fp32 matrix product, bytes/s of a large copy, and its memory. Peak
-    figures are what is measured, so `efficiency` is 1."""
+    FLOP/s of a square fp32 matrix product (on CUDA also a bf16 one, for autocast graphs),
+    bytes/s of a large copy, and its memory. Peak figures are what is measured, so
+    `efficiency` is 1."""
     global _LOCAL
     if _LOCAL is not None:
         return _LOCAL
@@ -207,6 +208,9 @@ def measure_local_device() -> DeviceSpec:
         return best
 
     mm = timed(lambda: a @ b, 10 if cuda else 3)
+    # A CPU has no tensor cores: its bf16 products are no faster, so 0 (price them at fp32).
+    ah, bh = a.bfloat16(), b.bfloat16()
+    mm_half = timed(lambda: ah @ bh, 10) if cuda else 0.0
     cp = timed(lambda: big.clone(), 5)
     if cuda:
         props = torch.cuda.get_device_properties(dev)
@@ -214,6 +218,7 @@ def measure_local_device() -> DeviceSpec:
     else:
         mem, name = _host_memory_bytes(), "local-cpu"
     _LOCAL = DeviceSpec(name=name, memory_bytes=mem, flops=2 * n**3 / mm,
+                        flops_half=2 * n**3 / mm_half if mm_half else 0.0,
                         mem_bandwidth=2 * big.numel() * 4 / cp, efficiency=1.0,
                         op_overhead=5e-6 if cuda else 2e-6, link_bandwidth=(16 if cuda else 4) * GB)
     return _LOCAL

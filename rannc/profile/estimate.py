@@ -4,7 +4,8 @@ Every task gets FLOPs and bytes moved as linear functions of the per-replica bat
 (`c0 + c1 * batch`, exact for the shapes torch.export gives, which are linear in `batch`), from
 its op and the shapes in the TaskGraph alone: no tensor is created, so a 13 B-parameter model
 on the `meta` device costs nothing to estimate. Time on a `DeviceSpec` is
-`max(flops / (peak * efficiency), bytes / (bandwidth * efficiency)) + launch overhead`;
+`max(flops / (peak * efficiency), bytes / (bandwidth * efficiency)) + launch overhead`, the
+peak being the fp16/bf16 tensor-core one for tasks whose outputs are half precision (autocast);
 backward is counted as twice the forward (grad of input and grad of weight) for differentiable
 tasks. Memory kept for backward is the bytes of every non-view task's activation output.
 
@@ -29,6 +30,7 @@ DTYPE_BYTES = {
     "float8_e5m2": 1,
 }
 FLOAT_DTYPES = {"float64", "float32", "float16", "bfloat16"}
+_HALF_DTYPES = {"float16", "bfloat16"}
 
 # Ops whose output aliases an input (no kernel, no memory) or that only read metadata.
 _VIEW_OPS = re.compile(
@@ -65,6 +67,7 @@ class GraphCosts:
     work: np.ndarray  # (T, 2): bytes live while the task runs (inputs + outputs)
     is_kernel: np.ndarray  # (T,) bool: launches a kernel (not a view)
     has_grad: np.ndarray  # (T,) bool: produces a floating activation (runs in backward)
+    half: np.ndarray  # (T,) bool: computes in fp16/bf16 (autocast), at the tensor-core peak
     pair_task: np.ndarray  # (P,) task of each (component, task) holding; cloned tasks repeat
     pair_comp: np.ndarray  # (P,) its component
     comp_params: np.ndarray  # (C,) bytes of the parameters/buffers each component reads
@@ -79,6 +82,7 @@ class GraphCosts:
         work = np.zeros((T, 2))
         is_kernel = np.zeros(T, dtype=bool)
         has_grad = np.zeros(T, dtype=bool)
+        half = np.zeros(T, dtype=bool)
         vbytes = {name: _bytes(v) for name, v in graph.values.items()}
         for t, task in enumerate(graph.tasks):
             ins = [graph.values[v] for v in task.inputs]
@@ -91,6 +95,7 @@ class GraphCosts:
             is_kernel[t] = True
             moved[t] = in_b + out_b
             flops[t] = _task_flops(task.op, ins, outs)
+            half[t] = any(v.dtype in _HALF_DTYPES for v in outs)
             act_out = [v for v in outs if v.kind is ValueKind.ACTIVATION and v.dtype in FLOAT_DTYPES]
             has_grad[t] = bool(act_out)
             for v in act_out:
@@ -106,7 +111,7 @@ class GraphCosts:
                         seen.add(vname)
                         comp_params[c.index] += vbytes[vname][0] + vbytes[vname][1]
         return cls(flops=flops, moved=moved, kept=kept, work=work, is_kernel=is_kernel,
-                   has_grad=has_grad,
+                   has_grad=has_grad, half=half,
                    pair_task=np.array([p[0] for p in pairs], dtype=np.int64),
                    pair_comp=np.array([p[1] for p in pairs], dtype=np.int64),
                    comp_params=comp_params, n_components=len(atomic.components))
@@ -116,7 +121,10 @@ class GraphCosts:
         """Forward and backward seconds of every task at a per-replica batch size."""
         f = self.flops[:, 0] + self.flops[:, 1] * batch
         m = self.moved[:, 0] + self.moved[:, 1] * batch
-        peak = spec.flops * spec.efficiency
+        # Under autocast the matrix products run in bf16/fp16 on tensor cores, at a peak many
+        # times the fp32 one (H100: 989 against 67 TFLOP/s); pricing them at fp32 would make
+        # every bf16 stage look compute-bound and mislead the balance against memory-bound tasks.
+        peak = np.where(self.half & (spec.flops_half > 0), spec.flops_half, spec.flops) * spec.efficiency
         bw = spec.mem_bandwidth * spec.efficiency
         fwd = np.maximum(f / peak, m / bw) + spec.op_overhead * self.is_kernel
         bwd = (2 * np.maximum(f / peak, m / bw) + 2 * spec.op_overhead * self.is_kernel) * self.has_grad
