@@ -58,7 +58,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 MB = 2**20
-_TAG = "RANNC_BENCH_LAUNCH"
+_TAG = "_RANNC_BENCH_LAUNCH"
 
 
 # -- measuring --------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import json
 import os
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -20,6 +21,8 @@ from rannc.errors import ConfigError
 _SCHEDULES = ("auto", "gpipe", "1f1b", "scp")
 _CHECKPOINTING = ("auto", "on", "off", "stage_aware")
 _PROFILERS = ("auto", "measure", "estimate")
+# RANNC_* variables that are not Config fields: read by rannc.dist at start-up.
+LAUNCH_ENV = ("RANNC_BACKEND", "RANNC_MASTER_ADDR", "RANNC_MPI_ABORT_ON_ERROR")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -107,6 +110,7 @@ class Config:
             hint = f" Did you mean: {', '.join(hints)}?" if hints else ""
             raise ConfigError(f"unknown rannc option(s) {unknown}.{hint} Valid names: "
                               f"{sorted(names)}")
+        _warn_unknown_env(environ, names)
         values: dict[str, Any] = {}
         for f in fields(cls):
             key = f"RANNC_{f.name.upper()}"
@@ -122,6 +126,17 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _warn_unknown_env(environ: Mapping[str, str], names: set[str]) -> None:
+    """A mistyped RANNC_* variable would otherwise be ignored without a word (the run then
+    plans without the setting the user thinks is on)."""
+    known = {f"RANNC_{n.upper()}" for n in names} | set(LAUNCH_ENV)
+    for key in sorted(k for k in environ if k.startswith("RANNC_") and k not in known):
+        m = difflib.get_close_matches(key, known, n=1)
+        hint = f"did you mean {m[0]}? " if m else ""
+        warnings.warn(f"rannc ignores the environment variable {key}: {hint}rannc reads "
+                      f"{', '.join(sorted(known))}", UserWarning, stacklevel=3)
 
 
 def _parse_env(name: str, key: str, text: str) -> Any:

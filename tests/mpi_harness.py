@@ -24,7 +24,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
 TAIL_CHARS = 4000
-_TOKEN_VAR = "RANNC_TEST_LAUNCH"  # tags every process of one launch (see run_command)
+_TOKEN_VAR = "_RANNC_TEST_LAUNCH"  # tags every process of one launch (see run_command)
 
 # Variables by which an outer launcher (pytest itself run under mpiexec/torchrun/Slurm) would
 # make the inner ranks believe they belong to the outer job.

@@ -9,6 +9,7 @@ afterwards. The rest run in this process.
 from __future__ import annotations
 
 import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -194,3 +195,19 @@ def test_input_device_check_reads_device_types_only() -> None:
     with pytest.raises(InputDeviceError, match=r"inputs 'args\[0\]' on cpu, 'mask' on cpu are not "
                                                r"on this rank's device cuda:1.*x.to\('cuda:1'\)"):
         validate.check_devices(sig, torch.device("cuda", 1))
+
+
+def test_a_mistyped_environment_variable_is_named_with_the_likely_one() -> None:
+    with pytest.warns(UserWarning, match=r"rannc ignores the environment variable "
+                                         r"RANNC_PARTITON_NUM: did you mean RANNC_PARTITION_NUM\?"):
+        cfg = rannc.Config.resolve(environ={"RANNC_PARTITON_NUM": "2", "RANNC_BACKEND": "gloo"})
+    assert cfg.partition_num is None
+
+
+def test_launch_variables_are_not_reported_as_unknown() -> None:
+    from rannc import dist
+    from rannc.config import LAUNCH_ENV
+    assert {dist.BACKEND_ENV, dist.MASTER_ADDR_ENV, dist.ABORT_ON_ERROR_ENV} == set(LAUNCH_ENV)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rannc.Config.resolve(environ={k: "1" for k in LAUNCH_ENV} | {"RANNC_MICROBATCHES": "2"})
