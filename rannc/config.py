@@ -55,7 +55,8 @@ class Config:
     save_deployment: bool = False
     """Write the plan to `deployment_file` after planning."""
     load_deployment: bool = False
-    """Read the plan from `deployment_file` instead of planning."""
+    """Read the plan from `deployment_file` instead of planning (rank 0 reads it and sends it to
+    every rank, so the file need only exist where rank 0 runs)."""
     deployment_file: str = "rannc_deployment.json"
     """Where plans are saved and loaded."""
     profile_cache_dir: str | None = None

@@ -153,8 +153,12 @@ class RaNNCModule(nn.Module):
 
     def _make_plan(self, cap: CapturedModel, atomic: AtomicPartition, ctx: rdist.DistContext,
                    leaves: list[Any], sizes: list[int]) -> Plan:
-        """Load the saved plan, or plan on rank 0 for this world and broadcast it (one plan for
-        all ranks even though each measures its own device)."""
+        """Load the saved plan, or plan on rank 0 for this world, and broadcast it (one plan for
+        all ranks even though each measures its own device).
+
+        Only rank 0 reads a saved plan: on several nodes the file may exist on rank 0's disk
+        alone, or an older copy on another node's, and ranks that each read their own would
+        wait for different plans."""
         import torch.distributed as dist
 
         from rannc.planner import make_oracle, plan_graph
@@ -162,9 +166,22 @@ class RaNNCModule(nn.Module):
         from rannc.profile.estimate import GraphCosts
 
         cfg = self.config
-        if cfg.load_deployment and os.path.exists(cfg.deployment_file):
-            plan = Plan.load(cfg.deployment_file)
-            plan.check(cap.graph, ctx.world_size, source=f"the plan file {cfg.deployment_file}")
+        source = f"the plan file {cfg.deployment_file}"
+        loaded: list[Any] = [None]
+        if cfg.load_deployment:
+            if ctx.rank == 0 and os.path.exists(cfg.deployment_file):
+                try:
+                    loaded[0] = Plan.load(cfg.deployment_file).to_dict()
+                except Exception as e:  # noqa: BLE001 - every rank raises it, none waits
+                    loaded[0] = {"error": f"{type(e).__name__}: {e}. Fix: delete the file, or "
+                                          "load_deployment=False to plan again",
+                                 "type": type(e).__name__, "where": f"reading {source}"}
+            dist.broadcast_object_list(loaded, src=0)
+        if loaded[0] is not None:
+            if "error" in loaded[0]:
+                raise validate.rebuild_error(loaded[0])
+            plan = Plan.from_dict(loaded[0])
+            plan.check(cap.graph, ctx.world_size, source=source)
             return dataclasses.replace(plan, source=(cap.graph, atomic))
         # Every rank reports its own device (a mixed cluster is planned as such), unless the
         # user described the cluster in a file.

@@ -262,7 +262,7 @@ def rebuild_error(info: Mapping[str, Any]) -> RaNNCError:
     every rank with its own type, so `except PlanInfeasibleError` works on every rank."""
     from rannc.planner import PlanInfeasibleError
 
-    message = f"planning failed on rank 0: {info['error']}"
+    message = f"{info.get('where', 'planning')} failed on rank 0: {info['error']}"
     if info["type"] == PlanInfeasibleError.__name__:
         return PlanInfeasibleError(message, needed_bytes=info.get("needed_bytes", math.nan))
     known: dict[str, type[RaNNCError]] = {

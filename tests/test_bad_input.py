@@ -52,6 +52,9 @@ CASES: dict[str, tuple[str, list[str]]] = {
         "plan again"]),
     "plan_file_other_model": ("PlanMismatchError", [
         "plan_of_other_model.json was made for another model", "fingerprint", "plan again"]),
+    "plan_file_unreadable": ("RaNNCError", [
+        "reading the plan file", "plan_not_json.json failed on rank 0",
+        "JSONDecodeError", "Fix: delete the file, or load_deployment=False"]),
 }
 
 
@@ -74,10 +77,13 @@ def test_cross_rank_bad_input_is_the_same_clear_error_on_every_rank(launch: str,
 
 
 def test_job_still_trains_exactly_after_the_errors(launch: str) -> None:
-    for when in ("after_errors_before_deployment", "after_errors_after_deployment", "at_the_end"):
+    for when in ("after_errors_before_deployment", "after_errors_after_deployment",
+                 "plan_file_read_on_rank_0_only", "at_the_end"):
         for r in (0, 1):
             assert re.search(rf"^USABLE {when} rank {r} ok", launch, re.MULTILINE), launch
     assert "DONE rank 0" in launch and "DONE rank 1" in launch
+    # the 2-stage plan in rank 0's file, not a plan of its own or rank 1's stale file
+    assert re.findall(r"^LOADED rank \d stages (\d+)", launch, re.MULTILINE) == ["2", "2"], launch
 
 
 # -- one process ------------------------------------------------------------------------------

@@ -138,6 +138,24 @@ def main() -> None:
     save_plan(other, nn.Sequential(nn.Linear(WIDTH, 32), nn.ReLU(), nn.Linear(32, 1)), 2, r)
     case("plan_file_other_model", r, lambda: rannc.RaNNCModule(
         Net(), load_deployment=True, deployment_file=other)(torch.randn(n, WIDTH)))
+    bad = os.path.join(tmp, "plan_not_json.json")
+    if r == 0:
+        with open(bad, "w") as f:
+            f.write("{not json")
+    rannc.barrier()
+    case("plan_file_unreadable", r, lambda: rannc.RaNNCModule(
+        Net(), load_deployment=True, deployment_file=bad if r == 0 else bad + ".absent")(
+            torch.randn(n, WIDTH)))
+    # Only rank 0 reads the plan file: here rank 1's path holds a stale plan (for 3 ranks), as
+    # an older copy on another node's disk would; it is never read.
+    two = os.path.join(tmp, "plan_for_2_ranks.json")
+    save_plan(two, Net(), 2, r)
+    torch.manual_seed(4)
+    net2 = Net()
+    ref2 = copy.deepcopy(net2)
+    loaded = rannc.RaNNCModule(net2, load_deployment=True, deployment_file=two if r == 0 else three)
+    check_step("plan_file_read_on_rank_0_only", loaded, ref2, r, seed=4)
+    say(f"LOADED rank {r} stages {len(loaded.plan.stages)}")
     check_step("at_the_end", main_model, ref, r, seed=3)
     say(f"DONE rank {r}")
 
