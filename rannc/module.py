@@ -293,6 +293,8 @@ class RaNNCModule(nn.Module):
                 self.optimizer.param_groups[0]["params"] = [self._placeholder]
         for r in self._runtimes.values():
             r.placeholder = self._placeholder
+        if released:
+            _return_freed_heap()
 
     @contextlib.contextmanager
     def _without_placeholder(self) -> Iterator[None]:
@@ -557,3 +559,19 @@ def _group_state_factor(name: str, group: Mapping[str, Any]) -> float:
     if name == "LBFGS":  # flat direction and gradient, and history_size pairs of updates
         return 2.0 + 2.0 * float(group.get("history_size", 100))
     return 2.0  # NAdam, RAdam, Adamax, Adadelta, Rprop (two tensors each) and unknown ones
+
+
+def _return_freed_heap() -> None:
+    """Give the heap pages of the released parameters back to the OS (glibc only).
+
+    Every rank builds the whole model before keeping its stages' parameters. glibc keeps the
+    freed ~1 MB parameter blocks in its heap, so a CPU rank's resident memory stayed near the
+    whole model's: a 40-layer H256 BERT built at +136 MiB was still at +128 MiB after three
+    quarters of its parameters were released, and at +37 MiB after malloc_trim. CUDA tensors
+    are unaffected (the caching allocator owns them); elsewhere this does nothing."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
+        pass

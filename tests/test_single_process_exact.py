@@ -92,3 +92,25 @@ def test_eval_mode_and_no_grad() -> None:
     wrapped = rannc.RaNNCModule(case.model).eval()
     with torch.no_grad():
         assert_tree_close(wrapped(*case.args), ref(*case.args))
+
+
+def test_released_parameter_memory_goes_back_to_the_os() -> None:
+    """After a rank releases the parameters it does not hold, rannc trims the C heap: the
+    ~1 MB parameter blocks glibc kept would otherwise stay resident (benchmarks/capacity.py)."""
+    from rannc.module import _return_freed_heap
+
+    def rss_mib() -> float:
+        with open("/proc/self/status") as f:
+            return next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS")) / 1024
+
+    # As while a model is built: once a large block was freed, glibc raises its mmap threshold
+    # and serves 1 MiB tensors from the heap, which free() keeps (without the trim, RSS stays).
+    big = torch.ones(1024, 4096)
+    del big
+    blocks = [torch.ones(256, 1024) for _ in range(160)]  # 160 MiB in 1 MiB tensors
+    full = rss_mib()
+    for b in blocks:
+        b.set_(torch.empty(0))
+    del blocks
+    _return_freed_heap()
+    assert rss_mib() < full - 100, (full, rss_mib())
