@@ -35,24 +35,35 @@ class BlockIO:
 
     @classmethod
     def of(cls, graph: TaskGraph, atomic: AtomicPartition, block_of: Sequence[int]) -> BlockIO:
+        """O(values + k^2): each value adds its bytes to rectangles of [l, r] through 2-D
+        difference arrays, summed once at the end (the planner's refinement builds these
+        tables for groupings of a few hundred blocks, where a loop over l per value is slow).
+        Byte counts are integers, so the sums are exact whatever their order."""
         k = max(block_of) + 1
-        inputs = np.zeros((2, k, k))
-        outputs = np.zeros((2, k, k))
-        params = np.zeros((k, k))
-        grad_params = np.zeros((k, k))
+        # difference arrays, (k+1, k+1): X[l, r] = sum of d[:l+1, :r+1] once summed
+        d_in, d_out = np.zeros((2, k + 1, k + 1)), np.zeros((2, k + 1, k + 1))
+        d_par, d_grad = np.zeros((k + 1, k + 1)), np.zeros((k + 1, k + 1))
         cut_ok = np.ones(k + 1, dtype=bool)
         blocks_of_task = [sorted({block_of[c] for c in h}) for h in atomic.holders]
         out_names = {v for v in graph.outputs if v is not None}
+
+        def upto_next(d: np.ndarray, first: int, consumers: list[int], size: object) -> None:
+            # rows l >= first: X[l, r] += size for r >= the first consumer block >= l
+            lo = first
+            for c in consumers:
+                if c < lo:
+                    continue
+                d[..., lo, c] += size  # rows lo..c, columns c..k-1
+                d[..., c + 1, c] -= size
+                lo = c + 1
+
         for name, val in graph.values.items():
             consumers = sorted({b for t in graph.consumers(name) for b in blocks_of_task[t]})
             if val.kind in (ValueKind.PARAM, ValueKind.BUFFER):
                 size = sum(_bytes(val))
-                for lo in range(k):
-                    nxt = next((b for b in consumers if b >= lo), None)
-                    if nxt is not None:
-                        params[lo, nxt:] += size
-                        if val.kind is ValueKind.PARAM:
-                            grad_params[lo, nxt:] += size
+                upto_next(d_par, 0, consumers, size)
+                if val.kind is ValueKind.PARAM:
+                    upto_next(d_grad, 0, consumers, size)
                 continue
             if val.kind not in (ValueKind.INPUT, ValueKind.ACTIVATION) or not val.is_tensor:
                 continue
@@ -62,17 +73,21 @@ class BlockIO:
             p = -1 if prod_task is None else block_of[atomic.component_of[prod_task]]
             last = k if name in out_names else max(consumers, default=p)
             b = np.array(_bytes(val))
-            for lo in range(p + 1, k):
-                nxt = next((c for c in consumers if c >= lo), None)
-                if nxt is not None:
-                    inputs[:, lo, nxt:] += b[:, None]
+            upto_next(d_in, p + 1, consumers, b)  # a stage starting after p receives it
             if p >= 0 and last > p:
-                for lo in range(p + 1):
-                    outputs[:, lo, p:last] += b[:, None]
+                # stages l <= p ending in p .. last-1 send it on (or return it)
+                d_out[:, 0, p] += b
+                d_out[:, 0, last] -= b
+                d_out[:, p + 1, p] -= b
+                d_out[:, p + 1, last] += b
                 if val.kind is ValueKind.ACTIVATION and val.batch_dim is None:
                     cut_ok[p + 1:min(last, k) + 1] = False  # not splittable by rows
         cut_ok[0] = cut_ok[k] = True
-        return cls(inputs, outputs, params, grad_params, cut_ok)
+
+        def total(d: np.ndarray) -> np.ndarray:
+            return np.cumsum(np.cumsum(d, axis=-2), axis=-1)[..., :k, :k]
+
+        return cls(total(d_in), total(d_out), total(d_par), total(d_grad), cut_ok)
 
 
 @dataclass(frozen=True, slots=True)
