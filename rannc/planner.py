@@ -477,11 +477,15 @@ def _refine_boundaries(best: _Refined, block_of: Sequence[int], io: BlockIO, com
         # not the search's common bound: a later 1F1B stage holds fewer and recomputes less
         tabs = [table(c.devices, c.copies, c.microbatches, n, saved) for n in best.in_flight]
         bounds = _min_max_bounds([t.h[:, :, d] for t, d in zip(tabs, c.replicas, strict=True)])
-        if bounds is not None:
-            cand = _candidate(tabs[0], c.devices, c.copies, c.microbatches, bounds, c.replicas,
-                              c.schedule)
-            ref = _refine(cand, table, late)
-            if ref is not None and ref.time < out[0].time * (1 - 1e-9):
+        mine = tuple(points.index(x) for x in cuts)
+        if bounds is not None and bounds != mine:
+            ref = _refine(_candidate(tabs[0], c.devices, c.copies, c.microbatches, bounds,
+                                     c.replicas, c.schedule), table, late)
+            # the plan so far, costed on these same groups unless that cannot change its cost
+            now = out[0] if tabler.oracle.additive else _refine(_candidate(
+                tabs[0], c.devices, c.copies, c.microbatches, mine, c.replicas, c.schedule),
+                table, late)
+            if ref is not None and (now is None or ref.time < now.time * (1 - 1e-9)):
                 out = (ref, seg_of, seg_io)
                 cuts = [points[b] for b in bounds]
         # the next level looks between the segments on either side of each boundary
@@ -785,6 +789,11 @@ def form_blocks_for(graph: TaskGraph, atomic: AtomicPartition, costs: GraphCosts
 class BlockOracle:
     """What the planner asks a cost oracle (estimate or measure)."""
 
+    additive = False
+    """Whether a group's costs are exactly its components' (sums; the maximum for working
+    memory), so that a split costs the same whatever grouping it is tabled on. A measured
+    oracle times each group on its own, and groups of different sizes time differently."""
+
     def component_time(self, batch: int) -> np.ndarray:
         raise NotImplementedError
 
@@ -794,6 +803,8 @@ class BlockOracle:
 
 class EstimateOracle(BlockOracle):
     """Roofline estimates on the cluster's slowest device."""
+
+    additive = True
 
     def __init__(self, costs: GraphCosts, cluster: Cluster) -> None:
         self.costs = costs
