@@ -91,8 +91,8 @@ def main() -> None:
     print(f"date: {datetime.date.today()}; {a.device} x {a.devices} ({a.per_node} per node), batch "
           f"{a.batch}; estimate oracle (no GPU)")
     print("| layers x hidden | params (B) | atomic components | blocks | capture s | plan s "
-          "(costs + blocks + profile + stage DP) | wall s | stages x replicas, microbatches | "
-          "predicted s/iter | peak RSS MB |")
+          "(costs + blocks + profile + stage DP + boundary refinement) | wall s | "
+          "stages x replicas, microbatches | predicted s/iter | peak RSS MB |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     for size in a.sizes.split(","):
@@ -125,7 +125,8 @@ def print_row(r: dict[str, Any]) -> None:
     planning = sum(v for k, v in s.items() if k != "capture")
     print(f"| {r['size']} | {r['params_b']:.2f} | {r['components']} | {r['blocks']} | "
           f"{s['capture']:.1f} | {planning:.2f} ({s['costs']:.2f} + {s['blocks']:.2f} + "
-          f"{s['profile']:.2f} + {s['stage_dp']:.2f}) | {r['wall']:.1f} | "
+          f"{s['profile']:.2f} + {s['stage_dp']:.2f} + {s.get('refine', 0.0):.2f}) | "
+          f"{r['wall']:.1f} | "
           f"{r['replicas']}, {r['microbatches']} | {r['predicted_s']:.2f} | {r['rss_mb']:.0f} |",
           flush=True)
 

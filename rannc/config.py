@@ -38,7 +38,10 @@ class Config:
     max_pipeline: int = 32
     """Largest microbatch count the planner considers."""
     blocks: int = 32
-    """k: the number of blocks phase 2 coarsens the atomic components into."""
+    """k: the number of blocks phase 2 coarsens the atomic components into, which the stage
+    DP splits into stages (its time grows with k^2). After it, the chosen plans' stage
+    boundaries are refined below block level, so k bounds the planning time more than the
+    plan's quality (`extra={"boundary_refinement": False}` keeps whole blocks)."""
     mem_limit_gb: float | None = None
     """Per-device memory to plan for (None: the device's own)."""
     mem_margin: float = 0.1

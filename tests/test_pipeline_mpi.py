@@ -266,3 +266,33 @@ def test_memory_limit_too_small_for_any_plan_is_a_clear_error() -> None:
     errors = re.findall(r"PASS rank \d+ error: (.*)", res.stdout)
     assert len(errors) == 2, res.stdout
     assert "needs at least" in errors[0] and "mem_limit_gb" in errors[0], errors[0]
+
+
+def test_stage_boundaries_inside_blocks_train_exactly(tmp_path: Path) -> None:
+    """k = 4 blocks for 3 stages: the planner's boundary refinement cuts inside blocks (checked
+    here against the whole-block plan, on the cluster file the ranks plan for), and those
+    stages train exactly like the unwrapped model."""
+    import json
+
+    from model_zoo import make_case
+
+    import rannc
+
+    dev = {"name": "fast", "memory_bytes": 16e9, "flops": 10e12, "mem_bandwidth": 1e12}
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps({"per_node": 3, "devices": [dev] * 3}))
+    cfg = {"blocks": 4, "partition_num": 3, "microbatches": 2, "schedule": "1f1b"}
+    case = make_case("bert", batch=6, seed=0)
+    cluster = rannc.Cluster.load(path)
+    ranges = {}
+    for refine in (False, True):
+        plan = rannc.plan(case.model, case.args, case.kwargs, cluster=cluster, config=rannc.Config(
+            **cfg, extra={"boundary_refinement": refine}))
+        ranges[refine] = [f"{st.components[0]}-{st.components[-1]}" for st in plan.stages]
+    assert ranges[True] != ranges[False], ranges
+    res = run_mpi(SCRIPT, 3, ["--model", "bert", "--partition-num", "3", "--microbatches", "2",
+                              "--batch", "6", "--schedule", "1f1b", "--cluster-file", str(path)],
+                  env={"RANNC_BLOCKS": "4"})
+    assert sorted(re.findall(r"PASS bert rank (\d+)", res.stdout)) == ["0", "1", "2"], res.stdout
+    printed = re.findall(r"^\s+\d+\s+(\d+-\d+)\s", res.stdout, flags=re.MULTILINE)
+    assert printed == ranges[True], res.stdout

@@ -13,7 +13,7 @@ Index conventions: l, r are the first and last block of a stage (inclusive), d i
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,45 +34,125 @@ class BlockIO:
     cut_ok: np.ndarray  # (k+1,): a stage may start or end at this block boundary
 
     @classmethod
-    def of(cls, graph: TaskGraph, atomic: AtomicPartition, block_of: Sequence[int]) -> BlockIO:
-        k = max(block_of) + 1
-        inputs = np.zeros((2, k, k))
-        outputs = np.zeros((2, k, k))
-        params = np.zeros((k, k))
-        grad_params = np.zeros((k, k))
-        cut_ok = np.ones(k + 1, dtype=bool)
-        blocks_of_task = [sorted({block_of[c] for c in h}) for h in atomic.holders]
+    def of(cls, graph: TaskGraph, atomic: AtomicPartition, block_of: Sequence[int],
+           uses: ValueUses | None = None) -> BlockIO:
+        """The tables for the grouping `block_of`; pass `uses` (`ValueUses.of`) when building
+        them for several groupings of one graph."""
+        return (uses if uses is not None else ValueUses.of(graph, atomic)).block_io(block_of)
+
+
+@dataclass(frozen=True, slots=True)
+class ValueUses:
+    """What `BlockIO` reads from the graph, independent of the grouping, as flat arrays: built
+    once per graph, so the planner's boundary refinement can table many groupings.
+
+    Parameters and buffers (index i): `par_bytes`, `par_grad` (trainable); inputs and
+    activations a stage may receive or send (index j): `act_bytes` (c0, c1), `act_prod` (the
+    producing component, -1 for a model input), `act_output` (a model output), `act_rows` (split
+    by batch rows; a cut across one that is not is refused). `*_use` are (value, consumer
+    component) pairs."""
+
+    par_bytes: np.ndarray  # (P,)
+    par_grad: np.ndarray  # (P,) bool
+    par_use: np.ndarray  # (2, U) int64
+    act_bytes: np.ndarray  # (A, 2)
+    act_prod: np.ndarray  # (A,) int64
+    act_output: np.ndarray  # (A,) bool
+    act_rows: np.ndarray  # (A,) bool
+    act_use: np.ndarray  # (2, U) int64
+
+    @classmethod
+    def of(cls, graph: TaskGraph, atomic: AtomicPartition) -> ValueUses:
         out_names = {v for v in graph.outputs if v is not None}
+        par: list[tuple[float, bool]] = []
+        act: list[tuple[float, float, int, bool, bool]] = []
+        par_use: list[tuple[int, int]] = []
+        act_use: list[tuple[int, int]] = []
         for name, val in graph.values.items():
-            consumers = sorted({b for t in graph.consumers(name) for b in blocks_of_task[t]})
+            consumers = sorted({c for t in graph.consumers(name) for c in atomic.holders[t]})
             if val.kind in (ValueKind.PARAM, ValueKind.BUFFER):
-                size = sum(_bytes(val))
-                for lo in range(k):
-                    nxt = next((b for b in consumers if b >= lo), None)
-                    if nxt is not None:
-                        params[lo, nxt:] += size
-                        if val.kind is ValueKind.PARAM:
-                            grad_params[lo, nxt:] += size
+                par_use += [(len(par), c) for c in consumers]
+                par.append((sum(_bytes(val)), val.kind is ValueKind.PARAM))
                 continue
             if val.kind not in (ValueKind.INPUT, ValueKind.ACTIVATION) or not val.is_tensor:
                 continue
             prod_task = graph.producer(name)
             if prod_task is not None and atomic.component_of[prod_task] < 0:
                 continue  # a constant task's output: cloned where needed, never sent
-            p = -1 if prod_task is None else block_of[atomic.component_of[prod_task]]
-            last = k if name in out_names else max(consumers, default=p)
-            b = np.array(_bytes(val))
-            for lo in range(p + 1, k):
-                nxt = next((c for c in consumers if c >= lo), None)
-                if nxt is not None:
-                    inputs[:, lo, nxt:] += b[:, None]
-            if p >= 0 and last > p:
-                for lo in range(p + 1):
-                    outputs[:, lo, p:last] += b[:, None]
-                if val.kind is ValueKind.ACTIVATION and val.batch_dim is None:
-                    cut_ok[p + 1:min(last, k) + 1] = False  # not splittable by rows
+            p = -1 if prod_task is None else atomic.component_of[prod_task]
+            act_use += [(len(act), c) for c in consumers]
+            rows = not (val.kind is ValueKind.ACTIVATION and val.batch_dim is None)
+            act.append((*_bytes(val), p, name in out_names, rows))
+
+        def pairs(x: list[tuple[int, int]]) -> np.ndarray:
+            return np.array(x, dtype=np.int64).reshape(-1, 2).T
+
+        pa = np.array(par, dtype=np.float64).reshape(-1, 2)
+        aa = np.array(act, dtype=np.float64).reshape(-1, 5)
+        return cls(par_bytes=pa[:, 0], par_grad=pa[:, 1] > 0, par_use=pairs(par_use),
+                   act_bytes=aa[:, :2], act_prod=aa[:, 2].astype(np.int64),
+                   act_output=aa[:, 3] > 0, act_rows=aa[:, 4] > 0, act_use=pairs(act_use))
+
+    def block_io(self, block_of: Sequence[int]) -> BlockIO:
+        """O(values + k^2), without a Python loop: each value adds its bytes to rectangles of
+        [l, r] in 2-D difference arrays, summed once at the end. Byte counts are integers, so the
+        sums are exact whatever their order."""
+        blk = np.asarray(block_of, dtype=np.int64)
+        k = int(blk.max()) + 1
+        p_par = np.full(len(self.par_bytes), -1, dtype=np.int64)
+        p_act = np.where(self.act_prod >= 0, blk[np.maximum(self.act_prod, 0)], -1)
+        # parameters: every stage l..r holding a consumer block holds them
+        w_par = np.stack([self.par_bytes, self.par_bytes * self.par_grad], axis=1)
+        d_par = _upto_next(k, blk, self.par_use, p_par, w_par)
+        # inputs: a stage starting after the producer's block receives the value when it holds
+        # a consumer block
+        d_in = _upto_next(k, blk, self.act_use, p_act, self.act_bytes)
+        # outputs: a stage l <= p ending in p .. last-1 sends it on (or returns it), where last
+        # is the last consumer block (k for a model output)
+        last = p_act.copy()
+        v, c = self.act_use
+        np.maximum.at(last, v, blk[c])
+        last = np.where(self.act_output, k, last)
+        j = np.flatnonzero((p_act >= 0) & (last > p_act))
+        pj, lj, wj = p_act[j], last[j], self.act_bytes[j]
+        d_out = np.zeros((2, k + 1, k + 1))
+        top = np.zeros_like(pj)
+        for i in range(2):  # the rectangle rows 0..p, columns p..last-1
+            for rows, cols, sign in ((top, pj, 1.0), (top, lj, -1.0), (pj + 1, pj, -1.0),
+                                     (pj + 1, lj, 1.0)):
+                np.add.at(d_out[i], (rows, cols), sign * wj[:, i])
+        # a stage may not start or end inside a value that cannot be split by batch rows
+        bad = j[~self.act_rows[j]]
+        e = np.zeros(k + 2)
+        np.add.at(e, p_act[bad] + 1, 1.0)
+        np.add.at(e, np.minimum(last[bad], k) + 1, -1.0)
+        cut_ok = np.cumsum(e)[:k + 1] == 0
         cut_ok[0] = cut_ok[k] = True
-        return cls(inputs, outputs, params, grad_params, cut_ok)
+
+        def total(d: np.ndarray) -> np.ndarray:
+            return np.cumsum(np.cumsum(d, axis=-2), axis=-1)[..., :k, :k]
+
+        par = total(d_par)
+        return BlockIO(total(d_in), total(d_out), par[0], par[1], cut_ok)
+
+
+def _upto_next(k: int, blk: np.ndarray, use: np.ndarray, lo: np.ndarray,
+               weight: np.ndarray) -> np.ndarray:
+    """Difference arrays (w, k+1, k+1) of X[l, r] += weight[v] for every value v, first block
+    l > lo[v] and last block r >= the first consumer block of v at or after l."""
+    v, c = use
+    b = blk[c]
+    keep = b > lo[v]
+    key = np.unique(v[keep] * (k + 1) + b[keep])  # each (value, consumer block) once, sorted
+    vv, cc = key // (k + 1), key % (k + 1)
+    first = np.ones(len(vv), dtype=bool)
+    first[1:] = vv[1:] != vv[:-1]
+    prev = np.where(first, lo[vv], np.concatenate([[-1], cc[:-1]]))
+    d = np.zeros((weight.shape[1], k + 1, k + 1))
+    for i in range(weight.shape[1]):  # rows prev+1 .. cc, columns cc .. k-1
+        np.add.at(d[i], (prev + 1, cc), weight[vv, i])
+        np.add.at(d[i], (cc + 1, cc), -weight[vv, i])
+    return d
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,10 +184,13 @@ def batch_per_replica(batch_size: int, copies: int, microbatches: int, d: int) -
 
 def stage_tables(prof: BlockProfile, io: BlockIO, mem: MemoryModel, *, batch_size: int,
                  devices: int, copies: int, microbatches: int, link_bw: float, allreduce_bw: float,
-                 inflight: int | None = None, saved_inputs: int = 0) -> StageTables:
+                 inflight: int | None = None, saved_inputs: int = 0,
+                 only: Collection[int] | None = None) -> StageTables:
     """`inflight`: microbatches whose activations a stage holds at once (fill-drain: all of
     them; 1F1B: at most the stages from it to the end); `saved_inputs`: microbatches whose stage
-    inputs are kept besides (eager schedules keep them for a late backward pass).
+    inputs are kept besides (eager schedules keep them for a late backward pass); `only`: the
+    replica counts to table (None: 1..devices); the others stay infeasible, and the profile
+    needs columns only for theirs.
 
     Recomputation is a fraction f of a stage's kept activations dropped in forward and rebuilt
     before backward (Merak's stage-aware recomputation, by memory rather than by layer): the
@@ -132,7 +215,7 @@ def stage_tables(prof: BlockProfile, io: BlockIO, mem: MemoryModel, *, batch_siz
     for d in range(1, devices + 1):
         b = batch_per_replica(batch_size, copies, microbatches, d)
         batch[d] = b
-        if b < 1:
+        if b < 1 or (only is not None and d not in only):
             continue
         i = prof.column(b)
 

@@ -1,0 +1,158 @@
+"""Stage boundaries finer than blocks: the vectorised block-range tables against a plain
+reference, and the planner's boundary refinement (`rannc.stage_dp.refine`)."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from model_zoo import BUILDERS, make_case
+
+import rannc
+from rannc.atomic.components import AtomicPartition, atomic_components
+from rannc.graph.capture import capture
+from rannc.graph.task_graph import TaskGraph, ValueKind
+from rannc.planner import PlanStats, form_blocks_for, plan_graph, plan_splits
+from rannc.profile.estimate import GraphCosts, _bytes
+from rannc.stage_dp.refine import block_starts, level_points, pieces, plan_order, segment_of
+from rannc.stage_dp.tables import BlockIO
+
+logging.getLogger("transformers").setLevel(logging.ERROR)
+
+
+def block_io_reference(graph: TaskGraph, atomic: AtomicPartition, block_of: list[int]) -> BlockIO:
+    """BlockIO.of as a plain loop over every first block l of a range, per value."""
+    k = max(block_of) + 1
+    inputs, outputs = np.zeros((2, k, k)), np.zeros((2, k, k))
+    params, grad_params = np.zeros((k, k)), np.zeros((k, k))
+    cut_ok = np.ones(k + 1, dtype=bool)
+    blocks_of_task = [sorted({block_of[c] for c in h}) for h in atomic.holders]
+    out_names = {v for v in graph.outputs if v is not None}
+    for name, val in graph.values.items():
+        consumers = sorted({b for t in graph.consumers(name) for b in blocks_of_task[t]})
+        if val.kind in (ValueKind.PARAM, ValueKind.BUFFER):
+            for lo in range(k):
+                nxt = next((b for b in consumers if b >= lo), None)
+                if nxt is not None:
+                    params[lo, nxt:] += sum(_bytes(val))
+                    if val.kind is ValueKind.PARAM:
+                        grad_params[lo, nxt:] += sum(_bytes(val))
+            continue
+        if val.kind not in (ValueKind.INPUT, ValueKind.ACTIVATION) or not val.is_tensor:
+            continue
+        prod = graph.producer(name)
+        if prod is not None and atomic.component_of[prod] < 0:
+            continue
+        p = -1 if prod is None else block_of[atomic.component_of[prod]]
+        last = k if name in out_names else max(consumers, default=p)
+        b = np.array(_bytes(val))
+        for lo in range(p + 1, k):
+            nxt = next((c for c in consumers if c >= lo), None)
+            if nxt is not None:
+                inputs[:, lo, nxt:] += b[:, None]
+        if p >= 0 and last > p:
+            for lo in range(p + 1):
+                outputs[:, lo, p:last] += b[:, None]
+            if val.kind is ValueKind.ACTIVATION and val.batch_dim is None:
+                cut_ok[p + 1:min(last, k) + 1] = False
+    cut_ok[0] = cut_ok[k] = True
+    return BlockIO(inputs, outputs, params, grad_params, cut_ok)
+
+
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_block_io_matches_the_plain_loop(name: str) -> None:
+    case = make_case(name, batch=4)
+    graph = capture(case.model, case.args, case.kwargs).graph
+    atomic = atomic_components(graph)
+    n = len(atomic.components)
+    rng = np.random.default_rng(0)
+    for k in sorted({1, 2, min(5, n), n}):
+        cuts = np.sort(rng.choice(np.arange(1, n), size=k - 1, replace=False)) if k > 1 else []
+        block_of = np.searchsorted(np.asarray(cuts), np.arange(n), side="right").tolist()
+        got, want = BlockIO.of(graph, atomic, block_of), block_io_reference(graph, atomic, block_of)
+        for field in ("inputs", "outputs", "params", "grad_params", "cut_ok"):
+            assert np.array_equal(getattr(got, field), getattr(want, field)), (k, field)
+
+
+# -- boundary refinement ------------------------------------------------------------------------
+
+SPEC = rannc.DeviceSpec("test-gpu", memory_bytes=16e9, flops=1e12, mem_bandwidth=1e12,
+                        op_overhead=0.0)
+
+
+def equal_chain(layers: int) -> tuple[TaskGraph, AtomicPartition]:
+    """`layers` identical bias-free linear layers: one atomic component each, equal costs."""
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256, bias=False) for _ in range(layers)])
+    graph = capture(model, (torch.randn(64, 256),), {}).graph
+    atomic = atomic_components(graph)
+    assert len(atomic.components) == layers
+    return graph, atomic
+
+
+def test_stage_boundaries_move_inside_blocks_to_the_best_split() -> None:
+    """12 equal layers in k = 3 blocks: coarsening pairs them level by level, so the blocks
+    hold 4 layers each and two stages of whole blocks split 4 | 8. The best split, 6 | 6, cuts
+    inside a block; the refined plan predicts exactly the best split's time."""
+    graph, atomic = equal_chain(12)
+    cluster = rannc.Cluster.homogeneous(SPEC, n=2, per_node=2)
+    base = {"blocks": 3, "partition_num": 2, "microbatches": 4, "schedule": "gpipe"}
+    coarse = plan_graph(graph, atomic, cluster,
+                        rannc.Config(**base, extra={"boundary_refinement": False}), batch_size=64)
+    stats = PlanStats()
+    fine = plan_graph(graph, atomic, cluster, rannc.Config(**base), batch_size=64, stats=stats)
+    layer_of = list(range(12))
+    every = plan_splits(graph, atomic, cluster, rannc.Config(microbatches=4, schedule="gpipe"),
+                        batch_size=64, block_of=layer_of,
+                        splits=[([0, c, 12], [1, 1]) for c in range(1, 12)])
+    best = min(p.predicted_iteration_time for p in every if p is not None)
+    assert [len(st.components) for st in coarse.stages] == [4, 8]
+    assert coarse.predicted_iteration_time > best * 1.1
+    assert [st.components for st in fine.stages] == [tuple(range(6)), tuple(range(6, 12))]
+    assert fine.predicted_iteration_time == pytest.approx(best, rel=1e-12)
+    # an explicit k is phase 2's, exactly: the stage split refines it, it does not replace it
+    assert fine.blocks == stats.blocks == 3
+    assert "refine" in stats.seconds
+
+
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_every_run_of_the_plan_order_is_a_valid_stage(name: str) -> None:
+    """Edges only go forward in `plan_order` (so any run of it is convex and runs can execute
+    in order), and the segments of a refinement level cover every component once."""
+    case = make_case(name, batch=4)
+    graph = capture(case.model, case.args, case.kwargs).graph
+    atomic = atomic_components(graph)
+    costs = GraphCosts.of(graph, atomic)
+    n = len(atomic.components)
+    for k in (2, 4, 32):
+        block_of = form_blocks_for(graph, atomic, costs, spec_time=costs.component_time(SPEC, 4),
+                                   limit=float("inf"), opt=2.0, k=k, bandwidth=1e9, batch=4)
+        order = plan_order(block_of)
+        pos = {c: i for i, c in enumerate(order)}
+        for name_, _val in graph.values.items():
+            prod = graph.producer(name_)
+            if prod is None or atomic.component_of[prod] < 0:
+                continue
+            p = atomic.component_of[prod]
+            for t in graph.consumers(name_):
+                for c in atomic.holders[t]:
+                    assert c == p or pos[p] < pos[c], (k, p, c)
+        starts = block_starts(block_of)
+        assert starts[0] == 0 and starts[-1] == n
+        assert all(block_of[order[i]] == b for b in range(len(starts) - 1)
+                   for i in range(starts[b], starts[b + 1]))
+        cuts = [0, starts[len(starts) // 2], n]
+        window = (starts[max(len(starts) // 2 - 1, 0)], starts[min(len(starts) // 2 + 1, len(starts) - 1)])
+        points = level_points(np.ones(n), cuts, [window], 3)
+        assert points[0] == 0 and points[-1] == n and set(cuts) <= set(points)
+        seg = segment_of(order, points)
+        assert sorted(set(seg)) == list(range(len(points) - 1))
+
+
+def test_pieces_balance_weight_and_stay_inside_the_window() -> None:
+    w = np.array([1.0, 1.0, 1.0, 1.0, 4.0, 0.0, 0.0, 0.0])
+    assert pieces(w, 0, 8, 2) == {4}  # half the weight (4) before position 4
+    assert pieces(w, 2, 5, 4) == {3, 4}  # few components: every position
+    assert pieces(np.zeros(8), 0, 8, 4) == {2, 4, 6}
+    assert all(0 < p < 8 for p in pieces(w, 0, 8, 5))
