@@ -287,7 +287,8 @@ def cell(r: dict[str, Any]) -> str:
     if "S" in r:  # a peer: S stages x W/S replicas each
         return f"{r['time']:.4g} (S={r['S']}, m={r['m']}, {r['schedule']})"
     reps = r["replicas"]
-    shape = f"{len(reps)} stages x {reps[0]}" if len(set(reps)) == 1 else f"replicas {reps}"
+    stages = f"{len(reps)} stage{'' if len(reps) == 1 else 's'}"
+    shape = f"{stages} x {reps[0]}" if len(set(reps)) == 1 else f"replicas {reps}"
     return f"{r['time']:.4g} ({shape}, m={r['m']}, {r['schedule']})"
 
 
