@@ -269,6 +269,9 @@ def worker(a: argparse.Namespace) -> None:
 
         def step(x: Any, y: Any) -> float:
             losses: list[torch.Tensor] = []
+            if a.size_sync:  # rannc's start of a step: every rank's row count, gathered
+                rows = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+                dist.all_gather(rows, torch.tensor([hi - lo]))
             if rank == 0:
                 sched.step(x)
             elif rank == world - 1:
@@ -357,6 +360,7 @@ def driver(a: argparse.Namespace) -> None:
                     pm.launch([mpiexec, "-n", str(n), *me, "--worker", v, "--model", model,
                                "--label", label, "--out", str(tmp), f"--steps={a.steps}",
                                f"--warmup={a.warmup}", f"--microbatches={a.microbatches}",
+                               *(["--size-sync"] if a.size_sync else []),
                                *model_args(model, a), *extra], a.timeout)
                     rows = [json.loads(p.read_text()) for p in sorted(tmp.glob(f"{label}.rank*.json"))]
                     results.setdefault((model, n, v), []).append(rows)
@@ -442,6 +446,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--size-sync", action="store_true",
+                   help="diagnostic: pipelining steps start with rannc's all-gather of row counts")
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=6)
