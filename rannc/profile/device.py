@@ -209,8 +209,10 @@ def measure_local_device() -> DeviceSpec:
 
     mm = timed(lambda: a @ b, 10 if cuda else 3)
     # A CPU has no tensor cores: its bf16 products are no faster, so 0 (price them at fp32).
-    ah, bh = a.bfloat16(), b.bfloat16()
-    mm_half = timed(lambda: ah @ bh, 10) if cuda else 0.0
+    mm_half = 0.0
+    if cuda:
+        ah, bh = a.bfloat16(), b.bfloat16()
+        mm_half = timed(lambda: ah @ bh, 10)
     cp = timed(lambda: big.clone(), 5)
     if cuda:
         props = torch.cuda.get_device_properties(dev)

@@ -127,7 +127,7 @@ class GraphCosts:
         peak = np.where(self.half & (spec.flops_half > 0), spec.flops_half, spec.flops) * spec.efficiency
         bw = spec.mem_bandwidth * spec.efficiency
         fwd = np.maximum(f / peak, m / bw) + spec.op_overhead * self.is_kernel
-        bwd = (2 * np.maximum(f / peak, m / bw) + 2 * spec.op_overhead * self.is_kernel) * self.has_grad
+        bwd = 2 * fwd * self.has_grad
         return fwd, bwd
 
     # -- per component / block ------------------------------------------------------------------
