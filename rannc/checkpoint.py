@@ -24,6 +24,7 @@ is described where it is implemented, below.
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import io
 import itertools
@@ -319,7 +320,7 @@ def latest_checkpoint(path: str | os.PathLike[str]) -> str | None:
     is none (no save into `path` has finished): the test a training script uses to resume."""
     root = Path(os.path.realpath(path))
     if not root.is_dir():
-        return None
+        return _legacy_aside(root)
     pointed = _read_pointer(root)
     if pointed is not None and _complete(root / pointed):
         return str(root / pointed)
@@ -332,6 +333,17 @@ def latest_checkpoint(path: str | os.PathLike[str]) -> str | None:
     if _complete(root):  # the flat layout of rannc <= 0.1: the directory is the checkpoint
         return str(root)
     return None
+
+
+def _legacy_aside(root: Path) -> str | None:
+    """rannc <= 0.1 renamed the previous checkpoint to `<dir>.old-<id>` while publishing; a crash
+    there left only that copy. Found so that a job killed before an upgrade still resumes."""
+    aside = sorted((p for p in root.parent.glob(f"{glob.escape(root.name)}.old-*") if _complete(p)),
+                   key=lambda p: p.stat().st_mtime)
+    if not aside:
+        return None
+    log.warning("rannc: %s is missing; using %s, left by an interrupted save", root, aside[-1])
+    return str(aside[-1])
 
 
 def _complete(d: Path) -> bool:
@@ -671,16 +683,7 @@ def save_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer | None,
     if problem is not None:  # raised alike on every rank, before anything is written
         raise CheckpointError(problem)
     every_state = _gather(states, rank0_only=True)
-    h = Holdings.of(model, rt)
-    tensors: dict[str, torch.Tensor] = {_MODEL + n: h.tensors[n].detach() for n in h.mine(rank)}
-    values: dict[str, dict[str, Any]] = {}
-    if optimizer is not None:
-        for n, st in _local_optimizer_state(model, optimizer, h, rank).items():
-            for k, v in st.items():
-                if isinstance(v, torch.Tensor):
-                    tensors[f"{_OPTIM}{n}/{k}"] = v
-                else:
-                    values.setdefault(n, {})[k] = v
+    tensors, values = _shard(model, optimizer, Holdings.of(model, rt), rank)
     every = _gather(values, rank0_only=True)
     dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp)))
     if rank == 0 and stateful:
@@ -707,6 +710,21 @@ def save_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer | None,
     if rank == 0:
         _publish(root, tmp_name, version)
     dist.barrier()
+
+
+def _shard(model: nn.Module, optimizer: torch.optim.Optimizer | None, h: Holdings,
+           rank: int) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
+    """What this rank writes: DCP tensors by key, and non-tensor optimizer state by name."""
+    tensors: dict[str, torch.Tensor] = {_MODEL + n: h.tensors[n].detach() for n in h.mine(rank)}
+    values: dict[str, dict[str, Any]] = {}
+    if optimizer is not None:
+        for n, st in _local_optimizer_state(model, optimizer, h, rank).items():
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor):
+                    tensors[f"{_OPTIM}{n}/{k}"] = v
+                else:
+                    values.setdefault(n, {})[k] = v
+    return tensors, values
 
 
 def _write_json(path: Path, obj: Any) -> None:
@@ -768,16 +786,7 @@ def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer | None,
     saved = reader.read_metadata().state_dict_metadata
     h = Holdings.of(model, rt)
     _check_keys(where, h, {k[len(_MODEL):] for k in saved if k.startswith(_MODEL)}, strict)
-    want: dict[str, torch.Tensor] = {}
-    for n in h.persistent:
-        key = _MODEL + n
-        if n not in h.held or key not in saved:
-            continue
-        size = tuple(getattr(saved[key], "size", ()))
-        if size != tuple(h.tensors[n].shape):
-            raise CheckpointMismatchError(f"checkpoint {where}: {n} has shape {list(size)}, the "
-                                          f"model's is {list(h.tensors[n].shape)}")
-        want[key] = h.tensors[n].detach()
+    want = _model_targets(where, h, saved)
     opt_keys: dict[str, list[str]] = {}
     held: set[str] = set()
     load_opt = optimizer is not None and meta["optimizer"] is not None
@@ -815,6 +824,21 @@ def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer | None,
     if stateful and (where / STATEFUL_FILE).exists():
         entries = torch.load(where / STATEFUL_FILE, weights_only=True)["entries"]
     return _restore(entries, stateful, where, strict, rank, world)
+
+
+def _model_targets(where: Path, h: Holdings, saved: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """DCP key -> this rank's tensor, for the saved entries this rank holds (DCP loads in place)."""
+    want: dict[str, torch.Tensor] = {}
+    for n in h.persistent:
+        key = _MODEL + n
+        if n not in h.held or key not in saved:
+            continue
+        size = tuple(getattr(saved[key], "size", ()))
+        if size != tuple(h.tensors[n].shape):
+            raise CheckpointMismatchError(f"checkpoint {where}: {n} has shape {list(size)}, the "
+                                          f"model's is {list(h.tensors[n].shape)}")
+        want[key] = h.tensors[n].detach()
+    return want
 
 
 def _check_keys(where: Path, h: Holdings, saved: set[str], strict: bool) -> None:

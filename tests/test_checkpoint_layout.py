@@ -274,3 +274,27 @@ def test_user_files_are_kept(tmp_path: Path, caplog: pytest.LogCaptureFixture) -
     assert rannc.latest_checkpoint(ck) == str(ck / "v-000002")
     m.save_checkpoint(ck)
     assert (ck / "v-000001" / "notes.txt").exists() and rannc.latest_checkpoint(ck) == str(ck / "v-000003")
+
+
+def test_a_per_rank_state_cannot_go_to_another_number_of_ranks(tmp_path: Path) -> None:
+    """States that differ across the saving ranks are stored per rank; loading them on another
+    number of ranks is an error naming the key. States equal on every rank are stored once."""
+    parts = [{"rng": ("stateful", {"s": torch.tensor([r])}), "sched": ("stateful", {"lr": 0.1})}
+             for r in range(4)]
+    entries = ckpt._merge_states(parts)
+    assert len(entries["rng"]["states"]) == 4 and len(entries["sched"]["states"]) == 1
+    got = ckpt._restore(entries, {"sched": 0}, tmp_path, True, rank=1, world=2)
+    assert got == {"sched": {"lr": 0.1}}
+    with pytest.raises(ckpt.CheckpointError, match="'rng' was saved by 4 ranks"):
+        ckpt._restore(entries, {"rng": 0}, tmp_path, True, rank=1, world=2)
+    got = ckpt._restore(entries, {"rng": 0}, tmp_path, True, rank=3, world=4)
+    assert torch.equal(got["rng"]["s"], torch.tensor([3]))
+
+
+def test_an_aside_copy_of_the_old_layout_is_found(tmp_path: Path) -> None:
+    """rannc <= 0.1 left only `ck.old-<id>` after a crash inside its publish."""
+    m, opt = _model()
+    m.save_checkpoint(tmp_path / "new")
+    os.rename(Path(rannc.latest_checkpoint(tmp_path / "new") or ""), tmp_path / "ck.old-1234")
+    assert rannc.latest_checkpoint(tmp_path / "ck") == str(tmp_path / "ck.old-1234")
+    m.load_checkpoint(tmp_path / "ck")

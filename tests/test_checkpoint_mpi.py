@@ -1,6 +1,8 @@
 """Checkpoints under mpiexec (gloo, CPU): gathered state dicts and optimizer state against the
 unwrapped model, sharded checkpoints saved on 4 ranks (replicas 1,1,2) and loaded on 2 (two
-stages), resume exactness, and a save killed before it is moved into place.
+stages), resume exactness, a save killed before it is moved into place, a resume bit-identical
+to an uninterrupted run with an LR scheduler and dropout RNG (2 ranks), and a save called on rank
+0 only (an error within seconds). The single-process layout tests are test_checkpoint_layout.py.
 
 The launches build on each other (save -> resume, then a killed save -> load elsewhere), so they
 are module fixtures, each run once; the tests read their outputs. GPT-2 has tied embeddings and
