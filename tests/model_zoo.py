@@ -115,7 +115,8 @@ class Writes(nn.Module):
         self.idx = torch.tensor([3, 0, 5])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.inp(x)
+        h = self.inp(x) + self.ema  # the running mean as it was before this call
+        self.ema.mul_(0.9).add_(0.1 * x.mean(0))  # an input-dependent buffer update
         s = h.new_zeros(h.shape)
         s[..., 1:] = h[..., :-1]  # shift right: copy_ into a slice (shift_tokens_right)
         c = h.clone()
@@ -131,8 +132,7 @@ class Writes(nn.Module):
         t.view(-1)[::3].sub_(0.5)  # write through a view alias
         m = torch.zeros_like(h).masked_scatter_(h < 0, torch.ones_like(h) * 7.0)
         self.calls[0] += 1  # a buffer written through a view
-        self.ema.mul_(0.9).add_(0.1 * h.detach().mean(0))  # an input-dependent buffer update
-        return self.out(s + t + z + m + self.ema)
+        return self.out(s + t + z + m)
 
 
 def _writes(batch: int) -> Case:

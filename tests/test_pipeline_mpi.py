@@ -32,6 +32,9 @@ LAYOUTS = [
     # Rows regrouped from 2 replicas into 1: T5's padded mask is picked per row by an
     # arange over the microbatch, which each stage must compute for its own rows.
     (3, ["--replicas", "2,1"], 2, 6, "t5"),
+    # Writes through views and into buffers, with values written in one stage read in the
+    # next (one microbatch: its input-dependent buffer update, like BatchNorm's, is per piece).
+    (2, ["--partition-num", "2", "--eval-check"], 1, 6, "writes"),
 ]
 
 

@@ -19,7 +19,12 @@ from model_zoo import BUILDERS, Case, make_case
 from rannc.atomic.components import AtomicPartition, atomic_components
 from rannc.errors import RaNNCError
 from rannc.graph.capture import CapturedModel, capture, flatten_inputs
-from rannc.graph.extract import StageGraph, build_stage_module, split_graph
+from rannc.graph.extract import (
+    StageGraph,
+    build_stage_module,
+    check_buffer_writes_stay_in_one_stage,
+    split_graph,
+)
 from rannc.graph.task_graph import ValueKind
 
 RTOL, ATOL = 1e-6, 1e-7
@@ -153,3 +158,27 @@ def test_stage_interfaces_are_minimal() -> None:
     kinds = {cap.graph.values[v].kind for v in stages[1].inputs}
     assert ValueKind.INPUT in kinds  # labels go straight to the stage that needs them
     assert "labels" not in stages[0].inputs or "labels" not in stages[0].outputs
+
+
+class _ReadEarlyWriteLate(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        self.register_buffer("ema", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.b(torch.relu(self.a(x + self.ema)))
+        self.ema.mul_(0.9).add_(0.1 * h.detach().mean(0))
+        return h
+
+
+def test_a_buffer_read_in_one_stage_and_written_in_another_is_refused() -> None:
+    """On several ranks each stage holds its own copy of a buffer: the reader would keep a stale
+    one. The first component reads the buffer, the update follows the last Linear."""
+    cap = capture(_ReadEarlyWriteLate(), (torch.randn(3, 4),))
+    atomic = atomic_components(cap.graph)
+    n = len(atomic.components)
+    stages = split_graph(cap.graph, atomic, [[0], list(range(1, n))])
+    with pytest.raises(RaNNCError, match=r"buffer 'ema' is updated in place in stage 1 .* stage\(s\) \[0\]"):
+        check_buffer_writes_stay_in_one_stage(cap.graph, stages)
+    check_buffer_writes_stay_in_one_stage(cap.graph, split_graph(cap.graph, atomic, [list(range(n))]))

@@ -111,6 +111,32 @@ def split_graph(graph: TaskGraph, atomic: AtomicPartition,
     return stages
 
 
+def check_buffer_writes_stay_in_one_stage(graph: TaskGraph, stages: Sequence[StageGraph]) -> None:
+    """Each stage holds its own copy of the buffers it reads, so a buffer written in place in
+    one stage and read in another would drift apart on different ranks (the reader keeps the
+    value from before the first step). Raise naming the buffer and the stages.
+
+    Not a limit of one process (every stage reads the user's one buffer): call it where the
+    stages run on different ranks. BatchNorm never meets it (one task reads and writes)."""
+    for st in stages:
+        for t in st.tasks:
+            for v in graph.tasks[t].mutates:
+                val = graph.values[v]
+                if val.kind is not ValueKind.BUFFER:
+                    continue
+                readers = [o.index for o in stages if o.index != st.index and v in o.inputs]
+                if readers:
+                    task = graph.tasks[t]
+                    raise RaNNCError(
+                        f"buffer '{val.target}' is updated in place in stage {st.index} (module "
+                        f"'{task.module_path}') but also read in stage(s) {readers}, which would "
+                        "keep a stale copy on their ranks. rannc does not synchronise buffers "
+                        "between stages yet. Fix: force a layout that keeps the module reading "
+                        "and updating it in one stage (partition_num, or a plan file), or keep "
+                        "the update next to the read in forward()."
+                    )
+
+
 def build_stage_module(gm: fx.GraphModule, graph: TaskGraph, stage: StageGraph) -> fx.GraphModule:
     """An fx module computing `stage`: placeholders = stage.inputs, output = tuple(stage.outputs)."""
     old_nodes = {n.name: n for n in gm.graph.nodes}

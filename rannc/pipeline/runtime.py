@@ -41,7 +41,12 @@ from rannc import health
 from rannc.atomic.components import AtomicPartition
 from rannc.errors import RaNNCError
 from rannc.graph.capture import CapturedModel
-from rannc.graph.extract import StageGraph, build_stage_module, split_graph
+from rannc.graph.extract import (
+    StageGraph,
+    build_stage_module,
+    check_buffer_writes_stay_in_one_stage,
+    split_graph,
+)
 from rannc.graph.task_graph import Value, ValueKind, eval_dim
 from rannc.pipeline.rows import Range, RowLayout, intersect
 from rannc.plans import Plan
@@ -103,6 +108,7 @@ class PipelineRuntime:
         self.graph = captured.graph
         groups = [list(s.components) for s in plan.stages]
         self.stages: list[StageGraph] = split_graph(self.graph, atomic, groups)
+        check_buffer_writes_stay_in_one_stage(self.graph, self.stages)
         self.s = plan.stage_of_rank(rank).index
         self.j = plan.stages[self.s].ranks.index(rank)
         self.me = self.stages[self.s]
