@@ -101,8 +101,11 @@ class RaNNCModule(nn.Module):
         key = (layout.signature, self.training, _autocast_state())
         dep = self._deployments.get(key)
         if dep is None:
-            dep = self._deploy(args, kwargs, first=not self._deployments)
+            first = not self._deployments
+            dep = self._deploy(args, kwargs, first=first)
             self._deployments[key] = dep
+            if first:
+                _seed_at_deployment(self.config)
         values = run_chain(dep.modules, dep.stages, dep.captured.bind(self.module, leaves))
         return dep.captured.unflatten_outputs(values)
 
@@ -136,6 +139,8 @@ class RaNNCModule(nn.Module):
             rt = PipelineRuntime(self.module, cap, atomic, plan, ctx.rank, ctx.world_size, ctx.device,
                                  trace=self.config.trace)
             rt.sync = self._sync
+            if not self._runtimes:
+                _seed_at_deployment(self.config)
             self._runtimes[key] = rt
             self._release_params(rt)
             self._owned = None
@@ -526,6 +531,13 @@ class RaNNCModule(nn.Module):
 
     def extra_repr(self) -> str:
         return f"module={type(self.module).__name__}, deployments={len(self._deployments)}"
+
+
+def _seed_at_deployment(config: Config) -> None:
+    """Config.seed: the same torch RNG state on every rank from the first step on, after
+    planning (which may draw random numbers on rank 0 alone, when it measures)."""
+    if config.seed is not None:
+        torch.manual_seed(config.seed)
 
 
 def _autocast_state() -> tuple[Any, ...]:

@@ -137,14 +137,16 @@ def test_output_not_a_tensor_number_or_pytree() -> None:
 
 
 def test_zero_microbatches() -> None:
-    with pytest.raises(ConfigError, match=r"Config.microbatches=0 must be at least 1; give a "
-                                          r"positive count, or leave it unset"):
+    with pytest.raises(ConfigError, match=r"Config.microbatches=0 is not valid: microbatches must "
+                                          r"be an integer >= 1, or None \(unset\). Fix: pass "
+                                          r"microbatches=2"):
         rannc.RaNNCModule(nn.Linear(2, 2), microbatches=0)
 
 
 def test_unknown_schedule() -> None:
-    with pytest.raises(ConfigError, match=r"Config.schedule='zigzag' is not one of auto, gpipe, "
-                                          r"1f1b, scp; set schedule to one of them"):
+    with pytest.raises(ConfigError, match=r"Config.schedule='zigzag' is not valid: schedule must "
+                                          r"be one of 'auto', 'gpipe', '1f1b', 'scp'. Fix: pass "
+                                          r"schedule='auto'"):
         rannc.RaNNCModule(nn.Linear(2, 2), schedule="zigzag")
 
 
