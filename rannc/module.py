@@ -186,7 +186,8 @@ class RaNNCModule(nn.Module):
             if "error" in loaded[0]:
                 raise validate.rebuild_error(loaded[0])
             plan = Plan.from_dict(loaded[0])
-            plan.check(cap.graph, ctx.world_size, source=source)
+            plan.check(cap.graph, ctx.world_size, source=source, atomic=atomic,
+                       batch_rows=sum(sizes))
             return dataclasses.replace(plan, source=(cap.graph, atomic))
         # Every rank reports its own device (a mixed cluster is planned as such), unless the
         # user described the cluster in a file.

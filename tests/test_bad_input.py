@@ -52,6 +52,20 @@ CASES: dict[str, tuple[str, list[str]]] = {
         "plan again"]),
     "plan_file_other_model": ("PlanMismatchError", [
         "plan_of_other_model.json was made for another model", "fingerprint", "plan again"]),
+    "plan_file_bogus_schedule": ("PlanMismatchError", [
+        "plan_file_bogus_schedule.json is not a valid plan for this model and 2 ranks",
+        "schedule 'bogus' is not one of gpipe, 1f1b, scp", "Fix: plan again"]),
+    "plan_file_shares_not_summing_to_1": ("PlanMismatchError", [
+        "stage 0's row shares [0.3] must each be in (0, 1] and sum to 1", "Fix: plan again"]),
+    "plan_file_recompute_beyond_1": ("PlanMismatchError", [
+        "stage 1's recompute=2.0 is not a fraction in [0, 1]", "Fix: plan again"]),
+    "plan_file_more_microbatches_than_rows": ("PlanMismatchError", [
+        "microbatches=100 exceeds the 8 rows of the global batch", "Fix: plan again"]),
+    "plan_file_parameter_moved_between_stages": ("PlanMismatchError", [
+        "stage 0's parameters do not match its components: its components read ['a.weight'], "
+        "which it does not list", "Fix: plan again"]),
+    "plan_file_rank_in_two_stages": ("PlanMismatchError", [
+        "rank 0 is in two stages (0 and 1)", "Fix: plan again"]),
     "plan_file_unreadable": ("RaNNCError", [
         "reading the plan file", "plan_not_json.json failed on rank 0",
         "JSONDecodeError", "Fix: delete the file, or load_deployment=False"]),

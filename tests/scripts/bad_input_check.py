@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import os
 import sys
 from collections.abc import Callable
@@ -101,6 +102,34 @@ def save_plan(path: str, model: nn.Module, n: int, rank: int) -> None:
     rannc.barrier()
 
 
+def edited_plan(src: str, dst: str, edit: Callable[[dict[str, Any]], None], rank: int) -> str:
+    """A copy of the plan file `src` changed by `edit` (as a hand edit would), on rank 0."""
+    if rank == 0:
+        with open(src) as f:
+            d = json.load(f)
+        edit(d)
+        with open(dst, "w") as f:
+            json.dump(d, f)
+    rannc.barrier()
+    return dst
+
+
+def _move_param(d: dict[str, Any]) -> None:
+    name = d["stages"][0]["param_names"].pop(0)
+    d["stages"][1]["param_names"].append(name)
+
+
+# name -> how a valid 2-stage plan for 2 ranks is spoiled (each a one-line error, every rank)
+PLAN_EDITS: dict[str, Callable[[dict[str, Any]], None]] = {
+    "plan_file_bogus_schedule": lambda d: d.update(schedule="bogus"),
+    "plan_file_shares_not_summing_to_1": lambda d: d["stages"][0].update(shares=[0.3]),
+    "plan_file_recompute_beyond_1": lambda d: d["stages"][1].update(recompute=2.0),
+    "plan_file_more_microbatches_than_rows": lambda d: d.update(microbatches=100),
+    "plan_file_parameter_moved_between_stages": _move_param,
+    "plan_file_rank_in_two_stages": lambda d: d["stages"][1].update(ranks=[0]),
+}
+
+
 def main() -> None:
     tmp = sys.argv[1]
     ctx = rdist.init_process_group(120)
@@ -150,6 +179,10 @@ def main() -> None:
     # an older copy on another node's disk would; it is never read.
     two = os.path.join(tmp, "plan_for_2_ranks.json")
     save_plan(two, Net(), 2, r)
+    for name, edit in PLAN_EDITS.items():
+        path = edited_plan(two, os.path.join(tmp, name + ".json"), edit, r)
+        case(name, r, lambda path=path: rannc.RaNNCModule(  # type: ignore[misc]
+            Net(), load_deployment=True, deployment_file=path)(torch.randn(n, WIDTH)))
     torch.manual_seed(4)
     net2 = Net()
     ref2 = copy.deepcopy(net2)
