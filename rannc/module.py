@@ -18,6 +18,8 @@ import contextlib
 import dataclasses
 import logging
 import os
+import warnings
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
@@ -62,16 +64,23 @@ class RaNNCModule(nn.Module):
         super().__init__()
         if not isinstance(model, nn.Module):
             raise TypeError(f"RaNNCModule wraps an nn.Module, got {type(model).__name__}")
+        if isinstance(model, RaNNCModule):
+            raise RaNNCError(
+                f"the model is already a RaNNCModule (around {type(model.module).__name__}); "
+                "wrapping it again would pipeline a pipeline. Fix: wrap the original model once, "
+                "RaNNCModule(model.module, optimizer, ...), or use the existing wrapper as is")
         # Not registered as a child: state_dict() and named_parameters() must keep
         # the original names, without a "model." prefix.
         object.__setattr__(self, "_model", model)
         self.optimizer = optimizer
         self.config = Config.resolve(config, **options)
         self.training = model.training
-        self._deployments: dict[tuple[Any, ...], _Deployment] = {}
+        # Captures by input signature, least recently used first; at most config.max_captures.
+        self._deployments: OrderedDict[tuple[Any, ...], _Deployment] = OrderedDict()
         self._sync = True
         self._plan: Plan | None = None
-        self._runtimes: dict[tuple[Any, ...], PipelineRuntime] = {}
+        self._runtimes: OrderedDict[tuple[Any, ...], PipelineRuntime] = OrderedDict()
+        self._warned_recapture = False
         self._calls = 0  # forward() calls: the "step" a failure report names
         self._last_rt: PipelineRuntime | None = None
         self._released: dict[str, torch.Size] = {}  # parameters this rank freed: their shapes
@@ -102,10 +111,14 @@ class RaNNCModule(nn.Module):
         dep = self._deployments.get(key)
         if dep is None:
             first = not self._deployments
+            validate.check_capturable(self.module, leaves, [layout.batch or 0], first)
             dep = self._deploy(args, kwargs, first=first)
             self._deployments[key] = dep
+            self._bound_cache(self._deployments, pinned=None)
             if first:
                 _seed_at_deployment(self.config)
+        else:
+            self._deployments.move_to_end(key)
         values = run_chain(dep.modules, dep.stages, dep.captured.bind(self.module, leaves))
         return dep.captured.unflatten_outputs(values)
 
@@ -119,7 +132,10 @@ class RaNNCModule(nn.Module):
         sizes = validate.agree_on_call(args, kwargs, leaves, layout, ctx,
                                        validate.call_mode(self.training, key[2]))
         rt = self._runtimes.get(key)
-        if rt is None:
+        if rt is not None:
+            self._runtimes.move_to_end(key)
+        else:
+            validate.check_capturable(self.module, leaves, sizes, self._plan is None)
             with self._shaped_params():
                 cap = capture(self.module, args, kwargs)
             atomic = atomic_components(cap.graph)
@@ -144,6 +160,9 @@ class RaNNCModule(nn.Module):
             self._runtimes[key] = rt
             self._release_params(rt)
             self._owned = None
+            # The runtime of the planned deployment stays: the parameters this rank holds are
+            # its stage's (a derived plan's stages hold a subset of them).
+            self._bound_cache(self._runtimes, pinned=next(iter(self._runtimes)))
         cap = rt.cap
         self._last_rt = rt
         flat = rt.forward(leaves, sizes)
@@ -152,6 +171,9 @@ class RaNNCModule(nn.Module):
             names = [cap.graph.outputs[i] for i in idx]
             anchor = torch.empty((), requires_grad=True)
             outs = PipelineFunction.apply(rt, names, anchor, *[flat[i] for i in idx])
+            node = next((o.grad_fn for o in outs if o.grad_fn is not None), None)
+            if node is not None:
+                node.register_prehook(_BackwardOnce(self._calls))
             for i, o in zip(idx, outs, strict=True):
                 flat[i] = o
         return pytree.tree_unflatten(flat, cap.out_spec)
@@ -215,6 +237,27 @@ class RaNNCModule(nn.Module):
         if cfg.save_deployment and ctx.rank == 0:
             plan.save(cfg.deployment_file)
         return plan
+
+    def _bound_cache(self, cache: OrderedDict[tuple[Any, ...], Any], pinned: Any) -> None:
+        """Keep at most config.max_captures captures, dropping the least recently used (never
+        `pinned`). Inputs whose shape changes at every call (an unpadded sequence length)
+        would otherwise capture again at every call and keep every capture: memory grows
+        without bound. Every rank sees the same calls (agree_on_call), so all drop alike."""
+        limit = self.config.max_captures
+        if len(cache) > limit and not self._warned_recapture:
+            self._warned_recapture = True
+            warnings.warn(
+                f"rannc: the model was called with {len(cache)} different input signatures "
+                "(shapes beyond the batch dim, keyword names, mode); each new one is captured "
+                f"again, and only the {limit} most recently used are kept (max_captures). Fix: "
+                "pad inputs to a few bucket lengths (e.g. sequence lengths to a multiple of 64, "
+                "or one maximum length), or raise max_captures if a few more shapes recur",
+                UserWarning, stacklevel=4)
+        for key in list(cache):
+            if len(cache) <= limit:
+                break
+            if key != pinned:
+                del cache[key]
 
     @staticmethod
     def _cluster(cfg: Config, ctx: rdist.DistContext, reports: list[Any]) -> Any:
@@ -532,6 +575,26 @@ class RaNNCModule(nn.Module):
 
     def extra_repr(self) -> str:
         return f"module={type(self.module).__name__}, deployments={len(self._deployments)}"
+
+
+class _BackwardOnce:
+    """A pre-hook on the pipeline's backward node: the pipeline's backward runs once per
+    forward (its stages freed their activations and gradients were all-reduced), so a second
+    backward through the same outputs (`retain_graph=True`) is refused before any rank sends
+    anything. Every rank makes the same calls, so every rank raises alike."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.calls = 0
+
+    def __call__(self, grads: Any) -> None:
+        self.calls += 1
+        if self.calls > 1:
+            raise RaNNCError(
+                f"backward() through the outputs of step {self.step} a second time "
+                "(retain_graph=True): the pipelined model runs its backward once per forward, "
+                "across ranks. Fix: add the losses and call backward() once "
+                "((loss_a + loss_b).backward()), or call the model again for another backward")
 
 
 def _seed_at_deployment(config: Config) -> None:

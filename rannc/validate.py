@@ -233,6 +233,40 @@ def check_config(config: Config, world_size: int) -> None:
             f"{config.partition_num} ranks or lower partition_num.")
 
 
+def check_capturable(model: torch.nn.Module, leaves: Sequence[Any], sizes: Sequence[int],
+                     first: bool) -> None:
+    """Before a call captures the model (its first call, or a new input signature): refuse
+    what would fail obscurely later. Reads only what every rank shares (the all-gathered local
+    batch sizes; the model every rank built alike), so every rank raises alike.
+
+    A rank with 0 rows cannot capture (torch.export needs an example row; it reported a "fixed
+    batch size" in module None). A model left on the meta device computes nothing: called with
+    real inputs, it is a model that was never materialised."""
+    empty = [r for r, n in enumerate(sizes) if n == 0]
+    if empty:
+        who = (f"rank {empty[0]}" if len(empty) == 1 and len(sizes) > 1 else
+               "the call" if len(sizes) == 1 else f"ranks {empty}")
+        raise InputMismatchError(
+            f"{who} passed a batch of 0 rows (local batch sizes {list(sizes)}) to a call that "
+            "captures the model (the first call, or a new input shape or mode); capture needs "
+            "at least one example row on every rank. Fix: give every rank at least one row at "
+            "that call (e.g. DataLoader(drop_last=True)), or skip an empty batch on every rank "
+            "alike")
+    if not first:
+        return
+    on_meta = [n for n, t in (*model.named_parameters(), *model.named_buffers())
+               if t.device.type == "meta"]
+    real = any(isinstance(x, torch.Tensor) and x.device.type != "meta" for x in leaves)
+    if on_meta and real:
+        raise RaNNCError(
+            f"{len(on_meta)} of the model's parameters and buffers are on the meta device "
+            f"(e.g. {', '.join(on_meta[:3])}): the model was never materialised, and it was "
+            "called with real inputs. Fix: before the first call, materialise it "
+            "(model.to_empty(device='cpu'), then initialise its weights, e.g. "
+            "model.apply(model._init_weights) for Hugging Face, or load a state dict or "
+            "checkpoint); to plan without running, use rannc.plan(model, ...) or `rannc plan`")
+
+
 _UNKNOWN_OUTPUT = re.compile(r"Found <class '([^']+)'> in output, which is not a known type")
 
 
@@ -272,5 +306,5 @@ def rebuild_error(info: Mapping[str, Any]) -> RaNNCError:
 
 __all__ = ["CallSignature", "LeafSignature", "agree_on_call", "call_digest", "call_mode",
            "call_signature",
-           "check_config",
+           "check_capturable", "check_config",
            "check_devices", "describe_mismatch", "output_type_error", "rebuild_error"]

@@ -17,6 +17,7 @@ import copy
 import json
 import os
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -102,6 +103,30 @@ def save_plan(path: str, model: nn.Module, n: int, rank: int) -> None:
     rannc.barrier()
 
 
+def backward_twice(model: nn.Module, n: int) -> None:
+    loss = model(torch.randn(n, WIDTH))
+    loss.backward(retain_graph=True)
+    loss.backward(retain_graph=True)
+
+
+def meta_net() -> nn.Module:
+    with torch.device("meta"):
+        return Net()
+
+
+def capture_cache_is_bounded(rank: int, n: int) -> None:
+    """A sequence length that changes at every call: at most max_captures runtimes are kept
+    (the planned one and the most recent), with one warning saying to pad."""
+    model = rannc.RaNNCModule(Net(), partition_num=2, profiler="estimate", max_captures=2)
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        for length in range(1, 6):
+            model(torch.randn(n, length, WIDTH)).backward()
+    said = [str(w.message) for w in got if "max_captures" in str(w.message)]
+    say(f"CACHE rank {rank} runtimes {len(model._runtimes)} warnings {len(said)} "
+        f"{' '.join(said[0].split()) if said else ''}")
+
+
 def edited_plan(src: str, dst: str, edit: Callable[[dict[str, Any]], None], rank: int) -> str:
     """A copy of the plan file `src` changed by `edit` (as a hand edit would), on rank 0."""
     if rank == 0:
@@ -152,7 +177,13 @@ def main() -> None:
     # alone, unless the check comes first.
     case("keyword_arguments_after_deployment", r, lambda: main_model(
         torch.randn(n, WIDTH), **({"mask": torch.ones(n, 4)} if r == 1 else {})))
+    case("backward_twice_on_a_pipelined_output", r, lambda: backward_twice(main_model, n))
+    main_model.zero_grad()
     check_step("after_errors_after_deployment", main_model, ref, r, seed=2)
+    case("zero_rows_at_the_first_call", r, lambda: rannc.RaNNCModule(
+        Net(), partition_num=2, profiler="estimate")(torch.randn(n if r == 0 else 0, WIDTH)))
+    case("meta_model_never_materialised", r, lambda: rannc.RaNNCModule(
+        meta_net(), partition_num=2, profiler="estimate")(torch.randn(n, WIDTH)))
 
     case("replicas_do_not_divide_ranks", r, lambda: rannc.RaNNCModule(
         Net(), replicas=[2, 1], profiler="estimate")(torch.randn(n, WIDTH)))
@@ -190,6 +221,7 @@ def main() -> None:
     check_step("plan_file_read_on_rank_0_only", loaded, ref2, r, seed=4)
     say(f"LOADED rank {r} stages {len(loaded.plan.stages)}")
     check_step("at_the_end", main_model, ref, r, seed=3)
+    capture_cache_is_bounded(r, n)
     say(f"DONE rank {r}")
 
 
