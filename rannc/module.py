@@ -427,6 +427,7 @@ class RaNNCModule(nn.Module):
         if args or kwargs.get("destination") is not None:
             raise RaNNCError("after deployment state_dict() takes only prefix=, keep_vars= and "
                              "rank0_only=; it returns a new dict")
+        validate.agree_on_collective("state_dict()", rt.device)
         return ckpt.gather_state_dict(self.module, rt, rank0_only, prefix=kwargs.get("prefix", ""))
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,  # type: ignore[override]
@@ -459,6 +460,8 @@ class RaNNCModule(nn.Module):
         """
         opt = self._need_optimizer()
         groups = self._opt_groups or ckpt.group_names(self.module, opt)
+        if self._last_rt is not None:
+            validate.agree_on_collective("optimizer_state_dict()", self._last_rt.device)
         with self._without_placeholder():
             return ckpt.gather_optimizer_state(self.module, opt, self._last_rt, groups, rank0_only)
 
@@ -484,7 +487,8 @@ class RaNNCModule(nn.Module):
         an interrupted save leaves the previous checkpoint at `path` intact. The directory must
         be on a file system every rank sees.
         """
-        rdist.init_process_group(self.config.timeout_s)
+        ctx = rdist.init_process_group(self.config.timeout_s)
+        validate.agree_on_collective("save_checkpoint()", ctx.device)
         groups = None
         if self.optimizer is not None:
             groups = self._opt_groups or ckpt.group_names(self.module, self.optimizer)
@@ -496,7 +500,8 @@ class RaNNCModule(nn.Module):
         every rank reads the parameters it holds, the buffers and its optimizer state. EVERY
         rank must call it (collective); before the first call, each rank reads the whole model.
         """
-        rdist.init_process_group(self.config.timeout_s)
+        ctx = rdist.init_process_group(self.config.timeout_s)
+        validate.agree_on_collective("load_checkpoint()", ctx.device)
         with self._without_placeholder(), health.phase("checkpoint read"):
             ckpt.load_checkpoint(self.module, self.optimizer, self._last_rt, path)
 
@@ -524,6 +529,7 @@ class RaNNCModule(nn.Module):
             raise RaNNCError("clip_grad_norm_ after a backward under no_sync(): the gradients are "
                              "not yet summed over ranks. Clip after the last (synchronised) "
                              "backward of the accumulation, outside no_sync()")
+        validate.agree_on_collective("clip_grad_norm_()", rt.device)
         if self._owned is None:
             self._owned = rclip.owned_parameters(self.module, rt.plan, rt.held, rt.rank)
         held = list({id(p): p for p in rt.held.values()}.values())

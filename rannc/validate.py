@@ -126,18 +126,57 @@ def agree_on_call(args: Sequence[Any], kwargs: Mapping[str, Any], leaves: Sequen
     call, in the same `mode` (`call_mode`), with inputs on its device. Collective (one
     all-gather per call; a second only when the calls differ), and every rank raises the same
     `InputMismatchError` or `InputDeviceError`, or none does."""
-    mine = torch.tensor([layout.batch or 0, call_digest(layout, leaves, mode)], dtype=torch.int64,
-                        device=ctx.device)
-    every = [torch.zeros(2, dtype=torch.int64, device=ctx.device) for _ in range(ctx.world_size)]
-    dist.all_gather(every, mine)
+    every = _gather_digest(layout.batch or 0, call_digest(layout, leaves, mode), ctx.device,
+                           ctx.world_size)
     sizes = [int(x[0]) for x in every]
     if len({int(x[1]) for x in every}) > 1:  # all ranks see this, so all gather the details
         sigs: list[Any] = [None] * ctx.world_size
         dist.all_gather_object(sigs, call_signature(args, kwargs, layout.batch_leaves, mode))
+        if any(isinstance(x, str) for x in sigs):
+            raise CallOrderError(describe_call_order(sigs))
         raise InputMismatchError(describe_mismatch(sigs, sizes))
     if any(isinstance(x, torch.Tensor) and x.device.type != ctx.device.type for x in leaves):
         check_devices(call_signature(args, kwargs, layout.batch_leaves), ctx.device)
     return sizes
+
+
+class CallOrderError(RaNNCError):
+    """Ranks entered different rannc collectives at the same time (one in forward, another in
+    state_dict(), say): every rank must make the same collective calls in the same order."""
+
+
+def _gather_digest(rows: int, digest: int, device: torch.device, world: int) -> list[torch.Tensor]:
+    """The all-gather every rannc collective call starts with: [rows, digest of the call]. One
+    shape for every kind of call, so ranks in different calls still meet here and compare,
+    instead of pairing unrelated transfers (gloo aborted: "Received data size doesn't match")."""
+    mine = torch.tensor([rows, digest], dtype=torch.int64, device=device)
+    every = [torch.zeros(2, dtype=torch.int64, device=device) for _ in range(world)]
+    dist.all_gather(every, mine)
+    return every
+
+
+def agree_on_collective(kind: str, device: torch.device) -> None:
+    """Before a collective that is not a forward (`kind`: "state_dict()", "save_checkpoint()"
+    ...): check that every rank is making this same call. Every rank raises the same
+    CallOrderError, or none does. One small all-gather."""
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
+        return
+    digest = int.from_bytes(hashlib.sha256(kind.encode()).digest()[:7], "big")
+    every = _gather_digest(0, digest, device, dist.get_world_size())
+    if len({int(x[1]) for x in every}) > 1:
+        calls: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(calls, kind)
+        raise CallOrderError(describe_call_order(calls))
+
+
+def describe_call_order(calls: Sequence[CallSignature | str]) -> str:
+    """Which rank made which call, when they differ in kind (a forward or a named collective)."""
+    names = [c if isinstance(c, str) else "forward (a call of the model)" for c in calls]
+    return (f"ranks made different rannc calls at the same time ({_by_rank(names)}); each is a "
+            "collective, so every rank must make the same calls in the same order. Fix: a rank "
+            "that leaves the training loop early (a smaller last batch, a break on one rank) "
+            "must not skip steps the others run: stop every rank at the same step, then call "
+            "state_dict() / save_checkpoint() on every rank")
 
 
 def describe_mismatch(sigs: Sequence[CallSignature], sizes: Sequence[int]) -> str:
@@ -304,7 +343,8 @@ def rebuild_error(info: Mapping[str, Any]) -> RaNNCError:
     return known.get(info["type"], RaNNCError)(message)
 
 
-__all__ = ["CallSignature", "LeafSignature", "agree_on_call", "call_digest", "call_mode",
+__all__ = ["CallOrderError", "CallSignature", "LeafSignature", "agree_on_call",
+           "agree_on_collective", "describe_call_order", "call_digest", "call_mode",
            "call_signature",
            "check_capturable", "check_config",
            "check_devices", "describe_mismatch", "output_type_error", "rebuild_error"]
