@@ -138,6 +138,7 @@ class RaNNCModule(nn.Module):
             validate.check_capturable(self.module, leaves, sizes, self._plan is None)
             with self._shaped_params():
                 cap = capture(self.module, args, kwargs)
+            validate.agree_on_graph(cap.graph.fingerprint(), sizes, ctx.device)
             atomic = atomic_components(cap.graph)
             if self._plan is None:
                 plan = self._make_plan(cap, atomic, ctx, leaves, sizes)

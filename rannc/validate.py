@@ -169,6 +169,28 @@ def agree_on_collective(kind: str, device: torch.device) -> None:
         raise CallOrderError(describe_call_order(calls))
 
 
+def agree_on_graph(fingerprint: str, sizes: Sequence[int], device: torch.device) -> None:
+    """After a capture: every rank must have captured the same graph, or their pipelines would
+    exchange values of different graphs (a hang or silent garbage). Ranks capture from their own
+    local batch, so code that depends on the rank, on input values, or on the local batch size
+    (a 1-row batch is captured as 2 duplicated rows) can give different graphs. One small
+    all-gather per capture; every rank raises the same CaptureError, or none does."""
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
+        return
+    digest = int(fingerprint[:13], 16) if re.fullmatch(r"[0-9a-f]{13,}", fingerprint) else \
+        int.from_bytes(hashlib.sha256(fingerprint.encode()).digest()[:6], "big")
+    every = _gather_digest(0, digest, device, dist.get_world_size())
+    prints = [int(x[1]) for x in every]
+    if len(set(prints)) > 1:
+        per = _by_rank([f"graph {p:013x}" for p in prints])
+        raise CaptureError(
+            f"the ranks captured different graphs ({per}; local batch sizes {list(sizes)}): the "
+            "model's forward depends on something other than the input shapes -- the rank, "
+            "input values, or the local batch size (a 1-row batch is captured as 2 rows). "
+            "Fix: make forward() the same computation on every rank (no branches on the rank "
+            "or on tensor values), or give every rank at least 2 rows at the first call")
+
+
 def describe_call_order(calls: Sequence[CallSignature | str]) -> str:
     """Which rank made which call, when they differ in kind (a forward or a named collective)."""
     names = [c if isinstance(c, str) else "forward (a call of the model)" for c in calls]
@@ -344,7 +366,7 @@ def rebuild_error(info: Mapping[str, Any]) -> RaNNCError:
 
 
 __all__ = ["CallOrderError", "CallSignature", "LeafSignature", "agree_on_call",
-           "agree_on_collective", "describe_call_order", "call_digest", "call_mode",
+           "agree_on_collective", "agree_on_graph", "describe_call_order", "call_digest", "call_mode",
            "call_signature",
            "check_capturable", "check_config",
            "check_devices", "describe_mismatch", "output_type_error", "rebuild_error"]

@@ -58,6 +58,9 @@ CASES: dict[str, tuple[str, list[str]]] = {
     "zero_rows_at_the_first_call": ("InputMismatchError", [
         "rank 1 passed a batch of 0 rows (local batch sizes [3, 0])", "captures the model",
         "Fix: give every rank at least one row"]),
+    "graph_differs_across_ranks": ("CaptureError", [
+        "the ranks captured different graphs (rank 0: graph", "local batch sizes [3, 5]",
+        "depends on something other than the input shapes", "Fix: make forward() the same"]),
     "meta_model_never_materialised": ("RaNNCError", [
         "of the model's parameters and buffers are on the meta device (e.g. a.weight",
         "never materialised", "model.to_empty(device='cpu')"]),

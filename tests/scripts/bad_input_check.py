@@ -103,6 +103,14 @@ def save_plan(path: str, model: nn.Module, n: int, rank: int) -> None:
     rannc.barrier()
 
 
+class RankDependent(Net):
+    """A forward that depends on the rank: each rank captures another graph."""
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        y = super().forward(x, mask)
+        return y * 2 if rannc.get_rank() == 1 else y
+
+
 def backward_twice(model: nn.Module, n: int) -> None:
     loss = model(torch.randn(n, WIDTH))
     loss.backward(retain_graph=True)
@@ -182,6 +190,8 @@ def main() -> None:
     check_step("after_errors_after_deployment", main_model, ref, r, seed=2)
     case("zero_rows_at_the_first_call", r, lambda: rannc.RaNNCModule(
         Net(), partition_num=2, profiler="estimate")(torch.randn(n if r == 0 else 0, WIDTH)))
+    case("graph_differs_across_ranks", r, lambda: rannc.RaNNCModule(
+        RankDependent(), partition_num=2, profiler="estimate")(torch.randn(n, WIDTH)))
     case("meta_model_never_materialised", r, lambda: rannc.RaNNCModule(
         meta_net(), partition_num=2, profiler="estimate")(torch.randn(n, WIDTH)))
 
