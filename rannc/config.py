@@ -3,6 +3,10 @@
 Precedence, lowest first: the field's default, the environment variable
 `RANNC_<FIELD>` (e.g. `RANNC_PARTITION_NUM=2`), `config=` passed to
 RaNNCModule, then keyword options passed to RaNNCModule.
+
+Every field is checked against its declared type and range when a Config is made, from
+keywords and environment alike: a bad value is a `ConfigError` naming the field (or the
+variable), the value and what to give instead -- never a TypeError deep in planning.
 """
 
 from __future__ import annotations
@@ -10,7 +14,9 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import os
+import typing
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -23,83 +29,113 @@ _CHECKPOINTING = ("auto", "on", "off", "stage_aware")
 _PROFILERS = ("auto", "measure", "estimate")
 # RANNC_* variables that are not Config fields: read by rannc.dist at start-up.
 LAUNCH_ENV = ("RANNC_BACKEND", "RANNC_MASTER_ADDR", "RANNC_MPI_ABORT_ON_ERROR")
+# RaNNC's own variables that rannc does not read, with what to use instead. A spelling match
+# alone would mislead here: RANNC_MAX_PARTITION_NUM is closest to RANNC_PARTITION_NUM, but one
+# caps the stage count and the other forces it.
+RANNC_ORIGINAL_ENV = {
+    "RANNC_MAX_PARTITION_NUM": "it capped the stage count, and rannc has no cap: leave "
+                               "RANNC_PARTITION_NUM unset for the planner to choose, or set it to "
+                               "force an exact stage count",
+    "RANNC_MIN_PARTITION_NUM": "rannc has no lower bound on the stage count: set "
+                               "RANNC_PARTITION_NUM to force an exact count",
+    "RANNC_PARTITIONING_DRY_RUN_NP": "use RANNC_DRY_RUN_NP",
+    "RANNC_TRACE_EVENTS": "use RANNC_TRACE=1",
+    "RANNC_EVENT_TRACE_FILE": "use RANNC_TRACE=1 and call model.write_trace(path) on every rank",
+    "RANNC_PROFILING": "use RANNC_TRACE=1 for per-rank runtime events",
+    "RANNC_SAVE_PROFILES": "use RANNC_PROFILE_CACHE_DIR",
+    "RANNC_LOAD_PROFILES": "use RANNC_PROFILE_CACHE_DIR",
+    "RANNC_PROFILE_DB": "use RANNC_PROFILE_CACHE_DIR",
+    "RANNC_DUMP_GRAPH": "use model.plan.to_onnx(path)",
+    "RANNC_SAVE_GRAPHS": "use model.plan.to_onnx(path)",
+    "RANNC_CHECKPOINTING_NO_LAST": "use RANNC_CHECKPOINTING=stage_aware",
+    "RANNC_RUN_WATCHDOG": "rannc's watchdog always runs; RANNC_TIMEOUT_S sets its time-out",
+}
+
+
+def _f(default: Any = None, *, factory: Any = None, lo: float | None = None,
+       hi: float | None = None, open_lo: bool = False, open_hi: bool = False,
+       choices: tuple[str, ...] = ()) -> Any:
+    """A field with its allowed range (lo <= value <= hi; open_*: strict) or choices."""
+    meta = {"lo": lo, "hi": hi, "open_lo": open_lo, "open_hi": open_hi, "choices": choices}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 @dataclass(kw_only=True, slots=True)
 class Config:
-    partition_num: int | None = None
-    """Force the number of pipeline stages (None: the planner chooses)."""
-    replicas: list[int] | None = None
-    """Force each stage's replica count, e.g. [2, 1]; must sum to the ranks of one pipeline."""
-    microbatches: int | None = None
-    """Force the number of microbatches per iteration."""
-    min_pipeline: int = 1
-    """Smallest microbatch count the planner considers."""
-    max_pipeline: int = 32
-    """Largest microbatch count the planner considers."""
-    blocks: int = 32
+    """Every rannc setting; each is also read from the environment variable RANNC_<FIELD>
+    (upper case; JSON values: `RANNC_REPLICAS=[2,1]`, `RANNC_TIMEOUT_S=60`)."""
+
+    partition_num: int | None = _f(None, lo=1)
+    """Force the number of pipeline stages, >= 1 (None: the planner chooses)."""
+    replicas: list[int] | None = _f(None, lo=1)
+    """Force each stage's replica count, each >= 1, e.g. [2, 1]; the counts sum to the ranks of
+    one pipeline, which must divide the ranks running."""
+    microbatches: int | None = _f(None, lo=1)
+    """Force the number of microbatches per iteration, >= 1 (None: the planner chooses)."""
+    min_pipeline: int = _f(1, lo=1)
+    """Smallest microbatch count the planner considers (>= 1)."""
+    max_pipeline: int = _f(32, lo=1)
+    """Largest microbatch count the planner considers (>= min_pipeline)."""
+    blocks: int = _f(32, lo=1)
     """k: the number of blocks phase 2 coarsens the atomic components into, which the stage
     DP splits into stages (its time grows with k^2). After it, the chosen plans' stage
     boundaries are refined below block level, so k bounds the planning time more than the
     plan's quality (`extra={"boundary_refinement": False}` keeps whole blocks)."""
-    mem_limit_gb: float | None = None
-    """Per-device memory to plan for (None: the device's own)."""
-    mem_margin: float = 0.1
-    """Fraction of device memory kept free."""
-    opt_param_factor: float | None = None
-    """Optimizer state per parameter element (None: read from the optimizer, Adam = 2)."""
-    schedule: str = "auto"
+    mem_limit_gb: float | None = _f(None, lo=0, open_lo=True)
+    """Per-device memory to plan for in GB, > 0 (None: the device's own)."""
+    mem_margin: float = _f(0.1, lo=0, hi=1, open_hi=True)
+    """Fraction of device memory kept free, in [0, 1)."""
+    opt_param_factor: float | None = _f(None, lo=0)
+    """Optimizer state per parameter element, >= 0 (None: read from the optimizer, Adam = 2)."""
+    schedule: str = _f("auto", choices=_SCHEDULES)
     """Pipeline schedule: auto (the planner picks by simulated time within memory), gpipe
     (fill-drain), 1f1b, or scp (Merak's shifted critical path)."""
-    checkpointing: str = "auto"
+    checkpointing: str = _f("auto", choices=_CHECKPOINTING)
     """Recomputation: auto, on, off or stage_aware."""
-    profiler: str = "auto"
+    profiler: str = _f("auto", choices=_PROFILERS)
     """Cost oracle: auto, measure or estimate."""
-    save_deployment: bool = False
+    save_deployment: bool = _f(False)
     """Write the plan to `deployment_file` after planning."""
-    load_deployment: bool = False
+    load_deployment: bool = _f(False)
     """Read the plan from `deployment_file` instead of planning (rank 0 reads it and sends it to
-    every rank, so the file need only exist where rank 0 runs)."""
-    deployment_file: str = "rannc_deployment.json"
+    every rank, so the file need only exist where rank 0 runs). It is checked against the
+    model and the ranks running before anything is deployed."""
+    deployment_file: str = _f("rannc_deployment.json")
     """Where plans are saved and loaded."""
-    profile_cache_dir: str | None = None
+    profile_cache_dir: str | None = _f(None)
     """Directory for cached profiles (None: no disk cache)."""
-    cluster_file: str | None = None
+    cluster_file: str | None = _f(None)
     """A JSON file describing the devices by hand (rannc.Cluster.load), one per rank, used
     instead of each rank measuring its own device."""
-    dry_run_np: int | None = None
-    """Plan for this many ranks without running (planning only)."""
-    timeout_s: float = 300.0
-    """Seconds before a collective that does not complete is reported as a failure."""
-    seed: int | None = None
-    """Seed for planning decisions and dropout replay."""
-    trace: bool = False
+    dry_run_np: int | None = _f(None, lo=1)
+    """Plan for this many ranks without running (planning only), >= 1."""
+    timeout_s: float = _f(300.0, lo=0, open_lo=True)
+    """Seconds, > 0 and finite, before a collective that does not complete (a rank that does
+    not arrive) is reported as a failure. Raise it when a rank may legitimately spend longer
+    between calls (slow data loading, evaluation on one rank)."""
+    seed: int | None = _f(None, lo=0)
+    """When set (>= 0): at deployment (the first call), after capture and planning, every rank
+    calls torch.manual_seed(seed), so dropout and other random ops draw the same numbers on
+    every rank from the first step on, whatever planning consumed. None: torch's RNG is left
+    as the script set it."""
+    max_captures: int = _f(8, lo=1)
+    """How many captured input signatures (e.g. sequence lengths) are kept, >= 1; the least
+    recently used one is dropped beyond it (its next call captures again). Pad inputs to a few
+    bucket lengths when they vary."""
+    trace: bool = _f(False)
     """Record per-rank runtime events."""
-    extra: dict[str, Any] = field(default_factory=dict)
-    """Options for experimental features."""
+    extra: dict[str, Any] = _f(factory=dict)
+    """Options for experimental features (a dict)."""
 
     def __post_init__(self) -> None:
-        for name, allowed in (("schedule", _SCHEDULES), ("checkpointing", _CHECKPOINTING),
-                              ("profiler", _PROFILERS)):
-            value = getattr(self, name)
-            if value not in allowed:
-                raise ConfigError(f"Config.{name}={value!r} is not one of {', '.join(allowed)}; "
-                                  f"set {name} to one of them (or RANNC_{name.upper()})")
-        for name in ("partition_num", "microbatches", "dry_run_np"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ConfigError(f"Config.{name}={value} must be at least 1; give a positive "
-                                  "count, or leave it unset (None) for the planner to choose")
-        if self.replicas is not None and (not self.replicas or min(self.replicas) < 1):
-            raise ConfigError(f"Config.replicas={self.replicas} must list at least one count, each >= 1")
-        if self.blocks < 1:
-            raise ConfigError(f"Config.blocks={self.blocks} must be at least 1")
-        if not 0 <= self.mem_margin < 1:
-            raise ConfigError(f"Config.mem_margin={self.mem_margin} must be in [0, 1)")
+        for f in fields(self):
+            setattr(self, f.name, check_field(f.name, getattr(self, f.name), f"Config.{f.name}"))
         if self.min_pipeline > self.max_pipeline:
             raise ConfigError(
-                f"Config.min_pipeline ({self.min_pipeline}) exceeds max_pipeline ({self.max_pipeline})"
-            )
+                f"Config.min_pipeline ({self.min_pipeline}) exceeds max_pipeline "
+                f"({self.max_pipeline}). Fix: raise max_pipeline or lower min_pipeline")
 
     @classmethod
     def resolve(cls, config: Config | None = None, environ: Mapping[str, str] | None = None,
@@ -119,7 +155,7 @@ class Config:
         for f in fields(cls):
             key = f"RANNC_{f.name.upper()}"
             if key in environ:
-                values[f.name] = _parse_env(f.name, key, environ[key])
+                values[f.name] = check_field(f.name, _parse_env(f.name, key, environ[key]), key)
         if config is not None:
             default = cls()
             for f in fields(cls):
@@ -132,25 +168,150 @@ class Config:
         return dataclasses.asdict(self)
 
 
+def _field_docs() -> str:
+    """The fields' docstrings, read from this file, for help(rannc.Config) (a slots dataclass
+    has no per-attribute docs of its own)."""
+    import ast
+    import inspect
+
+    try:
+        tree = ast.parse(inspect.getsource(Config))
+    except (OSError, TypeError):  # no source (frozen install): the class docstring alone
+        return ""
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    hints = typing.get_type_hints(Config)
+    lines = ["", "", "Fields:"]
+    for node, doc in zip(body, body[1:], strict=False):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) \
+                and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant):
+            name = node.target.id
+            f = Config.__dataclass_fields__[name]
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[operator]
+            lines.append(f"    {name} ({_type_name(hints[name])}, default {default!r}; "
+                         f"RANNC_{name.upper()}):")
+            lines += [f"        {line.strip()}" for line in str(doc.value.value).splitlines()]
+    return "\n".join(lines)
+
+
+def _type_name(tp: Any) -> str:
+    return str(tp).replace("typing.", "").replace("<class '", "").replace("'>", "")
+
+
+def check_field(name: str, value: Any, where: str) -> Any:
+    """`value` for field `name` as its declared type (an int is taken for a float), or a
+    ConfigError naming `where` (Config.x or RANNC_X), the value and the fix."""
+    f = Config.__dataclass_fields__[name]
+    tp = _hints()[name]
+    args = typing.get_args(tp)
+    optional = type(None) in args
+    base = next((a for a in args if a is not type(None)), tp) if optional else tp
+    if value is None and optional:
+        return None
+    meta = f.metadata
+    origin = typing.get_origin(base) or base
+    given = value
+    ok = True
+    if origin is bool:
+        ok = isinstance(value, bool)
+    elif origin is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif origin is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+        value = float(value) if ok else value
+    elif origin is str:
+        ok = isinstance(value, str)
+    elif origin is list:
+        ok = isinstance(value, list | tuple) and all(
+            isinstance(x, int) and not isinstance(x, bool) for x in value) and len(value) > 0
+        value = list(value) if ok else value
+    elif origin is dict:
+        ok = isinstance(value, dict)
+    if ok and meta.get("choices") and value not in meta["choices"]:
+        ok = False
+    if ok and origin in (int, float, list):
+        for x in value if origin is list else [value]:
+            lo, hi = meta.get("lo"), meta.get("hi")
+            if lo is not None and (x < lo or (meta["open_lo"] and x == lo)):
+                ok = False
+            if hi is not None and (x > hi or (meta["open_hi"] and x == hi)):
+                ok = False
+    if not ok:
+        raise ConfigError(f"{where}={given!r} is not valid: {name} must be "
+                          f"{_expected(base, meta, optional)}. Fix: {_fix(name, base, meta, where)}")
+    return value
+
+
+def _expected(base: Any, meta: Mapping[str, Any], optional: bool) -> str:
+    origin = typing.get_origin(base) or base
+    if meta.get("choices"):
+        text = "one of " + ", ".join(repr(c) for c in meta["choices"])
+    else:
+        text = {bool: "a boolean", int: "an integer", float: "a finite number", str: "a string",
+                list: "a non-empty list of integers", dict: "a dict"}.get(origin, str(base))
+        lo, hi = meta.get("lo"), meta.get("hi")
+        each = " each" if origin is list else ""
+        if lo is not None and hi is not None:
+            left, right = "(" if meta["open_lo"] else "[", ")" if meta["open_hi"] else "]"
+            text += f"{each} in {left}{lo:g}, {hi:g}{right}"
+        elif lo is not None:
+            text += f"{each} {'>' if meta['open_lo'] else '>='} {lo:g}"
+    return text + (", or None (unset)" if optional else "")
+
+
+_EXAMPLES = {bool: "1", int: "2", float: "60", str: "NAME", list: "[2,1]", dict: '{"key": 1}'}
+
+
+def _fix(name: str, base: Any, meta: Mapping[str, Any], where: str) -> str:
+    origin = typing.get_origin(base) or base
+    example = meta["choices"][0] if meta.get("choices") else _EXAMPLES.get(origin, "...")
+    if name == "timeout_s":
+        example = "600"
+    if where.startswith("RANNC_"):
+        return (f"set {where} to such a value (e.g. {where}={example}; numbers and lists are "
+                f"read as JSON), or unset it")
+    shown = repr(example) if origin is str else example.replace("1", "True") if origin is bool \
+        else example.replace(",", ", ")
+    return f"pass {name}={shown} or another such value (or RANNC_{name.upper()}={example})"
+
+
+_HINTS: dict[str, Any] = {}
+
+
+def _hints() -> dict[str, Any]:
+    if not _HINTS:  # the annotations are strings (postponed evaluation): resolve them once
+        _HINTS.update(typing.get_type_hints(Config))
+    return _HINTS
+
+
 def _warn_unknown_env(environ: Mapping[str, str], names: set[str]) -> None:
     """A mistyped RANNC_* variable would otherwise be ignored without a word (the run then
     plans without the setting the user thinks is on)."""
     known = {f"RANNC_{n.upper()}" for n in names} | set(LAUNCH_ENV)
     for key in sorted(k for k in environ if k.startswith("RANNC_") and k not in known):
-        m = difflib.get_close_matches(key, known, n=1)
-        hint = f"did you mean {m[0]}? " if m else ""
+        if key in RANNC_ORIGINAL_ENV:
+            hint = f"RaNNC read it, rannc does not; {RANNC_ORIGINAL_ENV[key]}. "
+        else:
+            m = difflib.get_close_matches(key, known, n=1)
+            hint = f"did you mean {m[0]}? " if m else ""
         warnings.warn(f"rannc ignores the environment variable {key}: {hint}rannc reads "
                       f"{', '.join(sorted(known))}", UserWarning, stacklevel=3)
 
 
 def _parse_env(name: str, key: str, text: str) -> Any:
-    """RANNC_* values are JSON (numbers, lists, true/false, null) or bare strings."""
+    """RANNC_* values are JSON (numbers, lists, true/false, null) or, for a string field, the
+    text itself; a value of the wrong kind is left for check_field to name."""
+    tp = _hints()[name]
+    if str in typing.get_args(tp) or tp is str:
+        return None if text.lower() in ("none", "null") and tp is not str else text
+    if tp is bool:
+        if text.lower() not in {"0", "1", "true", "false", "yes", "no"}:
+            raise ConfigError(f"{key}={text!r} is not valid: {name} must be a boolean. Fix: set "
+                              f"{key} to 1/0/true/false, or unset it")
+        return text.lower() in {"1", "true", "yes"}
     try:
-        value = json.loads(text)
+        return json.loads(text)
     except json.JSONDecodeError:
-        value = text
-    if name in {"save_deployment", "load_deployment", "trace"} and isinstance(value, str):
-        if value.lower() not in {"0", "1", "true", "false", "yes", "no"}:
-            raise ConfigError(f"{key}={text!r} is not a boolean (use 1/0/true/false)")
-        value = value.lower() in {"1", "true", "yes"}
-    return value
+        return text
+
+
+Config.__doc__ = (Config.__doc__ or "") + _field_docs()

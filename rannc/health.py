@@ -15,12 +15,17 @@ a watchdog thread that talks to the rendezvous store (the TCPStore every launche
 * a peer on the same host whose process is gone (killed, crashed in C++, ``os._exit``) is noticed
   by its pid and named the same way, with the step and phase of its last beat;
 * a collective that times out (``timeout_s``) or breaks is re-raised as :class:`RankFailure`
-  saying where every rank was, so "backward() called on some ranks only" reads as such.
+  saying where every rank was, so "backward() called on some ranks only" reads as such; when
+  some ranks are behind (an earlier step, or in their own code), the time-out blames them, not
+  the rank that waited: "rank 1 did not arrive ... (rank 1: after backward of step 4, in user
+  code for 21 s)", with the ``timeout_s`` to raise if that is expected (each beat carries
+  when its phase began).
 
 Under mpiexec, Hydra kills every rank with SIGKILL the moment one rank dies, before anyone can
 speak; rank 0 therefore logs which pid each rank is, so Hydra's "BAD TERMINATION ... PID n" can
 be traced to a rank.  Under torchrun the agent stops the others with SIGTERM, which the
-watchdog turns into the same named message.
+watchdog turns into the same named message; a SIGTERM with no failure before it (a user's
+``kill``, a job scheduler) is said to be just that, and posted for the other ranks.
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ class Health:
         self.rank, self.world, self.timeout_s = rank, world, timeout_s
         self.step = 0
         self.phase = "start-up"
+        self.since = time.time()  # when this rank entered its phase (wall clock, for peers)
         self.failing = False  # this rank has failed (posted or about to): ignore the others'
         self.peers: dict[int, dict[str, Any]] = {}
         self._stack: list[str] = []
@@ -96,6 +102,7 @@ class Health:
         (unless every rank raises it alike) or, for a broken collective, explained."""
         self._stack.append(phase)
         self.phase = phase
+        self.since = time.time()
         if step is not None:
             self.step = step
             # Once per step from here (a store round trip): the watchdog publishes phase changes
@@ -108,6 +115,14 @@ class Health:
             raise  # rannc's own errors are raised on every rank alike: nobody is left waiting
         except Exception as e:
             if _is_comm_error(e):
+                late = self._late_peers()
+                if late:
+                    # The collective timed out because these ranks never came: blame them, not
+                    # this rank (which only waited), and say where they were.
+                    err = RankFailure(self._late_text(late, phase) +
+                                      f" ({type(e).__name__}: {_first_line(e)})")
+                    self.post(f"{type(err).__name__}: {err}", blame=sorted(late))
+                    raise err from e
                 err = RankFailure(
                     f"rank {self.rank}: the {phase} of step {self.step} failed in a collective "
                     f"({type(e).__name__}: {_first_line(e)}). {self.explain()}")
@@ -118,15 +133,49 @@ class Health:
         finally:
             self._stack.pop()
         self.phase = self._stack[-1] if self._stack else f"after {phase}"
+        self.since = time.time()
 
-    def post(self, error: str) -> None:
+    def _late_peers(self) -> dict[int, tuple[int, str, float]]:
+        """The ranks behind this one by their last beat, in their own code (after an earlier
+        step, or before this step's call), with (step, phase, seconds in that phase)."""
+        late = {}
+        now = time.time()
+        for r in range(self.world):
+            if r == self.rank:
+                continue
+            with contextlib.suppress(Exception):
+                b = json.loads(self.store.get(f"beat/{r}"))
+                step, phase = int(b["step"]), str(b["phase"])
+                # Only a rank in its own code is late: one inside another rannc call (backward
+                # while this rank is in forward) diverged, which explain() describes.
+                behind = _in_user_code(phase) and (step < self.step or (
+                    step == self.step and not _in_user_code(self.phase)))
+                if behind and phase != EXITED:
+                    late[r] = (step, phase, now - float(b.get("since", now)))
+        return late
+
+    def _late_text(self, late: dict[int, tuple[int, str, float]], phase: str) -> str:
+        who = ", ".join(map(str, sorted(late)))
+        where = "; ".join(
+            f"rank {r}: {ph} of step {st}, in user code for {secs:.0f} s"
+            for r, (st, ph, secs) in sorted(late.items()))
+        return (f"rank{'s' if len(late) > 1 else ''} {who} did not arrive within timeout_s="
+                f"{self.timeout_s:g} s: rank {self.rank} waited for {'them' if len(late) > 1 else 'it'} "
+                f"in the {phase} of step {self.step} ({where}). If that is expected (slow data "
+                "loading, evaluation or logging on some ranks), raise timeout_s "
+                "(RaNNCModule(..., timeout_s=...) or RANNC_TIMEOUT_S); otherwise every rank must "
+                "make the same calls: forward() and backward() on every rank, the same number "
+                "of times")
+
+    def post(self, error: str, blame: list[int] | None = None) -> None:
         """Record this rank's failure for the others (the first record wins) and give their
-        watchdogs a moment to print it before this process goes on to exit."""
+        watchdogs a moment to print it before this process goes on to exit. `blame`: the
+        ranks that caused it (a time-out waiting for them), when not this one."""
         if self.failing:
             return
         self.failing = True
         record = json.dumps({"rank": self.rank, "step": self.step, "phase": self.phase,
-                             "error": error[:2000]})
+                             "error": error[:2000], "blame": blame or []})
         with contextlib.suppress(Exception):  # the store may be gone with rank 0
             self.store.compare_set("failed", "", record)
             self.store.add("failing", 1)
@@ -171,7 +220,8 @@ class Health:
         now = (self.step, self.phase)
         if force or now != self._published:
             self.store.set(f"beat/{self.rank}", json.dumps(
-                {"step": self.step, "phase": self.phase, "pid": os.getpid(), "host": self._host}))
+                {"step": self.step, "phase": self.phase, "pid": os.getpid(), "host": self._host,
+                 "since": self.since}))
             self._published = now
 
     def _failure(self) -> dict[str, Any] | None:
@@ -250,8 +300,22 @@ class Health:
                 self._stop(f"the rendezvous store is unreachable ({type(e).__name__}: {e}); "
                            "rank 0 (which hosts it under mpiexec) or the launcher has gone")
             if signalled:
-                self._stop("the launcher asked this rank to stop (SIGTERM), usually because "
-                           "another rank failed")
+                self._terminated()
+
+    def _terminated(self) -> None:
+        """SIGTERM reached this process: from the launcher stopping the job after another rank
+        failed (then that rank's record is there), or from a user's or scheduler's kill."""
+        failed = self._failure()
+        if failed is not None and failed["rank"] != self.rank:
+            self._stop(f"this process was terminated by a signal (SIGTERM) after {_failed(failed)}",
+                       ack=True)
+        why = ("terminated by a signal (SIGTERM, from a kill, the launcher or a job scheduler), "
+               "not by an error in this rank's code")
+        with contextlib.suppress(Exception):  # tell the others who stopped and why
+            self.store.compare_set("failed", "", json.dumps(
+                {"rank": self.rank, "step": self.step, "phase": self.phase, "error": why}))
+            self.store.add("failing", 1)
+        self._stop(f"this process was {why}")
 
     def _stop(self, why: str, ack: bool = False) -> None:
         sys.stderr.write(f"[rannc] rank {self.rank} stops at step {self.step} ({self.phase}): "
@@ -346,8 +410,15 @@ def _exit_on_sigterm(signum: int, frame: types.FrameType | None) -> None:
     os._exit(128 + signum)
 
 
+def _in_user_code(phase: str) -> bool:
+    """Whether a rank in `phase` is outside rannc's calls (between them, or before the first)."""
+    return phase.startswith("after ") or phase == "start-up"
+
+
 def _failed(record: dict[str, Any]) -> str:
     """A failure record as every message gives it."""
+    if record.get("blame"):  # a time-out: the record's text already names the late ranks
+        return str(record["error"]).removeprefix("RankFailure: ")
     return (f"rank {record['rank']} failed at step {record['step']} ({record['phase']}): "
             f"{record['error']}")
 

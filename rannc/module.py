@@ -18,6 +18,8 @@ import contextlib
 import dataclasses
 import logging
 import os
+import warnings
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
@@ -62,16 +64,23 @@ class RaNNCModule(nn.Module):
         super().__init__()
         if not isinstance(model, nn.Module):
             raise TypeError(f"RaNNCModule wraps an nn.Module, got {type(model).__name__}")
+        if isinstance(model, RaNNCModule):
+            raise RaNNCError(
+                f"the model is already a RaNNCModule (around {type(model.module).__name__}); "
+                "wrapping it again would pipeline a pipeline. Fix: wrap the original model once, "
+                "RaNNCModule(model.module, optimizer, ...), or use the existing wrapper as is")
         # Not registered as a child: state_dict() and named_parameters() must keep
         # the original names, without a "model." prefix.
         object.__setattr__(self, "_model", model)
         self.optimizer = optimizer
         self.config = Config.resolve(config, **options)
         self.training = model.training
-        self._deployments: dict[tuple[Any, ...], _Deployment] = {}
+        # Captures by input signature, least recently used first; at most config.max_captures.
+        self._deployments: OrderedDict[tuple[Any, ...], _Deployment] = OrderedDict()
         self._sync = True
         self._plan: Plan | None = None
-        self._runtimes: dict[tuple[Any, ...], PipelineRuntime] = {}
+        self._runtimes: OrderedDict[tuple[Any, ...], PipelineRuntime] = OrderedDict()
+        self._warned_recapture = False
         self._calls = 0  # forward() calls: the "step" a failure report names
         self._last_rt: PipelineRuntime | None = None
         self._released: dict[str, torch.Size] = {}  # parameters this rank freed: their shapes
@@ -101,8 +110,15 @@ class RaNNCModule(nn.Module):
         key = (layout.signature, self.training, _autocast_state())
         dep = self._deployments.get(key)
         if dep is None:
-            dep = self._deploy(args, kwargs, first=not self._deployments)
+            first = not self._deployments
+            validate.check_capturable(self.module, leaves, [layout.batch or 0], first)
+            dep = self._deploy(args, kwargs, first=first)
             self._deployments[key] = dep
+            self._bound_cache(self._deployments, pinned=None)
+            if first:
+                _seed_at_deployment(self.config)
+        else:
+            self._deployments.move_to_end(key)
         values = run_chain(dep.modules, dep.stages, dep.captured.bind(self.module, leaves))
         return dep.captured.unflatten_outputs(values)
 
@@ -116,9 +132,13 @@ class RaNNCModule(nn.Module):
         sizes = validate.agree_on_call(args, kwargs, leaves, layout, ctx,
                                        validate.call_mode(self.training, key[2]))
         rt = self._runtimes.get(key)
-        if rt is None:
+        if rt is not None:
+            self._runtimes.move_to_end(key)
+        else:
+            validate.check_capturable(self.module, leaves, sizes, self._plan is None)
             with self._shaped_params():
                 cap = capture(self.module, args, kwargs)
+            validate.agree_on_graph(cap.graph.fingerprint(), sizes, ctx.device)
             atomic = atomic_components(cap.graph)
             if self._plan is None:
                 plan = self._make_plan(cap, atomic, ctx, leaves, sizes)
@@ -136,9 +156,14 @@ class RaNNCModule(nn.Module):
             rt = PipelineRuntime(self.module, cap, atomic, plan, ctx.rank, ctx.world_size, ctx.device,
                                  trace=self.config.trace)
             rt.sync = self._sync
+            if not self._runtimes:
+                _seed_at_deployment(self.config)
             self._runtimes[key] = rt
             self._release_params(rt)
             self._owned = None
+            # The runtime of the planned deployment stays: the parameters this rank holds are
+            # its stage's (a derived plan's stages hold a subset of them).
+            self._bound_cache(self._runtimes, pinned=next(iter(self._runtimes)))
         cap = rt.cap
         self._last_rt = rt
         flat = rt.forward(leaves, sizes)
@@ -147,6 +172,9 @@ class RaNNCModule(nn.Module):
             names = [cap.graph.outputs[i] for i in idx]
             anchor = torch.empty((), requires_grad=True)
             outs = PipelineFunction.apply(rt, names, anchor, *[flat[i] for i in idx])
+            node = next((o.grad_fn for o in outs if o.grad_fn is not None), None)
+            if node is not None:
+                node.register_prehook(_BackwardOnce(self._calls))
             for i, o in zip(idx, outs, strict=True):
                 flat[i] = o
         return pytree.tree_unflatten(flat, cap.out_spec)
@@ -181,7 +209,8 @@ class RaNNCModule(nn.Module):
             if "error" in loaded[0]:
                 raise validate.rebuild_error(loaded[0])
             plan = Plan.from_dict(loaded[0])
-            plan.check(cap.graph, ctx.world_size, source=source)
+            plan.check(cap.graph, ctx.world_size, source=source, atomic=atomic,
+                       batch_rows=sum(sizes))
             return dataclasses.replace(plan, source=(cap.graph, atomic))
         # Every rank reports its own device (a mixed cluster is planned as such), unless the
         # user described the cluster in a file.
@@ -209,6 +238,27 @@ class RaNNCModule(nn.Module):
         if cfg.save_deployment and ctx.rank == 0:
             plan.save(cfg.deployment_file)
         return plan
+
+    def _bound_cache(self, cache: OrderedDict[tuple[Any, ...], Any], pinned: Any) -> None:
+        """Keep at most config.max_captures captures, dropping the least recently used (never
+        `pinned`). Inputs whose shape changes at every call (an unpadded sequence length)
+        would otherwise capture again at every call and keep every capture: memory grows
+        without bound. Every rank sees the same calls (agree_on_call), so all drop alike."""
+        limit = self.config.max_captures
+        if len(cache) > limit and not self._warned_recapture:
+            self._warned_recapture = True
+            warnings.warn(
+                f"rannc: the model was called with {len(cache)} different input signatures "
+                "(shapes beyond the batch dim, keyword names, mode); each new one is captured "
+                f"again, and only the {limit} most recently used are kept (max_captures). Fix: "
+                "pad inputs to a few bucket lengths (e.g. sequence lengths to a multiple of 64, "
+                "or one maximum length), or raise max_captures if a few more shapes recur",
+                UserWarning, stacklevel=4)
+        for key in list(cache):
+            if len(cache) <= limit:
+                break
+            if key != pinned:
+                del cache[key]
 
     @staticmethod
     def _cluster(cfg: Config, ctx: rdist.DistContext, reports: list[Any]) -> Any:
@@ -378,6 +428,7 @@ class RaNNCModule(nn.Module):
         if args or kwargs.get("destination") is not None:
             raise RaNNCError("after deployment state_dict() takes only prefix=, keep_vars= and "
                              "rank0_only=; it returns a new dict")
+        validate.agree_on_collective("state_dict()", rt.device)
         return ckpt.gather_state_dict(self.module, rt, rank0_only, prefix=kwargs.get("prefix", ""))
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,  # type: ignore[override]
@@ -410,6 +461,8 @@ class RaNNCModule(nn.Module):
         """
         opt = self._need_optimizer()
         groups = self._opt_groups or ckpt.group_names(self.module, opt)
+        if self._last_rt is not None:
+            validate.agree_on_collective("optimizer_state_dict()", self._last_rt.device)
         with self._without_placeholder():
             return ckpt.gather_optimizer_state(self.module, opt, self._last_rt, groups, rank0_only)
 
@@ -440,7 +493,8 @@ class RaNNCModule(nn.Module):
         once superseded; files of your own belong beside `latest` (never touched). `path` may
         be a symlink (written through) and must be on a file system every rank sees.
         """
-        rdist.init_process_group(self.config.timeout_s)
+        ctx = rdist.init_process_group(self.config.timeout_s)
+        validate.agree_on_collective("save_checkpoint()", ctx.device)
         groups = None
         if self.optimizer is not None:
             groups = self._opt_groups or ckpt.group_names(self.module, self.optimizer)
@@ -459,7 +513,8 @@ class RaNNCModule(nn.Module):
         model's, or that lacks a keyword, is an error naming them; `strict=False` loads what
         both have. A file whose checksum differs from the saved one is an error naming it.
         """
-        rdist.init_process_group(self.config.timeout_s)
+        ctx = rdist.init_process_group(self.config.timeout_s)
+        validate.agree_on_collective("load_checkpoint()", ctx.device)
         with self._without_placeholder(), health.phase("checkpoint read"):
             return ckpt.load_checkpoint(self.module, self.optimizer, self._last_rt, path, strict,
                                         stateful)
@@ -488,6 +543,7 @@ class RaNNCModule(nn.Module):
             raise RaNNCError("clip_grad_norm_ after a backward under no_sync(): the gradients are "
                              "not yet summed over ranks. Clip after the last (synchronised) "
                              "backward of the accumulation, outside no_sync()")
+        validate.agree_on_collective("clip_grad_norm_()", rt.device)
         if self._owned is None:
             self._owned = rclip.owned_parameters(self.module, rt.plan, rt.held, rt.rank)
         held = list({id(p): p for p in rt.held.values()}.values())
@@ -539,6 +595,33 @@ class RaNNCModule(nn.Module):
 
     def extra_repr(self) -> str:
         return f"module={type(self.module).__name__}, deployments={len(self._deployments)}"
+
+
+class _BackwardOnce:
+    """A pre-hook on the pipeline's backward node: the pipeline's backward runs once per
+    forward (its stages freed their activations and gradients were all-reduced), so a second
+    backward through the same outputs (`retain_graph=True`) is refused before any rank sends
+    anything. Every rank makes the same calls, so every rank raises alike."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.calls = 0
+
+    def __call__(self, grads: Any) -> None:
+        self.calls += 1
+        if self.calls > 1:
+            raise RaNNCError(
+                f"backward() through the outputs of step {self.step} a second time "
+                "(retain_graph=True): the pipelined model runs its backward once per forward, "
+                "across ranks. Fix: add the losses and call backward() once "
+                "((loss_a + loss_b).backward()), or call the model again for another backward")
+
+
+def _seed_at_deployment(config: Config) -> None:
+    """Config.seed: the same torch RNG state on every rank from the first step on, after
+    planning (which may draw random numbers on rank 0 alone, when it measures)."""
+    if config.seed is not None:
+        torch.manual_seed(config.seed)
 
 
 def _autocast_state() -> tuple[Any, ...]:

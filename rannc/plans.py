@@ -149,9 +149,15 @@ class Plan:
         with open(path) as f:
             return cls.from_dict(json.load(f))
 
-    def check(self, graph: TaskGraph, world_size: int, source: str = "the plan") -> None:
+    def check(self, graph: TaskGraph, world_size: int, source: str = "the plan",
+              atomic: AtomicPartition | None = None, batch_rows: int | None = None) -> None:
         """Raise if this plan was made for another model or another number of ranks; `source`
-        names where it came from (a file) in the message."""
+        names where it came from (a file) in the message. With `atomic` (and `batch_rows`, the
+        global batch of the call deploying it) the whole plan is checked against the model and
+        the world before anything runs: a plan file edited by hand, or written for another
+        version of the model, is one clear PlanMismatchError on every rank (every rank checks
+        the same broadcast plan against the same graph), not a KeyError or a shape error inside
+        the pipeline."""
         again = ("plan again (load_deployment=False; save_deployment=True writes a new plan "
                  "file), or delete the plan file")
         if self.fingerprint != graph.fingerprint():
@@ -164,6 +170,82 @@ class Plan:
                 f"{source} is for {self.world_size} ranks but {world_size} are running. Launch "
                 f"{self.world_size} ranks, or {again}."
             )
+        if atomic is not None:
+            problem = plan_problem(self, graph, atomic, batch_rows)
+            if problem is not None:
+                raise PlanMismatchError(f"{source} is not a valid plan for this model and "
+                                        f"{world_size} ranks: {problem}. Fix: {again}.")
+
+
+def plan_problem(plan: Plan, graph: TaskGraph, atomic: AtomicPartition,
+                 batch_rows: int | None = None) -> str | None:
+    """The first thing wrong with `plan` for this graph and its world, said with the values,
+    or None. Pure; the checks the runtime relies on and would otherwise fail on obscurely."""
+    from rannc.planner import param_names_of
+    from rannc.schedule.actions import SCHEDULES
+
+    if plan.schedule not in SCHEDULES:
+        return f"schedule {plan.schedule!r} is not one of {', '.join(SCHEDULES)}"
+    m = plan.microbatches
+    if not isinstance(m, int) or isinstance(m, bool) or m < 1:
+        return f"microbatches={m!r} is not a positive integer"
+    if batch_rows is not None and m > batch_rows:
+        return (f"microbatches={m} exceeds the {batch_rows} rows of the global batch (each "
+                "microbatch needs at least one row)")
+    if not plan.stages:
+        return "it has no stages"
+    n_comp = len(atomic.components)
+    seen_rank: dict[int, int] = {}
+    stage_of: dict[int, int] = {}
+    for s, st in enumerate(plan.stages):
+        if st.index != s:
+            return f"stage {s} has index {st.index}"
+        if not st.ranks:
+            return f"stage {s} has no ranks"
+        if len(st.shares) != len(st.ranks):
+            return (f"stage {s} has {len(st.ranks)} replicas (ranks {list(st.ranks)}) but "
+                    f"{len(st.shares)} row shares {list(st.shares)}; give one share per replica")
+        if any(not isinstance(x, int | float) or not 0 < x <= 1 for x in st.shares) \
+                or abs(sum(st.shares) - 1) > 1e-6:
+            return (f"stage {s}'s row shares {list(st.shares)} must each be in (0, 1] and sum "
+                    "to 1")
+        if not 0 <= st.recompute <= 1:
+            return f"stage {s}'s recompute={st.recompute} is not a fraction in [0, 1]"
+        for r in st.ranks:
+            if not isinstance(r, int) or not 0 <= r < plan.world_size:
+                return f"stage {s} names rank {r!r}, not one of 0..{plan.world_size - 1}"
+            if r in seen_rank:
+                return f"rank {r} is in two stages ({seen_rank[r]} and {s})"
+            seen_rank[r] = s
+        for c in st.components:
+            if not isinstance(c, int) or not 0 <= c < n_comp:
+                return (f"stage {s} lists atomic component {c!r}, but this model has {n_comp} "
+                        f"(0..{n_comp - 1})")
+            if c in stage_of:
+                return f"atomic component {c} is in two stages ({stage_of[c]} and {s})"
+            stage_of[c] = s
+    idle = sorted(set(range(plan.world_size)) - set(seen_rank))
+    if idle:
+        return f"ranks {idle} are in no stage"
+    lost = sorted(set(range(n_comp)) - set(stage_of))
+    if lost:
+        return f"atomic components {lost[:10]} are in no stage"
+    for a, b in atomic.component_edges(graph):
+        if stage_of[a] > stage_of[b]:
+            return (f"atomic component {b} in stage {stage_of[b]} reads a value computed in a "
+                    f"later stage ({stage_of[a]}): data must flow forward")
+    for s, st in enumerate(plan.stages):
+        need = set(param_names_of(graph, atomic, st.components))
+        listed = set(st.param_names)
+        if need != listed:
+            missing, extra = sorted(need - listed), sorted(listed - need)
+            what = []
+            if missing:
+                what.append(f"its components read {missing[:5]}, which it does not list")
+            if extra:
+                what.append(f"it lists {extra[:5]}, which its components do not read")
+            return f"stage {s}'s parameters do not match its components: {'; '.join(what)}"
+    return None
 
 
 def _fmt_recompute(frac: float) -> str:

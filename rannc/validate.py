@@ -126,18 +126,79 @@ def agree_on_call(args: Sequence[Any], kwargs: Mapping[str, Any], leaves: Sequen
     call, in the same `mode` (`call_mode`), with inputs on its device. Collective (one
     all-gather per call; a second only when the calls differ), and every rank raises the same
     `InputMismatchError` or `InputDeviceError`, or none does."""
-    mine = torch.tensor([layout.batch or 0, call_digest(layout, leaves, mode)], dtype=torch.int64,
-                        device=ctx.device)
-    every = [torch.zeros(2, dtype=torch.int64, device=ctx.device) for _ in range(ctx.world_size)]
-    dist.all_gather(every, mine)
+    every = _gather_digest(layout.batch or 0, call_digest(layout, leaves, mode), ctx.device,
+                           ctx.world_size)
     sizes = [int(x[0]) for x in every]
     if len({int(x[1]) for x in every}) > 1:  # all ranks see this, so all gather the details
         sigs: list[Any] = [None] * ctx.world_size
         dist.all_gather_object(sigs, call_signature(args, kwargs, layout.batch_leaves, mode))
+        if any(isinstance(x, str) for x in sigs):
+            raise CallOrderError(describe_call_order(sigs))
         raise InputMismatchError(describe_mismatch(sigs, sizes))
     if any(isinstance(x, torch.Tensor) and x.device.type != ctx.device.type for x in leaves):
         check_devices(call_signature(args, kwargs, layout.batch_leaves), ctx.device)
     return sizes
+
+
+class CallOrderError(RaNNCError):
+    """Ranks entered different rannc collectives at the same time (one in forward, another in
+    state_dict(), say): every rank must make the same collective calls in the same order."""
+
+
+def _gather_digest(rows: int, digest: int, device: torch.device, world: int) -> list[torch.Tensor]:
+    """The all-gather every rannc collective call starts with: [rows, digest of the call]. One
+    shape for every kind of call, so ranks in different calls still meet here and compare,
+    instead of pairing unrelated transfers (gloo aborted: "Received data size doesn't match")."""
+    mine = torch.tensor([rows, digest], dtype=torch.int64, device=device)
+    every = [torch.zeros(2, dtype=torch.int64, device=device) for _ in range(world)]
+    dist.all_gather(every, mine)
+    return every
+
+
+def agree_on_collective(kind: str, device: torch.device) -> None:
+    """Before a collective that is not a forward (`kind`: "state_dict()", "save_checkpoint()"
+    ...): check that every rank is making this same call. Every rank raises the same
+    CallOrderError, or none does. One small all-gather."""
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
+        return
+    digest = int.from_bytes(hashlib.sha256(kind.encode()).digest()[:7], "big")
+    every = _gather_digest(0, digest, device, dist.get_world_size())
+    if len({int(x[1]) for x in every}) > 1:
+        calls: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(calls, kind)
+        raise CallOrderError(describe_call_order(calls))
+
+
+def agree_on_graph(fingerprint: str, sizes: Sequence[int], device: torch.device) -> None:
+    """After a capture: every rank must have captured the same graph, or their pipelines would
+    exchange values of different graphs (a hang or silent garbage). Ranks capture from their own
+    local batch, so code that depends on the rank, on input values, or on the local batch size
+    (a 1-row batch is captured as 2 duplicated rows) can give different graphs. One small
+    all-gather per capture; every rank raises the same CaptureError, or none does."""
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
+        return
+    digest = int(fingerprint[:13], 16) if re.fullmatch(r"[0-9a-f]{13,}", fingerprint) else \
+        int.from_bytes(hashlib.sha256(fingerprint.encode()).digest()[:6], "big")
+    every = _gather_digest(0, digest, device, dist.get_world_size())
+    prints = [int(x[1]) for x in every]
+    if len(set(prints)) > 1:
+        per = _by_rank([f"graph {p:013x}" for p in prints])
+        raise CaptureError(
+            f"the ranks captured different graphs ({per}; local batch sizes {list(sizes)}): the "
+            "model's forward depends on something other than the input shapes -- the rank, "
+            "input values, or the local batch size (a 1-row batch is captured as 2 rows). "
+            "Fix: make forward() the same computation on every rank (no branches on the rank "
+            "or on tensor values), or give every rank at least 2 rows at the first call")
+
+
+def describe_call_order(calls: Sequence[CallSignature | str]) -> str:
+    """Which rank made which call, when they differ in kind (a forward or a named collective)."""
+    names = [c if isinstance(c, str) else "forward (a call of the model)" for c in calls]
+    return (f"ranks made different rannc calls at the same time ({_by_rank(names)}); each is a "
+            "collective, so every rank must make the same calls in the same order. Fix: a rank "
+            "that leaves the training loop early (a smaller last batch, a break on one rank) "
+            "must not skip steps the others run: stop every rank at the same step, then call "
+            "state_dict() / save_checkpoint() on every rank")
 
 
 def describe_mismatch(sigs: Sequence[CallSignature], sizes: Sequence[int]) -> str:
@@ -233,6 +294,40 @@ def check_config(config: Config, world_size: int) -> None:
             f"{config.partition_num} ranks or lower partition_num.")
 
 
+def check_capturable(model: torch.nn.Module, leaves: Sequence[Any], sizes: Sequence[int],
+                     first: bool) -> None:
+    """Before a call captures the model (its first call, or a new input signature): refuse
+    what would fail obscurely later. Reads only what every rank shares (the all-gathered local
+    batch sizes; the model every rank built alike), so every rank raises alike.
+
+    A rank with 0 rows cannot capture (torch.export needs an example row; it reported a "fixed
+    batch size" in module None). A model left on the meta device computes nothing: called with
+    real inputs, it is a model that was never materialised."""
+    empty = [r for r, n in enumerate(sizes) if n == 0]
+    if empty:
+        who = (f"rank {empty[0]}" if len(empty) == 1 and len(sizes) > 1 else
+               "the call" if len(sizes) == 1 else f"ranks {empty}")
+        raise InputMismatchError(
+            f"{who} passed a batch of 0 rows (local batch sizes {list(sizes)}) to a call that "
+            "captures the model (the first call, or a new input shape or mode); capture needs "
+            "at least one example row on every rank. Fix: give every rank at least one row at "
+            "that call (e.g. DataLoader(drop_last=True)), or skip an empty batch on every rank "
+            "alike")
+    if not first:
+        return
+    on_meta = [n for n, t in (*model.named_parameters(), *model.named_buffers())
+               if t.device.type == "meta"]
+    real = any(isinstance(x, torch.Tensor) and x.device.type != "meta" for x in leaves)
+    if on_meta and real:
+        raise RaNNCError(
+            f"{len(on_meta)} of the model's parameters and buffers are on the meta device "
+            f"(e.g. {', '.join(on_meta[:3])}): the model was never materialised, and it was "
+            "called with real inputs. Fix: before the first call, materialise it "
+            "(model.to_empty(device='cpu'), then initialise its weights, e.g. "
+            "model.apply(model._init_weights) for Hugging Face, or load a state dict or "
+            "checkpoint); to plan without running, use rannc.plan(model, ...) or `rannc plan`")
+
+
 _UNKNOWN_OUTPUT = re.compile(r"Found <class '([^']+)'> in output, which is not a known type")
 
 
@@ -270,7 +365,8 @@ def rebuild_error(info: Mapping[str, Any]) -> RaNNCError:
     return known.get(info["type"], RaNNCError)(message)
 
 
-__all__ = ["CallSignature", "LeafSignature", "agree_on_call", "call_digest", "call_mode",
+__all__ = ["CallOrderError", "CallSignature", "LeafSignature", "agree_on_call",
+           "agree_on_collective", "agree_on_graph", "describe_call_order", "call_digest", "call_mode",
            "call_signature",
-           "check_config",
+           "check_capturable", "check_config",
            "check_devices", "describe_mismatch", "output_type_error", "rebuild_error"]

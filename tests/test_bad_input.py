@@ -52,6 +52,32 @@ CASES: dict[str, tuple[str, list[str]]] = {
         "plan again"]),
     "plan_file_other_model": ("PlanMismatchError", [
         "plan_of_other_model.json was made for another model", "fingerprint", "plan again"]),
+    "backward_twice_on_a_pipelined_output": ("RaNNCError", [
+        "backward() through the outputs of step", "a second time (retain_graph=True)",
+        "Fix: add the losses and call backward() once"]),
+    "zero_rows_at_the_first_call": ("InputMismatchError", [
+        "rank 1 passed a batch of 0 rows (local batch sizes [3, 0])", "captures the model",
+        "Fix: give every rank at least one row"]),
+    "graph_differs_across_ranks": ("CaptureError", [
+        "the ranks captured different graphs (rank 0: graph", "local batch sizes [3, 5]",
+        "depends on something other than the input shapes", "Fix: make forward() the same"]),
+    "meta_model_never_materialised": ("RaNNCError", [
+        "of the model's parameters and buffers are on the meta device (e.g. a.weight",
+        "never materialised", "model.to_empty(device='cpu')"]),
+    "plan_file_bogus_schedule": ("PlanMismatchError", [
+        "plan_file_bogus_schedule.json is not a valid plan for this model and 2 ranks",
+        "schedule 'bogus' is not one of gpipe, 1f1b, scp", "Fix: plan again"]),
+    "plan_file_shares_not_summing_to_1": ("PlanMismatchError", [
+        "stage 0's row shares [0.3] must each be in (0, 1] and sum to 1", "Fix: plan again"]),
+    "plan_file_recompute_beyond_1": ("PlanMismatchError", [
+        "stage 1's recompute=2.0 is not a fraction in [0, 1]", "Fix: plan again"]),
+    "plan_file_more_microbatches_than_rows": ("PlanMismatchError", [
+        "microbatches=100 exceeds the 8 rows of the global batch", "Fix: plan again"]),
+    "plan_file_parameter_moved_between_stages": ("PlanMismatchError", [
+        "stage 0's parameters do not match its components: its components read ['a.weight'], "
+        "which it does not list", "Fix: plan again"]),
+    "plan_file_rank_in_two_stages": ("PlanMismatchError", [
+        "rank 0 is in two stages (0 and 1)", "Fix: plan again"]),
     "plan_file_unreadable": ("RaNNCError", [
         "reading the plan file", "plan_not_json.json failed on rank 0",
         "JSONDecodeError", "Fix: delete the file, or load_deployment=False"]),
@@ -76,12 +102,16 @@ def test_cross_rank_bad_input_is_the_same_clear_error_on_every_rank(launch: str,
         assert text in first, f"{text!r} missing from: {first}"
 
 
-def test_job_still_trains_exactly_after_the_errors(launch: str) -> None:
+def test_job_still_trains_exactly_after_the_errors_with_a_bounded_capture_cache(launch: str) -> None:
     for when in ("after_errors_before_deployment", "after_errors_after_deployment",
                  "plan_file_read_on_rank_0_only", "at_the_end"):
         for r in (0, 1):
             assert re.search(rf"^USABLE {when} rank {r} ok", launch, re.MULTILINE), launch
     assert "DONE rank 0" in launch and "DONE rank 1" in launch
+    # Five sequence lengths, max_captures=2: two runtimes kept, one warning saying to pad.
+    for r in (0, 1):
+        assert re.search(rf"^CACHE rank {r} runtimes 2 warnings 1 .*max_captures.*pad inputs to a "
+                         "few bucket lengths", launch, re.MULTILINE), launch
     # the 2-stage plan in rank 0's file, not a plan of its own or rank 1's stale file
     assert re.findall(r"^LOADED rank \d stages (\d+)", launch, re.MULTILINE) == ["2", "2"], launch
 
@@ -136,15 +166,55 @@ def test_output_not_a_tensor_number_or_pytree() -> None:
     assert "register_pytree_node(_Holder" in text, text
 
 
+def test_a_rannc_module_wrapped_again() -> None:
+    inner = rannc.RaNNCModule(nn.Linear(2, 2))
+    with pytest.raises(rannc.RaNNCError, match=r"already a RaNNCModule \(around Linear\).*"
+                                               r"Fix: wrap the original model once"):
+        rannc.RaNNCModule(inner)
+
+
+def test_a_meta_model_called_with_real_inputs() -> None:
+    with torch.device("meta"):
+        net = nn.Linear(2, 2)
+    with pytest.raises(rannc.RaNNCError, match=r"2 of the model's parameters and buffers are on "
+                                               r"the meta device \(e.g. weight, bias\).*never "
+                                               r"materialised.*model.to_empty"):
+        rannc.RaNNCModule(net)(torch.randn(3, 2))
+
+
+def test_a_batch_of_0_rows_at_the_first_call() -> None:
+    with pytest.raises(rannc.InputMismatchError, match=r"the call passed a batch of 0 rows "
+                                                       r"\(local batch sizes \[0\]\)"):
+        rannc.RaNNCModule(nn.Linear(2, 2))(torch.randn(0, 2))
+
+
+def test_the_capture_cache_is_bounded_and_warns_once() -> None:
+    model = rannc.RaNNCModule(nn.Linear(4, 4), max_captures=3)
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        for length in range(1, 7):
+            model(torch.randn(2, length, 4))
+    assert len(model._deployments) == 3
+    said = [str(w.message) for w in got if "max_captures" in str(w.message)]
+    assert len(said) == 1 and "pad inputs to a few bucket lengths" in said[0], said
+    kept = list(model._deployments.values())  # lengths 4, 5, 6, least recently used first
+    model(torch.randn(2, 4, 4))  # kept: no capture, and now the most recently used
+    assert list(model._deployments.values()) == [kept[1], kept[2], kept[0]]
+    model(torch.randn(2, 1, 4))  # captured again; length 5 goes
+    assert list(model._deployments.values())[:2] == [kept[2], kept[0]]
+
+
 def test_zero_microbatches() -> None:
-    with pytest.raises(ConfigError, match=r"Config.microbatches=0 must be at least 1; give a "
-                                          r"positive count, or leave it unset"):
+    with pytest.raises(ConfigError, match=r"Config.microbatches=0 is not valid: microbatches must "
+                                          r"be an integer >= 1, or None \(unset\). Fix: pass "
+                                          r"microbatches=2"):
         rannc.RaNNCModule(nn.Linear(2, 2), microbatches=0)
 
 
 def test_unknown_schedule() -> None:
-    with pytest.raises(ConfigError, match=r"Config.schedule='zigzag' is not one of auto, gpipe, "
-                                          r"1f1b, scp; set schedule to one of them"):
+    with pytest.raises(ConfigError, match=r"Config.schedule='zigzag' is not valid: schedule must "
+                                          r"be one of 'auto', 'gpipe', '1f1b', 'scp'. Fix: pass "
+                                          r"schedule='auto'"):
         rannc.RaNNCModule(nn.Linear(2, 2), schedule="zigzag")
 
 

@@ -106,3 +106,36 @@ def test_a_rank_finishing_later_than_the_others_is_not_a_failure(launcher: str) 
     assert res.returncode == 0, text
     assert "DONE rank 0" in text and "DONE rank 1" in text, text
     assert not re.search(r"\[rannc\] rank \d+ (stops|failed)", text), text
+
+
+def test_a_rank_late_in_user_code_is_blamed_with_where_it_was_and_the_timeout_to_raise() -> None:
+    # Rank 1 spends 12 s in its own code after backward of step 3 (slow data loading); rank 0
+    # waits for it in the forward of step 4 until timeout_s = 5 s. The late rank is named, not
+    # the one that waited.
+    res, seconds = launch("mpiexec", "--where", "between", "--how", "sleep")
+    text = assert_failed_cleanly(res, seconds, TIMEOUT_S + 5)
+    assert "rank 0 failed" not in text, text
+    assert re.search(r"rank 1 did not arrive within timeout_s=5 s: rank 0 waited for it in the "
+                     r"forward of step 4 \(rank 1: after backward of step 3, in user code for "
+                     r"\d+ s\)\. If that is expected \(slow data loading", text), text
+    assert "raise timeout_s" in text, text
+    # ... and the late rank itself says so when it is stopped.
+    assert re.search(r"rank 1 stops at step 3 \(after backward\): rank 1 did not arrive", text), text
+
+
+def test_a_rank_calling_state_dict_while_another_trains_is_named_not_a_gloo_abort() -> None:
+    res, seconds = launch("mpiexec", "--where", "state-dict")
+    text = assert_failed_cleanly(res, seconds, TIMEOUT_S)
+    says = ("CallOrderError: ranks made different rannc calls at the same time (rank 0: forward "
+            "(a call of the model); rank 1: state_dict())")
+    assert text.count(says) >= 2, text  # on both ranks
+    assert "stop every rank at the same step" in text, text
+    assert "Received data size" not in text, text
+
+
+def test_sigterm_from_a_user_says_the_process_was_terminated_by_a_signal() -> None:
+    res, seconds = launch("mpiexec", "--where", "between", "--how", "sigterm")
+    text = assert_failed_cleanly(res, seconds, TIMEOUT_S)
+    assert "rank 1 stops at step 3 (after backward): this process was terminated by a signal " \
+        "(SIGTERM" in text, text
+    assert "usually because another rank failed" not in text, text

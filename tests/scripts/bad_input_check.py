@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import os
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -101,6 +103,66 @@ def save_plan(path: str, model: nn.Module, n: int, rank: int) -> None:
     rannc.barrier()
 
 
+class RankDependent(Net):
+    """A forward that depends on the rank: each rank captures another graph."""
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        y = super().forward(x, mask)
+        return y * 2 if rannc.get_rank() == 1 else y
+
+
+def backward_twice(model: nn.Module, n: int) -> None:
+    loss = model(torch.randn(n, WIDTH))
+    loss.backward(retain_graph=True)
+    loss.backward(retain_graph=True)
+
+
+def meta_net() -> nn.Module:
+    with torch.device("meta"):
+        return Net()
+
+
+def capture_cache_is_bounded(rank: int, n: int) -> None:
+    """A sequence length that changes at every call: at most max_captures runtimes are kept
+    (the planned one and the most recent), with one warning saying to pad."""
+    model = rannc.RaNNCModule(Net(), partition_num=2, profiler="estimate", max_captures=2)
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        for length in range(1, 6):
+            model(torch.randn(n, length, WIDTH)).backward()
+    said = [str(w.message) for w in got if "max_captures" in str(w.message)]
+    say(f"CACHE rank {rank} runtimes {len(model._runtimes)} warnings {len(said)} "
+        f"{' '.join(said[0].split()) if said else ''}")
+
+
+def edited_plan(src: str, dst: str, edit: Callable[[dict[str, Any]], None], rank: int) -> str:
+    """A copy of the plan file `src` changed by `edit` (as a hand edit would), on rank 0."""
+    if rank == 0:
+        with open(src) as f:
+            d = json.load(f)
+        edit(d)
+        with open(dst, "w") as f:
+            json.dump(d, f)
+    rannc.barrier()
+    return dst
+
+
+def _move_param(d: dict[str, Any]) -> None:
+    name = d["stages"][0]["param_names"].pop(0)
+    d["stages"][1]["param_names"].append(name)
+
+
+# name -> how a valid 2-stage plan for 2 ranks is spoiled (each a one-line error, every rank)
+PLAN_EDITS: dict[str, Callable[[dict[str, Any]], None]] = {
+    "plan_file_bogus_schedule": lambda d: d.update(schedule="bogus"),
+    "plan_file_shares_not_summing_to_1": lambda d: d["stages"][0].update(shares=[0.3]),
+    "plan_file_recompute_beyond_1": lambda d: d["stages"][1].update(recompute=2.0),
+    "plan_file_more_microbatches_than_rows": lambda d: d.update(microbatches=100),
+    "plan_file_parameter_moved_between_stages": _move_param,
+    "plan_file_rank_in_two_stages": lambda d: d["stages"][1].update(ranks=[0]),
+}
+
+
 def main() -> None:
     tmp = sys.argv[1]
     ctx = rdist.init_process_group(120)
@@ -123,7 +185,15 @@ def main() -> None:
     # alone, unless the check comes first.
     case("keyword_arguments_after_deployment", r, lambda: main_model(
         torch.randn(n, WIDTH), **({"mask": torch.ones(n, 4)} if r == 1 else {})))
+    case("backward_twice_on_a_pipelined_output", r, lambda: backward_twice(main_model, n))
+    main_model.zero_grad()
     check_step("after_errors_after_deployment", main_model, ref, r, seed=2)
+    case("zero_rows_at_the_first_call", r, lambda: rannc.RaNNCModule(
+        Net(), partition_num=2, profiler="estimate")(torch.randn(n if r == 0 else 0, WIDTH)))
+    case("graph_differs_across_ranks", r, lambda: rannc.RaNNCModule(
+        RankDependent(), partition_num=2, profiler="estimate")(torch.randn(n, WIDTH)))
+    case("meta_model_never_materialised", r, lambda: rannc.RaNNCModule(
+        meta_net(), partition_num=2, profiler="estimate")(torch.randn(n, WIDTH)))
 
     case("replicas_do_not_divide_ranks", r, lambda: rannc.RaNNCModule(
         Net(), replicas=[2, 1], profiler="estimate")(torch.randn(n, WIDTH)))
@@ -150,6 +220,10 @@ def main() -> None:
     # an older copy on another node's disk would; it is never read.
     two = os.path.join(tmp, "plan_for_2_ranks.json")
     save_plan(two, Net(), 2, r)
+    for name, edit in PLAN_EDITS.items():
+        path = edited_plan(two, os.path.join(tmp, name + ".json"), edit, r)
+        case(name, r, lambda path=path: rannc.RaNNCModule(  # type: ignore[misc]
+            Net(), load_deployment=True, deployment_file=path)(torch.randn(n, WIDTH)))
     torch.manual_seed(4)
     net2 = Net()
     ref2 = copy.deepcopy(net2)
@@ -157,6 +231,7 @@ def main() -> None:
     check_step("plan_file_read_on_rank_0_only", loaded, ref2, r, seed=4)
     say(f"LOADED rank {r} stages {len(loaded.plan.stages)}")
     check_step("at_the_end", main_model, ref, r, seed=3)
+    capture_cache_is_bounded(r, n)
     say(f"DONE rank {r}")
 
 

@@ -1,9 +1,11 @@
 """Train a small model on every rank and make one rank fail on purpose (tests/test_faults.py).
 
 --where: none (no fault), forward | backward (this rank's pipeline work), allreduce (the gradient all-reduce),
-checkpoint (writing its shard of a checkpoint), between (user code after backward), or
-skip-backward (this rank does not call backward() at that step).  --how: raise (an exception)
-or die (SIGKILL, no chance to report).  Before the fault the rank prints
+checkpoint (writing its shard of a checkpoint), between (user code after backward),
+skip-backward (this rank does not call backward() at that step), or state-dict (this rank
+leaves the loop after that step and calls state_dict() while the others train on).  --how:
+raise (an exception), die (SIGKILL, no chance to report), sleep (--sleep-s seconds of user
+code) or sigterm (the rank sends itself SIGTERM, as `kill` would).  Before the fault the rank prints
 "FAULT rank R step S at <unix time>"; every completed step prints "STEP".
 """
 
@@ -28,7 +30,8 @@ from rannc.pipeline.runtime import PipelineRuntime
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--where", required=True)
-    p.add_argument("--how", default="raise", choices=("raise", "die"))
+    p.add_argument("--how", default="raise", choices=("raise", "die", "sleep", "sigterm"))
+    p.add_argument("--sleep-s", type=float, default=12.0, help="--how sleep: for how long")
     p.add_argument("--rank", type=int, default=1)
     p.add_argument("--step", type=int, default=3)
     p.add_argument("--steps", type=int, default=5)
@@ -52,6 +55,12 @@ def main() -> None:
         print(f"FAULT rank {rank} step {step} at {time.time():.3f}", flush=True)
         if a.how == "die":
             os.kill(os.getpid(), signal.SIGKILL)
+        if a.how == "sigterm":  # as a user's `kill PID` would
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(30)
+        if a.how == "sleep":  # slow user code (data loading), longer than timeout_s
+            time.sleep(a.sleep_s)
+            return
         raise ValueError(f"injected fault in {where} on rank {rank}")
 
     # Faults go where rannc does the work: the stage modules run from the captured graph, so
@@ -103,6 +112,11 @@ def main() -> None:
         opt.zero_grad()
         if a.where == "checkpoint" and step == a.step:
             m.save_checkpoint(os.path.join(box[0], "ckpt"))
+        if a.where == "state-dict" and rank == a.rank and step == a.step:
+            # This rank leaves the loop early and saves while the others go on training.
+            print(f"FAULT rank {rank} step {step} at {time.time():.3f}", flush=True)
+            m.state_dict()
+            break
         print(f"STEP rank {rank} step {step} loss {loss.item():.5f}", flush=True)
     if rank == a.rank:
         time.sleep(a.linger)
