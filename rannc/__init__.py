@@ -6,7 +6,7 @@ The public names are listed in `__all__`; everything else is internal and may ch
 """
 
 from rannc.config import Config
-from rannc.dist import barrier, get_rank, get_world_size
+from rannc.dist import barrier, get_rank, get_world_size, init
 from rannc.errors import (
     CaptureError,
     ConfigError,
@@ -40,6 +40,7 @@ __all__ = [
     "barrier",
     "get_rank",
     "get_world_size",
+    "init",
     "plan",
 ]
 __version__ = "0.1.0"

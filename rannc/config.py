@@ -77,6 +77,8 @@ class Config:
     """Record per-rank runtime events."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Options for experimental features."""
+    compile: bool = False
+    """torch.compile each stage's module (the graphs rannc runs), not the RaNNCModule itself."""
 
     def __post_init__(self) -> None:
         for name, allowed in (("schedule", _SCHEDULES), ("checkpointing", _CHECKPOINTING),
