@@ -49,12 +49,6 @@ class RaNNCTrainer(Trainer):
         self._rannc_model: dict[str, Any] | None = None
         self._rannc_optim: dict[str, Any] | None = None
         super().__init__(model, *args, **kwargs)
-        # Trainer would pass num_items_in_batch (the global label count) to a forward taking
-        # **kwargs and multiply the loss by the number of processes, which is right for DDP, where
-        # each rank's loss is its rows' share. A RaNNCModule returns the global loss on every rank,
-        # and capturing a **kwargs forward called with extra keywords fails today: the loss is
-        # the row-weighted mean over the ranks' rows instead (exact unless labels are masked).
-        self.model_accepts_loss_kwargs = False
 
     @property
     def _wrapped(self) -> RaNNCModule:

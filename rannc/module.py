@@ -62,6 +62,14 @@ class RaNNCModule(nn.Module):
     # with this flag as it is instead of wrapping it in DistributedDataParallel, which would
     # all-reduce gradients rannc already reduced, over parameters each rank does not all hold.
     _is_accelerate_prepared = True
+    # Hugging Face Trainer reads this (through the wrapper it would find the wrapped model's, or
+    # forward's **kwargs): True makes it pass num_items_in_batch, the global label count, and
+    # multiply the loss by the number of processes, right under DDP where each rank's loss is its
+    # rows' share. A RaNNCModule returns the global loss itself on every rank, so that factor
+    # would scale loss and gradients by the world size (and capturing a **kwargs forward called
+    # with an extra keyword fails today). The loss is then the row-weighted mean over the ranks'
+    # rows: exact unless labels are masked (-100).
+    accepts_loss_kwargs = False
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
                  config: Config | None = None, **options: Any) -> None:
