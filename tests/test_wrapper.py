@@ -76,3 +76,12 @@ def test_wrapper_mpi(launcher: str) -> None:
     run = run_mpi if launcher == "mpi" else run_torchrun
     res = run(SCRIPT, 2, [], timeout=240)
     assert res.stdout.count("PASS wrapper") == 2, res.stdout + res.stderr
+
+
+@pytest.mark.timeout(400)
+def test_compiled_stages_profiler_ranges_and_plan_table_mpi() -> None:
+    """compile=True on 2 ranks equals the unwrapped model; stage actions show in torch.profiler;
+    the plan table is printed once (rank 0) without any logging set up."""
+    res = run_mpi(SCRIPT, 2, ["--compile"], timeout=360)
+    assert res.stdout.count("PASS compile") == 2, res.stdout + res.stderr
+    assert res.stderr.count("rannc plan: 2 stage(s)") == 1, res.stderr
