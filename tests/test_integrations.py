@@ -80,3 +80,11 @@ def test_compile_option_compiles_the_stages_and_stays_exact() -> None:
         opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
     (dep,) = wrapped._deployments.values()
     assert all(type(m).__name__ == "OptimizedModule" for m in dep.modules)  # compiled, not eager
+
+
+@pytest.mark.timeout(300)
+def test_lightning_recipe_trains_exactly() -> None:
+    pytest.importorskip("lightning")
+    res = run_torchrun(Path(__file__).resolve().parent / "scripts" / "lightning_check.py", 2,
+                       timeout=240)
+    assert res.stdout.count("PASS lightning rank") == 2, res.stdout + res.stderr
