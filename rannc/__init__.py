@@ -7,7 +7,7 @@ The public names are listed in `__all__`; everything else is internal and may ch
 
 from rannc.checkpoint import latest_checkpoint
 from rannc.config import Config
-from rannc.dist import barrier, get_rank, get_world_size
+from rannc.dist import barrier, get_rank, get_world_size, init
 from rannc.errors import (
     CaptureError,
     ConfigError,
@@ -41,6 +41,7 @@ __all__ = [
     "barrier",
     "get_rank",
     "get_world_size",
+    "init",
     "latest_checkpoint",
     "plan",
 ]

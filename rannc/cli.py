@@ -3,14 +3,17 @@
     rannc plan examples/models/bert_factory.py:bert_large --devices 32 --per-node 8 \\
         --device V100-32GB --batch-size 256 --out plan.json --onnx plan.onnx
 
-FACTORY is a function in FILE.py. It is called under `torch.device("meta")`, so the model and
-any tensors it creates cost no memory, with `batch_size=B` when it takes that argument, and
-returns `(model, args, kwargs)` or `(model, kwargs)`: the model and an example GLOBAL batch.
+FACTORY is a function in FILE.py, or in an importable module named with dots
+(`rannc plan mypackage.models:bert_large ...`, imported as `python -m` would). It is called
+under `torch.device("meta")`, so the model and any tensors it creates cost no memory, with
+`batch_size=B` when it takes that argument, and returns `(model, args, kwargs)` or
+`(model, kwargs)`: the model and an example GLOBAL batch.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import inspect
 import logging
@@ -24,21 +27,47 @@ from rannc.errors import ConfigError, RaNNCError
 
 
 def load_factory(spec: str) -> Any:
+    """The function `spec` names: `FILE.py:FACTORY` (a file path) or `module.path:FACTORY`."""
     path, sep, name = spec.rpartition(":")
     if not sep or not path or not name:
-        raise SystemExit(f"rannc plan: expected FILE.py:FACTORY, got {spec!r}")
+        raise SystemExit(f"rannc plan: expected FILE.py:FACTORY or module:FACTORY, got {spec!r}")
     file = Path(path)
-    if not file.is_file():
+    if file.is_file():
+        module = _module_from_file(file)
+    elif path.endswith(".py") or "/" in path or "\\" in path:
         raise SystemExit(f"rannc plan: no such file {path!r}")
-    mod_spec = importlib.util.spec_from_file_location(file.stem, file)
-    assert mod_spec is not None and mod_spec.loader is not None
-    module = importlib.util.module_from_spec(mod_spec)
-    sys.path.insert(0, str(file.resolve().parent))
-    mod_spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(path)
+        except ImportError as e:
+            raise SystemExit(f"rannc plan: cannot import module {path!r} ({e}); give FILE.py:FACTORY "
+                             "for a file, or install the package that holds the module") from e
     factory = getattr(module, name, None)
     if not callable(factory):
         raise SystemExit(f"rannc plan: {path} has no function {name!r}")
     return factory
+
+
+def _module_from_file(file: Path) -> Any:
+    mod_spec = importlib.util.spec_from_file_location(file.stem, file)
+    if mod_spec is None or mod_spec.loader is None:
+        raise SystemExit(f"rannc plan: cannot load {str(file)!r} as a Python module")
+    module = importlib.util.module_from_spec(mod_spec)
+    sys.path.insert(0, str(file.resolve().parent))
+    mod_spec.loader.exec_module(module)
+    return module
+
+
+def version() -> str:
+    """The installed distribution's version (the package's own when run from a source tree)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("rannc")
+    except metadata.PackageNotFoundError:
+        import rannc
+
+        return rannc.__version__
 
 
 def build(factory: Any, batch_size: int) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
@@ -56,9 +85,10 @@ def build(factory: Any, batch_size: int) -> tuple[Any, tuple[Any, ...], dict[str
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="rannc", description="rannc command line")
+    p.add_argument("--version", action="version", version=f"rannc {version()}")
     sub = p.add_subparsers(dest="cmd", required=True)
     pp = sub.add_parser("plan", help="plan a model for a cluster (dry run)")
-    pp.add_argument("factory", help="FILE.py:FACTORY")
+    pp.add_argument("factory", help="FILE.py:FACTORY or module.path:FACTORY")
     pp.add_argument("--devices", type=int, default=0)
     pp.add_argument("--per-node", type=int, default=None)
     pp.add_argument("--device", default="V100-32GB", help="a known device name, or 'local'")

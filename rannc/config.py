@@ -128,6 +128,8 @@ class Config:
     """Record per-rank runtime events."""
     extra: dict[str, Any] = _f(factory=dict)
     """Options for experimental features (a dict)."""
+    compile: bool = _f(False)
+    """torch.compile each stage's module (the graphs rannc runs), not the RaNNCModule itself."""
 
     def __post_init__(self) -> None:
         for f in fields(self):

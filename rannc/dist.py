@@ -141,6 +141,25 @@ def detect_launcher() -> str:
     return LAUNCHER_PYTHON
 
 
+def init(timeout_s: float | None = None) -> DistContext | None:
+    """Start the default process group now, as `RaNNCModule(...)` does at construction.
+
+    Under mpiexec/mpirun or torchrun (more than one rank) this creates the group, so
+    `torch.distributed` calls made before the first forward work (a `DistributedSampler(ds)`
+    right after wrapping); returns its :class:`DistContext`. In a plain `python` run it does
+    nothing and returns None unless `timeout_s` is given, in which case a one-rank gloo group is
+    made (for code that needs one, e.g. a `DistributedSampler`). `timeout_s` defaults to the
+    `timeout_s` of `rannc.Config()` (environment `RANNC_TIMEOUT_S`). Idempotent.
+    """
+    if get_world_size() <= 1 and timeout_s is None:
+        return None
+    if timeout_s is None:
+        from rannc.config import Config
+
+        timeout_s = Config.resolve(None).timeout_s
+    return init_process_group(timeout_s)
+
+
 def init_process_group(timeout_s: float = 300.0) -> DistContext:
     """Create the default torch.distributed group for whichever launcher started us.
 

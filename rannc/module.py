@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import sys
 import warnings
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
@@ -53,11 +54,24 @@ class _Deployment:
     captured: CapturedModel
     atomic: AtomicPartition
     stages: list[StageGraph]
-    modules: list[fx.GraphModule]
+    modules: list[Any]  # fx.GraphModule, or its torch.compile'd wrapper (Config.compile)
 
 
 class RaNNCModule(nn.Module):
     """Wrap `model` (and optionally its optimizer) for automatic hybrid parallelism."""
+
+    # Already distributed: Accelerate's prepare() (and so Hugging Face's Trainer) returns a module
+    # with this flag as it is instead of wrapping it in DistributedDataParallel, which would
+    # all-reduce gradients rannc already reduced, over parameters each rank does not all hold.
+    _is_accelerate_prepared = True
+    # Hugging Face Trainer reads this (through the wrapper it would find the wrapped model's, or
+    # forward's **kwargs): True makes it pass num_items_in_batch, the global label count, and
+    # multiply the loss by the number of processes, right under DDP where each rank's loss is its
+    # rows' share. A RaNNCModule returns the global loss itself on every rank, so that factor
+    # would scale loss and gradients by the world size (and capturing a **kwargs forward called
+    # with an extra keyword fails today). The loss is then the row-weighted mean over the ranks'
+    # rows: exact unless labels are masked (-100).
+    accepts_loss_kwargs = False
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
                  config: Config | None = None, **options: Any) -> None:
@@ -69,11 +83,17 @@ class RaNNCModule(nn.Module):
                 f"the model is already a RaNNCModule (around {type(model.module).__name__}); "
                 "wrapping it again would pipeline a pipeline. Fix: wrap the original model once, "
                 "RaNNCModule(model.module, optimizer, ...), or use the existing wrapper as is")
-        # Not registered as a child: state_dict() and named_parameters() must keep
-        # the original names, without a "model." prefix.
-        object.__setattr__(self, "_model", model)
+        # Registered as the child `module` (as DDP and FSDP do), so a parent (HF Trainer,
+        # Accelerate, Lightning) sees its parameters; named_parameters() and state_dict() below
+        # keep the original names, without a "module." prefix.
+        self.module = model
         self.optimizer = optimizer
-        self.config = Config.resolve(config, **options)
+        # Not `config`: that name is the wrapped model's (a Hugging Face model's `config`).
+        self.rannc_config = Config.resolve(config, **options)
+        # The process group starts here, not at the first call: a DistributedSampler (or any
+        # torch.distributed call) made right after wrapping needs it.
+        if rdist.get_world_size() > 1:
+            rdist.init_process_group(self.rannc_config.timeout_s)
         self.training = model.training
         # Captures by input signature, least recently used first; at most config.max_captures.
         self._deployments: OrderedDict[tuple[Any, ...], _Deployment] = OrderedDict()
@@ -89,10 +109,18 @@ class RaNNCModule(nn.Module):
         rclip.register(self)  # torch.nn.utils.clip_grad_norm_ recognises model.parameters()
         self._opt_groups: list[list[str]] | None = None  # param names per group, before pruning
 
-    @property
-    def module(self) -> nn.Module:
-        """The wrapped model (as `DistributedDataParallel.module`)."""
-        return cast(nn.Module, self.__dict__["_model"])
+    module: nn.Module  # the wrapped model (as `DistributedDataParallel.module`)
+
+    def __getattr__(self, name: str) -> Any:
+        """The wrapped model's attributes (a Hugging Face model's `config`, `generation_config`,
+        `can_generate`, any user attribute) through the wrapper, as DDP and FSDP do."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            modules = self.__dict__.get("_modules")
+            if modules is None or "module" not in modules or name.startswith("__"):
+                raise
+            return getattr(modules["module"], name)
 
     @property
     def plan(self) -> Plan | None:
@@ -100,9 +128,13 @@ class RaNNCModule(nn.Module):
         return self._plan
 
     # -- running -----------------------------------------------------------
+    # Dynamo must not trace rannc's capture, planning and collectives (it crashed inside them):
+    # the outer torch.compile runs this eagerly, and _check_not_compiled says what to do instead.
+    @torch.compiler.disable
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        _check_not_compiled(self)
         if rdist.get_world_size() > 1:
-            ctx = rdist.init_process_group(self.config.timeout_s)  # and the phase's watchdog
+            ctx = rdist.init_process_group(self.rannc_config.timeout_s)  # and the phase's watchdog
             self._calls += 1
             with health.phase("forward", self._calls):
                 return self._forward_distributed(ctx, args, kwargs)
@@ -116,16 +148,21 @@ class RaNNCModule(nn.Module):
             self._deployments[key] = dep
             self._bound_cache(self._deployments, pinned=None)
             if first:
-                _seed_at_deployment(self.config)
+                _seed_at_deployment(self.rannc_config)
         else:
             self._deployments.move_to_end(key)
         values = run_chain(dep.modules, dep.stages, dep.captured.bind(self.module, leaves))
         return dep.captured.unflatten_outputs(values)
 
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        """Not supported: rannc plans and communicates in Python around the graphs it runs; use
+        `RaNNCModule(model, opt, compile=True)` to torch.compile each stage's graph."""
+        raise RaNNCError(_NO_OUTER_COMPILE)
+
     def _forward_distributed(self, ctx: rdist.DistContext, args: tuple[Any, ...],
                              kwargs: dict[str, Any]) -> Any:
         if self._plan is None:
-            validate.check_config(self.config, ctx.world_size)
+            validate.check_config(self.rannc_config, ctx.world_size)
         leaves, layout = flatten_inputs(args, kwargs)
         key = (layout.signature, self.training, _autocast_state())
         # Before anything a rank might do alone: every rank raises here, or none does.
@@ -143,7 +180,7 @@ class RaNNCModule(nn.Module):
             if self._plan is None:
                 plan = self._make_plan(cap, atomic, ctx, leaves, sizes)
                 if ctx.rank == 0:
-                    log.info("%s", plan.summary())
+                    _show_plan(plan)
                 self._plan = plan
             else:
                 # Another mode or input shape of a deployed model: keep every rank's parameters
@@ -154,10 +191,11 @@ class RaNNCModule(nn.Module):
                              "on the deployed stages", "train" if self.training else "eval",
                              cap.graph.summary())
             rt = PipelineRuntime(self.module, cap, atomic, plan, ctx.rank, ctx.world_size, ctx.device,
-                                 trace=self.config.trace)
+                                 trace=self.rannc_config.trace,
+                                 wrap_stage=_compile_stage if self.rannc_config.compile else None)
             rt.sync = self._sync
             if not self._runtimes:
-                _seed_at_deployment(self.config)
+                _seed_at_deployment(self.rannc_config)
             self._runtimes[key] = rt
             self._release_params(rt)
             self._owned = None
@@ -193,7 +231,7 @@ class RaNNCModule(nn.Module):
         from rannc.profile.device import measure_local_device
         from rannc.profile.estimate import GraphCosts
 
-        cfg = self.config
+        cfg = self.rannc_config
         source = f"the plan file {cfg.deployment_file}"
         loaded: list[Any] = [None]
         if cfg.load_deployment:
@@ -244,7 +282,7 @@ class RaNNCModule(nn.Module):
         `pinned`). Inputs whose shape changes at every call (an unpadded sequence length)
         would otherwise capture again at every call and keep every capture: memory grows
         without bound. Every rank sees the same calls (agree_on_call), so all drop alike."""
-        limit = self.config.max_captures
+        limit = self.rannc_config.max_captures
         if len(cache) > limit and not self._warned_recapture:
             self._warned_recapture = True
             warnings.warn(
@@ -383,7 +421,9 @@ class RaNNCModule(nn.Module):
             log.info("rannc: new input signature; captured again (%s)", cap.graph.summary())
         groups = [list(range(len(atomic.components)))]
         stages = split_graph(cap.graph, atomic, groups)
-        modules = [build_stage_module(cap.gm, cap.graph, s) for s in stages]
+        modules: list[Any] = [build_stage_module(cap.gm, cap.graph, s) for s in stages]
+        if self.rannc_config.compile:
+            modules = [_compile_stage(m) for m in modules]
         log.info("rannc: captured %s, %d atomic components, in %.2f s",
                  cap.graph.summary(), len(atomic.components), cap.seconds)
         return _Deployment(cap, atomic, stages, modules)
@@ -425,11 +465,22 @@ class RaNNCModule(nn.Module):
         rt = self._last_rt
         if rt is None:
             return self.module.state_dict(*args, **kwargs)
-        if args or kwargs.get("destination") is not None:
-            raise RaNNCError("after deployment state_dict() takes only prefix=, keep_vars= and "
-                             "rank0_only=; it returns a new dict")
+        if rt.world_size > 1 and _in_plain_hf_trainer_save():
+            raise RaNNCError(
+                "transformers.Trainer saves a checkpoint from rank 0 alone, but a deployed "
+                "RaNNCModule's state_dict() is a collective every rank must join (each holds only "
+                "its stages' parameters): the save would hang. Use rannc.hf.RaNNCTrainer (same "
+                "arguments), which gathers on every rank and writes Trainer's usual checkpoint")
+        if args:
+            raise RaNNCError("after deployment state_dict() takes only keyword arguments "
+                             "(destination=, prefix=, keep_vars=, rank0_only=)")
         validate.agree_on_collective("state_dict()", rt.device)
-        return ckpt.gather_state_dict(self.module, rt, rank0_only, prefix=kwargs.get("prefix", ""))
+        sd = ckpt.gather_state_dict(self.module, rt, rank0_only, prefix=kwargs.get("prefix", ""))
+        destination = kwargs.get("destination")
+        if destination is None:
+            return sd
+        destination.update(sd)  # a parent module collecting its children's entries
+        return cast(dict[str, Any], destination)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,  # type: ignore[override]
                         assign: bool = False) -> Any:
@@ -493,7 +544,7 @@ class RaNNCModule(nn.Module):
         once superseded; files of your own belong beside `latest` (never touched). `path` may
         be a symlink (written through) and must be on a file system every rank sees.
         """
-        ctx = rdist.init_process_group(self.config.timeout_s)
+        ctx = rdist.init_process_group(self.rannc_config.timeout_s)
         validate.agree_on_collective("save_checkpoint()", ctx.device)
         groups = None
         if self.optimizer is not None:
@@ -513,7 +564,7 @@ class RaNNCModule(nn.Module):
         model's, or that lacks a keyword, is an error naming them; `strict=False` loads what
         both have. A file whose checksum differs from the saved one is an error naming it.
         """
-        ctx = rdist.init_process_group(self.config.timeout_s)
+        ctx = rdist.init_process_group(self.rannc_config.timeout_s)
         validate.agree_on_collective("load_checkpoint()", ctx.device)
         with self._without_placeholder(), health.phase("checkpoint read"):
             return ckpt.load_checkpoint(self.module, self.optimizer, self._last_rt, path, strict,
@@ -622,6 +673,55 @@ def _seed_at_deployment(config: Config) -> None:
     planning (which may draw random numbers on rank 0 alone, when it measures)."""
     if config.seed is not None:
         torch.manual_seed(config.seed)
+
+
+_NO_OUTER_COMPILE = (
+    "torch.compile(RaNNCModule(...)) is not supported: Dynamo cannot trace rannc's capture, "
+    "planning and communication. Compile the stages instead: RaNNCModule(model, opt, "
+    "compile=True) (or RANNC_COMPILE=1) runs torch.compile on each stage's graph.")
+
+
+def _check_not_compiled(module: RaNNCModule) -> None:
+    """Raise when `module` is called through `torch.compile(module)` (its OptimizedModule is a
+    few frames up: forward is Dynamo-disabled, so nothing is traced and this runs eagerly)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    f = sys._getframe(2)
+    for _ in range(12):  # OptimizedModule.__call__ .. _call_impl .. forward .. this: ~8 frames
+        if f is None:
+            return
+        me = f.f_locals.get("self")
+        if isinstance(me, OptimizedModule) and me._orig_mod is module:
+            raise RaNNCError(_NO_OUTER_COMPILE)
+        f = f.f_back  # type: ignore[assignment]
+
+
+def _in_plain_hf_trainer_save() -> bool:
+    """Whether the caller is Hugging Face Trainer's rank-0 save (not rannc.hf.RaNNCTrainer's)."""
+    f = sys._getframe(2)
+    while f is not None:
+        me = f.f_locals.get("self")
+        if (f.f_code.co_name == "_save" and "transformers" in f.f_code.co_filename
+                and me is not None and not getattr(me, "_rannc_trainer", False)):
+            return True
+        f = f.f_back  # type: ignore[assignment]
+    return False
+
+
+def _compile_stage(gm: fx.GraphModule) -> Any:
+    """torch.compile one stage's module (Config.compile): the captured ATen graph rannc runs,
+    which Dynamo traces without the wrapper's Python (planning, collectives) in the way."""
+    return torch.compile(gm)
+
+
+def _show_plan(plan: Plan) -> None:
+    """The plan table, once, on rank 0: in the log when rannc's logger shows INFO, else on
+    stderr (under torchrun or mpiexec nothing configures logging, and the table is what a user
+    checks first)."""
+    if log.isEnabledFor(logging.INFO):
+        log.info("%s", plan.summary())
+    else:
+        print(plan.summary(), file=sys.stderr, flush=True)
 
 
 def _autocast_state() -> tuple[Any, ...]:

@@ -29,12 +29,13 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.fx as fx
 from torch import nn
 
 from rannc import health
@@ -102,8 +103,10 @@ class _Part:
 class PipelineRuntime:
     def __init__(self, model: nn.Module, captured: CapturedModel, atomic: AtomicPartition,
                  plan: Plan, rank: int, world_size: int, device: torch.device,
-                 trace: bool = False) -> None:
+                 trace: bool = False,
+                 wrap_stage: Callable[[fx.GraphModule], Any] | None = None) -> None:
         self.model, self.cap, self.plan = model, captured, plan
+        self._wrap_stage = wrap_stage  # e.g. torch.compile (Config.compile), applied to each part
         self.rank, self.world_size, self.device = rank, world_size, device
         self.graph = captured.graph
         groups = [list(s.components) for s in plan.stages]
@@ -148,14 +151,17 @@ class PipelineRuntime:
         n_rec = self.plan.stages[self.s].recomputed_components
         if self._scp_last(self.s):
             n_rec = 0  # it holds one microbatch at a time: recomputing would save nothing
+
+        def part(st: StageGraph) -> _Part:
+            gm = build_stage_module(captured.gm, self.graph, st)
+            return _Part(st, gm if self._wrap_stage is None else self._wrap_stage(gm))
+
         if n_rec in (0, len(comps)):
-            part = _Part(self.me, build_stage_module(captured.gm, self.graph, self.me))
-            return (part, None) if n_rec else (None, part)
+            whole = part(self.me)
+            return (whole, None) if n_rec else (None, whole)
         cut = [*groups[:self.s], comps[:n_rec], comps[n_rec:], *groups[self.s + 1:]]
         sub = split_graph(self.graph, atomic, cut)
-        a, b = sub[self.s], sub[self.s + 1]
-        return (_Part(a, build_stage_module(captured.gm, self.graph, a)),
-                _Part(b, build_stage_module(captured.gm, self.graph, b)))
+        return part(sub[self.s]), part(sub[self.s + 1])
 
     def _scp_last(self, s: int) -> bool:
         return self.plan.schedule == "scp" and self._eager_ok and s == len(self.plan.stages) - 1
@@ -378,28 +384,34 @@ class PipelineRuntime:
             if mic.empty:
                 continue
             t0 = time.perf_counter() if self.trace else 0.0
-            if a.op is Op.RF:
-                self._receive_inputs(call, a.micro)
-            elif a.op is Op.F:
-                self._forward_micro(call, a.micro)
-                if not self._has_consumers:  # no SF action: model outputs leave right away
-                    self._send_outputs(call, a.micro, scalars)
-            elif a.op is Op.SF:
-                self._send_outputs(call, a.micro, scalars)
-            elif a.op is Op.RB:
-                mic.out_grads = [self._output_grad(v, a.micro, mic.rows, call, scalar_g)
-                                 for v in self.me.outputs]
-            elif a.op is Op.R:
-                self._recompute_micro(mic)
-            elif a.op is Op.B:
-                if mic.out_grads is None:  # a stage without consumers: only model-output grads
-                    mic.out_grads = [self._output_grad(v, a.micro, mic.rows, call, scalar_g)
-                                     for v in self.me.outputs]
-                self._backward_micro(mic)
-            elif a.op is Op.SB:
-                self._send_input_grads(call, a.micro)
+            # A named range per action (F0.3: forward of stage 0, microbatch 3) in torch.profiler traces.
+            with torch.profiler.record_function(f"rannc {a}"):
+                self._run_action(call, a, mic, scalars, scalar_g)
             if self.trace:
                 self.events.append(Event(a, t0 - call.t0, time.perf_counter() - call.t0))
+
+    def _run_action(self, call: _Call, a: Action, mic: _Micro, scalars: dict[str, torch.Tensor],
+                    scalar_g: dict[str, torch.Tensor] | None) -> None:
+        if a.op is Op.RF:
+            self._receive_inputs(call, a.micro)
+        elif a.op is Op.F:
+            self._forward_micro(call, a.micro)
+            if not self._has_consumers:  # no SF action: model outputs leave right away
+                self._send_outputs(call, a.micro, scalars)
+        elif a.op is Op.SF:
+            self._send_outputs(call, a.micro, scalars)
+        elif a.op is Op.RB:
+            mic.out_grads = [self._output_grad(v, a.micro, mic.rows, call, scalar_g)
+                             for v in self.me.outputs]
+        elif a.op is Op.R:
+            self._recompute_micro(mic)
+        elif a.op is Op.B:
+            if mic.out_grads is None:  # a stage without consumers: only model-output grads
+                mic.out_grads = [self._output_grad(v, a.micro, mic.rows, call, scalar_g)
+                                 for v in self.me.outputs]
+            self._backward_micro(mic)
+        elif a.op is Op.SB:
+            self._send_input_grads(call, a.micro)
 
     def _send_outputs(self, call: _Call, m: int, scalars: dict[str, torch.Tensor]) -> None:
         mic = call.micro[m]
@@ -597,7 +609,8 @@ class PipelineRuntime:
                     p.grad = st * g.to(st.dtype)
             if batch_used:
                 self._late_pass(call, grad_of)
-        self._reduce_grads(before)
+        with torch.profiler.record_function("rannc reduce gradients"):
+            self._reduce_grads(before)
         self._wait_sends(call)
         self.iteration_s = time.perf_counter() - call.t0
 

@@ -1,0 +1,131 @@
+"""Hugging Face Trainer for a RaNNCModule: `rannc.hf.RaNNCTrainer` (imports transformers).
+
+    model = rannc.RaNNCModule(model, opt)
+    trainer = rannc.hf.RaNNCTrainer(model=model, args=args, train_dataset=ds,
+                                    optimizers=(opt, None))   # opt: the one rannc was given
+    trainer.train()                     # torchrun --nproc-per-node N, or mpiexec -n N
+    trainer.train(resume_from_checkpoint=True)
+
+Why a subclass: the plain `Trainer` trains a RaNNCModule (Accelerate leaves it unwrapped, see
+`RaNNCModule._is_accelerate_prepared`), but it saves checkpoints from rank 0 alone
+(`model.state_dict()`, `optimizer.state_dict()`), while a deployed RaNNCModule spreads its
+parameters and optimizer state over the ranks: gathering them is a collective every rank must
+join. RaNNCTrainer gathers them on every rank, lets rank 0 write them in Trainer's own layout
+(`model.safetensors`, `optimizer.pt` keyed by parameter names), and loads them back on every
+rank. The plain Trainer's rank-0 save fails at once with a RaNNCError naming this class.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from typing import Any, cast
+
+import torch
+from transformers import PreTrainedModel, Trainer
+from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINING_ARGS_NAME
+
+from rannc.errors import RaNNCError
+from rannc.module import RaNNCModule
+
+
+class RaNNCTrainer(Trainer):
+    """`transformers.Trainer` whose checkpoints and `save_model()` work for a deployed RaNNCModule
+    (call `save_model()` on every rank, as Trainer's own checkpointing does)."""
+
+    _rannc_trainer = True  # RaNNCModule.state_dict() lets this class's rank-0 writes through
+
+    def __init__(self, model: Any = None, *args: Any, **kwargs: Any) -> None:
+        if not isinstance(model, RaNNCModule):
+            raise RaNNCError(f"RaNNCTrainer trains a rannc.RaNNCModule, got {type(model).__name__}; "
+                             "wrap the model first: RaNNCTrainer(model=rannc.RaNNCModule(model, opt))")
+        opt, sched = kwargs.get("optimizers", (None, None))
+        if opt is None and model.optimizer is not None:
+            kwargs["optimizers"] = (model.optimizer, sched)  # rannc prunes this one after deployment
+        elif opt is not None and opt is not model.optimizer:
+            raise RaNNCError("RaNNCTrainer(optimizers=(opt, ...)): pass the optimizer the "
+                             "RaNNCModule was given (RaNNCModule(model, opt)); rannc steps only the "
+                             "parameters each rank holds through it")
+        self._rannc_model: dict[str, Any] | None = None
+        self._rannc_optim: dict[str, Any] | None = None
+        super().__init__(model, *args, **kwargs)
+
+    @property
+    def _wrapped(self) -> RaNNCModule:
+        return cast(RaNNCModule, self.model)
+
+    def _set_signature_columns_if_needed(self) -> None:
+        # The dataset columns to keep are the wrapped model's forward arguments (RaNNCModule's own
+        # forward takes *args, **kwargs).
+        if self._signature_columns is None:
+            names = list(inspect.signature(self._wrapped.module.forward).parameters)
+            cols: Any = names + list({"label", "label_ids", *self.label_names})
+            self._signature_columns = cols
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        # Every rank gathers (collectives); Trainer then writes on rank 0.
+        self._rannc_model = self._wrapped.state_dict()
+        self._rannc_optim = None if self.args.save_only_model else self._wrapped.optimizer_state_dict()
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._rannc_model = self._rannc_optim = None
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        if self._rannc_model is not None:  # inside _save_checkpoint: already gathered
+            super().save_model(output_dir, _internal_call)
+            return
+        self._rannc_model = self._wrapped.state_dict()  # a user's call: every rank gathers
+        try:
+            super().save_model(output_dir, _internal_call)
+        finally:
+            self._rannc_model = None
+
+    def _save(self, output_dir: str | None = None, state_dict: Any = None) -> None:
+        sd = self._rannc_model if state_dict is None else state_dict
+        inner = self._wrapped.module
+        if not self.args.should_save or not isinstance(inner, PreTrainedModel):
+            # (Trainer writes a bare state dict here; safetensors refuses tied entries that share
+            # one tensor, so they become copies.)
+            super()._save(output_dir, _untied(sd) if sd else sd)
+            return
+        # What Trainer does for a PreTrainedModel: save_pretrained (config.json, tied weights
+        # once), the processing class and the training arguments.
+        out = str(self.args.output_dir if output_dir is None else output_dir)
+        os.makedirs(out, exist_ok=True)
+        inner.save_pretrained(out, state_dict=sd)
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(out)
+        torch.save(self.args, os.path.join(out, TRAINING_ARGS_NAME))
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if not self.args.should_save:
+            return
+        torch.save(self._rannc_optim, os.path.join(output_dir, OPTIMIZER_NAME))
+        if self.lr_scheduler is not None:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        path = os.path.join(checkpoint, OPTIMIZER_NAME)
+        if not os.path.isfile(path):
+            return
+        # Every rank reads the whole, name-keyed state and keeps what it holds.
+        self._wrapped.load_optimizer_state_dict(torch.load(path, weights_only=True))
+        sched = os.path.join(checkpoint, SCHEDULER_NAME)
+        if self.lr_scheduler is not None and os.path.isfile(sched):
+            self.lr_scheduler.load_state_dict(torch.load(sched, weights_only=True))
+
+
+def _untied(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """`state_dict` with every tensor that an earlier entry shares (tied weights) copied."""
+    seen: set[int] = set()
+    out = {}
+    for k, v in state_dict.items():
+        if isinstance(v, torch.Tensor) and v.numel():
+            ptr = v.untyped_storage().data_ptr()
+            v = v.clone() if ptr in seen else v
+            seen.add(ptr)
+        out[k] = v
+    return out

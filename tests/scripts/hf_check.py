@@ -1,0 +1,140 @@
+"""Hugging Face Trainer and Accelerate holding a RaNNCModule, on 2 ranks (torchrun or mpiexec).
+
+    torchrun --nproc-per-node 2 tests/scripts/hf_check.py --out DIR            # accelerate, trainer
+    torchrun --nproc-per-node 2 tests/scripts/hf_check.py --out DIR --plain    # plain Trainer save
+
+Default mode: (1) Accelerate `prepare(model, opt, loader)` returns the RaNNCModule itself (no
+DDP) and 4 SGD steps equal the unwrapped model's on the global batch; (2) rannc.hf.RaNNCTrainer
+trains a tiny GPT-2 for 6 steps (2 stages, checkpoints at steps 3 and 6): the loss goes down, and a
+fresh model resumed from checkpoint-3 ends with the same parameters as the uninterrupted run.
+Prints "PASS accelerate rank R" and "PASS trainer rank R".
+--plain: the plain transformers.Trainer trains, then its rank-0 checkpoint save raises a
+RaNNCError naming rannc.hf.RaNNCTrainer (instead of hanging).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[2])]
+from model_zoo import make_case  # noqa: E402
+
+import rannc  # noqa: E402
+
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def gpt2(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return make_case("gpt2", batch=2).model
+
+
+def check_accelerate(rank: int) -> None:
+    from accelerate import Accelerator
+
+    torch.manual_seed(0)
+    data = torch.randint(0, 97, (4, 10))
+    model = gpt2()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    wrapped = rannc.RaNNCModule(model, opt, partition_num=2, timeout_s=60)
+    loader = torch.utils.data.DataLoader(data, batch_size=2)  # accelerate shards it by rank
+    acc = Accelerator(cpu=True)
+    m, o, dl = acc.prepare(wrapped, opt, loader)
+    assert m is wrapped, type(m)  # not wrapped in DistributedDataParallel
+    for _ in range(4):
+        for batch in dl:
+            assert batch.shape[0] == 2 and torch.equal(batch, data[2 * rank:2 * rank + 2])
+            loss = m(input_ids=batch, labels=batch).loss
+            acc.backward(loss)
+            o.step()
+            o.zero_grad()
+            ref_loss = ref(input_ids=data, labels=data).loss
+            ref_loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL)
+    print(f"PASS accelerate rank {rank}", flush=True)
+
+
+def dataset() -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 97, (16, 10), generator=g)
+    return [{"input_ids": x, "labels": x} for x in ids]
+
+
+def trainer_args(out: str, **kw: Any) -> Any:
+    from transformers import TrainingArguments
+
+    return TrainingArguments(output_dir=out, per_device_train_batch_size=2, max_steps=6,
+                             save_strategy="steps", save_steps=3, logging_steps=1,
+                             learning_rate=3e-3, report_to=[], seed=0, use_cpu=True,
+                             disable_tqdm=True, **kw)
+
+
+def check_trainer(rank: int, out: str) -> None:
+    from rannc.hf import RaNNCTrainer
+
+    model = gpt2()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    wrapped = rannc.RaNNCModule(model, opt, partition_num=2, timeout_s=60)
+    trainer = RaNNCTrainer(model=wrapped, args=trainer_args(out), train_dataset=dataset())
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 6 and losses[-1] < losses[0], losses
+    final = wrapped.state_dict()  # collective; the whole model on rank 0
+    ckpt = Path(out) / "checkpoint-3"
+    if rank == 0:
+        assert (ckpt / "model.safetensors").is_file() and (ckpt / "optimizer.pt").is_file()
+    rannc.barrier()
+
+    model2 = gpt2(seed=5)  # other weights: the checkpoint must bring them back
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=3e-3)
+    wrapped2 = rannc.RaNNCModule(model2, opt2, partition_num=2, timeout_s=60)
+    trainer2 = RaNNCTrainer(model=wrapped2, args=trainer_args(out + "-resumed"),
+                            train_dataset=dataset())
+    trainer2.train(resume_from_checkpoint=str(ckpt))
+    assert trainer2.state.global_step == 6
+    resumed = wrapped2.state_dict()
+    if rank == 0:
+        assert list(resumed) == list(final)
+        for k in final:
+            torch.testing.assert_close(resumed[k], final[k], rtol=RTOL, atol=ATOL, msg=k)
+    print(f"PASS trainer rank {rank}", flush=True)
+
+
+def check_plain_trainer_save(out: str) -> None:
+    from transformers import Trainer
+
+    model = gpt2()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    wrapped = rannc.RaNNCModule(model, opt, partition_num=2, timeout_s=30)
+    # remove_unused_columns=False: Trainer reads the columns from RaNNCModule.forward(*args, **kw)
+    trainer = Trainer(model=wrapped, args=trainer_args(out, remove_unused_columns=False),
+                      train_dataset=dataset(),
+                      optimizers=(opt, None))
+    trainer.train()  # the save at step 3 raises on rank 0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--plain", action="store_true")
+    a = p.parse_args()
+    rank = rannc.get_rank()
+    if a.plain:
+        check_plain_trainer_save(a.out)
+        return
+    check_accelerate(rank)
+    check_trainer(rank, a.out)
+
+
+if __name__ == "__main__":
+    main()

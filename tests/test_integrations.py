@@ -1,0 +1,90 @@
+"""Hugging Face Trainer, Accelerate and torch.compile around a RaNNCModule.
+
+Multi-rank checks run tests/scripts/hf_check.py under torchrun (see its docstring)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from mpi_harness import run_torchrun
+from torch import nn
+
+import rannc
+
+SCRIPT = Path(__file__).resolve().parent / "scripts" / "hf_check.py"
+
+
+@pytest.mark.timeout(400)
+def test_accelerate_prepare_and_trainer_checkpoint_resume(tmp_path: Path) -> None:
+    pytest.importorskip("accelerate")
+    res = run_torchrun(SCRIPT, 2, ["--out", str(tmp_path / "run")], timeout=360)
+    for what in ("accelerate", "trainer"):
+        assert res.stdout.count(f"PASS {what} rank") == 2, res.stdout + res.stderr
+    assert (tmp_path / "run" / "checkpoint-6" / "model.safetensors").is_file()
+
+
+@pytest.mark.timeout(300)
+def test_plain_trainer_checkpoint_fails_at_once_naming_rannc_trainer(tmp_path: Path) -> None:
+    pytest.importorskip("accelerate")
+    t0 = time.monotonic()
+    res = run_torchrun(SCRIPT, 2, ["--out", str(tmp_path / "run"), "--plain"], timeout=240,
+                       check=False)
+    assert res.returncode != 0
+    assert "rannc.hf.RaNNCTrainer" in res.stderr, res.stderr
+    assert time.monotonic() - t0 < 200  # not the 30 s collective timeout of a hung gather, twice
+
+
+def test_trainer_subclass_wants_a_rannc_module() -> None:
+    pytest.importorskip("accelerate")
+    from rannc.hf import RaNNCTrainer
+
+    with pytest.raises(rannc.RaNNCError, match="RaNNCModule"):
+        RaNNCTrainer(model=nn.Linear(2, 2))
+
+
+def test_outer_torch_compile_says_to_use_compile_option() -> None:
+    model = rannc.RaNNCModule(nn.Linear(4, 2))
+    x = torch.randn(3, 4)
+    with pytest.raises(rannc.RaNNCError, match="compile=True"):
+        torch.compile(model)(x)
+    with pytest.raises(rannc.RaNNCError, match="compile=True"):
+        model.compile()
+    assert model(x).shape == (3, 2)  # the module itself is unharmed
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+@pytest.mark.timeout(400)
+def test_compile_option_compiles_the_stages_and_stays_exact() -> None:
+    import copy
+
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    wrapped = rannc.RaNNCModule(model, compile=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x = torch.randn(6, 8)
+    for _ in range(2):
+        out, ref_out = wrapped(x), ref(x)
+        torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6)
+        out.square().mean().backward()
+        ref_out.square().mean().backward()
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+    (dep,) = wrapped._deployments.values()
+    assert all(type(m).__name__ == "OptimizedModule" for m in dep.modules)  # compiled, not eager
+
+
+@pytest.mark.timeout(300)
+def test_lightning_recipe_trains_exactly() -> None:
+    pytest.importorskip("lightning")
+    res = run_torchrun(Path(__file__).resolve().parent / "scripts" / "lightning_check.py", 2,
+                       timeout=240)
+    assert res.stdout.count("PASS lightning rank") == 2, res.stdout + res.stderr

@@ -1,0 +1,87 @@
+"""RaNNCModule is a transparent wrapper, like DDP and FSDP: the wrapped model's attributes are
+reachable through it, rannc's settings do not hide them, and a parent module sees its parameters.
+
+(Multi-rank: tests/scripts/wrapper_check.py, run by test_wrapper_mpi below.)
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from model_zoo import make_case
+from mpi_harness import run_mpi, run_torchrun
+from torch import nn
+
+import rannc
+
+SCRIPT = Path(__file__).resolve().parent / "scripts" / "wrapper_check.py"
+
+
+def test_hugging_face_attributes_reach_through() -> None:
+    case = make_case("gpt2")
+    wrapped = rannc.RaNNCModule(case.model)
+    # Trainer reads these: `config.use_cache` failed while RaNNCModule.config was rannc's Config.
+    assert wrapped.config is case.model.config
+    assert wrapped.config.use_cache is False
+    assert wrapped.generation_config is case.model.generation_config
+    assert wrapped.can_generate() == case.model.can_generate()
+    assert isinstance(wrapped.rannc_config, rannc.Config)
+    assert wrapped.module is case.model
+
+
+def test_user_attribute_and_missing_attribute() -> None:
+    model = nn.Linear(3, 2)
+    model.my_flag = 7  # type: ignore[assignment]
+    wrapped = rannc.RaNNCModule(model, timeout_s=12.0)
+    assert wrapped.my_flag == 7
+    assert wrapped.weight is model.weight
+    assert wrapped.rannc_config.timeout_s == 12.0
+    with pytest.raises(AttributeError, match="no_such_thing"):
+        _ = wrapped.no_such_thing
+
+
+def test_parent_sees_parameters_under_original_names() -> None:
+    case = make_case("bert")
+    ref = copy.deepcopy(case.model)
+    parent = nn.ModuleDict({"net": rannc.RaNNCModule(case.model)})
+    names = [n for n, _ in parent.named_parameters()]
+    assert names and all(n.startswith("net.") for n in names)
+    assert len(list(parent.parameters())) == len(list(ref.parameters()))
+    # The wrapper's own names stay the original ones (no "module." prefix).
+    assert [n for n, _ in parent["net"].named_parameters()] == [n for n, _ in ref.named_parameters()]
+    assert list(parent["net"].state_dict()) == list(ref.state_dict())
+    assert all(k.startswith("net.") and not k.startswith("net.module.") for k in parent.state_dict())
+    out = parent["net"](*case.args, **case.kwargs)  # still runs
+    torch.testing.assert_close(out.loss, ref(*case.args, **case.kwargs).loss, rtol=1e-6, atol=1e-7)
+    # After the first call too (one process: every parameter is held).
+    assert len(list(parent.parameters())) == len(list(ref.parameters()))
+
+
+def test_plain_python_starts_no_process_group() -> None:
+    import torch.distributed as dist
+
+    rannc.RaNNCModule(nn.Linear(2, 2))
+    assert not dist.is_initialized()
+    assert rannc.init() is None  # nothing to do with one rank and no timeout asked for
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("launcher", ["mpi", "torchrun"])
+def test_wrapper_mpi(launcher: str) -> None:
+    """On 2 ranks: DistributedSampler right after wrapping, HF attributes, and a parent seeing the
+    parameters this rank holds after deployment."""
+    run = run_mpi if launcher == "mpi" else run_torchrun
+    res = run(SCRIPT, 2, [], timeout=240)
+    assert res.stdout.count("PASS wrapper") == 2, res.stdout + res.stderr
+
+
+@pytest.mark.timeout(400)
+def test_compiled_stages_profiler_ranges_and_plan_table_mpi() -> None:
+    """compile=True on 2 ranks equals the unwrapped model; stage actions show in torch.profiler;
+    the plan table is printed once (rank 0) without any logging set up."""
+    res = run_mpi(SCRIPT, 2, ["--compile"], timeout=360)
+    assert res.stdout.count("PASS compile") == 2, res.stdout + res.stderr
+    assert res.stderr.count("rannc plan: 2 stage(s)") == 1, res.stderr
