@@ -38,7 +38,7 @@ from rannc.derive import derive_plan
 from rannc.errors import ConfigError, RaNNCError
 from rannc.graph.capture import CapturedModel, capture, flatten_inputs
 from rannc.graph.extract import StageGraph, build_stage_module, run_chain, split_graph
-from rannc.pipeline.runtime import PipelineFunction, PipelineRuntime
+from rannc.pipeline.runtime import COUNT_KWARG, PipelineFunction, PipelineRuntime
 from rannc.plans import Plan
 
 log = logging.getLogger(__name__)
@@ -92,6 +92,7 @@ class RaNNCModule(nn.Module):
 
     # -- running -----------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs = _count_as_tensor(args, kwargs)
         if rdist.get_world_size() > 1:
             ctx = rdist.init_process_group(self.config.timeout_s)  # and the phase's watchdog
             self._calls += 1
@@ -114,7 +115,8 @@ class RaNNCModule(nn.Module):
         key = (layout.signature, self.training, _autocast_state())
         # Before anything a rank might do alone: every rank raises here, or none does.
         sizes = validate.agree_on_call(args, kwargs, leaves, layout, ctx,
-                                       validate.call_mode(self.training, key[2]))
+                                       validate.call_mode(self.training, key[2])
+                                       + _grad_inputs_text(args, kwargs))
         rt = self._runtimes.get(key)
         if rt is None:
             with self._shaped_params():
@@ -146,7 +148,9 @@ class RaNNCModule(nn.Module):
             idx = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
             names = [cap.graph.outputs[i] for i in idx]
             anchor = torch.empty((), requires_grad=True)
-            outs = PipelineFunction.apply(rt, names, anchor, *[flat[i] for i in idx])
+            ins = rt.grad_inputs(leaves)  # they get the gradients of this rank's rows
+            outs = PipelineFunction.apply(rt, names, [v for v, _x in ins], anchor,
+                                          *[flat[i] for i in idx], *[x for _v, x in ins])
             for i, o in zip(idx, outs, strict=True):
                 flat[i] = o
         return pytree.tree_unflatten(flat, cap.out_spec)
@@ -526,6 +530,32 @@ class RaNNCModule(nn.Module):
 
     def extra_repr(self) -> str:
         return f"module={type(self.module).__name__}, deployments={len(self._deployments)}"
+
+
+def _count_as_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Hugging Face's `num_items_in_batch` as a 0-dim tensor on the inputs' device: a Python
+    number would be baked into the captured graph (a capture per distinct count), and the
+    runtime finds the scalar outputs divided by it (`PipelineRuntime._summed_outputs`)."""
+    x = kwargs.get(COUNT_KWARG)
+    if isinstance(x, torch.Tensor) and x.numel() == 1 and x.dim() > 0:
+        return {**kwargs, COUNT_KWARG: x.reshape(())}
+    if not isinstance(x, int | float) or isinstance(x, bool):
+        return kwargs
+    device = next((t.device for t in pytree.tree_leaves((args, kwargs))
+                   if isinstance(t, torch.Tensor)), None)
+    return {**kwargs, COUNT_KWARG: torch.tensor(x, device=device)}
+
+
+def _grad_inputs_text(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    """The inputs requiring grad, part of the call mode every rank must agree on: the ranks
+    that compute an input's gradients send each owner its rows' part, and the owners wait."""
+    if not torch.is_grad_enabled():
+        return ""
+    tree = (tuple(args), {k: kwargs[k] for k in sorted(kwargs)})
+    named = pytree.tree_flatten_with_path(tree)[0]
+    want = [pytree.keystr(path) for path, x in named
+            if isinstance(x, torch.Tensor) and x.is_floating_point() and x.requires_grad]
+    return f", inputs requiring grad {want}" if want else ""
 
 
 def _autocast_state() -> tuple[Any, ...]:
