@@ -34,3 +34,25 @@ def test_inputs_requiring_grad_get_their_rows_gradient(n: int, args: list[str]) 
     x, so the owner sums what both send back), for 2 steps; without requires_grad, None."""
     res = run_mpi(SCRIPT, n, ["--case", "input_grad", *args])
     _passed(res.stdout, "input_grad", n)
+
+
+# (ranks, arguments): a masked RoBERTa MLM (loss by Hugging Face's ForMaskedLMLoss) on 2 stages
+# x replicas [2, 1]; a padded Llama (its own causal-LM loss, the count through **kwargs) on 2
+# stages with 3 microbatches under fill-drain and under 1F1B (the loss gradient seeded inside
+# forward). Rows hold 1 to 11 labelled tokens, so every piece's count differs.
+MASKED = [
+    (3, ["--model", "roberta", "--replicas", "2,1", "--microbatches", "2", "--batch", "7"]),
+    (2, ["--model", "llama", "--partition-num", "2", "--microbatches", "3", "--batch", "7"]),
+    (3, ["--model", "llama", "--replicas", "1,2", "--microbatches", "2", "--batch", "8",
+         "--schedule", "1f1b"]),
+]
+
+
+@pytest.mark.parametrize(("n", "args"), MASKED,
+                         ids=[f"{n}r-{'_'.join(x.lstrip('-') for x in a)}" for n, a in MASKED])
+def test_num_items_in_batch_gives_the_global_token_mean(n: int, args: list[str]) -> None:
+    """With num_items_in_batch (the global count; an int, then a tensor) the pieces of the loss
+    sum: loss, logits rows, gradients and parameters after 2 AdamW steps equal the unwrapped
+    model's global token mean; a count differing across ranks raises on every rank."""
+    res = run_mpi(SCRIPT, n, ["--case", "masked_lm", *args])
+    _passed(res.stdout, f"masked_lm {args[1]}", n)
