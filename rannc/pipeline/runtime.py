@@ -29,6 +29,7 @@ import contextlib
 import logging
 import math
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,15 +41,18 @@ from torch import nn
 
 from rannc import health
 from rannc.atomic.components import AtomicPartition
-from rannc.errors import InputMismatchError, RaNNCError
+from rannc.errors import ConfigError, InputMismatchError, RaNNCError
 from rannc.graph.capture import CapturedModel
 from rannc.graph.extract import StageGraph, build_stage_module, split_graph
 from rannc.graph.task_graph import Value, ValueKind, eval_dim
+from rannc.pipeline import batchnorm as bnorm
 from rannc.pipeline.rows import Range, RowLayout, intersect
 from rannc.plans import Plan
 from rannc.schedule import Action, Event, Op, Schedule, ScheduleError, make_schedule, validate
 
 log = logging.getLogger(__name__)
+
+_BN_WARNED: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models warned about BatchNorm
 
 # Hugging Face's keyword for the global number of loss items (tokens not labelled -100): a loss
 # given it is sum / count, so its (microbatch, replica) pieces add up to the global loss.
@@ -104,7 +108,7 @@ class _Part:
 class PipelineRuntime:
     def __init__(self, model: nn.Module, captured: CapturedModel, atomic: AtomicPartition,
                  plan: Plan, rank: int, world_size: int, device: torch.device,
-                 trace: bool = False) -> None:
+                 trace: bool = False, batchnorm: str = "local") -> None:
         self.model, self.cap, self.plan = model, captured, plan
         self.rank, self.world_size, self.device = rank, world_size, device
         self.graph = captured.graph
@@ -128,6 +132,10 @@ class PipelineRuntime:
         self.schedule = self._schedule(plan.schedule if self._eager_ok else "gpipe")
         self._has_consumers = bool(self.schedule.consumers(self.s))
         self.rec_part, self.keep_part = self._parts(captured, atomic, groups)
+        self._bn = self._batch_norm(batchnorm)
+        bn_tasks = set(bnorm.training_batch_norms(self.cap.gm, self.graph))
+        self._bn_stages = [t for t, st in enumerate(self.stages)
+                           if len(self.plan.stages[t].ranks) > 1 and set(st.tasks) & bn_tasks]
         if plan.schedule != "gpipe" and not self._eager_ok and rank == 0:
             log.info("rannc: schedule %s needs the model to return one floating-point scalar "
                      "(the loss) to run its backward inside forward(); this model returns %s, so "
@@ -164,6 +172,57 @@ class PipelineRuntime:
         a, b = sub[self.s], sub[self.s + 1]
         return (_Part(a, build_stage_module(captured.gm, self.graph, a)),
                 _Part(b, build_stage_module(captured.gm, self.graph, b)))
+
+    def _batch_norm(self, mode: str) -> bnorm.BatchNormState:
+        """Training-mode BatchNorm: deferred running statistics, the stage replicas' process
+        group, and `batchnorm="sync"`'s synchronised statistics (see `rannc.pipeline.batchnorm`)."""
+        state = bnorm.BatchNormState(bnorm.check_mode(mode), None)
+        tasks = bnorm.training_batch_norms(self.cap.gm, self.graph)
+        if not tasks:
+            return state
+        where = {t for t, st in enumerate(self.stages) if set(st.tasks) & set(tasks)}
+        for t in sorted(where):  # every rank creates every group, in the same order
+            ranks = list(self.plan.stages[t].ranks)
+            group = dist.new_group(ranks) if len(ranks) > 1 else None
+            if t == self.s:
+                state.group = group
+        for part in (self.rec_part, self.keep_part):
+            if part is not None:
+                bnorm.install(part.module, self.graph, state)
+        paths = sorted({self.graph.tasks[i].module_path or self.graph.tasks[i].name for i in tasks})
+        reps = {t: len(self.plan.stages[t].ranks) for t in sorted(where)}
+        if state.mode == "sync" and self.plan.microbatches > 1:
+            raise ConfigError(
+                f"batchnorm='sync' needs one microbatch where BatchNorm runs in training "
+                f"({', '.join(paths)}), but the plan has {self.plan.microbatches}: plan again "
+                "(with batchnorm='sync' the planner keeps one), or set microbatches=1")
+        differs = self.plan.microbatches > 1 or max(reps.values()) > 1
+        if state.mode == "local" and differs and self.rank == 0 and self.model not in _BN_WARNED:
+            _BN_WARNED.add(self.model)
+            log.warning(
+                "rannc: BatchNorm in training (%s) normalises each microbatch on each stage "
+                "replica over its own rows (plan: %d microbatches; replicas of the stages "
+                "holding it: %s), so outputs and gradients differ from the model on the global "
+                "batch, as under DDP without SyncBatchNorm; running statistics are still "
+                "updated once per call from the global batch. Config batchnorm='sync' makes "
+                "it exact (one microbatch, statistics synchronised over the replicas)",
+                ", ".join(paths), self.plan.microbatches,
+                ", ".join(f"stage {t}: {r}" for t, r in reps.items()))
+        return state
+
+    def _check_sync_rows(self, layout: RowLayout) -> None:
+        """Synchronised BatchNorm is a collective of the stage's replicas in every
+        microbatch: each replica needs rows (the same check on every rank)."""
+        if self._bn.mode != "sync" or not self._bn_stages:
+            return
+        for t in self._bn_stages:
+            for m, per in enumerate(layout.rows[t]):
+                if any(a == b for a, b in per):
+                    raise RaNNCError(
+                        f"batchnorm='sync': microbatch {m} of the global batch "
+                        f"({layout.n_rows} rows) leaves a replica of stage {t} "
+                        f"({len(per)} replicas, rows {per}) without rows; pass at least "
+                        "one row per replica")
 
     def _scp_last(self, s: int) -> bool:
         return self.plan.schedule == "scp" and self._eager_ok and s == len(self.plan.stages) - 1
@@ -348,6 +407,11 @@ class PipelineRuntime:
         the gradients scaled by the real one (gradients are linear in it)."""
         self._check_count(leaves)
         layout = RowLayout(sizes, self.plan.microbatches, [s.shares for s in self.plan.stages])
+        self._check_sync_rows(layout)
+        buffers: dict[str, torch.Tensor] = {}
+        if self._bn.sites:
+            buffers = dict(self.model.named_buffers(remove_duplicate=False))
+            self._bn.begin_call(buffers)
         grad = torch.is_grad_enabled()
         mode = "forward" if not grad else "eager" if self._eager_ok else "split"
         call = _Call(layout, self.cap.bind(self.model, leaves),
@@ -379,6 +443,8 @@ class PipelineRuntime:
                     p.grad = before[n]
         else:
             self._run(call, acts, scalars)
+        if self._bn.sites:  # the running statistics, once per call (every replica)
+            self._bn.finish_call(buffers, self.device)
         return self._collect_outputs(call, layout, scalars)
 
     def _send_inputs(self, call: _Call) -> None:
@@ -453,6 +519,16 @@ class PipelineRuntime:
         mic.rng = torch.get_rng_state()
         if call.mode == "eager" and self._has_batch_grad_outputs:
             mic.saved = list(mic.ins)
+        self._bn.accumulate = True  # BatchNorm statistics count in this first forward only
+        try:
+            self._forward_parts(mic, env, grad)
+        finally:
+            self._bn.accumulate = False
+        mic.outs = [env[v] for v in self.me.outputs]
+        if not grad:
+            mic.ins = None
+
+    def _forward_parts(self, mic: _Micro, env: dict[str, Any], grad: bool) -> None:
         if self.rec_part is not None:
             with torch.no_grad():
                 outs = self.rec_part.module(*[env[v] for v in self.rec_part.graph.inputs])
@@ -466,9 +542,6 @@ class PipelineRuntime:
                 outs = self.keep_part.module(*[env[v] for v in self.keep_part.graph.inputs])
             env.update(zip(self.keep_part.graph.outputs, outs, strict=True))
             mic.kept = list(outs) if grad else None
-        mic.outs = [env[v] for v in self.me.outputs]
-        if not grad:
-            mic.ins = None
 
     def _recompute_micro(self, mic: _Micro) -> None:
         """Rebuild the recomputed part's activations, replaying its dropout; buffers get
@@ -510,7 +583,8 @@ class PipelineRuntime:
         """Per stage input: its gradient (zeros if none reached it) where the sender waits for
         one (`_gradient_edges`, and the model inputs requiring grad), else None."""
         return [(x.grad if x.grad is not None else torch.zeros_like(x))
-                if ((v, self.s) in self._grad_edges or self._wants_grad(v, call))
+                if ((v, self.s) in self._grad_edges
+                    or (v in call.grad_inputs and (v, self.s) in self._input_edges))
                 and isinstance(x, torch.Tensor) else None
                 for v, x in zip(self.me.inputs, ins, strict=True)]
 
