@@ -77,6 +77,12 @@ class Config:
     """Record per-rank runtime events."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Options for experimental features."""
+    batchnorm: str = "local"
+    """BatchNorm in training: "local" (each microbatch on each stage replica normalises over
+    its own rows, as DDP without SyncBatchNorm; warned about when the plan has several) or
+    "sync" (exact on the global batch: one microbatch for the whole plan, statistics summed
+    over a stage's replicas in forward and backward). Running statistics follow the global
+    batch, updated once per call, in both."""
 
     def __post_init__(self) -> None:
         for name, allowed in (("schedule", _SCHEDULES), ("checkpointing", _CHECKPOINTING),

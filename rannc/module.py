@@ -136,7 +136,7 @@ class RaNNCModule(nn.Module):
                              "on the deployed stages", "train" if self.training else "eval",
                              cap.graph.summary())
             rt = PipelineRuntime(self.module, cap, atomic, plan, ctx.rank, ctx.world_size, ctx.device,
-                                 trace=self.config.trace)
+                                 trace=self.config.trace, batchnorm=self.config.batchnorm)
             rt.sync = self._sync
             self._runtimes[key] = rt
             self._release_params(rt)

@@ -56,3 +56,60 @@ def test_num_items_in_batch_gives_the_global_token_mean(n: int, args: list[str])
     model's global token mean; a count differing across ranks raises on every rank."""
     res = run_mpi(SCRIPT, n, ["--case", "masked_lm", *args])
     _passed(res.stdout, f"masked_lm {args[1]}", n)
+
+
+def test_batchnorm_sync_keeps_one_microbatch_in_the_plan() -> None:
+    """The planner keeps one microbatch (for the whole plan) under batchnorm="sync" when the
+    model has BatchNorm, and refuses a forced count above one; "local" plans as before."""
+    import torch
+    from torch import nn
+
+    import rannc
+    from rannc.errors import ConfigError
+
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(8 * 14 * 14, 5))
+    x = torch.randn(32, 3, 16, 16)
+    cluster = rannc.Cluster.homogeneous("V100-32GB", n=4, per_node=4)
+    local = rannc.plan(model, (x,), cluster=cluster,
+                       config=rannc.Config(microbatches=4, profiler="estimate"))
+    assert local.microbatches == 4
+    sync = rannc.plan(model, (x,), cluster=cluster,
+                      config=rannc.Config(batchnorm="sync", profiler="estimate"))
+    assert sync.microbatches == 1
+    with pytest.raises(ConfigError, match="keeps one microbatch"):
+        rannc.plan(model, (x,), cluster=cluster,
+                   config=rannc.Config(batchnorm="sync", microbatches=2, profiler="estimate"))
+    with pytest.raises(ConfigError, match="batchnorm='exact'"):
+        rannc.plan(model, (x,), cluster=cluster, config=rannc.Config(batchnorm="exact"))
+
+
+# (ranks, arguments): "sync" on a tiny transformers ResNet, 2 stages x replicas [2, 1] (the
+# planner keeps one microbatch), and [1, 2] under 1F1B with recomputation; "local" with 2
+# microbatches and replicas [2, 1], whose plan changes what BatchNorm computes (warned).
+BATCHNORM = [
+    (3, ["--bn-mode", "sync", "--replicas", "2,1", "--microbatches", "0", "--batch", "7"]),
+    (3, ["--bn-mode", "sync", "--replicas", "1,2", "--microbatches", "0", "--batch", "8",
+         "--schedule", "1f1b", "--checkpointing", "on"]),
+    (3, ["--bn-mode", "local", "--replicas", "2,1", "--microbatches", "2", "--batch", "7"]),
+]
+
+
+@pytest.mark.parametrize(("n", "args"), BATCHNORM,
+                         ids=[f"{n}r-{'_'.join(x.lstrip('-') for x in a)}" for n, a in BATCHNORM])
+def test_batchnorm(n: int, args: list[str]) -> None:
+    """sync: outputs, loss, gradients, running statistics (every step) and eval() outputs after
+    2 AdamW steps equal the unwrapped model's. local: the outputs differ, the first
+    BatchNorm's running statistics and every num_batches_tracked equal the unwrapped model's
+    after one call (deferred: once per call, from the global batch), and rank 0 warns once,
+    naming the modules and the plan."""
+    res = run_mpi(SCRIPT, n, ["--case", "batchnorm", *args])
+    mode = args[1]
+    _passed(res.stdout, f"batchnorm {mode}", n)
+    warned = (res.stdout + res.stderr).count("rannc: BatchNorm in training (resnet.embedder")
+    if mode == "local":
+        assert warned == 1, res.stderr
+        assert "plan: 2 microbatches; replicas of the stages holding it: stage 0: 2" in res.stderr
+    else:
+        assert warned == 0
+        assert "microbatches 1" in res.stdout

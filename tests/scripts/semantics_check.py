@@ -38,7 +38,8 @@ def close(got: Any, want: Any, what: str) -> None:
 
 
 def options(a: argparse.Namespace) -> dict[str, Any]:
-    opts: dict[str, Any] = {"microbatches": a.microbatches, "schedule": a.schedule}
+    opts: dict[str, Any] = {"microbatches": a.microbatches or None, "schedule": a.schedule,
+                            "checkpointing": a.checkpointing}
     if a.replicas:
         opts["replicas"] = [int(x) for x in a.replicas.split(",")]
     if a.partition_num:
@@ -204,20 +205,93 @@ def check_masked_lm(a: argparse.Namespace, rank: int, world: int) -> None:
           f"schedule {wrapped.plan.schedule}", flush=True)
 
 
+def tiny_resnet() -> nn.Module:
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    cfg = ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
+                       layer_type="basic", num_labels=5)
+    return ResNetForImageClassification(cfg)
+
+
+def buffers_close(got: dict[str, Any], ref: nn.Module, names: list[str], what: str) -> None:
+    want = dict(ref.named_buffers())
+    for name in names:
+        close(got[name].to(want[name].dtype), want[name], f"{what} buffer {name}")
+
+
+def check_batchnorm(a: argparse.Namespace, rank: int, world: int) -> None:
+    """batchnorm="sync": outputs, loss, gradients, running statistics, and eval() outputs after
+    2 AdamW steps equal the unwrapped model's. "local" (the default): the outputs differ (each
+    microbatch and replica normalises its own rows) but the running statistics of a BatchNorm
+    whose input does not depend on another's are the unwrapped model's after a call."""
+    torch.manual_seed(0)
+    n = a.batch
+    model = tiny_resnet()
+    ref = copy.deepcopy(model)
+    x_all, y_all = torch.randn(n, 3, 16, 16), torch.randint(0, 5, (n,))
+    sizes = local_sizes(n, world)
+    lo = sum(sizes[:rank])
+    hi = lo + sizes[rank]
+    opt_w = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)
+    opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-4)
+    wrapped = rannc.RaNNCModule(model, opt_w, batchnorm=a.bn_mode, **options(a))
+    ref_names = dict(ref.named_parameters())
+    bn_buffers = [k for k, _ in ref.named_buffers()]
+    if a.bn_mode == "local":
+        out = wrapped(pixel_values=x_all[lo:hi], labels=y_all[lo:hi])
+        ref_out = ref(pixel_values=x_all, labels=y_all)
+        assert not torch.allclose(out.logits, ref_out.logits[lo:hi], rtol=1e-3, atol=1e-4), \
+            "local BatchNorm gave the global batch's outputs: the layout does not split it"
+        out.loss.backward()
+        got = wrapped.state_dict(rank0_only=False)
+        first = [k for k in bn_buffers if k.startswith("resnet.embedder.")]  # its input: conv(x)
+        buffers_close(got, ref, first, f"rank {rank} local")
+        tracked = [k for k in bn_buffers if k.endswith("num_batches_tracked")]
+        buffers_close(got, ref, tracked, f"rank {rank} local")  # once per call
+        print(f"PASS batchnorm local rank {rank} microbatches {wrapped.plan.microbatches}",
+              flush=True)
+        return
+    for step in range(2):
+        out = wrapped(pixel_values=x_all[lo:hi], labels=y_all[lo:hi])
+        ref_out = ref(pixel_values=x_all, labels=y_all)
+        close(out.logits, ref_out.logits[lo:hi], f"rank {rank} step {step} logits")
+        close(out.loss, ref_out.loss, f"rank {rank} step {step} loss")
+        out.loss.backward()
+        ref_out.loss.backward()
+        for name, p in wrapped.named_parameters():
+            close(p.grad, ref_names[name].grad, f"rank {rank} step {step} grad {name}")
+        buffers_close(wrapped.state_dict(rank0_only=False), ref, bn_buffers, f"rank {rank} step {step}")
+        opt_w.step()
+        opt_r.step()
+        opt_w.zero_grad()
+        opt_r.zero_grad()
+    wrapped.eval()
+    ref.eval()
+    with torch.no_grad():
+        x_new = torch.randn(n, 3, 16, 16)
+        close(wrapped(pixel_values=x_new[lo:hi]).logits, ref(pixel_values=x_new).logits[lo:hi],
+              f"rank {rank} eval logits")
+    print(f"PASS batchnorm sync rank {rank} microbatches {wrapped.plan.microbatches} "
+          f"replicas {[len(st.ranks) for st in wrapped.plan.stages]}", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--case", required=True, choices=["input_grad", "masked_lm"])
+    p.add_argument("--case", required=True, choices=["input_grad", "masked_lm", "batchnorm"])
+    p.add_argument("--bn-mode", default="sync", help="batchnorm: local or sync")
     p.add_argument("--model", default="llama", help="masked_lm: llama or roberta")
     p.add_argument("--replicas", default="")
     p.add_argument("--partition-num", type=int, default=0)
     p.add_argument("--microbatches", type=int, default=2)
     p.add_argument("--schedule", default="gpipe")
     p.add_argument("--batch", type=int, default=7)
+    p.add_argument("--checkpointing", default="auto")
     p.add_argument("--own-weight", type=float, default=1.0,
                    help="input_grad: weight of the per-rank loss (0: the model's loss alone)")
     a = p.parse_args()
     ctx = rdist.init_process_group(timeout_s=60)
-    {"input_grad": check_input_grad, "masked_lm": check_masked_lm}[a.case](a, ctx.rank, ctx.world_size)
+    {"input_grad": check_input_grad, "masked_lm": check_masked_lm,
+     "batchnorm": check_batchnorm}[a.case](a, ctx.rank, ctx.world_size)
     rdist.shutdown()
 
 
