@@ -113,3 +113,11 @@ def test_batchnorm(n: int, args: list[str]) -> None:
     else:
         assert warned == 0
         assert "microbatches 1" in res.stdout
+
+
+def test_a_count_no_loss_uses_is_warned_about() -> None:
+    """RobertaForMaskedLM's own loss ignores num_items_in_batch (transformers 5): rank 0 warns
+    once that the scalar outputs stay row-weighted means."""
+    res = run_mpi(SCRIPT, 2, ["--case", "unused_count", "--partition-num", "2", "--batch", "6"])
+    _passed(res.stdout, "unused_count", 2)
+    assert (res.stdout + res.stderr).count("but no scalar output of the model is computed") == 1

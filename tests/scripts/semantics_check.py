@@ -205,6 +205,22 @@ def check_masked_lm(a: argparse.Namespace, rank: int, world: int) -> None:
           f"schedule {wrapped.plan.schedule}", flush=True)
 
 
+def check_unused_count(a: argparse.Namespace, rank: int, world: int) -> None:
+    """RobertaForMaskedLM (transformers 5) ignores num_items_in_batch in its loss: rannc keeps
+    the row-weighted mean (the loss of an unmasked batch is still exact) and warns."""
+    model, batch, count = masked_batch("roberta", a.batch)
+    mlm = model.mlm  # type: ignore[attr-defined]
+    batch["labels"] = batch["input_ids"].clone()  # every token scored: a per-row mean again
+    ref = copy.deepcopy(mlm)
+    sizes = local_sizes(a.batch, world)
+    lo = sum(sizes[:rank])
+    hi = lo + sizes[rank]
+    wrapped = rannc.RaNNCModule(mlm, **options(a))
+    out = wrapped(**{k: v[lo:hi] for k, v in batch.items()}, num_items_in_batch=count)
+    close(out.loss, ref(**batch).loss, f"rank {rank} loss")
+    print(f"PASS unused_count rank {rank}", flush=True)
+
+
 def tiny_resnet() -> nn.Module:
     from transformers import ResNetConfig, ResNetForImageClassification
 
@@ -277,7 +293,7 @@ def check_batchnorm(a: argparse.Namespace, rank: int, world: int) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--case", required=True, choices=["input_grad", "masked_lm", "batchnorm"])
+    p.add_argument("--case", required=True, choices=["input_grad", "masked_lm", "batchnorm", "unused_count"])
     p.add_argument("--bn-mode", default="sync", help="batchnorm: local or sync")
     p.add_argument("--model", default="llama", help="masked_lm: llama or roberta")
     p.add_argument("--replicas", default="")
@@ -291,7 +307,7 @@ def main() -> None:
     a = p.parse_args()
     ctx = rdist.init_process_group(timeout_s=60)
     {"input_grad": check_input_grad, "masked_lm": check_masked_lm,
-     "batchnorm": check_batchnorm}[a.case](a, ctx.rank, ctx.world_size)
+     "batchnorm": check_batchnorm, "unused_count": check_unused_count}[a.case](a, ctx.rank, ctx.world_size)
     rdist.shutdown()
 
 
