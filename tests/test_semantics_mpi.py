@@ -121,3 +121,11 @@ def test_a_count_no_loss_uses_is_warned_about() -> None:
     res = run_mpi(SCRIPT, 2, ["--case", "unused_count", "--partition-num", "2", "--batch", "6"])
     _passed(res.stdout, "unused_count", 2)
     assert (res.stdout + res.stderr).count("but no scalar output of the model is computed") == 1
+
+
+def test_batchnorm_sync_on_a_functionalised_graph() -> None:
+    """A model writing through a view is captured functionalised (BatchNorm as
+    _native_batch_norm_legit_functional and write-backs): sync stays exact over 2 replicas."""
+    res = run_mpi(SCRIPT, 2, ["--case", "functional_bn", "--replicas", "2", "--microbatches", "0",
+                              "--batch", "8"])
+    _passed(res.stdout, "functional_bn", 2)

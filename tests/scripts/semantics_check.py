@@ -221,6 +221,47 @@ def check_unused_count(a: argparse.Namespace, rank: int, world: int) -> None:
     print(f"PASS unused_count rank {rank}", flush=True)
 
 
+class ShiftNorm(nn.Module):
+    """A write through a view (capture functionalises the graph: BatchNorm becomes
+    _native_batch_norm_legit_functional plus write-backs into its buffers)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.bn = nn.BatchNorm1d(4)
+        self.b = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        z = h.new_zeros(h.shape)
+        z[:, 1:] = h[:, :-1]
+        return self.b(self.bn(z + h))
+
+
+def check_functional_bn(a: argparse.Namespace, rank: int, world: int) -> None:
+    """batchnorm="sync" on a functionalised graph, one stage on every rank: outputs, gradients
+    and buffers (num_batches_tracked included) equal the unwrapped model's."""
+    torch.manual_seed(0)
+    model = ShiftNorm()
+    ref = copy.deepcopy(model)
+    x = torch.randn(a.batch, 4) * 3 + 1
+    sizes = local_sizes(a.batch, world)
+    lo = sum(sizes[:rank])
+    hi = lo + sizes[rank]
+    wrapped = rannc.RaNNCModule(model, batchnorm="sync", **options(a))
+    for step in range(2):
+        out, ref_out = wrapped(x[lo:hi]), ref(x)
+        close(out, ref_out[lo:hi], f"rank {rank} step {step} output")
+        (out ** 2).sum().backward()
+        ((ref_out ** 2).sum() / world).backward()
+        ref_names = dict(ref.named_parameters())
+        for name, p in wrapped.named_parameters():
+            close(p.grad, ref_names[name].grad, f"rank {rank} step {step} grad {name}")
+        buffers_close(wrapped.state_dict(rank0_only=False), ref, [k for k, _ in ref.named_buffers()],
+                      f"rank {rank} step {step}")
+    print(f"PASS functional_bn rank {rank}", flush=True)
+
+
 def tiny_resnet() -> nn.Module:
     from transformers import ResNetConfig, ResNetForImageClassification
 
@@ -293,7 +334,8 @@ def check_batchnorm(a: argparse.Namespace, rank: int, world: int) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--case", required=True, choices=["input_grad", "masked_lm", "batchnorm", "unused_count"])
+    p.add_argument("--case", required=True, choices=["input_grad", "masked_lm", "batchnorm", "unused_count",
+                                                "functional_bn"])
     p.add_argument("--bn-mode", default="sync", help="batchnorm: local or sync")
     p.add_argument("--model", default="llama", help="masked_lm: llama or roberta")
     p.add_argument("--replicas", default="")
@@ -307,7 +349,8 @@ def main() -> None:
     a = p.parse_args()
     ctx = rdist.init_process_group(timeout_s=60)
     {"input_grad": check_input_grad, "masked_lm": check_masked_lm,
-     "batchnorm": check_batchnorm, "unused_count": check_unused_count}[a.case](a, ctx.rank, ctx.world_size)
+     "batchnorm": check_batchnorm, "unused_count": check_unused_count,
+     "functional_bn": check_functional_bn}[a.case](a, ctx.rank, ctx.world_size)
     rdist.shutdown()
 
 
