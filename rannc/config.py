@@ -130,6 +130,12 @@ class Config:
     """Options for experimental features (a dict)."""
     compile: bool = _f(False)
     """torch.compile each stage's module (the graphs rannc runs), not the RaNNCModule itself."""
+    batchnorm: str = _f("local", choices=("local", "sync"))
+    """BatchNorm in training: "local" (each microbatch on each stage replica normalises over
+    its own rows, as DDP without SyncBatchNorm; warned about when the plan has several) or
+    "sync" (exact on the global batch: one microbatch for the whole plan, statistics summed
+    over a stage's replicas in forward and backward). Running statistics follow the global
+    batch, updated once per call, in both."""
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -41,7 +41,7 @@ from rannc.derive import derive_plan
 from rannc.errors import ConfigError, RaNNCError
 from rannc.graph.capture import CapturedModel, capture, flatten_inputs
 from rannc.graph.extract import StageGraph, build_stage_module, run_chain, split_graph
-from rannc.pipeline.runtime import PipelineFunction, PipelineRuntime
+from rannc.pipeline.runtime import COUNT_KWARG, PipelineFunction, PipelineRuntime
 from rannc.plans import Plan
 
 log = logging.getLogger(__name__)
@@ -133,6 +133,7 @@ class RaNNCModule(nn.Module):
     @torch.compiler.disable
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         _check_not_compiled(self)
+        kwargs = _count_as_tensor(args, kwargs)
         if rdist.get_world_size() > 1:
             ctx = rdist.init_process_group(self.rannc_config.timeout_s)  # and the phase's watchdog
             self._calls += 1
@@ -167,13 +168,14 @@ class RaNNCModule(nn.Module):
         key = (layout.signature, self.training, _autocast_state())
         # Before anything a rank might do alone: every rank raises here, or none does.
         sizes = validate.agree_on_call(args, kwargs, leaves, layout, ctx,
-                                       validate.call_mode(self.training, key[2]))
+                                       validate.call_mode(self.training, key[2])
+                                       + _grad_inputs_text(args, kwargs))
         rt = self._runtimes.get(key)
         if rt is not None:
             self._runtimes.move_to_end(key)
         else:
             validate.check_capturable(self.module, leaves, sizes, self._plan is None)
-            with self._shaped_params():
+            with self._shaped_params(), _count_in_signature(self.module, kwargs):
                 cap = capture(self.module, args, kwargs)
             validate.agree_on_graph(cap.graph.fingerprint(), sizes, ctx.device)
             atomic = atomic_components(cap.graph)
@@ -192,7 +194,8 @@ class RaNNCModule(nn.Module):
                              cap.graph.summary())
             rt = PipelineRuntime(self.module, cap, atomic, plan, ctx.rank, ctx.world_size, ctx.device,
                                  trace=self.rannc_config.trace,
-                                 wrap_stage=_compile_stage if self.rannc_config.compile else None)
+                                 wrap_stage=_compile_stage if self.rannc_config.compile else None,
+                                 batchnorm=self.rannc_config.batchnorm)
             rt.sync = self._sync
             if not self._runtimes:
                 _seed_at_deployment(self.rannc_config)
@@ -209,7 +212,9 @@ class RaNNCModule(nn.Module):
             idx = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
             names = [cap.graph.outputs[i] for i in idx]
             anchor = torch.empty((), requires_grad=True)
-            outs = PipelineFunction.apply(rt, names, anchor, *[flat[i] for i in idx])
+            ins = rt.grad_inputs(leaves)  # they get the gradients of this rank's rows
+            outs = PipelineFunction.apply(rt, names, [v for v, _x in ins], anchor,
+                                          *[flat[i] for i in idx], *[x for _v, x in ins])
             node = next((o.grad_fn for o in outs if o.grad_fn is not None), None)
             if node is not None:
                 node.register_prehook(_BackwardOnce(self._calls))
@@ -415,7 +420,8 @@ class RaNNCModule(nn.Module):
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
 
     def _deploy(self, args: tuple[Any, ...], kwargs: dict[str, Any], first: bool) -> _Deployment:
-        cap = capture(self.module, args, kwargs)
+        with _count_in_signature(self.module, kwargs):
+            cap = capture(self.module, args, kwargs)
         atomic = atomic_components(cap.graph)
         if not first:
             log.info("rannc: new input signature; captured again (%s)", cap.graph.summary())
@@ -722,6 +728,65 @@ def _show_plan(plan: Plan) -> None:
         log.info("%s", plan.summary())
     else:
         print(plan.summary(), file=sys.stderr, flush=True)
+
+
+def _count_as_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Hugging Face's `num_items_in_batch` as a 0-dim tensor on the inputs' device: a Python
+    number would be baked into the captured graph (a capture per distinct count), and the
+    runtime finds the scalar outputs divided by it (`PipelineRuntime._summed_outputs`)."""
+    x = kwargs.get(COUNT_KWARG)
+    if isinstance(x, torch.Tensor) and x.numel() == 1 and x.dim() > 0:
+        return {**kwargs, COUNT_KWARG: x.reshape(())}
+    if not isinstance(x, int | float) or isinstance(x, bool):
+        return kwargs
+    device = next((t.device for t in pytree.tree_leaves((args, kwargs))
+                   if isinstance(t, torch.Tensor)), None)
+    return {**kwargs, COUNT_KWARG: torch.tensor(x, device=device)}
+
+
+@contextlib.contextmanager
+def _count_in_signature(model: nn.Module, kwargs: dict[str, Any]) -> Iterator[None]:
+    """While capturing, a forward that takes `num_items_in_batch` through `**kwargs` (Hugging
+    Face's causal LMs) shows it as a named keyword: torch.export (2.13) cannot match dynamic
+    shapes to a var-keyword argument ("Must provide a tree_name when there might be a
+    mismatch")."""
+    import inspect
+
+    sig = inspect.signature(model.forward)
+    params = list(sig.parameters.values())
+    if COUNT_KWARG not in kwargs or COUNT_KWARG in sig.parameters or \
+            not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        yield
+        return
+    orig = model.forward
+    params = [p for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    params.append(inspect.Parameter(COUNT_KWARG, inspect.Parameter.KEYWORD_ONLY, default=None))
+
+    def forward(*args: Any, **kw: Any) -> Any:
+        return orig(*args, **kw)
+
+    forward.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
+    own = model.__dict__.get("forward")  # an instance attribute of the user's, if any
+    model.forward = forward  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if own is None:
+            del model.forward
+        else:
+            model.forward = own  # type: ignore[method-assign]
+
+
+def _grad_inputs_text(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    """The inputs requiring grad, part of the call mode every rank must agree on: the ranks
+    that compute an input's gradients send each owner its rows' part, and the owners wait."""
+    if not torch.is_grad_enabled():
+        return ""
+    tree = (tuple(args), {k: kwargs[k] for k in sorted(kwargs)})
+    named = pytree.tree_flatten_with_path(tree)[0]
+    want = [pytree.keystr(path) for path, x in named
+            if isinstance(x, torch.Tensor) and x.is_floating_point() and x.requires_grad]
+    return f", inputs requiring grad {want}" if want else ""
 
 
 def _autocast_state() -> tuple[Any, ...]:

@@ -89,6 +89,7 @@ def plan_graph(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, conf
                batch_size: int, oracle: BlockOracle | None = None, costs: GraphCosts | None = None,
                stats: PlanStats | None = None) -> Plan:
     """Plan `graph` (captured at global batch `batch_size`) for `cluster`."""
+    config = _batchnorm_config(graph, config)
     stats = stats if stats is not None else PlanStats()
     t0 = time.perf_counter()
     spec, mem = _memory_model(cluster, config)
@@ -524,6 +525,21 @@ def _pipeline_layouts(cluster: Cluster, config: Config) -> list[tuple[int, int]]
         if not out:
             raise ConfigError(f"partition_num {config.partition_num} exceeds the {world} devices")
     return out
+
+
+def _batchnorm_config(graph: TaskGraph, config: Config) -> Config:
+    """batchnorm="sync" is exact only where each replica of a stage holding BatchNorm runs
+    the whole mini-batch's rows in one microbatch; the runtime has one microbatch count for
+    the whole pipeline, so the plan keeps one microbatch (forcing more is an error)."""
+    from rannc.pipeline.batchnorm import batch_norm_tasks, check_mode
+
+    if check_mode(config.batchnorm) != "sync" or not batch_norm_tasks(graph):
+        return config
+    if config.microbatches not in (None, 1):
+        paths = sorted({graph.tasks[i].module_path for i in batch_norm_tasks(graph)})
+        raise ConfigError(f"batchnorm='sync' keeps one microbatch (BatchNorm in {', '.join(paths)}), "
+                          f"but microbatches={config.microbatches} is forced; drop one of them")
+    return dataclasses.replace(config, microbatches=1)
 
 
 def _microbatch_counts(config: Config, batch_size: int) -> list[int]:

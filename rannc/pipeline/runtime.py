@@ -29,6 +29,7 @@ import contextlib
 import logging
 import math
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,11 +37,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.fx as fx
+import torch.utils._pytree as pytree
 from torch import nn
 
 from rannc import health
 from rannc.atomic.components import AtomicPartition
-from rannc.errors import RaNNCError
+from rannc.errors import ConfigError, InputMismatchError, RaNNCError
 from rannc.graph.capture import CapturedModel
 from rannc.graph.extract import (
     StageGraph,
@@ -49,11 +51,18 @@ from rannc.graph.extract import (
     split_graph,
 )
 from rannc.graph.task_graph import Value, ValueKind, eval_dim
+from rannc.pipeline import batchnorm as bnorm
 from rannc.pipeline.rows import Range, RowLayout, intersect
 from rannc.plans import Plan
 from rannc.schedule import Action, Event, Op, Schedule, ScheduleError, make_schedule, validate
 
 log = logging.getLogger(__name__)
+
+_BN_WARNED: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models warned about BatchNorm
+
+# Hugging Face's keyword for the global number of loss items (tokens not labelled -100): a loss
+# given it is sum / count, so its (microbatch, replica) pieces add up to the global loss.
+COUNT_KWARG = "num_items_in_batch"
 
 # Message kinds, part of every tag so two transfers between the same ranks never mix.
 _FWD, _OUT, _GRAD, _OUT_GRAD = range(4)
@@ -89,6 +98,8 @@ class _Call:
     local: dict[Any, Any] = field(default_factory=dict)  # transfers to this rank itself
     stash: dict[str, torch.Tensor] | None = None  # eager: gradients for a unit loss gradient
     used: set[str] = field(default_factory=set)  # batch outputs some rank back-propagates from
+    grad_inputs: frozenset[str] = frozenset()  # model inputs whose rows get gradients back
+    input_stash: dict[str, torch.Tensor] = field(default_factory=dict)  # eager: for a unit loss gradient
     t0: float = 0.0
 
 
@@ -104,7 +115,8 @@ class PipelineRuntime:
     def __init__(self, model: nn.Module, captured: CapturedModel, atomic: AtomicPartition,
                  plan: Plan, rank: int, world_size: int, device: torch.device,
                  trace: bool = False,
-                 wrap_stage: Callable[[fx.GraphModule], Any] | None = None) -> None:
+                 wrap_stage: Callable[[fx.GraphModule], Any] | None = None,
+                 batchnorm: str = "local") -> None:
         self.model, self.cap, self.plan = model, captured, plan
         self._wrap_stage = wrap_stage  # e.g. torch.compile (Config.compile), applied to each part
         self.rank, self.world_size, self.device = rank, world_size, device
@@ -118,7 +130,8 @@ class PipelineRuntime:
         self.vid = {v: i for i, v in enumerate(sorted(self.graph.values))}
         self.out_stage = self._output_stages()
         self._suppliers, self._consumers = self._routes()
-        self._grad_edges = self._gradient_edges()
+        self._grad_edges, self._input_edges = self._gradient_edges()
+        self._summed = self._summed_outputs()
         self._check_boundaries()
         self.held = self._held_params()
         self._groups = self._param_groups()
@@ -129,10 +142,20 @@ class PipelineRuntime:
         self.schedule = self._schedule(plan.schedule if self._eager_ok else "gpipe")
         self._has_consumers = bool(self.schedule.consumers(self.s))
         self.rec_part, self.keep_part = self._parts(captured, atomic, groups)
+        self._bn = self._batch_norm(batchnorm)
+        bn_tasks = set(bnorm.training_batch_norms(self.cap.gm, self.graph))
+        self._bn_stages = [t for t, st in enumerate(self.stages)
+                           if len(self.plan.stages[t].ranks) > 1 and set(st.tasks) & bn_tasks]
         if plan.schedule != "gpipe" and not self._eager_ok and rank == 0:
             log.info("rannc: schedule %s needs the model to return one floating-point scalar "
                      "(the loss) to run its backward inside forward(); this model returns %s, so "
                      "it runs fill-drain (gpipe) instead", plan.schedule, self._outputs_text())
+        if self._count_input() is not None and not self._summed and rank == 0:
+            log.warning("rannc: the call passed %s, but no scalar output of the model is computed "
+                        "from it (its loss ignores it), so scalar outputs are combined as a "
+                        "row-weighted mean over microbatches and replicas, not a sum; compute "
+                        "the loss as sum / %s inside the model for the exact global value",
+                        COUNT_KWARG, COUNT_KWARG)
         self._has_batch_grad_outputs = any(
             _is_float(self.graph.values[v]) and self.graph.values[v].batch_dim is not None
             for v in self.out_stage)
@@ -162,6 +185,57 @@ class PipelineRuntime:
         cut = [*groups[:self.s], comps[:n_rec], comps[n_rec:], *groups[self.s + 1:]]
         sub = split_graph(self.graph, atomic, cut)
         return part(sub[self.s]), part(sub[self.s + 1])
+
+    def _batch_norm(self, mode: str) -> bnorm.BatchNormState:
+        """Training-mode BatchNorm: deferred running statistics, the stage replicas' process
+        group, and `batchnorm="sync"`'s synchronised statistics (see `rannc.pipeline.batchnorm`)."""
+        state = bnorm.BatchNormState(bnorm.check_mode(mode), None)
+        tasks = bnorm.training_batch_norms(self.cap.gm, self.graph)
+        if not tasks:
+            return state
+        where = {t for t, st in enumerate(self.stages) if set(st.tasks) & set(tasks)}
+        for t in sorted(where):  # every rank creates every group, in the same order
+            ranks = list(self.plan.stages[t].ranks)
+            group = dist.new_group(ranks) if len(ranks) > 1 else None
+            if t == self.s:
+                state.group = group
+        for part in (self.rec_part, self.keep_part):
+            if part is not None:
+                bnorm.install(part.module, self.graph, state)
+        paths = sorted({self.graph.tasks[i].module_path or self.graph.tasks[i].name for i in tasks})
+        reps = {t: len(self.plan.stages[t].ranks) for t in sorted(where)}
+        if state.mode == "sync" and self.plan.microbatches > 1:
+            raise ConfigError(
+                f"batchnorm='sync' needs one microbatch where BatchNorm runs in training "
+                f"({', '.join(paths)}), but the plan has {self.plan.microbatches}: plan again "
+                "(with batchnorm='sync' the planner keeps one), or set microbatches=1")
+        differs = self.plan.microbatches > 1 or max(reps.values()) > 1
+        if state.mode == "local" and differs and self.rank == 0 and self.model not in _BN_WARNED:
+            _BN_WARNED.add(self.model)
+            log.warning(
+                "rannc: BatchNorm in training (%s) normalises each microbatch on each stage "
+                "replica over its own rows (plan: %d microbatches; replicas of the stages "
+                "holding it: %s), so outputs and gradients differ from the model on the global "
+                "batch, as under DDP without SyncBatchNorm; running statistics are still "
+                "updated once per call from the global batch. Config batchnorm='sync' makes "
+                "it exact (one microbatch, statistics synchronised over the replicas)",
+                ", ".join(paths), self.plan.microbatches,
+                ", ".join(f"stage {t}: {r}" for t, r in reps.items()))
+        return state
+
+    def _check_sync_rows(self, layout: RowLayout) -> None:
+        """Synchronised BatchNorm is a collective of the stage's replicas in every
+        microbatch: each replica needs rows (the same check on every rank)."""
+        if self._bn.mode != "sync" or not self._bn_stages:
+            return
+        for t in self._bn_stages:
+            for m, per in enumerate(layout.rows[t]):
+                if any(a == b for a, b in per):
+                    raise RaNNCError(
+                        f"batchnorm='sync': microbatch {m} of the global batch "
+                        f"({layout.n_rows} rows) leaves a replica of stage {t} "
+                        f"({len(per)} replicas, rows {per}) without rows; pass at least "
+                        "one row per replica")
 
     def _scp_last(self, s: int) -> bool:
         return self.plan.schedule == "scp" and self._eager_ok and s == len(self.plan.stages) - 1
@@ -210,20 +284,32 @@ class PipelineRuntime:
                 return g
         raise RaNNCError(f"no stage before {t} supplies value {v}")
 
-    def _gradient_edges(self) -> set[tuple[str, int]]:
+    def _gradient_edges(self) -> tuple[set[tuple[str, int]], set[tuple[str, int]]]:
         """The moved values (v, t) whose gradient stage t can send back: stage t has a task
         reading v with an output some float model output depends on. Both ends read this
         fixed set, so a value only a dead branch reads (a BatchNorm that no output uses, kept
         for its statistics) sends nothing back, and its producer's parameters keep `.grad`
-        None as in the original model, where zeros would let weight decay move them."""
+        None as in the original model, where zeros would let weight decay move them.
+        Returned apart: the activations', always sent, and the float model inputs', sent to
+        the ranks owning the rows only in calls where those inputs require grad."""
         g = self.graph
         live = {v for v in self.out_stage if _is_float(g.values[v])}
         for task in reversed(g.tasks):
             if any(o in live for o in task.outputs):
                 live.update(v for v in task.inputs if _is_float(g.values[v]))
-        return {(v, t) for t, st in enumerate(self.stages) for i in st.tasks
-                for v in g.tasks[i].inputs
-                if self._is_activation(v) and any(o in live for o in g.tasks[i].outputs)}
+        edges = {(v, t) for t, st in enumerate(self.stages) for i in st.tasks
+                 for v in g.tasks[i].inputs
+                 if self._moves(v) and _is_float(g.values[v])
+                 and any(o in live for o in g.tasks[i].outputs)}
+        acts = {(v, t) for v, t in edges if self._is_activation(v)}
+        return acts, edges - acts
+
+    def grad_inputs(self, leaves: Sequence[Any]) -> list[tuple[str, torch.Tensor]]:
+        """(value name, tensor) of the call's input leaves that require grad and reach a float
+        output: each gets the gradient of this rank's rows back (`backward` returns them)."""
+        wanted = {v for v, _t in self._input_edges}
+        return [(v, x) for v, x in zip(self.cap.leaf_values, leaves, strict=True)
+                if v in wanted and isinstance(x, torch.Tensor) and x.requires_grad]
 
     def supplier(self, v: str, t: int) -> int:
         """The stage that sends moved value v to stage t (-1: a model input, from its owners)."""
@@ -332,12 +418,20 @@ class PipelineRuntime:
         rest of the line when `backward()` comes. Under 1F1B and the shifted critical path the
         whole line runs here, seeded with a unit gradient of the loss, and `backward()` commits
         the gradients scaled by the real one (gradients are linear in it)."""
+        self._check_count(leaves)
         layout = RowLayout(sizes, self.plan.microbatches, [s.shares for s in self.plan.stages])
+        self._check_sync_rows(layout)
+        buffers: dict[str, torch.Tensor] = {}
+        if self._bn.sites:
+            buffers = dict(self.model.named_buffers(remove_duplicate=False))
+            self._bn.begin_call(buffers)
         grad = torch.is_grad_enabled()
         mode = "forward" if not grad else "eager" if self._eager_ok else "split"
         call = _Call(layout, self.cap.bind(self.model, leaves),
                      [_Micro(layout.rows[self.s][m][self.j]) for m in range(self.plan.microbatches)],
                      mode, t0=time.perf_counter())
+        if grad:
+            call.grad_inputs = frozenset(v for v, _x in self.grad_inputs(leaves))
         self._call = None
         self.events = []
         self.iteration_s = 0.0
@@ -356,11 +450,14 @@ class PipelineRuntime:
             try:
                 self._run(call, acts, scalars)
                 call.stash = {n: p.grad for n, p in self.held.items() if p.grad is not None}
+                call.input_stash = self._receive_input_grads(call)
             finally:
                 for n, p in self.held.items():
                     p.grad = before[n]
         else:
             self._run(call, acts, scalars)
+        if self._bn.sites:  # the running statistics, once per call (every replica)
+            self._bn.finish_call(buffers, self.device)
         return self._collect_outputs(call, layout, scalars)
 
     def _send_inputs(self, call: _Call) -> None:
@@ -409,7 +506,10 @@ class PipelineRuntime:
             if mic.out_grads is None:  # a stage without consumers: only model-output grads
                 mic.out_grads = [self._output_grad(v, a.micro, mic.rows, call, scalar_g)
                                  for v in self.me.outputs]
-            self._backward_micro(mic)
+            self._backward_micro(call, mic)
+            # model inputs' gradients go back to their owners now: a stage reading only
+            # model inputs has no SB action
+            self._send_input_grads(call, a.micro, model_inputs=True)
         elif a.op is Op.SB:
             self._send_input_grads(call, a.micro)
 
@@ -424,7 +524,7 @@ class PipelineRuntime:
         mic = call.micro[m]
         ins = [self._stage_input(v, m, mic.rows, call) for v in self.me.inputs]
         if call.mode != "forward":
-            ins = [_leaf(x) if self._is_activation(v) else x
+            ins = [_leaf(x) if self._wants_grad(v, call) else x
                    for v, x in zip(self.me.inputs, ins, strict=True)]
         mic.ins = ins
 
@@ -438,6 +538,16 @@ class PipelineRuntime:
         mic.rng = torch.get_rng_state()
         if call.mode == "eager" and self._has_batch_grad_outputs:
             mic.saved = list(mic.ins)
+        self._bn.accumulate = True  # BatchNorm statistics count in this first forward only
+        try:
+            self._forward_parts(mic, env, grad)
+        finally:
+            self._bn.accumulate = False
+        mic.outs = [env[v] for v in self.me.outputs]
+        if not grad:
+            mic.ins = None
+
+    def _forward_parts(self, mic: _Micro, env: dict[str, Any], grad: bool) -> None:
         if self.rec_part is not None:
             with torch.no_grad():
                 outs = self.rec_part.module(*[env[v] for v in self.rec_part.graph.inputs])
@@ -451,9 +561,6 @@ class PipelineRuntime:
                 outs = self.keep_part.module(*[env[v] for v in self.keep_part.graph.inputs])
             env.update(zip(self.keep_part.graph.outputs, outs, strict=True))
             mic.kept = list(outs) if grad else None
-        mic.outs = [env[v] for v in self.me.outputs]
-        if not grad:
-            mic.ins = None
 
     def _recompute_micro(self, mic: _Micro) -> None:
         """Rebuild the recomputed part's activations, replaying its dropout; buffers get
@@ -466,7 +573,7 @@ class PipelineRuntime:
             torch.set_rng_state(mic.rng)
             mic.rec = list(part.module(*ins))
 
-    def _backward_micro(self, mic: _Micro) -> None:
+    def _backward_micro(self, call: _Call, mic: _Micro) -> None:
         """Backward through the kept part, then the recomputed part, into the stage inputs."""
         assert mic.out_grads is not None and mic.ins is not None
         grad_of = dict(zip(self.me.outputs, mic.out_grads, strict=True))
@@ -483,29 +590,66 @@ class PipelineRuntime:
                     g = link.grad if g is None else g + link.grad
                 gs.append(g)
             _backward(mic.rec, gs)
-        mic.in_grads = self._input_grads(mic.ins)
+        mic.in_grads = self._input_grads(call, mic.ins)
         mic.ins = mic.kept = mic.rec = mic.out_grads = None
         mic.links = {}
 
-    def _input_grads(self, ins: Sequence[Any]) -> list[Any]:
+    def _wants_grad(self, v: str, call: _Call) -> bool:
+        """Whether this stage computes stage input v's gradient in this call."""
+        return self._is_activation(v) or (v in call.grad_inputs and (v, self.s) in self._input_edges)
+
+    def _input_grads(self, call: _Call, ins: Sequence[Any]) -> list[Any]:
         """Per stage input: its gradient (zeros if none reached it) where the sender waits for
-        one (`_gradient_edges`), else None."""
+        one (`_gradient_edges`, and the model inputs requiring grad), else None."""
         return [(x.grad if x.grad is not None else torch.zeros_like(x))
-                if (v, self.s) in self._grad_edges and isinstance(x, torch.Tensor) else None
+                if ((v, self.s) in self._grad_edges
+                    or (v in call.grad_inputs and (v, self.s) in self._input_edges))
+                and isinstance(x, torch.Tensor) else None
                 for v, x in zip(self.me.inputs, ins, strict=True)]
 
-    def _send_input_grads(self, call: _Call, m: int) -> None:
+    def _send_input_grads(self, call: _Call, m: int, model_inputs: bool = False) -> None:
+        """Stage input gradients back to their senders: a model input's to the ranks owning
+        those rows. With `model_inputs`, only those (the rest wait for the SB action)."""
         mic = call.micro[m]
-        assert mic.in_grads is not None
-        for v, g in zip(self.me.inputs, mic.in_grads, strict=True):
+        if mic.in_grads is None:
+            return
+        for i, (v, g) in enumerate(zip(self.me.inputs, mic.in_grads, strict=True)):
             if g is None:
                 continue
             src = self.supplier(v, self.s)
-            for r, theirs in self._replicas(src, m, call.layout):
+            if model_inputs and src != -1:
+                continue
+            dests = list(enumerate(call.layout.owned)) if src == -1 else \
+                self._replicas(src, m, call.layout)
+            for r, theirs in dests:
                 part = intersect(mic.rows, theirs)
                 if part is not None:
                     self._send(self._row_slice(g, v, mic.rows, part), r, self._tag(v, m, _GRAD), call)
-        mic.in_grads = None
+            mic.in_grads[i] = None
+        if not model_inputs:
+            mic.in_grads = None
+
+    def _receive_input_grads(self, call: _Call) -> dict[str, torch.Tensor]:
+        """The gradients of this rank's rows of the model inputs that require grad: the pieces
+        every (microbatch, replica) of every stage reading them sent back, in row order, summed
+        over the stages."""
+        layout = call.layout
+        mine = layout.owned[self.rank]
+        out: dict[str, torch.Tensor] = {}
+        for v in sorted(call.grad_inputs):
+            d = self.graph.values[v].batch_dim or 0
+            for t in self.consumers(v, -1):
+                if (v, t) not in self._input_edges:
+                    continue
+                pieces = []
+                for m in range(self.plan.microbatches):
+                    part = intersect(mine, layout.micro[m])
+                    if part is not None:
+                        pieces.append(self._recv_rows(v, part, self._replicas(t, m, layout),
+                                                      _GRAD, m, call))
+                g = torch.cat(pieces, d) if pieces else self._empty(v, 0)
+                out[v] = g if v not in out else out[v] + g
+        return out
 
     def _stage_input(self, v: str, m: int, rows: Range, call: _Call) -> Any:
         val = self.graph.values[v]
@@ -529,13 +673,56 @@ class PipelineRuntime:
         if self.out_stage.get(v) != self.s:
             return
         if v in scalars:
-            w = (rows[1] - rows[0]) / layout.n_rows
+            w = self._piece_weight(v, rows, layout)
             scalars[v] += o.detach().to(torch.float64) * w
         else:
             for r, owned in enumerate(layout.owned):
                 part = intersect(rows, owned)
                 if part is not None:
                     self._send(self._row_slice(o, v, rows, part), r, self._tag(v, m, _OUT), call)
+
+    def _piece_weight(self, v: str, rows: Range, layout: RowLayout) -> float:
+        """The weight of one (microbatch, replica) piece of scalar output v in its global value:
+        1 (a sum) where v is divided by the global `num_items_in_batch`, each piece being
+        sum / global count; else the piece's share of the rows (a row-weighted mean)."""
+        return 1.0 if v in self._summed else (rows[1] - rows[0]) / layout.n_rows
+
+    def _count_input(self) -> str | None:
+        """The value of the `num_items_in_batch` keyword input (Hugging Face's global count of
+        loss items), if the call passed it as a tensor."""
+        tree = pytree.tree_unflatten(list(range(len(self.cap.leaf_values))), self.cap.layout.spec)
+        kwargs = tree[1] if isinstance(tree, tuple) and len(tree) == 2 else {}
+        i = kwargs.get(COUNT_KWARG) if isinstance(kwargs, dict) else None
+        return self.cap.leaf_values[i] if isinstance(i, int) else None
+
+    def _summed_outputs(self) -> set[str]:
+        """The scalar outputs computed from the `num_items_in_batch` input: their pieces sum."""
+        count = self._count_input()
+        if count is None:
+            return set()
+        reached = {count}
+        for task in self.graph.tasks:
+            if any(v in reached for v in task.inputs):
+                reached.update(task.outputs)
+        return {v for v in self._scalar_outputs() if v in reached}
+
+    def _check_count(self, leaves: Sequence[Any]) -> None:
+        """`num_items_in_batch` is the global count: the same on every rank (a rank passing its
+        own count would silently scale its pieces wrongly)."""
+        count = self._count_input()
+        if count is None:
+            return
+        x = next(leaf for v, leaf in zip(self.cap.leaf_values, leaves, strict=True) if v == count)
+        c = float(x.detach().reshape(-1)[0]) if x.numel() == 1 else math.nan
+        both = torch.tensor([c, -c], dtype=torch.float64, device=self.device)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX)
+        hi, lo = float(both[0]), -float(both[1])
+        if not hi == lo == c or x.numel() != 1:
+            raise InputMismatchError(
+                f"{COUNT_KWARG} differs across ranks (from {lo:g} to {hi:g}; or is not one "
+                "number): it must be the count of loss items in the GLOBAL batch, the same on "
+                "every rank. Fix: sum the local counts over the ranks (e.g. "
+                "torch.distributed.all_reduce of (labels != -100).sum()) and pass that on every rank")
 
     def _scalar_outputs(self) -> list[str]:
         return [v for v in self.out_stage if self.graph.values[v].batch_dim is None]
@@ -574,7 +761,9 @@ class PipelineRuntime:
         call.sends.clear()
 
     # -- backward ----------------------------------------------------------
-    def backward(self, grad_of: dict[str, torch.Tensor | None]) -> None:
+    def backward(self, grad_of: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:
+        """This rank's part of the pipeline backward, for the gradients of its outputs; returns
+        the gradients of this rank's rows of the model inputs that required grad, by value."""
         call = self._call
         if call is None:
             raise RaNNCError("backward() without a forward() whose outputs need gradients")
@@ -600,6 +789,7 @@ class PipelineRuntime:
             self._send_output_grads(call, grad_of)
             rest = self.schedule.actions[self.s][len(self.schedule.forward_part(self.s)):]
             self._run(call, rest, {}, scalar_g)
+            in_grads = self._receive_input_grads(call)
         else:
             g = scalar_g[self._loss]
             assert call.stash is not None
@@ -607,12 +797,16 @@ class PipelineRuntime:
                 st = call.stash.get(n)
                 if st is not None:
                     p.grad = st * g.to(st.dtype)
+            in_grads = {v: x * g.to(x.dtype) for v, x in call.input_stash.items()}
             if batch_used:
                 self._late_pass(call, grad_of)
+                for v, x in self._receive_input_grads(call).items():
+                    in_grads[v] = in_grads[v] + x if v in in_grads else x
         with torch.profiler.record_function("rannc reduce gradients"):
             self._reduce_grads(before)
         self._wait_sends(call)
         self.iteration_s = time.perf_counter() - call.t0
+        return in_grads
 
     @property
     def _loss(self) -> str:
@@ -654,7 +848,7 @@ class PipelineRuntime:
             mic.out_grads = [self._output_grad(v, m, mic.rows, call, zero) for v in self.me.outputs]
             assert mic.saved is not None and mic.rng is not None
             ins = [x.detach().clone() if self._is_buffer(v) else
-                   x.detach().requires_grad_(True) if self._is_activation(v) else x
+                   x.detach().requires_grad_(True) if self._wants_grad(v, call) else x
                    for v, x in zip(self.me.inputs, mic.saved, strict=True)]
             env = dict(zip(self.me.inputs, ins, strict=True))
             with torch.random.fork_rng(devices=[]), torch.enable_grad():
@@ -664,7 +858,7 @@ class PipelineRuntime:
                         outs = part.module(*[env[v] for v in part.graph.inputs])
                         env.update(zip(part.graph.outputs, outs, strict=True))
             _backward([env[v] for v in self.me.outputs], mic.out_grads)
-            mic.in_grads = self._input_grads(ins)
+            mic.in_grads = self._input_grads(call, ins)
             mic.saved = mic.out_grads = None
             self._send_input_grads(call, m)
 
@@ -694,7 +888,7 @@ class PipelineRuntime:
         if self.out_stage.get(v) == self.s:
             if val.batch_dim is None:
                 seed = torch.ones((), dtype=torch.float64) if scalar_g is None else scalar_g[v]
-                w = (rows[1] - rows[0]) / call.layout.n_rows
+                w = self._piece_weight(v, rows, call.layout)
                 g = (seed * w).to(getattr(torch, val.dtype)).reshape(())
             elif scalar_g is None or v not in call.used:
                 return total
@@ -788,21 +982,26 @@ class PipelineFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, runtime: PipelineRuntime, names: list[str],  # type: ignore[override]
-                anchor: torch.Tensor, *outs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.runtime, ctx.names = runtime, names
+                in_names: list[str], anchor: torch.Tensor,
+                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """`tensors`: the outputs (one per name in `names`), then the model inputs requiring
+        grad (one per name in `in_names`), which backward gives their rows' gradients."""
+        ctx.runtime, ctx.names, ctx.in_names = runtime, names, in_names
+        outs = tensors[:len(names)]
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None
         ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
         return outs
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
         grad_of: dict[str, torch.Tensor | None] = {}
         for v, g in zip(ctx.names, grads, strict=True):
             prev = grad_of.get(v)
             grad_of[v] = g if prev is None else prev if g is None else prev + g
         with health.phase("backward"):
-            ctx.runtime.backward(grad_of)
-        return (None, None, None, *([None] * len(grads)))
+            in_grads = ctx.runtime.backward(grad_of)
+        return (None, None, None, None, *([None] * len(grads)),
+                *[in_grads.get(v) for v in ctx.in_names])
 
 
 def _is_float(val: Value) -> bool:

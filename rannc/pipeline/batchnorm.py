@@ -1,0 +1,302 @@
+"""BatchNorm in training, in a pipeline of microbatches and stage replicas.
+
+The unwrapped model normalises over the whole batch and updates its running statistics once
+per call. In the pipeline each (microbatch, replica) runs the stage on its own rows, so:
+
+* outputs and gradients (`batchnorm="local"`, the default): every (microbatch, replica)
+  normalises over its own rows, as DDP without SyncBatchNorm does per rank. With one
+  microbatch and one replica per stage holding BatchNorm this is exact. `batchnorm="sync"`
+  makes it exact in general: the planner keeps one microbatch (the whole plan) and the
+  statistics are summed over the stage's replicas in forward and backward (SyncBatchNorm's
+  algebra), so the normalisation is over the global batch.
+* running statistics (both modes): deferred, as torchgpipe's DeferredBatchNorm does. The
+  microbatches only accumulate per-channel sums and sums of squares; at the end of the call
+  the stage's replicas all-reduce them and every replica updates its running mean and
+  (unbiased) variance once, from the statistics of the global batch, and
+  `num_batches_tracked` counts the call once. So eval() after training normalises with what
+  the unwrapped model would have accumulated from the same batches.
+
+How: each training-mode batch-norm op of a stage's fx module (found by op name, before or
+after functionalisation: `aten.batch_norm`, `aten.native_batch_norm`,
+`aten._native_batch_norm_legit` and its `_functional` form) is replaced by a call of a
+`_StageBatchNorm` submodule that computes the same outputs without writing the buffers (the
+functional form's "new" running statistics are the old ones, so its copies into the buffers
+change nothing) and records the statistics for the deferred update.
+"""
+
+from __future__ import annotations
+
+import logging
+import numbers
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch import nn
+
+from rannc.errors import ConfigError
+from rannc.graph.task_graph import TaskGraph, ValueKind
+
+log = logging.getLogger(__name__)
+
+MODES = ("local", "sync")
+
+# op name -> what it returns: "out" (the output alone), "stats" (output, mean, inverse std) or
+# "functional" (those and the new running mean and variance). Arguments: input, weight, bias,
+# running_mean, running_var, training, momentum, eps (and cudnn_enabled for batch_norm).
+BATCH_NORM_OPS = {
+    "aten.batch_norm.default": "out",
+    "aten.native_batch_norm.default": "stats",
+    "aten._native_batch_norm_legit.default": "stats",
+    "aten._native_batch_norm_legit_functional.default": "functional",
+}
+
+
+def check_mode(mode: str) -> str:
+    if mode not in MODES:
+        raise ConfigError(f"Config.batchnorm={mode!r} is not one of {', '.join(MODES)}; use "
+                          "'local' (each microbatch and replica normalises over its own rows, as "
+                          "DDP) or 'sync' (exact: statistics over the global batch)")
+    return mode
+
+
+def batch_norm_tasks(graph: TaskGraph) -> list[int]:
+    """Indices of the graph's batch-norm tasks (training or not: the op name alone says)."""
+    return [i for i, t in enumerate(graph.tasks) if t.op in BATCH_NORM_OPS]
+
+
+def training_batch_norms(gm: fx.GraphModule, graph: TaskGraph) -> list[int]:
+    """Indices of the batch-norm tasks that run in training mode (their `training` argument,
+    read from the captured fx graph, is True)."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    out = []
+    for i in batch_norm_tasks(graph):
+        node = nodes.get(graph.tasks[i].name)
+        if node is not None and _arg(node, 5, "training") is True:
+            out.append(i)
+    return out
+
+
+def _arg(node: fx.Node, i: int, name: str) -> Any:
+    if name in node.kwargs:
+        return node.kwargs[name]
+    return node.args[i] if i < len(node.args) else None
+
+
+@dataclass
+class _Site:
+    """One training-mode batch-norm call in this rank's stage."""
+
+    key: str  # the fx node's name
+    module_path: str
+    running_mean: str | None  # buffer names in the model (None: track_running_stats=False)
+    running_var: str | None
+    tracked: str | None  # num_batches_tracked beside them
+    momentum: float
+    channels: int
+
+
+@dataclass
+class BatchNormState:
+    """The stage's batch-norm calls and this call's accumulated statistics."""
+
+    mode: str
+    group: Any  # the stage's replicas' process group (None: one replica)
+    sites: dict[str, _Site] = field(default_factory=dict)  # in graph order
+    sums: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # key -> [S, SS, N]
+    accumulate: bool = False  # only the first forward of a microbatch (not recompute) counts
+    tracked_before: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def add(self, key: str, x: torch.Tensor) -> None:
+        dims = [d for d in range(x.dim()) if d != 1]
+        x64 = x.detach().to(torch.float64)
+        n = torch.tensor([x.numel() / max(x.shape[1], 1)], dtype=torch.float64, device=x.device)
+        new = [x64.sum(dims), (x64 * x64).sum(dims), n]
+        old = self.sums.get(key)
+        self.sums[key] = new if old is None else [a + b for a, b in zip(old, new, strict=True)]
+
+    def begin_call(self, buffers: dict[str, torch.Tensor]) -> None:
+        self.sums = {}
+        self.tracked_before = {s.tracked: buffers[s.tracked].detach().clone()
+                               for s in self.sites.values() if s.tracked in buffers}
+
+    def finish_call(self, buffers: dict[str, torch.Tensor], device: torch.device) -> None:
+        """Update the running statistics once, from the global batch's statistics summed over
+        the stage's replicas (every replica calls this, with zeros for what it did not run)."""
+        if not self.sites:
+            return
+        keys = list(self.sites)
+        parts = []
+        for k in keys:
+            c = self.sites[k].channels
+            got = self.sums.get(k)
+            if got is None:
+                got = [torch.zeros(c, dtype=torch.float64, device=device),
+                       torch.zeros(c, dtype=torch.float64, device=device),
+                       torch.zeros(1, dtype=torch.float64, device=device)]
+            parts.extend(got)
+        flat = torch.cat(parts)
+        if self.group is not None:
+            dist.all_reduce(flat, group=self.group)
+        at = 0
+        counted: dict[str, int] = {}
+        with torch.no_grad():
+            for k in keys:
+                site = self.sites[k]
+                c = site.channels
+                s, ss, n = flat[at:at + c], flat[at + c:at + 2 * c], float(flat[at + 2 * c])
+                at += 2 * c + 1
+                if n < 1 or site.running_mean is None or site.running_var is None:
+                    continue
+                mean = s / n
+                var = (ss / n - mean * mean).clamp_min(0) * (n / max(n - 1, 1))
+                rm, rv = buffers[site.running_mean], buffers[site.running_var]
+                m = site.momentum
+                rm.mul_(1 - m).add_(mean.to(rm.dtype), alpha=m)
+                rv.mul_(1 - m).add_(var.to(rv.dtype), alpha=m)
+                if site.tracked is not None:
+                    counted[site.tracked] = counted.get(site.tracked, 0) + 1
+            # the graph's num_batches_tracked += 1 ran once per microbatch: once per call it is
+            for name, times in counted.items():
+                if name in self.tracked_before:
+                    buffers[name].copy_(self.tracked_before[name] + times)
+        self.sums = {}
+
+
+class _SyncBatchNorm(torch.autograd.Function):
+    """Batch norm over the rows of all the stage's replicas (each passes its own rows)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None,  # type: ignore[override]
+                bias: torch.Tensor | None, eps: float, group: Any) -> tuple[torch.Tensor, ...]:
+        c = x.shape[1]
+        dims = [d for d in range(x.dim()) if d != 1]
+        x64 = x.detach().to(torch.float64)
+        n = torch.tensor([x.numel() / max(c, 1)], dtype=torch.float64, device=x.device)
+        flat = torch.cat([x64.sum(dims), (x64 * x64).sum(dims), n])
+        dist.all_reduce(flat, group=group)
+        total = float(flat[2 * c])
+        mean = flat[:c] / total
+        var = (flat[c:2 * c] / total - mean * mean).clamp_min(0)
+        invstd = torch.rsqrt(var + eps)
+        shape = [1, c] + [1] * (x.dim() - 2)
+        xhat = (x - mean.to(x.dtype).view(shape)) * invstd.to(x.dtype).view(shape)
+        out = xhat
+        if weight is not None:
+            out = out * weight.view(shape)
+        if bias is not None:
+            out = out + bias.view(shape)
+        ctx.save_for_backward(xhat, weight, invstd)
+        ctx.total, ctx.group, ctx.has_bias = total, group, bias is not None
+        mean_out, invstd_out = mean.to(x.dtype), invstd.to(x.dtype)
+        ctx.mark_non_differentiable(mean_out, invstd_out)
+        return out, mean_out, invstd_out
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor, *_: Any) -> tuple[Any, ...]:  # type: ignore[override]
+        xhat, weight, invstd = ctx.saved_tensors
+        c = xhat.shape[1]
+        dims = [d for d in range(xhat.dim()) if d != 1]
+        shape = [1, c] + [1] * (xhat.dim() - 2)
+        sum_dy = dy.sum(dims)
+        sum_dy_xhat = (dy * xhat).sum(dims)
+        flat = torch.cat([sum_dy, sum_dy_xhat]).to(torch.float64)
+        dist.all_reduce(flat, group=ctx.group)
+        g_dy, g_dy_xhat = (flat[:c] / ctx.total).to(dy.dtype), (flat[c:] / ctx.total).to(dy.dtype)
+        scale = invstd.to(dy.dtype) if weight is None else invstd.to(dy.dtype) * weight
+        dx = (dy - g_dy.view(shape) - xhat * g_dy_xhat.view(shape)) * scale.view(shape)
+        # the parameters' gradients are this replica's part: the runtime sums them over replicas
+        dw = sum_dy_xhat if weight is not None and ctx.needs_input_grad[1] else None
+        db = sum_dy if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return dx, dw, db, None, None
+
+
+class _StageBatchNorm(nn.Module):
+    """Stands for one training-mode batch-norm op of a stage: the same outputs, no buffer
+    writes; the statistics go to the stage's `BatchNormState`."""
+
+    def __init__(self, state: BatchNormState, key: str, kind: str, momentum: float,
+                 eps: float) -> None:
+        super().__init__()
+        self.state, self.key, self.kind, self.momentum, self.eps = state, key, kind, momentum, eps
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                running_mean: torch.Tensor | None, running_var: torch.Tensor | None) -> Any:
+        if self.state.accumulate:
+            self.state.add(self.key, x)
+        if self.state.mode == "sync" and self.state.group is not None:
+            out, mean, rstd = _SyncBatchNorm.apply(x, weight, bias, self.eps, self.state.group)
+        else:
+            out, mean, rstd = torch.ops.aten._native_batch_norm_legit.no_stats(
+                x, weight, bias, True, self.momentum, self.eps)
+        if self.kind == "out":
+            return out
+        if self.kind == "stats":
+            return out, mean, rstd
+        return out, mean, rstd, running_mean, running_var
+
+
+def install(gm: fx.GraphModule, graph: TaskGraph, state: BatchNormState) -> int:
+    """Replace the training-mode batch-norm ops of stage module `gm`; returns how many."""
+    values = graph.values
+    n = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function":
+            continue
+        kind = BATCH_NORM_OPS.get(_op_name(node))
+        if kind is None:
+            continue
+        args = [_arg(node, i, name) for i, name in enumerate(
+            ("input", "weight", "bias", "running_mean", "running_var", "training", "momentum", "eps"))]
+        training, momentum, eps = args[5], args[6], args[7]
+        if training is not True:
+            continue
+        if not isinstance(momentum, numbers.Real) or not isinstance(eps, numbers.Real):
+            log.warning("rannc: BatchNorm %s has no numeric momentum (momentum=None, a cumulative "
+                        "average?); its running statistics update per microbatch", node.name)
+            continue
+        rm, rv = args[3], args[4]
+
+        def buffer(a: Any) -> str | None:
+            if isinstance(a, fx.Node) and a.name in values and values[a.name].kind is ValueKind.BUFFER:
+                return values[a.name].target
+            return None
+
+        rm_name, rv_name = buffer(rm), buffer(rv)
+        tracked = None
+        if rm_name is not None and rm_name.endswith("running_mean"):
+            tracked = rm_name[: -len("running_mean")] + "num_batches_tracked"
+        task = next((t for t in graph.tasks if t.name == node.name), None)
+        x_val = args[0].meta.get("val") if isinstance(args[0], fx.Node) else None
+        c = x_val.shape[1] if isinstance(x_val, torch.Tensor) and x_val.dim() > 1 else None
+        if not isinstance(c, int):
+            log.warning("rannc: BatchNorm %s: channel count unknown; left as captured", node.name)
+            continue
+        site = _Site(node.name, task.module_path if task else "", rm_name, rv_name, tracked,
+                     float(momentum), c)
+        state.sites[node.name] = site
+        sub = f"rannc_batch_norm_{n}_{node.name}"
+        gm.add_submodule(sub, _StageBatchNorm(state, node.name, kind, float(momentum), float(eps)))
+        with gm.graph.inserting_before(node):
+            new = gm.graph.call_module(sub, (args[0], args[1], args[2], rm, rv))
+        new.meta = dict(node.meta)
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        n += 1
+    if n:
+        gm.graph.lint()
+        gm.recompile()
+    return n
+
+
+def _op_name(node: fx.Node) -> str:
+    t = node.target
+    if isinstance(t, torch._ops.OpOverload) and t.namespace == "aten":
+        return f"aten.{t._schema.name.split('::')[-1]}.{t._overloadname}"
+    return str(t)
+
+
+__all__ = ["BATCH_NORM_OPS", "MODES", "BatchNormState", "batch_norm_tasks", "check_mode", "install",
+           "training_batch_norms"]

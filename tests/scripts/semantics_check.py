@@ -1,0 +1,358 @@
+"""Multi-rank checks of DESIGN.md's "Nothing silently different" cases against the unwrapped
+model on the global batch (fp32, rtol 1e-5):
+
+    mpiexec -n 3 python tests/scripts/semantics_check.py --case input_grad --replicas 2,1
+
+* input_grad: inputs with requires_grad get the gradient of this rank's rows.
+* masked_lm:  losses over a data-dependent token count with `num_items_in_batch` (exact).
+* batchnorm:  BatchNorm's running statistics and the `batchnorm="sync"` option.
+
+Every rank builds the same model and global batch (same seed) and prints "PASS <case> rank R".
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[2])]
+
+import rannc  # noqa: E402
+from rannc import dist as rdist  # noqa: E402
+
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def local_sizes(n: int, world: int) -> list[int]:
+    return [n // world + (1 if r < n % world else 0) for r in range(world)]
+
+
+def close(got: Any, want: Any, what: str) -> None:
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}")
+
+
+def options(a: argparse.Namespace) -> dict[str, Any]:
+    opts: dict[str, Any] = {"microbatches": a.microbatches or None, "schedule": a.schedule,
+                            "checkpointing": a.checkpointing}
+    if a.replicas:
+        opts["replicas"] = [int(x) for x in a.replicas.split(",")]
+    if a.partition_num:
+        opts["partition_num"] = a.partition_num
+    return opts
+
+
+class SkipNet(nn.Module):
+    """x feeds the first layer and a skip into the last, so two stages read it; returns the
+    batch output and a scalar loss."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.a = nn.Linear(d, 16)
+        self.b = nn.Linear(16, 16)
+        self.c = nn.Linear(16, 16)
+        self.d = nn.Linear(16, d)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = torch.tanh(self.a(x))
+        h = torch.tanh(self.b(h))
+        h = torch.tanh(self.c(h))
+        out = self.d(h) + x * 0.5
+        return {"out": out, "loss": ((out - y) ** 2).mean()}
+
+
+def check_input_grad(a: argparse.Namespace, rank: int, world: int) -> None:
+    """x.grad on every rank: its rows of the unwrapped model's x.grad for the loss whose
+    parameter gradients the contract gives (the model's loss plus the ranks' mean own loss)."""
+    torch.manual_seed(0)
+    n = a.batch
+    model = SkipNet()
+    ref = copy.deepcopy(model)
+    x_all, y_all = torch.randn(n, 8), torch.randn(n, 8)
+    sizes = local_sizes(n, world)
+    ranges = [(sum(sizes[:q]), sum(sizes[:q + 1])) for q in range(world)]
+    lo, hi = ranges[rank]
+    opt_w = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    wrapped = rannc.RaNNCModule(model, opt_w, **options(a))
+    for step in range(2):
+        x = x_all[lo:hi].clone().requires_grad_(True)
+        ref_x = x_all.clone().requires_grad_(True)
+        out = wrapped(x, y_all[lo:hi])
+        ref_out = ref(ref_x, y_all)
+        close(out["out"], ref_out["out"][lo:hi], f"rank {rank} step {step} output")
+        close(out["loss"], ref_out["loss"], f"rank {rank} step {step} loss")
+        own = (out["out"] ** 2).mean()  # a per-rank loss from this rank's output rows
+        ref_own = sum((ref_out["out"][p:q] ** 2).mean() for p, q in ranges) / world
+        (out["loss"] + a.own_weight * own).backward()
+        (ref_out["loss"] + a.own_weight * ref_own).backward()
+        assert ref_x.grad is not None
+        if x.grad is None:
+            raise AssertionError(f"rank {rank} step {step}: x.grad is None")
+        close(x.grad, ref_x.grad[lo:hi], f"rank {rank} step {step} x.grad")
+        ref_names = dict(ref.named_parameters())
+        for name, p in wrapped.named_parameters():
+            close(p.grad, ref_names[name].grad, f"rank {rank} step {step} grad {name}")
+        opt_w.step()
+        opt_r.step()
+        opt_w.zero_grad()
+        opt_r.zero_grad()
+    # under no_grad, and with an input that does not require grad: nothing comes back
+    x = x_all[lo:hi].clone()
+    wrapped(x, y_all[lo:hi])["loss"].backward()
+    assert x.grad is None
+    print(f"PASS input_grad rank {rank} stages {len(wrapped.plan.stages)} "
+          f"schedule {wrapped.plan.schedule}", flush=True)
+
+
+class RobertaMLM(nn.Module):
+    """RobertaForMaskedLM whose loss honours num_items_in_batch (transformers 5's own
+    RobertaForMaskedLM.forward takes a mean whatever it is given): Hugging Face's
+    ForMaskedLMLoss, sum / count when the count is given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import RobertaConfig, RobertaForMaskedLM
+
+        cfg = RobertaConfig(vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                            intermediate_size=64, max_position_embeddings=40, hidden_dropout_prob=0.0,
+                            attention_probs_dropout_prob=0.0, pad_token_id=1)
+        self.mlm = RobertaForMaskedLM(cfg)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor,
+                num_items_in_batch: torch.Tensor | None = None) -> Any:
+        from transformers.loss.loss_utils import ForMaskedLMLoss
+        from transformers.modeling_outputs import MaskedLMOutput
+
+        logits = self.mlm(input_ids=input_ids, attention_mask=attention_mask).logits
+        loss = ForMaskedLMLoss(logits, labels, logits.shape[-1], num_items_in_batch)
+        return MaskedLMOutput(loss=loss, logits=logits)
+
+
+def masked_batch(model_name: str, n: int) -> tuple[nn.Module, dict[str, torch.Tensor], int]:
+    """A tiny model and a global batch whose rows hold very uneven numbers of labelled tokens
+    (padding / unmasked positions are -100), and the global count of loss items."""
+    torch.manual_seed(0)
+    s = 12
+    lengths = torch.tensor([s, 3, 9, 2, 12, 5, 7, 4, 11, 6][:n])
+    mask = (torch.arange(s)[None, :] < lengths[:, None]).long()
+    if model_name == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(vocab_size=67, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                          use_cache=False, pad_token_id=0)
+        model: nn.Module = LlamaForCausalLM(cfg)
+        ids = torch.randint(3, 67, (n, s)) * mask
+        labels = ids.masked_fill(mask == 0, -100)
+        count = int((labels[:, 1:] != -100).sum())  # the causal loss scores positions 1..s-1
+    else:
+        model = RobertaMLM()
+        ids = torch.randint(3, 61, (n, s)).masked_fill(mask == 0, 1)
+        picked = (torch.rand(n, s) < 0.3) & (mask == 1)
+        picked[:, 0] = True  # every row scores at least one token
+        labels = ids.masked_fill(~picked, -100)
+        ids = ids.masked_fill(picked, 2)  # the <mask> token
+        count = int(picked.sum())
+    return model, {"input_ids": ids, "attention_mask": mask, "labels": labels}, count
+
+
+def check_masked_lm(a: argparse.Namespace, rank: int, world: int) -> None:
+    """With num_items_in_batch (the global count), the wrapped model's loss, output rows and
+    gradients equal the unwrapped model's global token mean, for 2 AdamW steps."""
+    n = a.batch
+    model, batch, count = masked_batch(a.model, n)
+    ref = copy.deepcopy(model)
+    sizes = local_sizes(n, world)
+    lo = sum(sizes[:rank])
+    hi = lo + sizes[rank]
+    mine = {k: v[lo:hi] for k, v in batch.items()}
+    with torch.no_grad():  # the count makes the unwrapped model's loss the global token mean
+        close(ref(**batch, num_items_in_batch=count).loss, ref(**batch).loss, "reference count")
+    opt_w = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)
+    opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-4)
+    wrapped = rannc.RaNNCModule(model, opt_w, **options(a))
+    ref_names = dict(ref.named_parameters())
+    for step in range(2):
+        given: Any = count if step == 0 else torch.tensor(count)  # an int, then a tensor
+        out = wrapped(**mine, num_items_in_batch=given)
+        ref_out = ref(**batch, num_items_in_batch=count)
+        close(out.logits, ref_out.logits[lo:hi], f"rank {rank} step {step} logits")
+        close(out.loss, ref_out.loss, f"rank {rank} step {step} loss")
+        out.loss.backward()
+        ref_out.loss.backward()
+        for name, p in wrapped.named_parameters():
+            close(p.grad, ref_names[name].grad, f"rank {rank} step {step} grad {name}")
+        opt_w.step()
+        opt_r.step()
+        opt_w.zero_grad()
+        opt_r.zero_grad()
+    for name, p in wrapped.named_parameters():
+        close(p, ref_names[name], f"rank {rank} param {name}")
+    # a rank passing its local count instead of the global one is told so, on every rank
+    try:
+        wrapped(**mine, num_items_in_batch=count + rank)
+    except rannc.RaNNCError as e:
+        assert "num_items_in_batch differs across ranks" in str(e), str(e)
+    else:
+        raise AssertionError("a count differing across ranks was accepted")
+    print(f"PASS masked_lm {a.model} rank {rank} stages {len(wrapped.plan.stages)} "
+          f"schedule {wrapped.plan.schedule}", flush=True)
+
+
+def check_unused_count(a: argparse.Namespace, rank: int, world: int) -> None:
+    """RobertaForMaskedLM (transformers 5) ignores num_items_in_batch in its loss: rannc keeps
+    the row-weighted mean (the loss of an unmasked batch is still exact) and warns."""
+    model, batch, count = masked_batch("roberta", a.batch)
+    mlm = model.mlm  # type: ignore[attr-defined]
+    batch["labels"] = batch["input_ids"].clone()  # every token scored: a per-row mean again
+    ref = copy.deepcopy(mlm)
+    sizes = local_sizes(a.batch, world)
+    lo = sum(sizes[:rank])
+    hi = lo + sizes[rank]
+    wrapped = rannc.RaNNCModule(mlm, **options(a))
+    out = wrapped(**{k: v[lo:hi] for k, v in batch.items()}, num_items_in_batch=count)
+    close(out.loss, ref(**batch).loss, f"rank {rank} loss")
+    print(f"PASS unused_count rank {rank}", flush=True)
+
+
+class ShiftNorm(nn.Module):
+    """A write through a view (capture functionalises the graph: BatchNorm becomes
+    _native_batch_norm_legit_functional plus write-backs into its buffers)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.bn = nn.BatchNorm1d(4)
+        self.b = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        z = h.new_zeros(h.shape)
+        z[:, 1:] = h[:, :-1]
+        return self.b(self.bn(z + h))
+
+
+def check_functional_bn(a: argparse.Namespace, rank: int, world: int) -> None:
+    """batchnorm="sync" on a functionalised graph, one stage on every rank: outputs, gradients
+    and buffers (num_batches_tracked included) equal the unwrapped model's."""
+    torch.manual_seed(0)
+    model = ShiftNorm()
+    ref = copy.deepcopy(model)
+    x = torch.randn(a.batch, 4) * 3 + 1
+    sizes = local_sizes(a.batch, world)
+    lo = sum(sizes[:rank])
+    hi = lo + sizes[rank]
+    wrapped = rannc.RaNNCModule(model, batchnorm="sync", **options(a))
+    for step in range(2):
+        out, ref_out = wrapped(x[lo:hi]), ref(x)
+        close(out, ref_out[lo:hi], f"rank {rank} step {step} output")
+        (out ** 2).sum().backward()
+        ((ref_out ** 2).sum() / world).backward()
+        ref_names = dict(ref.named_parameters())
+        for name, p in wrapped.named_parameters():
+            close(p.grad, ref_names[name].grad, f"rank {rank} step {step} grad {name}")
+        buffers_close(wrapped.state_dict(rank0_only=False), ref, [k for k, _ in ref.named_buffers()],
+                      f"rank {rank} step {step}")
+    print(f"PASS functional_bn rank {rank}", flush=True)
+
+
+def tiny_resnet() -> nn.Module:
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    cfg = ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
+                       layer_type="basic", num_labels=5)
+    return ResNetForImageClassification(cfg)
+
+
+def buffers_close(got: dict[str, Any], ref: nn.Module, names: list[str], what: str) -> None:
+    want = dict(ref.named_buffers())
+    for name in names:
+        close(got[name].to(want[name].dtype), want[name], f"{what} buffer {name}")
+
+
+def check_batchnorm(a: argparse.Namespace, rank: int, world: int) -> None:
+    """batchnorm="sync": outputs, loss, gradients, running statistics, and eval() outputs after
+    2 AdamW steps equal the unwrapped model's. "local" (the default): the outputs differ (each
+    microbatch and replica normalises its own rows) but the running statistics of a BatchNorm
+    whose input does not depend on another's are the unwrapped model's after a call."""
+    torch.manual_seed(0)
+    n = a.batch
+    model = tiny_resnet()
+    ref = copy.deepcopy(model)
+    x_all, y_all = torch.randn(n, 3, 16, 16), torch.randint(0, 5, (n,))
+    sizes = local_sizes(n, world)
+    lo = sum(sizes[:rank])
+    hi = lo + sizes[rank]
+    opt_w = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)
+    opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-4)
+    wrapped = rannc.RaNNCModule(model, opt_w, batchnorm=a.bn_mode, **options(a))
+    ref_names = dict(ref.named_parameters())
+    bn_buffers = [k for k, _ in ref.named_buffers()]
+    if a.bn_mode == "local":
+        out = wrapped(pixel_values=x_all[lo:hi], labels=y_all[lo:hi])
+        ref_out = ref(pixel_values=x_all, labels=y_all)
+        assert not torch.allclose(out.logits, ref_out.logits[lo:hi], rtol=1e-3, atol=1e-4), \
+            "local BatchNorm gave the global batch's outputs: the layout does not split it"
+        out.loss.backward()
+        got = wrapped.state_dict(rank0_only=False)
+        first = [k for k in bn_buffers if k.startswith("resnet.embedder.")]  # its input: conv(x)
+        buffers_close(got, ref, first, f"rank {rank} local")
+        tracked = [k for k in bn_buffers if k.endswith("num_batches_tracked")]
+        buffers_close(got, ref, tracked, f"rank {rank} local")  # once per call
+        print(f"PASS batchnorm local rank {rank} microbatches {wrapped.plan.microbatches}",
+              flush=True)
+        return
+    for step in range(2):
+        out = wrapped(pixel_values=x_all[lo:hi], labels=y_all[lo:hi])
+        ref_out = ref(pixel_values=x_all, labels=y_all)
+        close(out.logits, ref_out.logits[lo:hi], f"rank {rank} step {step} logits")
+        close(out.loss, ref_out.loss, f"rank {rank} step {step} loss")
+        out.loss.backward()
+        ref_out.loss.backward()
+        for name, p in wrapped.named_parameters():
+            close(p.grad, ref_names[name].grad, f"rank {rank} step {step} grad {name}")
+        buffers_close(wrapped.state_dict(rank0_only=False), ref, bn_buffers, f"rank {rank} step {step}")
+        opt_w.step()
+        opt_r.step()
+        opt_w.zero_grad()
+        opt_r.zero_grad()
+    wrapped.eval()
+    ref.eval()
+    with torch.no_grad():
+        x_new = torch.randn(n, 3, 16, 16)
+        close(wrapped(pixel_values=x_new[lo:hi]).logits, ref(pixel_values=x_new).logits[lo:hi],
+              f"rank {rank} eval logits")
+    print(f"PASS batchnorm sync rank {rank} microbatches {wrapped.plan.microbatches} "
+          f"replicas {[len(st.ranks) for st in wrapped.plan.stages]}", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--case", required=True, choices=["input_grad", "masked_lm", "batchnorm", "unused_count",
+                                                "functional_bn"])
+    p.add_argument("--bn-mode", default="sync", help="batchnorm: local or sync")
+    p.add_argument("--model", default="llama", help="masked_lm: llama or roberta")
+    p.add_argument("--replicas", default="")
+    p.add_argument("--partition-num", type=int, default=0)
+    p.add_argument("--microbatches", type=int, default=2)
+    p.add_argument("--schedule", default="gpipe")
+    p.add_argument("--batch", type=int, default=7)
+    p.add_argument("--checkpointing", default="auto")
+    p.add_argument("--own-weight", type=float, default=1.0,
+                   help="input_grad: weight of the per-rank loss (0: the model's loss alone)")
+    a = p.parse_args()
+    ctx = rdist.init_process_group(timeout_s=60)
+    {"input_grad": check_input_grad, "masked_lm": check_masked_lm,
+     "batchnorm": check_batchnorm, "unused_count": check_unused_count,
+     "functional_bn": check_functional_bn}[a.case](a, ctx.rank, ctx.world_size)
+    rdist.shutdown()
+
+
+if __name__ == "__main__":
+    main()

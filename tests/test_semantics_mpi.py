@@ -1,0 +1,131 @@
+"""DESIGN.md's "Nothing silently different" cases under mpiexec, against the unwrapped model on
+the global batch (tests/scripts/semantics_check.py; fp32, rtol 1e-5)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from mpi_harness import TESTS, run_mpi
+
+SCRIPT = TESTS / "scripts" / "semantics_check.py"
+
+
+def _passed(out: str, case: str, n: int) -> None:
+    got = sorted(re.findall(rf"PASS {case} rank (\d+)", out))
+    assert got == [str(r) for r in range(n)], out
+
+
+# (ranks, arguments): 2 stages x replicas [2, 1] under fill-drain with uneven rows; replicas
+# [1, 2] under 1F1B (input gradients computed inside forward, scaled in backward, plus the
+# late pass for the batch output's gradient); the model's loss alone under 1F1B.
+INPUT_GRAD = [
+    (3, ["--replicas", "2,1", "--microbatches", "2", "--batch", "7"]),
+    (3, ["--replicas", "1,2", "--microbatches", "3", "--batch", "9", "--schedule", "1f1b"]),
+    (2, ["--partition-num", "2", "--microbatches", "4", "--batch", "8", "--schedule", "1f1b",
+         "--own-weight", "0"]),
+]
+
+
+@pytest.mark.parametrize(("n", "args"), INPUT_GRAD,
+                         ids=[f"{n}r-{'_'.join(x.lstrip('-') for x in a)}" for n, a in INPUT_GRAD])
+def test_inputs_requiring_grad_get_their_rows_gradient(n: int, args: list[str]) -> None:
+    """x.grad on every rank equals its rows of the unwrapped model's x.grad (two stages read
+    x, so the owner sums what both send back), for 2 steps; without requires_grad, None."""
+    res = run_mpi(SCRIPT, n, ["--case", "input_grad", *args])
+    _passed(res.stdout, "input_grad", n)
+
+
+# (ranks, arguments): a masked RoBERTa MLM (loss by Hugging Face's ForMaskedLMLoss) on 2 stages
+# x replicas [2, 1]; a padded Llama (its own causal-LM loss, the count through **kwargs) on 2
+# stages with 3 microbatches under fill-drain and under 1F1B (the loss gradient seeded inside
+# forward). Rows hold 1 to 11 labelled tokens, so every piece's count differs.
+MASKED = [
+    (3, ["--model", "roberta", "--replicas", "2,1", "--microbatches", "2", "--batch", "7"]),
+    (2, ["--model", "llama", "--partition-num", "2", "--microbatches", "3", "--batch", "7"]),
+    (3, ["--model", "llama", "--replicas", "1,2", "--microbatches", "2", "--batch", "8",
+         "--schedule", "1f1b"]),
+]
+
+
+@pytest.mark.parametrize(("n", "args"), MASKED,
+                         ids=[f"{n}r-{'_'.join(x.lstrip('-') for x in a)}" for n, a in MASKED])
+def test_num_items_in_batch_gives_the_global_token_mean(n: int, args: list[str]) -> None:
+    """With num_items_in_batch (the global count; an int, then a tensor) the pieces of the loss
+    sum: loss, logits rows, gradients and parameters after 2 AdamW steps equal the unwrapped
+    model's global token mean; a count differing across ranks raises on every rank."""
+    res = run_mpi(SCRIPT, n, ["--case", "masked_lm", *args])
+    _passed(res.stdout, f"masked_lm {args[1]}", n)
+
+
+def test_batchnorm_sync_keeps_one_microbatch_in_the_plan() -> None:
+    """The planner keeps one microbatch (for the whole plan) under batchnorm="sync" when the
+    model has BatchNorm, and refuses a forced count above one; "local" plans as before."""
+    import torch
+    from torch import nn
+
+    import rannc
+    from rannc.errors import ConfigError
+
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(8 * 14 * 14, 5))
+    x = torch.randn(32, 3, 16, 16)
+    cluster = rannc.Cluster.homogeneous("V100-32GB", n=4, per_node=4)
+    local = rannc.plan(model, (x,), cluster=cluster,
+                       config=rannc.Config(microbatches=4, profiler="estimate"))
+    assert local.microbatches == 4
+    sync = rannc.plan(model, (x,), cluster=cluster,
+                      config=rannc.Config(batchnorm="sync", profiler="estimate"))
+    assert sync.microbatches == 1
+    with pytest.raises(ConfigError, match="keeps one microbatch"):
+        rannc.plan(model, (x,), cluster=cluster,
+                   config=rannc.Config(batchnorm="sync", microbatches=2, profiler="estimate"))
+    with pytest.raises(ConfigError, match="batchnorm='exact'"):
+        rannc.plan(model, (x,), cluster=cluster, config=rannc.Config(batchnorm="exact"))
+
+
+# (ranks, arguments): "sync" on a tiny transformers ResNet, 2 stages x replicas [2, 1] (the
+# planner keeps one microbatch), and [1, 2] under 1F1B with recomputation; "local" with 2
+# microbatches and replicas [2, 1], whose plan changes what BatchNorm computes (warned).
+BATCHNORM = [
+    (3, ["--bn-mode", "sync", "--replicas", "2,1", "--microbatches", "0", "--batch", "7"]),
+    (3, ["--bn-mode", "sync", "--replicas", "1,2", "--microbatches", "0", "--batch", "8",
+         "--schedule", "1f1b", "--checkpointing", "on"]),
+    (3, ["--bn-mode", "local", "--replicas", "2,1", "--microbatches", "2", "--batch", "7"]),
+]
+
+
+@pytest.mark.parametrize(("n", "args"), BATCHNORM,
+                         ids=[f"{n}r-{'_'.join(x.lstrip('-') for x in a)}" for n, a in BATCHNORM])
+def test_batchnorm(n: int, args: list[str]) -> None:
+    """sync: outputs, loss, gradients, running statistics (every step) and eval() outputs after
+    2 AdamW steps equal the unwrapped model's. local: the outputs differ, the first
+    BatchNorm's running statistics and every num_batches_tracked equal the unwrapped model's
+    after one call (deferred: once per call, from the global batch), and rank 0 warns once,
+    naming the modules and the plan."""
+    res = run_mpi(SCRIPT, n, ["--case", "batchnorm", *args])
+    mode = args[1]
+    _passed(res.stdout, f"batchnorm {mode}", n)
+    warned = (res.stdout + res.stderr).count("rannc: BatchNorm in training (resnet.embedder")
+    if mode == "local":
+        assert warned == 1, res.stderr
+        assert "plan: 2 microbatches; replicas of the stages holding it: stage 0: 2" in res.stderr
+    else:
+        assert warned == 0
+        assert "microbatches 1" in res.stdout
+
+
+def test_a_count_no_loss_uses_is_warned_about() -> None:
+    """RobertaForMaskedLM's own loss ignores num_items_in_batch (transformers 5): rank 0 warns
+    once that the scalar outputs stay row-weighted means."""
+    res = run_mpi(SCRIPT, 2, ["--case", "unused_count", "--partition-num", "2", "--batch", "6"])
+    _passed(res.stdout, "unused_count", 2)
+    assert (res.stdout + res.stderr).count("but no scalar output of the model is computed") == 1
+
+
+def test_batchnorm_sync_on_a_functionalised_graph() -> None:
+    """A model writing through a view is captured functionalised (BatchNorm as
+    _native_batch_norm_legit_functional and write-backs): sync stays exact over 2 replicas."""
+    res = run_mpi(SCRIPT, 2, ["--case", "functional_bn", "--replicas", "2", "--microbatches", "0",
+                              "--batch", "8"])
+    _passed(res.stdout, "functional_bn", 2)
