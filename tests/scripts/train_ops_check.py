@@ -31,6 +31,11 @@ import rannc  # noqa: E402
 from rannc import dist as rdist  # noqa: E402
 
 RTOL, ATOL = 1e-5, 1e-6
+# Parameters after many Adam steps: Adam divides each gradient by its own running scale, so the
+# float rounding of a near-zero gradient (a rarely used token_type_embeddings row) becomes a
+# step of lr size; after 17 steps such an element differed by 1.26e-6. The gradients themselves
+# stay at ATOL; this is the conformance suite's fp32 tolerance.
+PARAM_ATOL = 1e-5
 K = 4  # accumulation micro-steps
 
 
@@ -81,7 +86,7 @@ class Pair:
 
     def check_params(self, what: str) -> None:
         for n, p in self.model.named_parameters():
-            torch.testing.assert_close(p, self.ref_params[n], rtol=RTOL, atol=ATOL,
+            torch.testing.assert_close(p, self.ref_params[n], rtol=RTOL, atol=PARAM_ATOL,
                                        msg=lambda m, n=n: f"{self.tag} {what} param {n}: {m}")
 
     @property
