@@ -172,8 +172,8 @@ def check_invariants(graph: TaskGraph, part: AtomicPartition) -> None:
                 assert len(part.holders[t]) == 1 and part.holders[t][0] in homes, (
                     f"sink {graph.tasks[t].name} held by {part.holders[t]}, expected one of {homes}")
                 res = frozenset(part.holders[t])
-            elif graph.tasks[t].mutates:
-                res = frozenset({min(targets)})
+            elif any(graph.values[v].producer is None for v in graph.tasks[t].mutates):
+                res = frozenset({min(targets)})  # writes state: once
             else:
                 res = frozenset(targets)
         memo[t] = res
@@ -183,7 +183,8 @@ def check_invariants(graph: TaskGraph, part: AtomicPartition) -> None:
         assert set(part.holders[t]) == expected(t), (
             f"task {t} ({graph.tasks[t].name}): holders {part.holders[t]}, expected {sorted(expected(t))}")
         if len(part.holders[t]) > 1:
-            assert not nc[t] and not graph.tasks[t].mutates
+            assert not nc[t]
+            assert all(graph.values[v].producer is not None for v in graph.tasks[t].mutates)
     assert part.cloned_tasks == [t for t in range(n) if len(expected(t)) > 1]
 
     # Component edges: exactly the reads of values held elsewhere, all going forward.
@@ -379,6 +380,25 @@ def test_mutating_constant_feeding_two_components_is_held_by_the_first_only() ->
     assert part.cloned_tasks == []
     assert part.components[c2].constant_tasks == ()
     assert part.component_edges(g) == [(c1, c2)]  # m2 reads u's result from m1's component
+
+
+def test_constant_writing_a_tensor_a_constant_made_is_cloned_with_it() -> None:
+    """torch.tensor(...) in forward: detach_(lift_fresh_copy(c)), read by two components. Each
+    makes and writes its own copy (kept once, DeBERTa-v2's result crossed stages as a
+    constant, which the runtime never sends: KeyError 'detach_')."""
+    b = GraphBuilder()
+    x, w = b.input("x"), b.param("w")
+    fresh = b.op("fresh", "lift_fresh_copy", w)
+    d = b.op("d", "detach_", fresh, mutates=(fresh,))
+    m1 = b.op("m1", "add", x, d)
+    b.op("m2", "mul", m1, d)
+    g = b.build()
+    part = atomic_components(g)
+    check_invariants(g, part)
+    c1, c2 = comp_of(g, part, "m1"), comp_of(g, part, "m2")
+    assert part.holders[g.task_index("d")] == (c1, c2)
+    assert part.holders[g.task_index("fresh")] == (c1, c2)
+    assert part.component_edges(g) == [(c1, c2)]  # m1's result only
 
 
 def test_mutating_constant_read_through_a_cloned_successor() -> None:

@@ -17,9 +17,13 @@ what we do:
   as BatchNorm's `num_batches_tracked.add_(1)`, or a constant model output)
   joins one component: the nearest non-constant task of the same module,
   else the next non-constant task in topological order, else the last one;
-- a constant task that writes a value in place is never cloned (the update
-  must happen once): it joins the first component that reads it, and the
-  others read its result from there;
+- a constant task that writes a graph input in place (a buffer) is never
+  cloned (the update must happen once): it joins the first component that
+  reads it, and the others read its result from there. One that writes a
+  tensor a constant task made (`torch.tensor(...)` in forward is
+  `detach_(lift_fresh_copy(c))`) is cloned with its producer like any other
+  constant task: each stage makes and writes its own copy (kept once, its
+  result would have to cross stages, which constants never do);
 - a non-constant *write-back* (capture's store of a new value into a
   buffer, e.g. BatchNorm's running statistics) opens no component: it joins
   the component of the task computing the new value, so the stage holding
@@ -118,7 +122,7 @@ def atomic_components(graph: TaskGraph) -> AtomicPartition:
                 targets |= holders[u]
         if not targets:
             targets = {_home_of_sink(graph, t, nc_tasks, component_of)}
-        elif graph.tasks[t].mutates and len(targets) > 1:
+        elif _writes_state(graph, t) and len(targets) > 1:
             targets = {min(targets)}
         holders[t] = targets
 
@@ -137,6 +141,11 @@ def atomic_components(graph: TaskGraph) -> AtomicPartition:
         component_of=tuple(component_of),
         holders=tuple(tuple(sorted(h)) for h in holders),
     )
+
+
+def _writes_state(graph: TaskGraph, t: int) -> bool:
+    """Whether task t writes in place into a graph input (a buffer, a lifted constant)."""
+    return any(graph.values[v].producer is None for v in graph.tasks[t].mutates)
 
 
 def _write_back_source(graph: TaskGraph, t: int) -> int | None:
