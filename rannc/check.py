@@ -447,9 +447,9 @@ def run_all(targets: Sequence[str], s: Settings, out: Any = None) -> list[CaseRe
         try:
             factory = load_factory(spec)
         except SystemExit as e:  # every rank fails alike: no collective is left waiting
-            reports.append(CaseReport(name, [], 0.0, error=str(e)))
-            continue
-        rep = run_case(name, factory, s)
+            rep = CaseReport(name, [], 0.0, error=str(e))
+        else:
+            rep = run_case(name, factory, s)
         reports.append(rep)
         if _rank() == 0:
             print(format_report(rep, s), file=out, flush=True)

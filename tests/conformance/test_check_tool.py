@@ -16,6 +16,8 @@ from rannc.check import CheckResult, parse_results
 
 TOYS = "tests/conformance/toys.py"
 
+pytestmark = pytest.mark.conformance
+
 
 def test_a_check_passes_within_tolerance_and_fails_beyond() -> None:
     c = CheckResult("grads")

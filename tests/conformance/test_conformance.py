@@ -27,6 +27,8 @@ from rannc.check import Settings, parse_results, run_case
 SCRIPT = TESTS / "conformance" / "run_check.py"
 ZOO = "conformance.zoo"
 
+pytestmark = pytest.mark.conformance
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -76,7 +78,8 @@ KNOWN: dict[tuple[str, str], str] = {
     ("t5", "*"): _VIEW_WRITE + ": shift_tokens_right given labels",
     ("bart", "*"): _VIEW_WRITE + ": shift_tokens_right given labels",
     ("whisper", "*"): _VIEW_WRITE + ": shift_tokens_right given labels",
-    ("swin", "multi"): _VIEW_WRITE + ": the shifted-window attention mask",
+    ("deberta_v2", "3r-rep12-m3-scp"): "the runtime has no value 'detach_' for a stage input "
+                                       "(KeyError in PipelineRuntime._stage_input; the launch dies)",
 }
 
 
