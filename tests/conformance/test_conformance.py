@@ -78,6 +78,8 @@ KNOWN: dict[tuple[str, str], str] = {
     ("t5", "*"): _VIEW_WRITE + ": shift_tokens_right given labels",
     ("bart", "*"): _VIEW_WRITE + ": shift_tokens_right given labels",
     ("whisper", "*"): _VIEW_WRITE + ": shift_tokens_right given labels",
+    ("t5", "3r-rep21-m2-gpipe"): "T5 with padded attention masks under replicas=[2, 1] is off "
+                                 "(under investigation); also " + _VIEW_WRITE,
     ("deberta_v2", "3r-rep12-m3-scp"): "the runtime has no value 'detach_' for a stage input "
                                        "(KeyError in PipelineRuntime._stage_input; the launch dies)",
 }
@@ -132,8 +134,14 @@ def test_one_process(model: str) -> None:
     assert rep.passed, _explain(rep.name, "one process", rep.to_json())
 
 
+# Models per launch: enough to amortise start-up, few enough that a launch stays within a
+# test's time limit (--full runs every model in a layout).
+CHUNK = 8
+LAUNCH_LIMIT_S = 1500
+
+
 class Launches:
-    """One launch per layout for every selected model of it, run when its first cell asks."""
+    """One launch per layout (per CHUNK of its selected models), run when its first cell asks."""
 
     def __init__(self, items: list[pytest.Item]) -> None:
         self.wanted: dict[str, list[str]] = {}
@@ -141,26 +149,29 @@ class Launches:
             cell = getattr(item, "callspec", None) and item.callspec.params.get("cell")
             if cell:
                 self.wanted.setdefault(cell[0], []).append(cell[1])
-        self.results: dict[str, dict[str, dict[str, Any]]] = {}
-        self.logs: dict[str, str] = {}
+        self.results: dict[tuple[str, int], dict[str, dict[str, Any]]] = {}
+        self.logs: dict[tuple[str, int], str] = {}
 
     def result(self, layout: str, model: str) -> dict[str, Any]:
-        if layout not in self.results:
-            self._run(BY_ID[layout])
-        return self.results[layout].get(model) or {
+        models = [m for m in self.wanted.get(layout, []) if _available(m)]
+        key = (layout, models.index(model) // CHUNK)
+        if key not in self.results:
+            self.results[key], self.logs[key] = self._run(
+                BY_ID[layout], models[key[1] * CHUNK:(key[1] + 1) * CHUNK])
+        return self.results[key].get(model) or {
             "name": model, "passed": False,
-            "error": f"no result: the launch died on it\n{self.logs[layout][-3000:]}"}
+            "error": f"no result: the launch died on it\n{self.logs[key][-3000:]}"}
 
-    def _run(self, lay: Layout) -> None:
-        todo = [m for m in self.wanted.get(lay.id, []) if _available(m)]
+    @staticmethod
+    def _run(lay: Layout, todo: list[str]) -> tuple[dict[str, dict[str, Any]], str]:
         found: dict[str, dict[str, Any]] = {}
         log = ""
         while todo:
             args = [f"{ZOO}:{m}" for m in todo] + list(lay.args) + ["--batch", str(lay.batch)]
             if BATCHNORM_EXACT_OPTION is not None and not lay.whole_batch_per_stage:
                 args += [f"--option={k}={v!r}" for k, v in BATCHNORM_EXACT_OPTION.items()]
-            res = run_mpi(SCRIPT, lay.ranks, args, timeout=90 + 45 * len(todo) * lay.ranks,
-                          check=False)
+            res = run_mpi(SCRIPT, lay.ranks, args, check=False,
+                          timeout=min(LAUNCH_LIMIT_S, 90 + 45 * len(todo) * lay.ranks))
             log += res.stdout + res.stderr
             got = parse_results(res.stdout)
             found.update(got)
@@ -173,8 +184,7 @@ class Launches:
                               "error": f"the launch died (exit {res.returncode}) on this model:\n"
                                        f"{(res.stdout + res.stderr)[-3000:]}"}
             todo = [m for m in todo if m not in found]
-        self.results[lay.id] = found
-        self.logs[lay.id] = log
+        return found, log
 
 
 def _available(model: str) -> bool:
@@ -191,6 +201,7 @@ def launches(request: pytest.FixtureRequest) -> Iterator[Launches]:
     yield Launches(request.session.items)
 
 
+@pytest.mark.timeout(LAUNCH_LIMIT_S * 2 + 60)  # a launch, and a relaunch after a crash
 def test_multi_rank(cell: tuple[str, str], launches: Launches) -> None:
     layout, model = cell
     _skip_if_unavailable(model)
