@@ -5,6 +5,7 @@
 The public names are listed in `__all__`; everything else is internal and may change.
 """
 
+from rannc.checkpoint import latest_checkpoint
 from rannc.config import Config
 from rannc.dist import barrier, get_rank, get_world_size
 from rannc.errors import (
@@ -40,6 +41,7 @@ __all__ = [
     "barrier",
     "get_rank",
     "get_world_size",
+    "latest_checkpoint",
     "plan",
 ]
 __version__ = "0.1.0"

@@ -15,34 +15,45 @@ stored once under its *canonical* name, the first under which `named_parameters(
 Sharded checkpoints use torch.distributed.checkpoint (DCP) for the tensors, keyed by name, so
 they load into another plan or another number of ranks: every rank reads what it now holds.
 The few non-tensor values (optimizer hyper-parameters, non-tensor optimizer state) go into a
-JSON file, never a pickle. A save is written into a temporary directory beside the target and
-renamed into place by rank 0 once every rank has written, so a crash mid-save leaves the
-previous checkpoint whole.
+JSON file, never a pickle; the Stateful objects saved beside them (LR scheduler, sampler, RNG)
+in a file read with `torch.load(weights_only=True)`. Every file's sha256 is in the metadata and
+checked on load. The directory layout (versions, the `latest` pointer, what survives a crash)
+is described where it is implemented, below.
 """
 
 from __future__ import annotations
 
+import contextlib
+import glob
+import hashlib
+import io
+import itertools
 import json
 import logging
 import os
+import random
+import re
 import shutil
+import time
 import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, cast, runtime_checkable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from rannc import health
 from rannc.errors import RaNNCError
 from rannc.graph.task_graph import ValueKind
 from rannc.pipeline.runtime import PipelineRuntime
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_FORMAT = 1
+CHECKPOINT_FORMAT = 2  # 2: versions under a `latest` pointer, checksums, Stateful objects
+_READABLE = {1, 2}
 META_FILE = "rannc_meta.json"
 _MODEL, _OPTIM = "model/", "optim/"  # DCP key prefixes: "model/<name>", "optim/<name>/<state key>"
 
@@ -269,35 +280,425 @@ def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
+
+# -- the checkpoint directory: versions and the `latest` pointer -----------------------------------
+#
+# A checkpoint directory holds one sub-directory per saved version and a pointer to the newest
+# complete one:
+#
+#     ckpt/latest            text: "v-000007" (replaced atomically: the commit point of a save)
+#     ckpt/v-000007/         rannc_meta.json, DCP's .metadata and __<rank>_<i>.distcp shards,
+#                            stateful.pt (the Stateful objects and plain values)
+#     ckpt/.tmp-<id>/        a version being written (or left by a crashed save)
+#
+# A save writes `.tmp-<id>`, renames it to the next `v-N`, then replaces `latest`; only then does
+# it remove what that supersedes (older versions, temporary leftovers). A crash at any point,
+# any number of times, leaves `latest` naming a whole version, because nothing `latest` names is
+# ever changed. The directory itself is never renamed, so a symlink to it is written through and
+# `os.path.exists(ckpt)` stays true once a save has begun. Files a user puts at the top level
+# (beside `latest`) are never touched; files added inside a version directory are kept when the
+# version is superseded (only rannc's own files are removed, and the directory is left, with a
+# warning, if anything else remains in it).
+
+class CheckpointError(RaNNCError):
+    """A checkpoint directory is missing, damaged, does not match the model, or was asked for
+    in a way that cannot work (a save on some ranks only, a path that names no directory)."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """A checkpoint's model entries differ from the model's (strict loading)."""
+
+
+LATEST = "latest"
+STATEFUL_FILE = "stateful.pt"
+_VERSION = re.compile(r"v-(\d+)")
+_TMP = ".tmp-"
+
+
+def latest_checkpoint(path: str | os.PathLike[str]) -> str | None:
+    """The directory of the newest complete checkpoint version under `path`, or None if there
+    is none (no save into `path` has finished): the test a training script uses to resume."""
+    root = Path(os.path.realpath(path))
+    if not root.is_dir():
+        return _legacy_aside(root)
+    pointed = _read_pointer(root)
+    if pointed is not None and _complete(root / pointed):
+        return str(root / pointed)
+    versions = [v for v in _versions(root) if _complete(v)]
+    if versions:
+        if pointed is not None:  # `latest` names a version someone removed: say which is used
+            log.warning("rannc: %s names %s, which is not a complete checkpoint; using %s",
+                        root / LATEST, pointed, versions[-1].name)
+        return str(versions[-1])
+    if _complete(root):  # the flat layout of rannc <= 0.1: the directory is the checkpoint
+        return str(root)
+    return None
+
+
+def _legacy_aside(root: Path) -> str | None:
+    """rannc <= 0.1 renamed the previous checkpoint to `<dir>.old-<id>` while publishing; a crash
+    there left only that copy. Found so that a job killed before an upgrade still resumes."""
+    aside = sorted((p for p in root.parent.glob(f"{glob.escape(root.name)}.old-*") if _complete(p)),
+                   key=lambda p: p.stat().st_mtime)
+    if not aside:
+        return None
+    log.warning("rannc: %s is missing; using %s, left by an interrupted save", root, aside[-1])
+    return str(aside[-1])
+
+
+def _complete(d: Path) -> bool:
+    # rannc_meta.json is written last, after every rank's files, before the rename into place.
+    return (d / META_FILE).is_file()
+
+
+def _read_pointer(root: Path) -> str | None:
+    try:
+        name = (root / LATEST).read_text().strip()
+    except OSError:
+        return None
+    return name if _VERSION.fullmatch(name) else None
+
+
+def _versions(root: Path) -> list[Path]:
+    """The `v-N` directories, oldest first."""
+    found = [(int(m[1]), p) for p in root.iterdir() if (m := _VERSION.fullmatch(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def _checked_root(path: str | os.PathLike[str]) -> Path:
+    """The directory a save writes into: symlinks resolved, created if need be."""
+    text = os.fspath(path)
+    if os.path.basename(os.path.normpath(text)) in ("", ".", "..") or not text.strip():
+        raise CheckpointError(
+            f"checkpoint path {text!r} does not name a directory of its own (it ends in "
+            f"'.', '..' or '/' after normalisation: {os.path.normpath(text)!r}); a save keeps "
+            "versions and a 'latest' pointer in it, so name one, e.g. 'ckpt' or 'runs/ckpt'")
+    root = Path(os.path.realpath(text))  # a symlink is written through: the link stays a link
+    if root.exists() and not root.is_dir():
+        raise CheckpointError(f"checkpoint path {text!r} ({root}) is a file, not a directory; "
+                              "save into a directory (it is created if missing)")
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def _begin(path: str | os.PathLike[str]) -> tuple[Path, str, str]:
+    """(root, temporary directory name, version name) of a new save: rank 0 decides."""
+    root = _checked_root(path)
+    top = max((int(m[1]) for p in root.iterdir() if (m := _VERSION.fullmatch(p.name))), default=0)
+    return root, f"{_TMP}{uuid.uuid4().hex}", f"v-{top + 1:06d}"
+
+
+def _publish(root: Path, tmp: str, version: str) -> None:
+    """Move a completely written version into place, point `latest` at it, then remove what
+    it supersedes. Each step is one rename; a crash between any two leaves `latest` whole."""
+    os.replace(root / tmp, root / version)
+    _fsync_dir(root)
+    pointer = root / f"{LATEST}{_TMP}{uuid.uuid4().hex}"
+    with open(pointer, "w") as f:
+        f.write(version + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(pointer, root / LATEST)
+    _fsync_dir(root)
+    _clean(root, keep=version)
+
+
+def _fsync_dir(d: Path) -> None:
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _clean(root: Path, keep: str) -> None:
+    """Remove every version but `keep` and every temporary leftover of a crashed save."""
+    for p in root.iterdir():
+        if p.name.startswith(_TMP) and p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        elif p.name.startswith(f"{LATEST}{_TMP}"):
+            p.unlink(missing_ok=True)
+        elif _VERSION.fullmatch(p.name) and p.name != keep and p.is_dir():
+            _remove_version(p)
+
+
+def _remove_version(d: Path) -> None:
+    """Remove rannc's files from a superseded version; keep anything a user added there."""
+    ours = {META_FILE, STATEFUL_FILE, ".metadata"}
+    with contextlib.suppress(Exception):
+        ours |= set(json.loads((d / META_FILE).read_text()).get("files", {}))
+    meta = d / META_FILE
+    for p in d.iterdir():  # the metadata last: a half-removed version is then not "complete"
+        if p != meta and (p.name in ours or p.suffix == ".distcp"):
+            p.unlink(missing_ok=True)
+    meta.unlink(missing_ok=True)
+    left = sorted(p.name for p in d.iterdir())
+    if left:
+        log.warning("rannc: kept %s (superseded checkpoint version) because it holds files rannc "
+                    "did not write: %s; put your own files beside %s instead", d, left[:5],
+                    d.parent / LATEST)
+        return
+    d.rmdir()
+
+
+# -- per-file checksums ------------------------------------------------------------------------
+
+def _digest(path: Path) -> dict[str, Any]:
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+            size += len(chunk)
+    return {"sha256": h.hexdigest(), "bytes": size}
+
+
+def _problem(d: Path, name: str, want: Mapping[str, Any]) -> str | None:
+    """Why file `name` of version `d` is not what was saved, or None."""
+    p = d / name
+    if not p.is_file():
+        return f"{p} is missing"
+    got = _digest(p)
+    if got["bytes"] != want["bytes"]:
+        return f"{p} is truncated or extended: {got['bytes']} bytes, saved {want['bytes']}"
+    if got["sha256"] != want["sha256"]:
+        return f"{p} is corrupt: its sha256 is {got['sha256'][:16]}..., saved {want['sha256'][:16]}..."
+    return None
+
+
+def _verify(d: Path, files: Mapping[str, Mapping[str, Any]], rank: int, world: int) -> None:
+    """Every file's checksum, each read by one rank; the same error on every rank."""
+    names = sorted(files)[rank::world]
+    problems = [p for n in names if (p := _problem(d, n, files[n])) is not None]
+    every = _gather(problems, rank0_only=False) if world > 1 else [problems]
+    assert every is not None
+    found = [p for part in every for p in part]
+    if found:
+        raise CheckpointError(
+            f"checkpoint {d} is damaged: {'; '.join(found[:5])}"
+            f"{f' (and {len(found) - 5} more)' if len(found) > 5 else ''}. Load an older copy "
+            "(a backup) or save again from a run that holds the state")
+
+
+# -- training state beside the model: Stateful objects and plain values ---------------------------
+
+@runtime_checkable
+class Stateful(Protocol):
+    """torch.distributed.checkpoint's protocol: an LR scheduler, a sampler, a step counter."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+class RNGState:
+    """A Stateful holding this process's random number generators (torch's CPU and CUDA ones,
+    Python's `random`, numpy's global one), so dropout after a resume draws what an
+    uninterrupted run draws: `save_checkpoint(d, rng=RNGState())`,
+    `load_checkpoint(d, rng=RNGState())`. Each rank keeps its own."""
+
+    def state_dict(self) -> dict[str, Any]:
+        version, internal, gauss = random.getstate()
+        sd: dict[str, Any] = {"torch": torch.get_rng_state(),
+                              "python": [version, list(internal), gauss]}
+        if torch.cuda.is_available():
+            sd["cuda"] = torch.cuda.get_rng_state_all()
+        with contextlib.suppress(ImportError):
+            import numpy as np
+
+            kind, keys, pos, has_gauss, cached = cast(tuple[Any, ...], np.random.get_state())
+            sd["numpy"] = [kind, [int(k) for k in keys], pos, has_gauss, cached]
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        torch.set_rng_state(state_dict["torch"])
+        version, internal, gauss = state_dict["python"]
+        random.setstate((version, tuple(internal), gauss))
+        if "cuda" in state_dict and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state_dict["cuda"])
+        if "numpy" in state_dict:
+            import numpy as np
+
+            kind, keys, pos, has_gauss, cached = state_dict["numpy"]
+            np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+def _local_states(stateful: Mapping[str, Any]) -> tuple[dict[str, Any], str | None]:
+    """{key: ("stateful" | "value", state)} of this rank, and what cannot be stored, if anything:
+    stored states must load back under torch.load(weights_only=True), as every file rannc reads
+    is read without unpickling arbitrary objects."""
+    out: dict[str, Any] = {}
+    for key, obj in stateful.items():
+        entry = ("stateful", obj.state_dict()) if isinstance(obj, Stateful) else ("value", obj)
+        buf = io.BytesIO()
+        try:
+            torch.save(entry[1], buf)
+            buf.seek(0)
+            torch.load(buf, weights_only=True)
+        except Exception as e:
+            return out, (f"save_checkpoint({key}=...): a {type(obj).__name__} is neither a "
+                         "Stateful (state_dict()/load_state_dict()) nor plain data (tensors, "
+                         "numbers, strings, lists, tuples, dicts), so it cannot be stored safely "
+                         f"({type(e).__name__}: {_first_line(e)}); pass its state instead")
+        out[key] = entry
+    return out, None
+
+
+def _stateful_problem(checks: list[tuple[list[str], str | None]]) -> str | None:
+    """Every rank's (keywords, problem) -> the first problem, or None."""
+    if len({tuple(k) for k, _ in checks}) > 1:
+        return ("ranks passed different keywords to save_checkpoint ("
+                + "; ".join(f"rank {r}: {k}" for r, (k, _) in enumerate(checks)) + "); pass the "
+                "same ones on every rank (each rank's own state is saved under each)")
+    return next((p for _, p in checks if p is not None), None)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and a.shape == b.shape and bool(torch.equal(a, b)))
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
+    return type(a) is type(b) and bool(a == b)
+
+
+def _merge_states(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every rank's states -> {key: {"kind", "states": [one] if all ranks agree, else per rank}}."""
+    out = {}
+    for key in parts[0]:
+        kind = parts[0][key][0]
+        states = [p[key][1] for p in parts]
+        same = all(_same(states[0], s) for s in states[1:])
+        out[key] = {"kind": kind, "states": states[:1] if same else states}
+    return out
+
+
+def _restore(entries: Mapping[str, Any], stateful: Mapping[str, Any], where: Path, strict: bool,
+             rank: int, world: int) -> dict[str, Any]:
+    """Load every requested entry; returns key -> the Stateful (loaded in place) or the value."""
+    out: dict[str, Any] = {}
+    absent = [k for k in stateful if k not in entries]
+    if absent and strict:
+        raise CheckpointMismatchError(
+            f"checkpoint {where} holds no {absent} (it holds {sorted(entries)}); save them with "
+            "save_checkpoint(dir, name=obj), or pass strict=False to load_checkpoint to skip them")
+    for key, obj in stateful.items():
+        if key not in entries:
+            log.warning("rannc: checkpoint %s holds no %r; left as it is (strict=False)", where, key)
+            continue
+        e = entries[key]
+        states = e["states"]
+        if len(states) > 1 and len(states) != world:
+            raise CheckpointError(
+                f"checkpoint {where}: {key!r} was saved by {len(states)} ranks with different "
+                f"values on each, so it cannot be given to {world} ranks; load it with "
+                f"{len(states)} ranks, or leave {key!r} out and set it up afresh")
+        state = states[rank] if len(states) > 1 else states[0]
+        if isinstance(obj, Stateful):
+            if e["kind"] != "stateful":
+                raise CheckpointError(f"checkpoint {where}: {key!r} was saved as a plain value, "
+                                      f"not a Stateful's state; pass a value, not a "
+                                      f"{type(obj).__name__}, to load it")
+            obj.load_state_dict(state)
+            out[key] = obj
+        else:
+            out[key] = state
+    return out
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else repr(e)
+
+
+# -- every rank, or none --------------------------------------------------------------------------
+
+_calls = itertools.count()
+
+
+def _all_arrive(what: str) -> None:
+    """Return once every rank has called `what` (its n-th checkpoint call). A rank that has gone
+    on past this point (a later step, or finished its script) did not call it, a mistake
+    (`if rank == 0: save_checkpoint(...)`) that would otherwise wait in a collective until
+    timeout_s: it is named within a fraction of a second, by the ranks' watchdog beats."""
+    h = health.current()
+    n = next(_calls)
+    if h is None:
+        return
+    key = f"checkpoint/{n}"
+    h.store.set(f"{key}/{h.rank}", what)
+    h.store.add(key, 1)
+    deadline = time.monotonic() + h.timeout_s
+    while h.store.add(key, 0) < h.world:
+        gone = [r for r in range(h.world) if r != h.rank and _passed(h, r)]
+        late = time.monotonic() > deadline
+        if (gone or late) and h.store.add(key, 0) < h.world:
+            absent = [r for r in range(h.world) if not h.store.check([f"{key}/{r}"])]
+            why = (f"rank(s) {gone} went on past it" if gone
+                   else f"rank(s) {absent} did not reach it within {h.timeout_s:.0f} s (timeout_s)")
+            raise CheckpointError(
+                f"rank {h.rank} called {what}() and {why}: call {what} on every rank (it is "
+                f"collective: each rank writes or reads its own part). {h.explain()}")
+        time.sleep(0.02)
+
+
+def _passed(h: health.Health, r: int) -> bool:
+    """Whether rank r has certainly gone on without this checkpoint call."""
+    # _last/_dead_peers are the watchdog's own view of its peers (health has no public one).
+    last = h._last(r)  # noqa: SLF001
+    if last is not None and (last[1] == health.EXITED or last[0] > h.step):
+        return True
+    return r in h._dead_peers()  # noqa: SLF001
+
+
 # -- sharded checkpoints ----------------------------------------------------------------------------
 
 def save_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer | None,
                     rt: PipelineRuntime | None, groups: list[list[str]] | None,
-                    path: str | os.PathLike[str]) -> None:
-    """Every rank writes the entries it is the source of; rank 0 moves the result into place."""
+                    path: str | os.PathLike[str], stateful: Mapping[str, Any]) -> None:
+    """Every rank writes the entries it is the source of into a new version directory; rank 0
+    publishes it (see the layout above)."""
     import torch.distributed.checkpoint as dcp
 
-    final = Path(path)
-    rank = dist.get_rank()
-    box = [uuid.uuid4().hex if rank == 0 else None]
+    _all_arrive("save_checkpoint")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    box: list[Any] = [None]
+    if rank == 0:
+        try:
+            box[0] = _begin(path)
+        except (RaNNCError, OSError) as e:
+            box[0] = str(e) if isinstance(e, RaNNCError) else (
+                f"cannot create checkpoint directory {os.fspath(path)!r}: {e}")
     dist.broadcast_object_list(box, src=0)
-    tmp = final.with_name(f"{final.name}.tmp-{box[0]}")
-    h = Holdings.of(model, rt)
-    tensors: dict[str, torch.Tensor] = {_MODEL + n: h.tensors[n].detach() for n in h.mine(rank)}
-    values: dict[str, dict[str, Any]] = {}
-    if optimizer is not None:
-        for n, st in _local_optimizer_state(model, optimizer, h, rank).items():
-            for k, v in st.items():
-                if isinstance(v, torch.Tensor):
-                    tensors[f"{_OPTIM}{n}/{k}"] = v
-                else:
-                    values.setdefault(n, {})[k] = v
+    if isinstance(box[0], str):
+        raise CheckpointError(box[0])
+    root, tmp_name, version = box[0]
+    tmp = root / tmp_name
+    states, problem = _local_states(stateful)
+    checks = _gather((sorted(stateful), problem), rank0_only=False)
+    assert checks is not None
+    problem = _stateful_problem(checks)
+    if problem is not None:  # raised alike on every rank, before anything is written
+        raise CheckpointError(problem)
+    every_state = _gather(states, rank0_only=True)
+    tensors, values = _shard(model, optimizer, Holdings.of(model, rt), rank)
     every = _gather(values, rank0_only=True)
     dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp)))
+    if rank == 0 and stateful:
+        assert every_state is not None
+        torch.save({"world_size": world, "entries": _merge_states(every_state)}, tmp / STATEFUL_FILE)
+    # Each rank checksums the shards it wrote (DCP names them __<rank>_<i>.distcp); rank 0 the
+    # rest, so no file is read twice.
+    ours = [p for p in tmp.iterdir() if p.name.startswith(f"__{rank}_")
+            or rank == 0 and not p.name.startswith("__")]
+    sums = _gather({p.name: _digest(p) for p in ours}, rank0_only=True)
     if rank == 0:
-        assert every is not None
-        meta: dict[str, Any] = {"format": CHECKPOINT_FORMAT, "world_size": dist.get_world_size(),
-                                "optimizer": None}
+        assert every is not None and sums is not None
+        meta: dict[str, Any] = {"format": CHECKPOINT_FORMAT, "world_size": world,
+                                "optimizer": None, "stateful": sorted(stateful),
+                                "files": {n: s for part in sums for n, s in sorted(part.items())}}
         if optimizer is not None:
             assert groups is not None
             meta["optimizer"] = {
@@ -307,8 +708,23 @@ def save_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer | None,
         _write_json(tmp / META_FILE, meta)
     dist.barrier()
     if rank == 0:
-        _publish(tmp, final)
+        _publish(root, tmp_name, version)
     dist.barrier()
+
+
+def _shard(model: nn.Module, optimizer: torch.optim.Optimizer | None, h: Holdings,
+           rank: int) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
+    """What this rank writes: DCP tensors by key, and non-tensor optimizer state by name."""
+    tensors: dict[str, torch.Tensor] = {_MODEL + n: h.tensors[n].detach() for n in h.mine(rank)}
+    values: dict[str, dict[str, Any]] = {}
+    if optimizer is not None:
+        for n, st in _local_optimizer_state(model, optimizer, h, rank).items():
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor):
+                    tensors[f"{_OPTIM}{n}/{k}"] = v
+                else:
+                    values.setdefault(n, {})[k] = v
+    return tensors, values
 
 
 def _write_json(path: Path, obj: Any) -> None:
@@ -323,29 +739,136 @@ def _write_json(path: Path, obj: Any) -> None:
         os.fsync(f.fileno())
 
 
-def _publish(tmp: Path, final: Path) -> None:
-    """Move a completely written checkpoint into place. A previous checkpoint is first renamed
-    aside, so at every moment one whole checkpoint exists (`_resolve` finds an aside one)."""
-    old = final.with_name(f"{final.name}.old-{tmp.name.rsplit('-', 1)[-1]}")
-    if final.exists():
-        os.replace(final, old)
-    os.replace(tmp, final)
-    if old.exists():
-        shutil.rmtree(old)
-    for stale in final.parent.glob(f"{final.name}.tmp-*"):  # left by saves that crashed
-        shutil.rmtree(stale, ignore_errors=True)
+def _find(path: str | os.PathLike[str]) -> Path:
+    """The version to load (rank 0 looks; every rank gets its answer or its error)."""
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        found = latest_checkpoint(path)
+        box[0] = Path(found) if found is not None else (
+            f"no rannc checkpoint in {os.fspath(path)!r} (no complete version: nothing named by "
+            f"{LATEST}, no v-N directory with {META_FILE}); test with "
+            "rannc.latest_checkpoint(dir) before resuming, and call save_checkpoint on every rank")
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], str):
+        raise CheckpointError(box[0])
+    return Path(box[0])
 
 
-def _resolve(path: str | os.PathLike[str]) -> Path:
-    """The checkpoint directory; after a crash between _publish's two renames, the aside one."""
-    final = Path(path)
-    if (final / META_FILE).exists():
-        return final
-    aside = sorted(final.parent.glob(f"{final.name}.old-*"))
-    if not final.exists() and len(aside) == 1 and (aside[0] / META_FILE).exists():
-        log.warning("rannc: %s is missing; loading %s (a save was interrupted)", final, aside[0])
-        return aside[0]
-    raise RaNNCError(f"no rannc checkpoint at {final} (no {META_FILE} in it)")
+def _read_meta(where: Path) -> dict[str, Any]:
+    path = where / META_FILE
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise CheckpointError(f"checkpoint metadata {path} cannot be read ({type(e).__name__}: "
+                              f"{_first_line(e)}); the file is truncated or damaged. Load an "
+                              "older copy, or save again") from e
+    if not isinstance(meta, dict) or meta.get("format") not in _READABLE:
+        got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise CheckpointError(f"checkpoint {where} has format {got!r}, this rannc reads "
+                              f"{sorted(_READABLE)}")
+    return meta
+
+
+def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                    rt: PipelineRuntime | None, path: str | os.PathLike[str], strict: bool,
+                    stateful: Mapping[str, Any]) -> dict[str, Any]:
+    """Every rank reads the entries it holds (all of them before deployment) and its Stateful
+    objects; returns key -> the loaded Stateful or value."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    _all_arrive("load_checkpoint")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    where = _find(path)
+    meta = _read_meta(where)
+    _verify(where, meta.get("files", {}), rank, world)
+    reader = _safe_reader(str(where))
+    saved = reader.read_metadata().state_dict_metadata
+    h = Holdings.of(model, rt)
+    _check_keys(where, h, {k[len(_MODEL):] for k in saved if k.startswith(_MODEL)}, strict)
+    want = _model_targets(where, h, saved)
+    opt_keys: dict[str, list[str]] = {}
+    held: set[str] = set()
+    load_opt = optimizer is not None and meta["optimizer"] is not None
+    if optimizer is not None and load_opt and not strict:
+        load_opt = _optimizer_covered(where, meta["optimizer"]["param_groups"],
+                                      group_names(model, optimizer))
+    if optimizer is not None and load_opt:
+        held = {n for names in group_names(model, optimizer) for n in names}
+        for key, md in saved.items():
+            if not key.startswith(_OPTIM):
+                continue
+            n, k = key[len(_OPTIM):].rsplit("/", 1)
+            if n in held:
+                want[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)  # type: ignore[union-attr]
+                opt_keys.setdefault(n, []).append(k)
+    targets = dict(want)
+    try:
+        dcp.load(want, storage_reader=reader)
+    except CheckpointException as e:  # a BaseException: `except Exception` would miss it
+        raise CheckpointError(f"reading checkpoint {where} failed ({_first_line(e)}): one of its "
+                              f"files ({sorted(p.name for p in where.iterdir())[:8]}) is damaged "
+                              "or missing. Load an older copy, or save again") from e
+    with torch.no_grad():
+        for key, t in targets.items():
+            if key.startswith(_MODEL) and want[key] is not t:
+                t.copy_(want[key])
+    if optimizer is not None and load_opt:
+        om = meta["optimizer"]
+        state: dict[str, dict[str, Any]] = {n: dict(v) for n, v in om["values"].items() if n in held}
+        for n, ks in opt_keys.items():
+            for k in ks:
+                state.setdefault(n, {})[k] = want[f"{_OPTIM}{n}/{k}"]
+        load_optimizer_state(model, optimizer, {"state": state, "param_groups": om["param_groups"]})
+    entries: dict[str, Any] = {}
+    if stateful and (where / STATEFUL_FILE).exists():
+        entries = torch.load(where / STATEFUL_FILE, weights_only=True)["entries"]
+    return _restore(entries, stateful, where, strict, rank, world)
+
+
+def _model_targets(where: Path, h: Holdings, saved: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """DCP key -> this rank's tensor, for the saved entries this rank holds (DCP loads in place)."""
+    want: dict[str, torch.Tensor] = {}
+    for n in h.persistent:
+        key = _MODEL + n
+        if n not in h.held or key not in saved:
+            continue
+        size = tuple(getattr(saved[key], "size", ()))
+        if size != tuple(h.tensors[n].shape):
+            raise CheckpointMismatchError(f"checkpoint {where}: {n} has shape {list(size)}, the "
+                                          f"model's is {list(h.tensors[n].shape)}")
+        want[key] = h.tensors[n].detach()
+    return want
+
+
+def _check_keys(where: Path, h: Holdings, saved: set[str], strict: bool) -> None:
+    """load_state_dict(strict=True)'s rule over the whole model (so every rank agrees)."""
+    missing = [n for n in h.persistent if n not in saved]
+    unexpected = sorted(saved - set(h.persistent))
+    if not (missing or unexpected):
+        return
+    if strict:
+        raise CheckpointMismatchError(
+            f"checkpoint {where} does not match the model: missing keys {missing[:8]}"
+            f"{f' ({len(missing)} in all)' if len(missing) > 8 else ''}, unexpected keys "
+            f"{unexpected[:8]}{f' ({len(unexpected)} in all)' if len(unexpected) > 8 else ''}. "
+            "Was it saved from another model? Pass strict=False to load_checkpoint to load only "
+            "the entries both have")
+    log.warning("rannc: loading %s with strict=False: %d missing key(s) %s keep their values, "
+                "%d unexpected key(s) %s are ignored", where, len(missing), missing[:5],
+                len(unexpected), unexpected[:5])
+
+
+def _optimizer_covered(where: Path, saved_groups: list[dict[str, Any]],
+                       groups: list[list[str]]) -> bool:
+    """Whether the saved param groups hold every parameter the optimizer steps (strict=False
+    loads of another model's checkpoint): if not, the optimizer state is left as it is."""
+    if len(saved_groups) == len(groups) and all(
+            set(names) <= set(g["params"]) for g, names in zip(saved_groups, groups, strict=True)):
+        return True
+    log.warning("rannc: checkpoint %s: the saved optimizer param groups do not cover the "
+                "optimizer's parameters; its state is left as it is (strict=False)", where)
+    return False
 
 
 def _safe_reader(path: str) -> Any:
@@ -405,59 +928,3 @@ def _safe_reader(path: str) -> Any:
             return metadata
 
     return SafeReader(path)
-
-
-def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                    rt: PipelineRuntime | None, path: str | os.PathLike[str]) -> None:
-    """Every rank reads the entries it holds (all of them before deployment)."""
-    import torch.distributed.checkpoint as dcp
-
-    where = _resolve(path)
-    with open(where / META_FILE) as f:
-        meta = json.load(f)
-    if meta.get("format") != CHECKPOINT_FORMAT:
-        raise RaNNCError(f"checkpoint {where} has format {meta.get('format')!r}, this rannc reads "
-                         f"{CHECKPOINT_FORMAT}")
-    reader = _safe_reader(str(where))
-    saved = reader.read_metadata().state_dict_metadata
-    h = Holdings.of(model, rt)
-    want: dict[str, torch.Tensor] = {}
-    missing = []
-    for n in h.persistent:
-        if n not in h.held:
-            continue
-        key = _MODEL + n
-        if key not in saved:
-            missing.append(n)
-            continue
-        size = tuple(getattr(saved[key], "size", ()))
-        if size != tuple(h.tensors[n].shape):
-            raise RaNNCError(f"checkpoint {where}: {n} has shape {list(size)}, the model's is "
-                             f"{list(h.tensors[n].shape)}")
-        want[key] = h.tensors[n].detach()
-    if missing:
-        raise RaNNCError(f"checkpoint {where} lacks {len(missing)} entr(ies) of the model, e.g. "
-                         f"{missing[:5]}; was it saved from another model?")
-    opt_keys: dict[str, list[str]] = {}
-    if optimizer is not None and meta["optimizer"] is not None:
-        held = {n for names in group_names(model, optimizer) for n in names}
-        for key, md in saved.items():
-            if not key.startswith(_OPTIM):
-                continue
-            n, k = key[len(_OPTIM):].rsplit("/", 1)
-            if n in held:
-                want[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)  # type: ignore[union-attr]
-                opt_keys.setdefault(n, []).append(k)
-    targets = dict(want)
-    dcp.load(want, storage_reader=reader)
-    with torch.no_grad():
-        for key, t in targets.items():
-            if key.startswith(_MODEL) and want[key] is not t:
-                t.copy_(want[key])
-    if optimizer is not None and meta["optimizer"] is not None:
-        om = meta["optimizer"]
-        state: dict[str, dict[str, Any]] = {n: dict(v) for n, v in om["values"].items() if n in held}
-        for n, ks in opt_keys.items():
-            for k in ks:
-                state.setdefault(n, {})[k] = want[f"{_OPTIM}{n}/{k}"]
-        load_optimizer_state(model, optimizer, {"state": state, "param_groups": om["param_groups"]})

@@ -425,31 +425,44 @@ class RaNNCModule(nn.Module):
             raise RaNNCError("no optimizer: pass it as RaNNCModule(model, optimizer)")
         return self.optimizer
 
-    def save_checkpoint(self, path: str | os.PathLike[str]) -> None:
+    def save_checkpoint(self, path: str | os.PathLike[str], **stateful: Any) -> None:
         """Save a sharded checkpoint (torch.distributed.checkpoint) into directory `path`:
         every parameter, persistent buffer and optimizer state, keyed by original names, each
-        written once by a rank holding it. It loads into any plan or number of ranks.
+        written once by a rank holding it (it loads into any plan or number of ranks), and every
+        keyword: an object with `state_dict()`/`load_state_dict()` (torch.distributed.checkpoint's
+        `Stateful`: LR scheduler, sampler, `rannc.checkpoint.RNGState()`) or plain data (a step
+        number), each rank's own.
 
-        EVERY rank must call it (collective). The checkpoint is written into
-        `path + ".tmp-<id>"` and renamed into place by rank 0 after all ranks have written, so
-        an interrupted save leaves the previous checkpoint at `path` intact. The directory must
-        be on a file system every rank sees.
+        EVERY rank must call it (collective; a rank that goes on without it is an error). Each
+        save is a new version `path/v-N`, written aside and published by replacing the pointer
+        `path/latest`, so a crash at any moment leaves the previous version loadable;
+        `rannc.latest_checkpoint(path)` names the newest complete one. Older versions are removed
+        once superseded; files of your own belong beside `latest` (never touched). `path` may
+        be a symlink (written through) and must be on a file system every rank sees.
         """
         rdist.init_process_group(self.config.timeout_s)
         groups = None
         if self.optimizer is not None:
             groups = self._opt_groups or ckpt.group_names(self.module, self.optimizer)
         with self._without_placeholder(), health.phase("checkpoint write"):
-            ckpt.save_checkpoint(self.module, self.optimizer, self._last_rt, groups, path)
+            ckpt.save_checkpoint(self.module, self.optimizer, self._last_rt, groups, path, stateful)
 
-    def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
-        """Load a checkpoint written by `save_checkpoint()` (by any plan or number of ranks):
-        every rank reads the parameters it holds, the buffers and its optimizer state. EVERY
-        rank must call it (collective); before the first call, each rank reads the whole model.
+    def load_checkpoint(self, path: str | os.PathLike[str], *, strict: bool = True,
+                        **stateful: Any) -> dict[str, Any]:
+        """Load the latest complete version saved by `save_checkpoint()` into `path` (by any
+        plan or number of ranks): every rank reads the parameters it holds, the buffers, its
+        optimizer state and the keywords' states (a Stateful is loaded in place; pass a plain
+        value's placeholder, e.g. `step=0`, and read it from the returned dict). EVERY rank must
+        call it (collective); before the first call, each rank reads the whole model.
+
+        Like `load_state_dict(strict=True)`, a checkpoint whose model entries differ from the
+        model's, or that lacks a keyword, is an error naming them; `strict=False` loads what
+        both have. A file whose checksum differs from the saved one is an error naming it.
         """
         rdist.init_process_group(self.config.timeout_s)
         with self._without_placeholder(), health.phase("checkpoint read"):
-            ckpt.load_checkpoint(self.module, self.optimizer, self._last_rt, path)
+            return ckpt.load_checkpoint(self.module, self.optimizer, self._last_rt, path, strict,
+                                        stateful)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False,

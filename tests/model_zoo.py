@@ -59,6 +59,24 @@ def _gpt2(batch: int) -> Case:
     return Case("gpt2", model, (), dict(input_ids=ids, labels=ids), lambda out: out.loss)
 
 
+def _t5(batch: int) -> Case:
+    """T5 given only labels (decoder inputs made by shift_tokens_right, a write into new_zeros)
+    and a padded attention mask (each row's mask picked by an arange over the batch)."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    cfg = T5Config(vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_decoder_layers=2,
+                   num_heads=2, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
+                   use_cache=False)
+    model = T5ForConditionalGeneration(cfg)
+    s = 7
+    mask = torch.ones(batch, s, dtype=torch.long)
+    for i in range(batch):
+        mask[i, s - i % 3:] = 0
+    kw = dict(input_ids=torch.randint(1, 64, (batch, s)), attention_mask=mask,
+              labels=torch.randint(1, 64, (batch, 5)))
+    return Case("t5", model, (), kw, lambda out: out.loss)
+
+
 def _resnet(batch: int) -> Case:
     model = bit_resnet(50, 1, num_classes=5, blocks=(1, 1), base_channels=8)
     x = torch.randn(batch, 3, 16, 16)
@@ -82,9 +100,48 @@ def _kwargs(batch: int) -> Case:
                 lambda out: out["loss"] + out["out"].mean())
 
 
+class Writes(nn.Module):
+    """Every way forward() writes into a tensor it made: through slices, tensor and boolean
+    indices, scatters, fills, transpose and view aliases, and into buffers (a counter and an
+    input-dependent running mean). Each result feeds the output, so a lost write changes it."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.inp = nn.Linear(d, d)
+        self.mid = nn.Linear(d, d)
+        self.out = nn.Linear(d, d)
+        self.register_buffer("calls", torch.zeros(2))
+        self.register_buffer("ema", torch.zeros(d))
+        self.idx = torch.tensor([3, 0, 5])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        s = h.new_zeros(h.shape)
+        s[..., 1:] = h[..., :-1]  # shift right: copy_ into a slice (shift_tokens_right)
+        c = h.clone()
+        c[:, 0] = 5.0  # fill_ through select
+        c[:, self.idx] = s[:, :3]  # index_put_ with a tensor index
+        c[h > 0.5] = -1.0  # index_put_ with a boolean mask
+        z = torch.zeros_like(h)
+        z.scatter_(1, torch.argsort(h, dim=1), h)  # scatter_
+        z[:, :2].zero_()
+        z[:, 2:4].mul_(3.0)
+        t = self.mid(c).clone()
+        t.transpose(0, 1)[1].add_(2.0)  # write through a transpose alias (column 1)
+        t.view(-1)[::3].sub_(0.5)  # write through a view alias
+        m = torch.zeros_like(h).masked_scatter_(h < 0, torch.ones_like(h) * 7.0)
+        self.calls[0] += 1  # a buffer written through a view
+        self.ema.mul_(0.9).add_(0.1 * h.detach().mean(0))  # an input-dependent buffer update
+        return self.out(s + t + z + m + self.ema)
+
+
+def _writes(batch: int) -> Case:
+    return Case("writes", Writes(), (torch.randn(batch, 8),), {}, lambda out: (out ** 2).mean())
+
+
 BUILDERS: dict[str, Callable[[int], Case]] = {
-    "bert": _bert, "gpt2": _gpt2, "resnet": _resnet, "fork_join": _fork_join,
-    "shared_param": _shared, "kwargs": _kwargs,
+    "bert": _bert, "gpt2": _gpt2, "t5": _t5, "resnet": _resnet, "fork_join": _fork_join,
+    "shared_param": _shared, "kwargs": _kwargs, "writes": _writes,
 }
 
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from rannc.atomic.components import AtomicPartition, atomic_components
 from rannc.graph.capture import CapturedModel, capture
-from rannc.graph.task_graph import Task, TaskGraph, Value, ValueKind
+from rannc.graph.task_graph import WRITE_BACK_OP, Task, TaskGraph, Value, ValueKind
 
 CONST_KINDS = (ValueKind.PARAM, ValueKind.BUFFER, ValueKind.CONSTANT)
 
@@ -83,13 +83,14 @@ def comp_of(graph: TaskGraph, part: AtomicPartition, name: str) -> int:
 
 # -- the invariants, restated independently --------------------------------------------------
 def reference_non_constant(graph: TaskGraph) -> list[bool]:
-    """A task is non-constant when it reads a model input or a non-constant task's output."""
+    """A task is non-constant when it reads a model input or a non-constant task's tensor
+    output (a symbolic size does not carry it)."""
     live = {n for n, v in graph.values.items() if v.kind is ValueKind.INPUT}
     out: list[bool] = []
     for t in graph.tasks:
         nc = any(v in live for v in t.inputs)
         if nc:
-            live.update(t.outputs)
+            live.update(o for o in t.outputs if graph.values[o].is_tensor)
         out.append(nc)
     return out
 
@@ -118,7 +119,13 @@ def check_invariants(graph: TaskGraph, part: AtomicPartition) -> None:
             readers.setdefault(v, []).append(i)
 
     nc = reference_non_constant(graph)
-    nc_tasks = [t for t in range(n) if nc[t]]
+    # A non-constant write-back (a computed value stored into a buffer) joins the component
+    # of the task computing the value instead of opening one.
+    write_back_of = {
+        t: producer[task.inputs[1]] for t, task in enumerate(graph.tasks)
+        if nc[t] and task.op == WRITE_BACK_OP and graph.values[task.inputs[0]].kind is ValueKind.BUFFER
+        and nc[producer.get(task.inputs[1], -1)] if task.inputs[1] in producer}
+    nc_tasks = [t for t in range(n) if nc[t] and t not in write_back_of]
     comps = part.components
     assert len(part.component_of) == n and len(part.holders) == n
 
@@ -126,10 +133,14 @@ def check_invariants(graph: TaskGraph, part: AtomicPartition) -> None:
     assert [c.task for c in comps] == nc_tasks
     assert [c.index for c in comps] == list(range(len(comps)))
     comp = {c.task: c.index for c in comps}
+    for t, p in write_back_of.items():
+        comp[t] = comp[p]
     for c in comps:
-        assert sum(nc[t] for t in c.tasks) == 1, "a component has exactly one non-constant task"
+        assert sum(nc[t] for t in c.tasks) == 1 + len(c.write_backs), \
+            "a component has exactly one non-constant task besides its write-backs"
+        assert all(write_back_of[t] == c.task for t in c.write_backs)
         assert list(c.constant_tasks) == sorted(c.constant_tasks)
-        assert c.tasks == tuple(sorted((*c.constant_tasks, c.task)))
+        assert c.tasks == tuple(sorted((*c.constant_tasks, *c.write_backs, c.task)))
     for t in range(n):
         if nc[t]:
             assert part.component_of[t] == comp[t]
@@ -537,6 +548,20 @@ def test_conv_batchnorm_has_two_components() -> None:
     assert g.tasks[inc].module_path == "bn"
     assert part.holders[inc] == (1,)
     assert g.tasks[part.components[1].task].module_path == "bn"
+
+
+def test_buffer_write_backs_join_the_task_computing_the_new_value() -> None:
+    """The writes model is functionalised (it writes through views): its input-dependent
+    buffer update is a write-back, which opens no component of its own."""
+    cap = _zoo_capture("writes")
+    g = cap.graph
+    part = atomic_components(g)
+    backs = [t for t, task in enumerate(g.tasks) if task.op == WRITE_BACK_OP]
+    assert {g.values[g.tasks[t].inputs[0]].target for t in backs} == {"calls", "ema"}
+    ema = next(t for t in backs if g.values[g.tasks[t].inputs[0]].target == "ema")
+    (c,) = part.holders[ema]
+    assert ema in part.components[c].write_backs
+    assert part.components[c].task == g.producer(g.tasks[ema].inputs[1])
 
 
 # -- random graphs ------------------------------------------------------------------------------

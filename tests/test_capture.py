@@ -3,19 +3,21 @@ device, error reporting, and the graph fingerprint."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 import torch.utils._pytree as pytree
-from model_zoo import make_case
+from model_zoo import Case, make_case
 from torch import nn
 
 from examples.models.toy import DataDependent
 from rannc.errors import CaptureError
 from rannc.graph.capture import CapturedModel, capture, flatten_inputs
 from rannc.graph.task_graph import TaskGraph, Value, ValueKind
+from rannc.module import RaNNCModule
 
 
 # -- helpers ------------------------------------------------------------------------------------
@@ -26,13 +28,14 @@ def output_value(graph: TaskGraph, i: int) -> Value:
 
 
 def reachable_from_inputs(graph: TaskGraph) -> list[bool]:
-    """Per task: does it read a model input, directly or through other tasks?"""
+    """Per task: does it read a model input, directly or through other tasks' tensors? (What
+    depends on the inputs' sizes alone, e.g. arange(batch), is constant.)"""
     live = set(graph.inputs)
     out = []
     for t in graph.tasks:
         hit = any(v in live for v in t.inputs)
         if hit:
-            live.update(t.outputs)
+            live.update(o for o in t.outputs if graph.values[o].is_tensor)
         out.append(hit)
     return out
 
@@ -64,7 +67,7 @@ def check_value_kinds(model: nn.Module, cap: CapturedModel) -> None:
         target = g.values[name].target or ""
         assert target.startswith("input[")
         assert cap.leaf_values[int(target[6:-1])] == name
-    # Task outputs: ACTIVATION when reachable from an input, CONSTANT otherwise.
+    # Task outputs: ACTIVATION when reachable from an input through tensors, CONSTANT otherwise.
     reach = reachable_from_inputs(g)
     for t, task in enumerate(g.tasks):
         for o in task.outputs:
@@ -388,3 +391,66 @@ def test_fixed_batch_size_error_explains_the_fix() -> None:
     with pytest.raises(CaptureError, match=r"fixes the batch size .*x\.size\(0\) or -1") as info:
         capture(_Outer(), (torch.randn(4, 4),))
     assert info.value.__cause__ is not None
+
+
+# -- writes (mutations) ---------------------------------------------------------------------------
+def _single_process_equal(case: Case, steps: int = 2) -> None:
+    """RaNNCModule in one process equals the unwrapped model: outputs, gradients, buffers."""
+    ref, wrapped = copy.deepcopy(case.model), RaNNCModule(copy.deepcopy(case.model))
+    for _ in range(steps):
+        out, want = wrapped(*case.args, **case.kwargs), ref(*case.args, **case.kwargs)
+        assert_same_tree(out, want)
+        case.loss(out).backward()
+        case.loss(want).backward()
+    for (n, p), (_, q) in zip(wrapped.module.named_parameters(), ref.named_parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, msg=f"grad of {n}")
+    for (n, b), (_, c) in zip(wrapped.module.named_buffers(), ref.named_buffers(), strict=True):
+        torch.testing.assert_close(b, c, msg=f"buffer {n}")
+
+
+def test_every_write_into_a_tensor_made_in_forward_is_kept() -> None:
+    """Slice copies, tensor/boolean index_put, scatter, fills, writes through transpose and view
+    aliases, and buffer updates (through a view, input-dependent) all reach the result. Before
+    functionalisation the slice copy_ had no reader and was erased (T5/BART/Whisper/Swin)."""
+    _single_process_equal(make_case("writes", batch=6))
+
+
+def test_t5_given_only_labels_shifts_them_right() -> None:
+    """T5 builds decoder_input_ids with shift_tokens_right (a write into new_zeros)."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.T5Config(vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=1,
+                                num_decoder_layers=1, num_heads=2, dropout_rate=0.0,
+                                decoder_start_token_id=0, pad_token_id=0, use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.T5ForConditionalGeneration(cfg)
+    ids, labels = torch.randint(1, 64, (3, 7)), torch.randint(1, 64, (3, 5))
+    _single_process_equal(Case("t5", model, (), dict(input_ids=ids, labels=labels),
+                               lambda out: out.loss), steps=1)
+
+
+class _WritesInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x[:, 0] = 0.0
+        return self.lin(x)
+
+
+class _WritesParameter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.lin.weight.clamp_(-0.1, 0.1)
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("model, what", [(_WritesInput, "input"), (_WritesParameter, "parameter")])
+def test_a_write_rannc_cannot_keep_is_a_capture_error_naming_the_line(model: type, what: str) -> None:
+    with pytest.raises(CaptureError, match=rf"writes into its {what} .*test_capture.py:\d+") as e:
+        capture(model(), (torch.randn(3, 4),))
+    assert "clone" in str(e.value)

@@ -1,6 +1,8 @@
 """Checkpoints under mpiexec (gloo, CPU): gathered state dicts and optimizer state against the
 unwrapped model, sharded checkpoints saved on 4 ranks (replicas 1,1,2) and loaded on 2 (two
-stages), resume exactness, and a save killed before it is moved into place.
+stages), resume exactness, a save killed before it is moved into place, a resume bit-identical
+to an uninterrupted run with an LR scheduler and dropout RNG (2 ranks), and a save called on rank
+0 only (an error within seconds). The single-process layout tests are test_checkpoint_layout.py.
 
 The launches build on each other (save -> resume, then a killed save -> load elsewhere), so they
 are module fixtures, each run once; the tests read their outputs. GPT-2 has tied embeddings and
@@ -17,7 +19,7 @@ from pathlib import Path
 import pytest
 from mpi_harness import TESTS, run_mpi, run_python
 
-from rannc import checkpoint as ckpt
+import rannc
 
 SCRIPT = TESTS / "scripts" / "checkpoint_check.py"
 MODELS = ("gpt2", "resnet")
@@ -73,8 +75,8 @@ def test_killed_save_leaves_the_last_checkpoint(resumed: subprocess.CompletedPro
     """The killed save left its temporary directory; the load run (state dict equal to the
     step-3 one, bit for bit) read the previous checkpoint."""
     assert "CRASHING rank 0" in resumed.stdout and resumed.returncode != 0, resumed.stdout
-    assert list(ckpt_dir.glob("gpt2.tmp-*")), list(ckpt_dir.iterdir())
-    assert (ckpt_dir / "gpt2" / ckpt.META_FILE).exists()
+    assert list((ckpt_dir / "gpt2").glob(".tmp-*")), list((ckpt_dir / "gpt2").iterdir())
+    assert rannc.latest_checkpoint(ckpt_dir / "gpt2") == str(ckpt_dir / "gpt2" / "v-000002")
     assert _passed(loaded.stdout, "load", "gpt2") == ["0", "1"], loaded.stdout
 
 
@@ -90,13 +92,24 @@ def test_single_process(tmp_path: Path) -> None:
     assert "PASS single gpt2 rank 0" in res.stdout, res.stdout
 
 
-def test_interrupted_publish_is_found(tmp_path: Path) -> None:
-    """A crash between _publish's two renames leaves only the aside copy: it is loaded."""
-    final = tmp_path / "ck"
-    aside = tmp_path / "ck.old-1234"
-    aside.mkdir()
-    (aside / ckpt.META_FILE).write_text("{}")
-    assert ckpt._resolve(final) == aside
-    final.mkdir()
-    with pytest.raises(ckpt.RaNNCError, match="no rannc checkpoint"):
-        ckpt._resolve(final)
+def test_resume_is_bit_identical_with_scheduler_and_dropout_rng(tmp_path: Path) -> None:
+    """2 ranks (two stages, dropout in both): 6 uninterrupted steps saving after step 3, then
+    new processes resume from that checkpoint with the LR scheduler, a Stateful step counter
+    and RNGState: steps 4-6 give the same losses, parameters and learning rate, bit for bit."""
+    train = run_mpi(SCRIPT, 2, ["--phase", "exact", "--dir", str(tmp_path)])
+    assert sorted(re.findall(r"PASS exact-train rank (\d)", train.stdout)) == ["0", "1"], train.stdout
+    res = run_mpi(SCRIPT, 2, ["--phase", "exact", "--dir", str(tmp_path), "--resume"])
+    assert sorted(re.findall(r"PASS exact-resume rank (\d)", res.stdout)) == ["0", "1"], res.stdout
+
+
+@pytest.mark.parametrize("then", ["step", "exit"])
+def test_save_on_rank_0_only_fails_fast(tmp_path: Path, then: str) -> None:
+    """`if rank == 0: model.save_checkpoint(d)`: an error saying to call it on every rank,
+    within seconds (the collective would wait timeout_s = 60 s)."""
+    res = run_mpi(SCRIPT, 2, ["--phase", "rank0-only", "--dir", str(tmp_path), "--then", then],
+                  check=False, timeout=150)
+    out = res.stdout + res.stderr
+    assert res.returncode != 0 and "SAVING rank 0" in out, out
+    assert "call save_checkpoint on every rank" in out, out
+    took = re.search(r"REFUSED after ([\d.]+) s", out)
+    assert took is not None and float(took[1]) < 10, out

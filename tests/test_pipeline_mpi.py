@@ -29,6 +29,9 @@ LAYOUTS = [
     (4, ["--replicas", "2,2"], 2, 8, ALL),
     (4, ["--replicas", "1,1,2"], 2, 9, ALL),
     (4, ["--replicas", "1,1"], 1, 8, ALL),  # 2 stages, the pipeline replicated (R = 2)
+    # Rows regrouped from 2 replicas into 1: T5's padded mask is picked per row by an
+    # arange over the microbatch, which each stage must compute for its own rows.
+    (3, ["--replicas", "2,1"], 2, 6, "t5"),
 ]
 
 

@@ -4,6 +4,7 @@ objects (what `torch.load(weights_only=True)` guarantees); no rannc module unpic
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
@@ -66,7 +67,14 @@ def test_checkpoint_metadata_that_would_run_code_is_refused(tmp_path: Path) -> N
     m.save_checkpoint(where)
     m.load_checkpoint(where)  # DCP's own metadata passes the restricted reader
     marker = tmp_path / "code-ran"
-    (where / ".metadata").write_bytes(pickle.dumps(_Payload(str(marker))))
+    version = Path(rannc.latest_checkpoint(where) or "")
+    doctored = pickle.dumps(_Payload(str(marker)))
+    (version / ".metadata").write_bytes(doctored)
+    # Whoever doctors the file can record its checksum too: the reader must still refuse it.
+    meta = json.loads((version / "rannc_meta.json").read_text())
+    meta["files"][".metadata"] = {"sha256": hashlib.sha256(doctored).hexdigest(),
+                                  "bytes": len(doctored)}
+    (version / "rannc_meta.json").write_text(json.dumps(meta))
     with pytest.raises(rannc.RaNNCError, match="never unpickles arbitrary objects"):
         m.load_checkpoint(where)
     assert not os.path.exists(marker)

@@ -19,7 +19,11 @@ what we do:
   else the next non-constant task in topological order, else the last one;
 - a constant task that writes a value in place is never cloned (the update
   must happen once): it joins the first component that reads it, and the
-  others read its result from there.
+  others read its result from there;
+- a non-constant *write-back* (capture's store of a new value into a
+  buffer, e.g. BatchNorm's running statistics) opens no component: it joins
+  the component of the task computing the new value, so the stage holding
+  that task updates the buffer and the value never crosses a boundary.
 
 Index conventions: t, u index `graph.tasks`; c indexes components.
 """
@@ -29,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rannc.graph.native import forward_reachable
-from rannc.graph.task_graph import TaskGraph, ValueKind
+from rannc.graph.task_graph import WRITE_BACK_OP, TaskGraph, ValueKind
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,17 +41,19 @@ class AtomicComponent:
     index: int
     task: int  # its non-constant task
     constant_tasks: tuple[int, ...]  # constant tasks folded in, in topological order
+    write_backs: tuple[int, ...] = ()  # non-constant buffer write-backs folded in
 
     @property
     def tasks(self) -> tuple[int, ...]:
         """All its tasks in topological order."""
-        return tuple(sorted((*self.constant_tasks, self.task)))
+        return tuple(sorted((*self.constant_tasks, *self.write_backs, self.task)))
 
 
 @dataclass(frozen=True, slots=True)
 class AtomicPartition:
     components: tuple[AtomicComponent, ...]  # in topological order of their non-constant task
-    component_of: tuple[int, ...]  # per task: its component, or -1 for a constant task
+    component_of: tuple[int, ...]  # per task: its component (a write-back: its producer's),
+    # or -1 for a constant task
     holders: tuple[tuple[int, ...], ...]  # per task: the components that hold a copy of it
 
     @property
@@ -69,10 +75,17 @@ class AtomicPartition:
 
 
 def non_constant_tasks(graph: TaskGraph) -> list[bool]:
-    """Per task: reachable from a model input."""
+    """Per task: reachable from a model input through tensors.
+
+    A task that depends on the inputs only through their sizes (`arange(batch)`, a mask of
+    the batch's shape) is constant: it is cloned into every stage that reads it and computed
+    there for that stage's own rows. Received from another stage it would be wrong when the
+    rows are regrouped between stages (replicas [2, 1]): `arange(batch)[:, None, None, None]`,
+    which Hugging Face's mask functions use to pick each row's attention mask, would arrive
+    as [0, 1, 0] for a 3-row microbatch made of a 2-row and a 1-row piece."""
     n = len(graph.tasks)
     sources = sorted({c for v in graph.values_of_kind(ValueKind.INPUT) for c in graph.consumers(v)})
-    return forward_reachable(n, graph.edges(), sources)
+    return forward_reachable(n, graph.edges(tensors_only=True), sources)
 
 
 def atomic_components(graph: TaskGraph) -> AtomicPartition:
@@ -80,15 +93,22 @@ def atomic_components(graph: TaskGraph) -> AtomicPartition:
     n = len(graph.tasks)
     nc = non_constant_tasks(graph)
     component_of = [-1] * n
-    nc_tasks = [t for t in range(n) if nc[t]]
+    write_back_source = {t: p for t in range(n) if nc[t]
+                         and (p := _write_back_source(graph, t)) is not None and nc[p]}
+    nc_tasks = [t for t in range(n) if nc[t] and t not in write_back_source]
     if not nc_tasks:
         raise ValueError("the graph has no task that depends on a model input; nothing to partition")
     for c, t in enumerate(nc_tasks):
         component_of[t] = c
+    write_backs: list[list[int]] = [[] for _ in nc_tasks]
+    for t, p in write_back_source.items():  # a producer comes before its write-back
+        component_of[t] = component_of[p]
+        write_backs[component_of[p]].append(t)
 
     holders: list[set[int]] = [set() for _ in range(n)]
-    for t in nc_tasks:
-        holders[t].add(component_of[t])
+    for t in range(n):
+        if nc[t]:
+            holders[t].add(component_of[t])
     for t in reversed(range(n)):  # consumers come after producers, so they are settled first
         if nc[t]:
             continue
@@ -108,7 +128,8 @@ def atomic_components(graph: TaskGraph) -> AtomicPartition:
             for c in holders[t]:
                 constant_of[c].append(t)
     components = tuple(
-        AtomicComponent(index=c, task=t, constant_tasks=tuple(constant_of[c]))
+        AtomicComponent(index=c, task=t, constant_tasks=tuple(constant_of[c]),
+                        write_backs=tuple(write_backs[c]))
         for c, t in enumerate(nc_tasks)
     )
     return AtomicPartition(
@@ -116,6 +137,18 @@ def atomic_components(graph: TaskGraph) -> AtomicPartition:
         component_of=tuple(component_of),
         holders=tuple(tuple(sorted(h)) for h in holders),
     )
+
+
+def _write_back_source(graph: TaskGraph, t: int) -> int | None:
+    """For a write-back task (`copy_` of a computed value into a buffer): the task computing
+    the value; else None."""
+    task = graph.tasks[t]
+    if task.op != WRITE_BACK_OP or len(task.inputs) != 2:
+        return None
+    dst, src = task.inputs
+    if task.mutates != (dst,) or graph.values[dst].kind is not ValueKind.BUFFER:
+        return None
+    return graph.producer(src)
 
 
 def _home_of_sink(graph: TaskGraph, t: int, nc_tasks: list[int], component_of: list[int]) -> int:

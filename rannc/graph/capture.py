@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import inspect
 import operator
+import re
 import time
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,11 +28,11 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 from torch.export import Dim, ExportedProgram
-from torch.export.graph_signature import InputKind, OutputKind, TensorArgument
+from torch.export.graph_signature import InputKind, OutputKind, OutputSpec, TensorArgument
 
 from rannc.errors import CaptureError
 from rannc.graph.native import forward_reachable
-from rannc.graph.task_graph import Task, TaskGraph, Value, ValueKind
+from rannc.graph.task_graph import COPY_OP, WRITE_BACK_OP, Task, TaskGraph, Value, ValueKind
 from rannc.validate import output_type_error
 
 BATCH = sympy.Symbol("batch")
@@ -135,8 +136,16 @@ def capture(
         )
     except Exception as e:  # torch.export raises many types; all become a CaptureError
         raise _capture_error(model, e) from e
+    _refuse_writes_into_inputs_or_parameters(ep)
+    functional = _writes_through_a_view(ep.graph_module)
+    if functional:
+        try:
+            # Functionalise (no decompositions beyond it): see _write_back_mutations for why.
+            ep = ep.run_decompositions({})
+        except Exception as e:
+            raise _capture_error(model, e) from e
     seconds = time.perf_counter() - t0
-    return _from_exported(ep, layout, seconds)
+    return _from_exported(ep, layout, seconds, functional)
 
 
 def _dynamic_shapes(model: nn.Module, layout: InputLayout) -> dict[str, Any]:
@@ -252,6 +261,10 @@ def _module_path(node: fx.Node) -> str:
 
 def _op_name(node: fx.Node) -> str:
     t = node.target
+    if t is write_back:
+        return WRITE_BACK_OP
+    if t is functional_copy:
+        return COPY_OP
     if isinstance(t, torch._ops.OpOverload):
         return f"aten.{t._schema.name.split('::')[-1]}.{t._overloadname}" if t.namespace == "aten" \
             else str(t)
@@ -260,6 +273,8 @@ def _op_name(node: fx.Node) -> str:
 
 def _mutated_args(node: fx.Node) -> list[fx.Node]:
     t = node.target
+    if t is write_back:
+        return [node.args[0]] if isinstance(node.args[0], fx.Node) else []
     if not isinstance(t, torch._ops.OpOverload):
         return []
     out: list[fx.Node] = []
@@ -276,9 +291,10 @@ def _drop_dead_code(gm: fx.GraphModule, buffers: set[str]) -> None:
 
     Besides costing time, a dead task split from its producer by a stage boundary would send
     back a zero gradient where the original model has none (`.grad` None, skipped by the
-    optimizer). Kept: tasks writing a graph input or a buffer in place, tasks reading a buffer
-    (BatchNorm in training updates its statistics without saying so in its schema), and
-    random ops (dropping one would shift the random stream of the ops after it)."""
+    optimizer). Kept: tasks writing a graph input or a buffer in place (the write-backs of a
+    functionalised graph among them), tasks reading a buffer (unless functionalised, BatchNorm
+    in training updates its statistics without saying so in its schema), and random ops
+    (dropping one would shift the random stream of the ops after it)."""
     for node in reversed(list(gm.graph.nodes)):
         if node.op != "call_function" or node.users:
             continue
@@ -292,12 +308,188 @@ def _drop_dead_code(gm: fx.GraphModule, buffers: set[str]) -> None:
         gm.graph.erase_node(node)
 
 
-def _from_exported(ep: ExportedProgram, layout: InputLayout, seconds: float) -> CapturedModel:
+def write_back(buffer: torch.Tensor, new: torch.Tensor) -> None:
+    """Store a buffer's new value computed by the functionalised graph (task op
+    `WRITE_BACK_OP`).
+
+    Through `.data`, which has a version counter of its own, as the eager kernels update
+    BatchNorm's statistics: the functional BatchNorm saves the old statistics for its backward,
+    and a visible in-place write would make that backward fail ("modified by an inplace
+    operation")."""
+    with torch.no_grad():
+        buffer.data.copy_(new.detach())
+
+
+def functional_copy(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """Functionalisation's `aten.copy(dst, src)` (task op `COPY_OP`): src's values in a new
+    tensor of dst's size, strides and dtype. Autograd has no formula for `aten.copy` (AOTAutograd
+    normally runs such graphs); a `copy_` into a fresh tensor has one (the gradient goes to src
+    only). The strides matter: the view ops functionalisation replays afterwards assume them."""
+    out = torch.empty_strided(dst.size(), dst.stride(), dtype=dst.dtype, device=dst.device)
+    return out.copy_(src)
+
+
+def _runnable_in_eager(gm: fx.GraphModule) -> None:
+    """Make the functional graph run under eager autograd on real tensors: every `aten.copy`
+    becomes `functional_copy`, and every `view` a `reshape`. Why the views: functionalisation
+    drops a `.contiguous()` that the fake tensors' strides say is a no-op, but eager kernels
+    (T5's attention matmul) can return other strides than the fake ones, and the `view` that
+    follows then fails. With no in-place op left on activations, a view and a reshape
+    compute the same values; a reshape copies only where a view would fail."""
+    aten = torch.ops.aten
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is aten.copy.default:
+            node.target = functional_copy
+        elif node.target in (aten.view.default, aten._unsafe_view.default):
+            node.target = aten.reshape.default
+
+
+def _alias_base(node: fx.Node) -> fx.Node:
+    """The tensor a view (slice, select, transpose, view, ...) of a view ... aliases."""
+    while node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+        schema = node.target._schema
+        if not (schema.arguments and schema.returns and node.args
+                and isinstance(node.args[0], fx.Node)):
+            break
+        arg0, ret0 = schema.arguments[0].alias_info, schema.returns[0].alias_info
+        if arg0 is None or arg0.is_write or ret0 is None:
+            break
+        node = node.args[0]
+    return node
+
+
+def _writes(gm: fx.GraphModule, outer: dict[fx.Node, fx.Node],
+            ) -> Iterator[tuple[fx.Node, fx.Node, fx.Node]]:
+    """(in-place node, the tensor it writes, the top-level tensor that one is or views), also
+    inside the subgraphs of higher-order ops (`with torch.no_grad():` is one); `outer` maps a
+    subgraph's placeholders to the top-level nodes passed in."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        for written in _mutated_args(node):
+            base = _alias_base(written)
+            yield node, written, outer.get(base, base)
+        subs = [a for a in node.args if isinstance(a, fx.Node) and a.op == "get_attr"
+                and isinstance(getattr(gm, str(a.target), None), fx.GraphModule)]
+        if len(subs) == 1:
+            sub = getattr(gm, str(subs[0].target))
+            operands = [a for a in node.args[node.args.index(subs[0]) + 1:] if isinstance(a, fx.Node)]
+            inner = [n for n in sub.graph.nodes if n.op == "placeholder"]
+            mapping = {p: outer.get(_alias_base(a), _alias_base(a))
+                       for p, a in zip(inner, operands, strict=False)}
+            yield from _writes(sub, mapping)
+
+
+def _writes_through_a_view(gm: fx.GraphModule) -> bool:
+    """Whether some in-place op writes through a view (`s[..., 1:] = ...`, `t.transpose(0, 1)[1]
+    .add_(...)`): the only writes the training IR does not make visible to later readers.
+
+    An in-place op on a whole tensor (`h.relu_()`, `c.index_put_(...)`, BatchNorm's counter)
+    is safe as it is: torch.export makes every later reader read the in-place op's result, so
+    the data flow holds the write. A write through a view changes the view's base, whose later
+    readers read the base, so only functionalisation (`run_decompositions({})`: `slice_scatter`
+    and friends, new values for the base) keeps it. It is done only then, because it costs:
+    BERT 24x1024 on meta, export 57.8 s, export + functionalisation 181.3 s
+    (benchmarks/capture_functionalize.py)."""
+    return any(_alias_base(w) is not w for _, w, _ in _writes(gm, {}))
+
+
+def _refuse_writes_into_inputs_or_parameters(ep: ExportedProgram) -> None:
+    """A write into a user input or a parameter (directly or through a view) cannot be kept:
+    the input's rows live on other ranks, and the parameter on other stages and replicas.
+    Found here, in the training IR, where each op still carries the user's stack."""
+    kinds = {spec.arg.name: spec for spec in ep.graph_signature.input_specs
+             if spec.kind in (InputKind.USER_INPUT, InputKind.PARAMETER)
+             and isinstance(spec.arg, TensorArgument)}
+    for node, _, base in _writes(ep.graph_module, {}):
+        spec = kinds.get(base.name) if base.op == "placeholder" else None
+        if spec is not None:
+            what = "parameter" if spec.kind is InputKind.PARAMETER else "input"
+            name = spec.target if spec.kind is InputKind.PARAMETER else base.name
+            raise CaptureError(
+                f"rannc cannot preserve a mutation: the model writes into its {what} '{name}' "
+                f"in place ({_op_name(node)}), in module '{_module_path(node)}' at "
+                f"{_source_line(node)}. An input or parameter written inside forward() would "
+                "be changed on one rank only. Fix: write into a copy (e.g. `x = x.clone()` "
+                "before the in-place op), or update parameters outside forward().",
+                module_path=_module_path(node) or None,
+            )
+
+
+def _source_line(node: fx.Node) -> str:
+    """The innermost user source line of a node's stack trace ("file:line: code")."""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in [^\n]*\n\s*([^\n]*)',
+                        str(node.meta.get("stack_trace") or ""))
+    if not frames:
+        return "unknown source line"
+    file, line, code = frames[-1]
+    return f"{file}:{line}: {code.strip()}"
+
+
+def _write_back_mutations(ep: ExportedProgram) -> list[OutputSpec]:
+    """Turn the functionalised graph's buffer mutations back into explicit in-place writes;
+    returns the user output specs.
+
+    Why functionalise at all: torch.export's training IR keeps the model's in-place ops, and a
+    write through a view (`s = x.new_zeros(...); s[..., 1:] = x[..., :-1]`, Hugging Face's
+    `shift_tokens_right`, Swin's attention mask) is a `copy_` into a `slice` whose result
+    nothing reads. Nothing in the graph says that the later readers of `s` depend on it, so
+    dead-code removal, reordering and stage boundaries all lose the write. Functionalisation
+    rewrites every such write as a new value (`slice_scatter`), so the data flow is the graph.
+
+    What stays a side effect is a write into state that outlives the call: buffers (BatchNorm
+    statistics) come back as a `write_back` into the buffer's placeholder, placed after the new
+    value and after the last task reading the old one, so the stage holding them updates the
+    user's own buffer as the original does. Writes into the inputs or the parameters cannot be
+    kept across ranks: they are a CaptureError naming the line."""
+    gm, sig = ep.graph_module, ep.graph_signature
+    nodes = {n.name: n for n in gm.graph.nodes}
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    placeholder_of = {spec.target: nodes[spec.arg.name] for spec in sig.input_specs
+                      if spec.kind is InputKind.BUFFER and isinstance(spec.arg, TensorArgument)}
+    (out_node,) = [n for n in gm.graph.nodes if n.op == "output"]
+    out_args = list(out_node.args[0])
+    keep_args: list[Any] = []
+    user_specs: list[OutputSpec] = []
+    for spec, arg in zip(sig.output_specs, out_args, strict=True):
+        if spec.kind is OutputKind.USER_OUTPUT:
+            keep_args.append(arg)
+            user_specs.append(spec)
+            continue
+        new = arg if isinstance(arg, fx.Node) else None
+        where = f"module '{_module_path(new)}' at {_source_line(new)}" if new is not None else "?"
+        if spec.kind is OutputKind.BUFFER_MUTATION and new is not None:
+            buf = placeholder_of[spec.target]
+            anchor = max([new, *buf.users], key=order.__getitem__)
+            with gm.graph.inserting_after(anchor):
+                w = gm.graph.call_function(write_back, (buf, new))
+            w.meta = {**new.meta, "val": None}
+            continue
+        what = {OutputKind.USER_INPUT_MUTATION: f"writes into its input '{spec.target}'",
+                OutputKind.PARAMETER_MUTATION: f"writes into its parameter '{spec.target}'"}
+        raise CaptureError(
+            f"rannc cannot preserve a mutation: the model {what.get(spec.kind, spec.kind.name)} "
+            f"in place, in {where}. An input or parameter written inside forward() would be "
+            "changed on one rank only. Fix: write into a copy (e.g. `x = x.clone()` before the "
+            "in-place op), or return the new value.",
+            module_path=_module_path(new) if new is not None else None,
+        )
+    out_node.args = (tuple(keep_args),)
+    return user_specs
+
+
+def _from_exported(ep: ExportedProgram, layout: InputLayout, seconds: float,
+                   functional: bool) -> CapturedModel:
     gm = ep.graph_module
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and _op_name(node) in _DROPPED_OPS and not node.users:
             gm.graph.erase_node(node)
     sig = ep.graph_signature
+    user_outputs = _write_back_mutations(ep)
+    if functional:
+        _runnable_in_eager(gm)
     _drop_dead_code(gm, {str(getattr(spec.arg, "name", "")) for spec in sig.input_specs
                          if spec.kind is InputKind.BUFFER})
     gm.recompile()
@@ -347,7 +539,11 @@ def _from_exported(ep: ExportedProgram, layout: InputLayout, seconds: float) -> 
         return seen
 
     inputs_of = [input_names(n) for n in nodes]
-    edges = [(value_owner[v], j) for j, ins in enumerate(inputs_of) for v in ins if v in value_owner]
+    # Through tensors only: what depends on the inputs' sizes alone is constant (see
+    # rannc.atomic.components.non_constant_tasks).
+    sizes = {n.name for n in gm.graph.nodes if isinstance(n.meta.get("val"), torch.SymInt | int)}
+    edges = [(value_owner[v], j) for j, ins in enumerate(inputs_of) for v in ins
+             if v in value_owner and v not in sizes]
     sources = [j for j, ins in enumerate(inputs_of)
                if any(kind_of.get(v, (None,))[0] is ValueKind.INPUT for v in ins)]
     non_constant = forward_reachable(len(nodes), edges, sources)
@@ -373,13 +569,7 @@ def _from_exported(ep: ExportedProgram, layout: InputLayout, seconds: float) -> 
 
     outputs: list[str | None] = []
     output_constants: list[Any] = []
-    for spec in sig.output_specs:
-        if spec.kind is not OutputKind.USER_OUTPUT:
-            raise CaptureError(
-                f"unsupported graph output kind {spec.kind.name}: the model mutates an input "
-                "in place or returns a mutated buffer; rannc supports in-place updates of "
-                "buffers only"
-            )
+    for spec in user_outputs:
         out_name = getattr(spec.arg, "name", None)
         if out_name is not None and out_name in values:
             outputs.append(out_name)

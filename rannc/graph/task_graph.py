@@ -22,6 +22,12 @@ import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+# The op of capture's write-back tasks: a buffer's new value stored into the buffer (the only
+# in-place writes a captured graph keeps; see rannc.graph.capture).
+WRITE_BACK_OP = "rannc.write_back"
+# Functionalisation's copy (src's values in dst's layout), made differentiable by capture.
+COPY_OP = "rannc.copy"
+
 
 class ValueKind(enum.Enum):
     INPUT = "input"  # a tensor (or number) the user passes to the model
@@ -98,13 +104,14 @@ class TaskGraph:
     def values_of_kind(self, kind: ValueKind) -> list[str]:
         return [n for n, v in self.values.items() if v.kind is kind]
 
-    def edges(self) -> list[tuple[int, int]]:
-        """Task-to-task data dependencies (producer index, consumer index), without repeats."""
+    def edges(self, tensors_only: bool = False) -> list[tuple[int, int]]:
+        """Task-to-task data dependencies (producer index, consumer index), without repeats;
+        `tensors_only`: leave out the dependencies through symbolic sizes."""
         out: set[tuple[int, int]] = set()
         for j, t in enumerate(self.tasks):
             for v in t.inputs:
                 i = self.producer(v)
-                if i is not None:
+                if i is not None and (not tensors_only or self.values[v].is_tensor):
                     out.add((i, j))
         return sorted(out)
 

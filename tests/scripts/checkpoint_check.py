@@ -22,6 +22,12 @@ tests run them:
   after deployment: the gathered state dict equals the saved step-3 one (so the crashed save
   left the last good checkpoint), and steps 4-6 equal the saved losses (rtol 1e-5).
 * single (plain python): the same calls in one process.
+* exact (2 ranks, --dir D): a model with dropout, an LR scheduler, a Stateful step counter and
+  rannc.checkpoint.RNGState: 6 uninterrupted steps saving after step 3 (D/exact.pt: losses and
+  state of steps 4-6); with --resume, new processes load before their first call and run steps
+  4-6: losses, parameters, learning rate and step bit-identical.
+* rank0-only (2 ranks): rank 0 calls save_checkpoint, rank 1 does not (`--then step`: it goes
+  on training; `--then exit`: its script ends). Must fail within seconds, not timeout_s.
 
 Prints "PASS <phase> <model> rank R" or raises.
 """
@@ -32,6 +38,7 @@ import argparse
 import copy
 import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -39,6 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[2])]
 from model_zoo import make_case  # noqa: E402
@@ -181,7 +189,7 @@ def phase_save(run: Run, out_dir: Path) -> None:
     sd6 = run.model.state_dict()
     if run.rank == 0:
         torch.save({"losses": losses, "sd3": sd3, "sd6": sd6}, out_dir / f"{run.name}.pt")
-        assert not list(out_dir.glob(f"{run.name}.tmp-*")) and not list(out_dir.glob(f"{run.name}.old-*"))
+        assert sorted(os.listdir(target)) == ["latest", "v-000002"], os.listdir(target)
     print(f"PASS save {run.name} rank {run.rank}", flush=True)
 
 
@@ -202,9 +210,9 @@ def phase_resume(run: Run, out_dir: Path) -> None:
 
 def crash_during_save(run: Run, out_dir: Path) -> None:
     """Rank 0 dies after every rank has written the temporary directory, before publishing it."""
-    def die(tmp: Path, final: Path) -> None:
-        assert (tmp / ckpt.META_FILE).exists()
-        print(f"CRASHING rank {run.rank} before moving {tmp.name} into place", flush=True)
+    def die(root: Path, tmp: str, version: str) -> None:
+        assert (root / tmp / ckpt.META_FILE).exists()
+        print(f"CRASHING rank {run.rank} before moving {tmp} into place", flush=True)
         os._exit(1)
 
     ckpt._publish = die  # type: ignore[assignment]
@@ -242,19 +250,116 @@ def phase_single(run: Run, out_dir: Path) -> None:
     print(f"PASS single {run.name} rank 0", flush=True)
 
 
+class DropNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 32), nn.Linear(32, 32), nn.Linear(32, 1)
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(self.drop(torch.relu(self.b(self.drop(torch.relu(self.a(x)))))))
+
+
+class StepCounter:
+    """A Stateful of the script's own: the number of finished steps."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"n": self.n}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.n = sd["n"]
+
+
+def phase_exact(out_dir: Path, resume: bool, rank: int, world: int) -> None:
+    """Resume bit-identical to an uninterrupted run: dropout RNG and LR schedule included."""
+    torch.manual_seed(0)
+    model = DropNet()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+    m = rannc.RaNNCModule(model, opt, schedule="gpipe", checkpointing="off", profiler="estimate",
+                          replicas=[1] * world, microbatches=2)
+    torch.manual_seed(100 + rank)  # each rank's own dropout stream
+    counter = StepCounter()
+    sizes = local_sizes(BATCH, world)
+    lo = sum(sizes[:rank])
+    ck = out_dir / "exact"
+
+    def step() -> float:
+        g = torch.Generator().manual_seed(counter.n)  # the data of step n, whoever runs it
+        x, y = torch.randn(BATCH, 8, generator=g), torch.randn(BATCH, 1, generator=g)
+        loss = F.mse_loss(m(x[lo:lo + sizes[rank]]), y[lo:lo + sizes[rank]])
+        loss.backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        counter.n += 1
+        return float(loss)
+
+    if not resume:
+        for _ in range(3):
+            step()
+        m.save_checkpoint(ck, sched=sched, step=counter, rng=ckpt.RNGState())
+        losses = [step() for _ in range(3)]
+        sd = m.state_dict(rank0_only=False)
+        torch.save({"losses": losses, "sd": sd, "lr": opt.param_groups[0]["lr"]},
+                   out_dir / f"exact-{rank}.pt")
+        print(f"PASS exact-train rank {rank} losses {losses}", flush=True)
+        return
+    assert rannc.latest_checkpoint(ck) is not None
+    m.load_checkpoint(ck, sched=sched, step=counter, rng=ckpt.RNGState())
+    assert counter.n == 3, counter.n
+    losses = [step() for _ in range(3)]
+    want = torch.load(out_dir / f"exact-{rank}.pt", weights_only=True)
+    assert losses == want["losses"], (losses, want["losses"])
+    sd = m.state_dict(rank0_only=False)
+    assert_state_equal(sd, want["sd"], exact=True)
+    assert opt.param_groups[0]["lr"] == want["lr"] and counter.n == 6
+    print(f"PASS exact-resume rank {rank} losses {losses}", flush=True)
+
+
+def phase_rank0_only(out_dir: Path, then: str, rank: int, world: int) -> None:
+    """`if rank == 0: save_checkpoint(...)`, the Hugging Face habit, then go on or finish."""
+    model = DropNet()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    m = rannc.RaNNCModule(model, opt, schedule="gpipe", checkpointing="off", profiler="estimate",
+                          replicas=[1] * world, microbatches=2)
+    for step in range(2):
+        m(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        if step == 0 and rank == 0:
+            print(f"SAVING rank 0 on its own, then={then}", flush=True)
+            start = time.monotonic()
+            try:
+                m.save_checkpoint(out_dir / "alone")
+            finally:
+                print(f"REFUSED after {time.monotonic() - start:.2f} s", flush=True)
+        if then == "exit":
+            break
+
+
 PHASES: dict[str, Callable[[Run, Path], None]] = {
     "save": phase_save, "resume": phase_resume, "load": phase_load, "single": phase_single}
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--phase", required=True, choices=sorted(PHASES))
+    p.add_argument("--phase", required=True, choices=[*sorted(PHASES), "exact", "rank0-only"])
     p.add_argument("--dir", required=True)
     p.add_argument("--layout", action="append", default=[], help="NAME=REPLICAS/MICROBATCHES")
     p.add_argument("--crash", action="store_true", help="resume: then die inside a save")
+    p.add_argument("--resume", action="store_true", help="exact: resume from the checkpoint")
+    p.add_argument("--then", choices=("step", "exit"), default="step", help="rank0-only")
     a = p.parse_args()
     ctx = rdist.init_process_group(timeout_s=60)
     out_dir = Path(a.dir)
+    if a.phase == "exact":
+        phase_exact(out_dir, a.resume, ctx.rank, ctx.world_size)
+    elif a.phase == "rank0-only":
+        phase_rank0_only(out_dir, a.then, ctx.rank, ctx.world_size)
     runs = []
     for spec in a.layout:
         name, _, layout = spec.partition("=")

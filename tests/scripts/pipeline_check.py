@@ -46,7 +46,7 @@ def rows_of(x: Any, rows: tuple[int, int], n: int) -> Any:
 
 def user_loss(name: str, out: Any, y: torch.Tensor | None) -> torch.Tensor:
     """The per-rank loss a training script would compute from the model's output."""
-    if name in ("bert", "gpt2"):
+    if name in ("bert", "gpt2", "t5"):
         return out.loss
     if name == "resnet":
         return F.cross_entropy(out, y)
@@ -74,7 +74,7 @@ def compare_and_loss(name: str, out: Any, ref_out: Any, y: torch.Tensor, sizes: 
             torch.testing.assert_close(x, rows_of(r, mine, n), rtol=RTOL, atol=ATOL,
                                        msg=lambda m: f"rank {rank} {what} output: {m}")
     loss = loss_fn(out, y[mine[0]:mine[1]])
-    if name in ("bert", "gpt2"):
+    if name in ("bert", "gpt2", "t5"):
         return loss, ref_out.loss
     ref_loss = sum(loss_fn(pytree.tree_map(lambda t, rr=rr: rows_of(t, rr, n), ref_out),
                            y[rr[0]:rr[1]]) for rr in ranges) / len(sizes)
