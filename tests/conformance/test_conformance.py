@@ -72,16 +72,11 @@ CI_MODELS: dict[str, tuple[str, ...]] = {
 # Known library bugs: (model, where) -> reason; where is a layout id, "1p" (one process),
 # "multi" (every multi-rank layout) or "*" (everywhere).
 # strict: a cell that starts passing fails the run until its mark is removed.
-_VIEW_WRITE = ("capture drops writes through a view into a tensor made inside forward "
-               "(s = x.new_zeros(...); s[..., 1:] = x[..., :-1])")
 _NO_DETACH = ("the runtime has no value 'detach_' for a second stage's input (KeyError in "
               "PipelineRuntime._stage_input at the second forward; the launch dies)")
 KNOWN: dict[tuple[str, str], str] = {
-    ("t5", "*"): _VIEW_WRITE + ": shift_tokens_right given labels",
-    ("bart", "*"): _VIEW_WRITE + ": shift_tokens_right given labels",
-    ("whisper", "*"): _VIEW_WRITE + ": shift_tokens_right given labels",
     ("t5", "3r-rep21-m2-gpipe"): "T5 with padded attention masks under replicas=[2, 1] is off "
-                                 "(under investigation); also " + _VIEW_WRITE,
+                                 "(under investigation)",
     ("deberta_v2", "3r-rep12-m3-scp"): _NO_DETACH,
     ("deberta_v2", "4r-rep11-m2-scp"): _NO_DETACH,
 }
