@@ -1,0 +1,84 @@
+"""`python -m rannc.check` (rannc/check.py), the users' tool the conformance suite runs on: its
+tolerance arithmetic, and the command end to end (it launches mpiexec itself, prints a table
+per model and exits 1 when a check fails)."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import pytest
+import torch
+from mpi_harness import ROOT, find_mpiexec, run_command
+
+from rannc.check import CheckResult, parse_results
+
+TOYS = "tests/conformance/toys.py"
+
+pytestmark = pytest.mark.conformance
+
+
+def test_a_check_passes_within_tolerance_and_fails_beyond() -> None:
+    c = CheckResult("grads")
+    want = torch.tensor([1.0, -2.0, 0.0])
+    c.add("a", want + torch.tensor([1e-4, -1e-4, 9e-6]), want, rtol=1e-4, atol=1e-5)
+    assert c.passed and c.compared == 1
+    assert math.isclose(c.max_abs, 1e-4, rel_tol=1e-3)
+    assert math.isclose(c.max_rel, 1e-4, rel_tol=1e-3)  # not 9e-6 / 0: below atol, abs judges
+    c.add("b", torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.001]), rtol=1e-4, atol=1e-5)
+    assert not c.passed and c.worst == "b"
+
+
+def test_missing_gradients_count_as_zeros_and_shapes_must_match() -> None:
+    c = CheckResult("grads")
+    c.add("unused", None, torch.zeros(3), rtol=1e-4, atol=1e-5)
+    c.add("both none", None, None, rtol=1e-4, atol=1e-5)
+    assert c.passed
+    c.add("used", None, torch.ones(3), rtol=1e-4, atol=1e-5)
+    assert not c.passed
+    s = CheckResult("outputs")
+    s.add("rows", torch.zeros(2, 3), torch.zeros(3, 3), rtol=1e-4, atol=1e-5)
+    assert not s.passed and "shape (2, 3) != reference (3, 3)" in s.error
+    n = CheckResult("outputs")
+    n.add("nan", torch.tensor([float("nan"), 1.0]), torch.tensor([0.0, 1.0]), rtol=1e-4, atol=1e-5)
+    assert not n.passed and "NaN" in n.error
+
+
+def _check(*args: str, timeout: float = 300) -> tuple[int, str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
+           "OMP_NUM_THREADS": "1"}
+    res = run_command([sys.executable, "-m", "rannc.check", *args], timeout, env, check=False)
+    return res.returncode, res.stdout + res.stderr
+
+
+def test_the_command_passes_a_model_and_fails_one_it_cannot_run_exactly() -> None:
+    """Two ranks, two stages, two microbatches: the MLP is exact; BatchNorm normalises each
+    microbatch over its own rows (by design), so its outputs and gradients differ and the
+    command exits 1 naming it."""
+    if find_mpiexec() is None:
+        pytest.skip("no mpiexec next to this python or on PATH")
+    rc, out = _check(f"{TOYS}:mlp", f"{TOYS}:batchnorm", "--ranks", "2", "--partition-num", "2",
+                     "--microbatches", "2", "--batch", "8")
+    assert rc == 1, out
+    found = parse_results(out)
+    assert found["mlp"]["passed"], out
+    assert "2 stages, replicas [1, 1], 2 microbatches" in found["mlp"]["plan"], out
+    bn = {c["check"]: c for c in found["batchnorm"]["checks"]}
+    assert not found["batchnorm"]["passed"] and not bn["outputs"]["passed"], out
+    assert bn["outputs"]["max_abs"] > 1e-3, bn
+    assert "rannc.check: 1 of 2 passed; FAILED: batchnorm" in out
+    # the table a user reads
+    assert "mlp: PASS  [2 stages" in out and "batchnorm: FAIL" in out
+    assert "  outputs " in out and "max abs err" in out
+
+
+def test_the_command_in_one_process_exits_0() -> None:
+    rc, out = _check(f"{TOYS}:mlp", f"{TOYS}:batchnorm", "--batch", "6")
+    assert rc == 0, out
+    assert all(d["passed"] and d["plan"] == "one process" for d in parse_results(out).values()), out
+
+
+def test_a_bad_target_is_an_error_naming_it() -> None:
+    rc, out = _check("tests/conformance/toys.py:nothing")
+    assert rc == 1 and "has no callable 'nothing'" in out, out

@@ -1,0 +1,213 @@
+"""Conformance: real architectures (tests/conformance/zoo.py) under rannc against the unwrapped
+model on the global batch, through `rannc.check` (the same comparison users run on their own
+models): outputs, loss, every held parameter's gradient, parameters after 3 AdamW steps, the
+gathered state_dict() and an eval() forward under no_grad (fp32, rtol 1e-4, atol 1e-5).
+
+Every model runs in one process (in this pytest process) and on several ranks in forced layouts
+and under the automatic plan. One mpiexec launch per layout runs all its models in the same
+ranks (start-up is most of a small model's cost); a launch that dies is relaunched with the
+models it did not reach, so one crash names one model. CI runs every model in one process and in
+one multi-rank layout (CI_MODELS); `--full` or CONFORMANCE_FULL=1 runs every model in every
+layout.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from conformance.zoo import MODELS, Unavailable
+from mpi_harness import TESTS, run_mpi
+
+from rannc.check import Settings, parse_results, run_case
+
+SCRIPT = TESTS / "conformance" / "run_check.py"
+ZOO = "conformance.zoo"
+
+pytestmark = pytest.mark.conformance
+
+
+@dataclass(frozen=True)
+class Layout:
+    id: str
+    ranks: int
+    args: tuple[str, ...]  # rannc.check options
+    batch: int  # global batch (uneven over ranks or microbatches where it can be)
+    # One microbatch and one replica per stage: BatchNorm normalises over the global batch, so
+    # BatchNorm models are exact. Elsewhere each (microbatch, replica) normalises its own rows
+    # (DESIGN.md 1), and BatchNorm models run there only with the exact option.
+    whole_batch_per_stage: bool = False
+
+
+LAYOUTS = [
+    Layout("2r-pn2-m1", 2, ("--partition-num", "2", "--microbatches", "1"), 6, True),
+    Layout("2r-pn2-m4-1f1b", 2, ("--partition-num", "2", "--microbatches", "4", "--schedule", "1f1b"), 8),
+    Layout("3r-rep21-m2-gpipe", 3, ("--replicas", "2,1", "--microbatches", "2", "--schedule", "gpipe"), 7),
+    Layout("3r-rep12-m3-scp", 3, ("--replicas", "1,2", "--microbatches", "3", "--schedule", "scp"), 9),
+    Layout("2r-auto", 2, (), 8),
+    Layout("4r-pn4-m1", 4, ("--partition-num", "4", "--microbatches", "1"), 8, True),
+    Layout("4r-rep22-m2-1f1b", 4, ("--replicas", "2,2", "--microbatches", "2", "--schedule", "1f1b"), 10),
+    Layout("4r-rep11-m2-scp", 4, ("--replicas", "1,1", "--microbatches", "2", "--schedule", "scp"), 8),
+]
+BY_ID = {lay.id: lay for lay in LAYOUTS}
+
+# TODO(batchnorm-exact): the rannc option that makes BatchNorm exact on the global batch (synced
+# statistics across a stage's replicas, one microbatch where BatchNorm lives), e.g.
+# {"batchnorm": "exact"}, once it lands; BatchNorm models then run in every layout with it.
+BATCHNORM_EXACT_OPTION: dict[str, Any] | None = None
+
+# CI: every model in one process (test_one_process) and in the one layout listed here.
+CI_MODELS: dict[str, tuple[str, ...]] = {
+    "2r-pn2-m1": ("resnet", "mobilenet_v2", "efficientnet", "regnet", "tv_resnet18",
+                  "tv_mobilenet_v3", "t5", "vit"),
+    "2r-pn2-m4-1f1b": ("llama", "gemma", "bert", "distilbert", "bart", "falcon"),
+    "3r-rep21-m2-gpipe": ("mistral", "qwen2", "gpt2", "roberta", "whisper", "convnext"),
+    "3r-rep12-m3-scp": ("phi", "gpt_neox", "albert", "swin", "bloom", "deberta_v2"),
+    "2r-auto": ("mixtral", "opt", "qwen3", "electra", "gptj", "timm_vit"),
+}
+
+# Known library bugs: (model, where) -> reason; where is a layout id, "1p" (one process),
+# "multi" (every multi-rank layout) or "*" (everywhere).
+# strict: a cell that starts passing fails the run until its mark is removed.
+KNOWN: dict[tuple[str, str], str] = {}
+
+
+def full_mode(config: pytest.Config) -> bool:
+    opt = False
+    try:
+        opt = bool(config.getoption("--full"))
+    except ValueError:  # the option is registered only when tests/conformance is on the line
+        pass
+    return opt or os.environ.get("CONFORMANCE_FULL", "") not in ("", "0")
+
+
+def _runs_in(model: str, lay: Layout) -> bool:
+    """BatchNorm models: only where they are exact (until the exact option exists)."""
+    return lay.whole_batch_per_stage or not MODELS[model][2] or BATCHNORM_EXACT_OPTION is not None
+
+
+def _marks(model: str, where: str) -> list[pytest.MarkDecorator]:
+    reason = (KNOWN.get((model, where)) or KNOWN.get((model, "*"))
+              or (KNOWN.get((model, "multi")) if where != "1p" else None))
+    return [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "cell" not in metafunc.fixturenames:
+        return
+    full = full_mode(metafunc.config)
+    cells = []
+    for lay in LAYOUTS:
+        models = list(MODELS) if full else list(CI_MODELS.get(lay.id, ()))
+        for m in models:
+            if _runs_in(m, lay):
+                cells.append(pytest.param((lay.id, m), id=f"{lay.id}-{m}", marks=_marks(m, lay.id)))
+    metafunc.parametrize("cell", cells)
+
+
+def _skip_if_unavailable(model: str) -> None:
+    if MODELS[model][1] == "transformers":
+        return
+    try:
+        MODELS[model][0]()
+    except Unavailable as e:
+        pytest.skip(str(e))
+
+
+@pytest.mark.parametrize("model", [pytest.param(m, marks=_marks(m, "1p")) for m in MODELS])
+def test_one_process(model: str) -> None:
+    _skip_if_unavailable(model)
+    rep = run_case(model, MODELS[model][0], Settings(batch=6))
+    assert rep.passed, _explain(rep.name, "one process", rep.to_json())
+
+
+# Models per launch: enough to amortise start-up, few enough that a launch stays within a
+# test's time limit (--full runs every model in a layout).
+CHUNK = 8
+LAUNCH_LIMIT_S = 1500
+
+
+class Launches:
+    """One launch per layout (per CHUNK of its selected models), run when its first cell asks."""
+
+    def __init__(self, items: list[pytest.Item]) -> None:
+        self.wanted: dict[str, list[str]] = {}
+        for item in items:
+            cell = getattr(item, "callspec", None) and item.callspec.params.get("cell")
+            if cell:
+                self.wanted.setdefault(cell[0], []).append(cell[1])
+        self.results: dict[tuple[str, int], dict[str, dict[str, Any]]] = {}
+        self.logs: dict[tuple[str, int], str] = {}
+
+    def result(self, layout: str, model: str) -> dict[str, Any]:
+        models = [m for m in self.wanted.get(layout, []) if _available(m)]
+        key = (layout, models.index(model) // CHUNK)
+        if key not in self.results:
+            self.results[key], self.logs[key] = self._run(
+                BY_ID[layout], models[key[1] * CHUNK:(key[1] + 1) * CHUNK])
+        return self.results[key].get(model) or {
+            "name": model, "passed": False,
+            "error": f"no result: the launch died on it\n{self.logs[key][-3000:]}"}
+
+    @staticmethod
+    def _run(lay: Layout, todo: list[str]) -> tuple[dict[str, dict[str, Any]], str]:
+        found: dict[str, dict[str, Any]] = {}
+        log = ""
+        while todo:
+            args = [f"{ZOO}:{m}" for m in todo] + list(lay.args) + ["--batch", str(lay.batch)]
+            if BATCHNORM_EXACT_OPTION is not None and not lay.whole_batch_per_stage:
+                args += [f"--option={k}={v!r}" for k, v in BATCHNORM_EXACT_OPTION.items()]
+            res = run_mpi(SCRIPT, lay.ranks, args, check=False,
+                          timeout=min(LAUNCH_LIMIT_S, 90 + 45 * len(todo) * lay.ranks))
+            log += res.stdout + res.stderr
+            got = parse_results(res.stdout)
+            found.update(got)
+            done = [m for m in todo if m in got]
+            if len(done) == len(todo):
+                break
+            # The launch died on the first model without a result: record it, go on without it.
+            crashed = todo[len(done)] if todo[:len(done)] == done else next(m for m in todo if m not in got)
+            found[crashed] = {"name": crashed, "passed": False,
+                              "error": f"the launch died (exit {res.returncode}) on this model:\n"
+                                       f"{(res.stdout + res.stderr)[-3000:]}"}
+            todo = [m for m in todo if m not in found]
+        return found, log
+
+
+def _available(model: str) -> bool:
+    try:
+        if MODELS[model][1] != "transformers":
+            MODELS[model][0]()
+    except Unavailable:
+        return False
+    return True
+
+
+@pytest.fixture(scope="session")
+def launches(request: pytest.FixtureRequest) -> Iterator[Launches]:
+    yield Launches(request.session.items)
+
+
+@pytest.mark.timeout(LAUNCH_LIMIT_S * 2 + 60)  # a launch, and a relaunch after a crash
+def test_multi_rank(cell: tuple[str, str], launches: Launches) -> None:
+    layout, model = cell
+    _skip_if_unavailable(model)
+    rep = launches.result(layout, model)
+    assert rep["passed"], _explain(model, layout, rep)
+
+
+def _explain(model: str, where: str, rep: Any) -> str:
+    import json
+
+    d = json.loads(rep) if isinstance(rep, str) else rep
+    lines = [f"{model} in {where}: FAIL {d.get('plan', '')}"]
+    if d.get("error"):
+        lines.append(f"error: {d['error']}")
+    for c in d.get("checks", []):
+        if not c["passed"]:
+            lines.append(f"{c['check']}: max abs {c['max_abs']:.3g}, max rel {c['max_rel']:.3g}, "
+                         f"worst {c['worst']} {c['error']}")
+    return "\n".join(lines)

@@ -1,0 +1,33 @@
+"""Small factories for testing `rannc.check` itself (the two return forms of its protocol)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from rannc.check import Case
+
+
+def mlp() -> tuple[nn.Module, object]:
+    """The tuple form: (model, batch_fn); the loss defaults to the mean of squares."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    return model, lambda n: torch.randn(n, 8)
+
+
+def batchnorm() -> Case:
+    """BatchNorm normalises over the rows one microbatch has (DESIGN.md 1): with several
+    microbatches it differs from the model on the global batch, and the check says so."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 3))
+
+    def batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(n, 8), torch.randint(0, 3, (n,))
+
+    class Classifier(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = model
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return self.net(x)
+
+    return Case(Classifier(), batch, lambda out, inputs: nn.functional.cross_entropy(out, inputs[1]))

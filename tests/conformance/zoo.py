@@ -1,0 +1,433 @@
+"""Real architectures from tiny configs, with random weights (nothing downloaded), as factories
+for `rannc.check` (`python -m rannc.check conformance.zoo:llama --ranks 2 ...`).
+
+Every config: hidden 32-64, 2 layers, vocabulary 64, sequences of 12, images 32x32, dropout 0
+(so the reference and the wrapped run need no common RNG), no KV cache. Batches carry the
+model's natural full labels (no -100), so the row-weighted mean rannc gives scalar outputs
+equals the global mean.
+TODO(num_items_in_batch): add masked-label (-100) cases once rannc honours Hugging Face's
+`num_items_in_batch`; they are exact only through that path.
+
+A factory whose library is missing (torchvision, timm) raises `Unavailable`; the suite skips it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from rannc.check import Case
+
+logging.getLogger("transformers").setLevel(logging.ERROR)
+
+VOCAB = 64
+SEQ = 12
+IMAGE = 32
+LABELS = 5
+
+
+class Unavailable(Exception):
+    """The library a factory needs is not installed or does not load (the suite skips it)."""
+
+
+def _cfg(cls: Any, **kw: Any) -> Any:
+    """A config with the eager attention path: the one every architecture has, and the one
+    whose math the reference and each stage run alike."""
+    cfg = cls(**kw)
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+def _lm_batch(vocab: int = VOCAB, seq: int = SEQ, mask: bool = True,
+              labels: str = "tokens") -> Callable[[int], dict[str, torch.Tensor]]:
+    """Token ids, a right-padded attention mask (every row keeps at least half its tokens), and
+    full labels: the tokens themselves (causal LM: the model shifts them), or one class a row."""
+    def batch(n: int) -> dict[str, torch.Tensor]:
+        ids = torch.randint(2, vocab, (n, seq))
+        out = {"input_ids": ids}
+        if mask:
+            lengths = torch.randint(seq // 2, seq + 1, (n,))
+            out["attention_mask"] = (torch.arange(seq)[None, :] < lengths[:, None]).long()
+        if labels == "tokens":
+            out["labels"] = ids.clone()
+        elif labels == "class":
+            out["labels"] = torch.randint(0, LABELS, (n,))
+        elif labels == "token_class":
+            out["labels"] = torch.randint(0, LABELS, (n, seq))
+        return out
+    return batch
+
+
+def _image_batch(channels: int = 3, size: int = IMAGE, key: str = "pixel_values",
+                 ) -> Callable[[int], dict[str, torch.Tensor]]:
+    def batch(n: int) -> dict[str, torch.Tensor]:
+        return {key: torch.randn(n, channels, size, size), "labels": torch.randint(0, LABELS, (n,))}
+    return batch
+
+
+_DEC = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, max_position_embeddings=64, use_cache=False,
+            pad_token_id=0, bos_token_id=1, eos_token_id=1)
+
+
+# -- decoder-only -------------------------------------------------------------------------------
+def llama() -> Case:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return Case(LlamaForCausalLM(_cfg(LlamaConfig, **_DEC, num_key_value_heads=2)), _lm_batch())
+
+
+def mistral() -> Case:
+    from transformers import MistralConfig, MistralForCausalLM
+
+    cfg = _cfg(MistralConfig, **_DEC, num_key_value_heads=2, sliding_window=None)
+    return Case(MistralForCausalLM(cfg), _lm_batch())
+
+
+def qwen2() -> Case:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return Case(Qwen2ForCausalLM(_cfg(Qwen2Config, **_DEC, num_key_value_heads=2)), _lm_batch())
+
+
+def qwen3() -> Case:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = _cfg(Qwen3Config, **_DEC, num_key_value_heads=2, head_dim=8)
+    return Case(Qwen3ForCausalLM(cfg), _lm_batch())
+
+
+def gemma() -> Case:
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    cfg = _cfg(GemmaConfig, **_DEC, num_key_value_heads=1, head_dim=8)
+    return Case(GemmaForCausalLM(cfg), _lm_batch())
+
+
+def phi() -> Case:
+    from transformers import PhiConfig, PhiForCausalLM
+
+    cfg = _cfg(PhiConfig, **_DEC, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0,
+               partial_rotary_factor=0.5)
+    return Case(PhiForCausalLM(cfg), _lm_batch())
+
+
+def mixtral() -> Case:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = _cfg(MixtralConfig, **_DEC, num_key_value_heads=2, num_local_experts=4,
+               num_experts_per_tok=2, sliding_window=None, router_jitter_noise=0.0)
+    return Case(MixtralForCausalLM(cfg), _lm_batch())
+
+
+def gpt2() -> Case:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = _cfg(GPT2Config, vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4,
+               resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+               bos_token_id=1, eos_token_id=1)
+    return Case(GPT2LMHeadModel(cfg), _lm_batch())
+
+
+def gpt_neox() -> Case:
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    cfg = _cfg(GPTNeoXConfig, vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+               num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64,
+               rotary_pct=0.5, hidden_dropout=0.0, attention_dropout=0.0, use_cache=False)
+    return Case(GPTNeoXForCausalLM(cfg), _lm_batch())
+
+
+def opt() -> Case:
+    from transformers import OPTConfig, OPTForCausalLM
+
+    cfg = _cfg(OPTConfig, vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+               num_attention_heads=4, word_embed_proj_dim=32, max_position_embeddings=64,
+               dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, layerdrop=0.0,
+               use_cache=False, pad_token_id=0, bos_token_id=1, eos_token_id=1)
+    return Case(OPTForCausalLM(cfg), _lm_batch())
+
+
+def falcon() -> Case:
+    from transformers import FalconConfig, FalconForCausalLM
+
+    cfg = _cfg(FalconConfig, vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+               num_attention_heads=4, hidden_dropout=0.0, attention_dropout=0.0, use_cache=False,
+               new_decoder_architecture=False, multi_query=True, parallel_attn=True, bias=False)
+    return Case(FalconForCausalLM(cfg), _lm_batch())
+
+
+def bloom() -> Case:
+    from transformers import BloomConfig, BloomForCausalLM
+
+    cfg = _cfg(BloomConfig, vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4,
+               hidden_dropout=0.0, attention_dropout=0.0, use_cache=False)
+    return Case(BloomForCausalLM(cfg), _lm_batch())
+
+
+def gptj() -> Case:
+    from transformers import GPTJConfig, GPTJForCausalLM
+
+    cfg = _cfg(GPTJConfig, vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4,
+               rotary_dim=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+               bos_token_id=1, eos_token_id=1)
+    return Case(GPTJForCausalLM(cfg), _lm_batch())
+
+
+# -- encoders -----------------------------------------------------------------------------------
+_ENC = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+            intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0)
+
+
+def bert() -> Case:
+    from transformers import BertConfig, BertForMaskedLM
+
+    return Case(BertForMaskedLM(_cfg(BertConfig, **_ENC)), _lm_batch())
+
+
+def roberta() -> Case:
+    from transformers import RobertaConfig, RobertaForSequenceClassification
+
+    cfg = _cfg(RobertaConfig, **_ENC, num_labels=LABELS, pad_token_id=1)
+    return Case(RobertaForSequenceClassification(cfg), _lm_batch(labels="class"))
+
+
+def distilbert() -> Case:
+    from transformers import DistilBertConfig, DistilBertForTokenClassification
+
+    cfg = _cfg(DistilBertConfig, vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, hidden_dim=64,
+               max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
+               num_labels=LABELS)
+    return Case(DistilBertForTokenClassification(cfg), _lm_batch(labels="token_class"))
+
+
+def albert() -> Case:
+    from transformers import AlbertConfig, AlbertForPreTraining
+
+    cfg = _cfg(AlbertConfig, **_ENC, embedding_size=16, classifier_dropout_prob=0.0)
+    base = _lm_batch()
+
+    def batch(n: int) -> dict[str, torch.Tensor]:
+        return {**base(n), "sentence_order_label": torch.randint(0, 2, (n,))}
+    return Case(AlbertForPreTraining(cfg), batch)
+
+
+def electra() -> Case:
+    from transformers import ElectraConfig, ElectraForPreTraining
+
+    cfg = _cfg(ElectraConfig, **_ENC, embedding_size=16)
+    # No padding: ELECTRA's loss is a mean over the unpadded tokens, a data-dependent count
+    # (exact under rannc only through num_items_in_batch; see the module's TODO).
+    base = _lm_batch(labels="", mask=False)
+
+    def batch(n: int) -> dict[str, torch.Tensor]:
+        return {**base(n), "labels": torch.randint(0, 2, (n, SEQ)).float()}
+    return Case(ElectraForPreTraining(cfg), batch)
+
+
+def deberta_v2() -> Case:
+    from transformers import DebertaV2Config, DebertaV2ForSequenceClassification
+
+    cfg = _cfg(DebertaV2Config, **_ENC, num_labels=LABELS, relative_attention=True,
+               position_buckets=8, max_relative_positions=16, pooler_dropout=0.0,
+               pos_att_type=["p2c", "c2p"], problem_type="single_label_classification")
+    return Case(DebertaV2ForSequenceClassification(cfg), _lm_batch(labels="class"))
+
+
+# -- encoder-decoders, given only labels (the decoder inputs are the labels shifted right) -------
+def t5() -> Case:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    cfg = _cfg(T5Config, vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+               num_heads=4, dropout_rate=0.0, relative_attention_num_buckets=8,
+               decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, use_cache=False)
+    return Case(T5ForConditionalGeneration(cfg), _seq2seq_batch())
+
+
+def bart() -> Case:
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    cfg = _cfg(BartConfig, vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2,
+               encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+               decoder_ffn_dim=64, max_position_embeddings=64, dropout=0.0,
+               attention_dropout=0.0, activation_dropout=0.0, encoder_layerdrop=0.0,
+               decoder_layerdrop=0.0, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+               decoder_start_token_id=2, use_cache=False)
+    return Case(BartForConditionalGeneration(cfg), _seq2seq_batch())
+
+
+def _seq2seq_batch() -> Callable[[int], dict[str, torch.Tensor]]:
+    base = _lm_batch(labels="")
+
+    def batch(n: int) -> dict[str, torch.Tensor]:
+        return {**base(n), "labels": torch.randint(3, VOCAB, (n, 8))}
+    return batch
+
+
+def whisper() -> Case:
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+    cfg = _cfg(WhisperConfig, vocab_size=VOCAB, num_mel_bins=8, d_model=32, encoder_layers=2,
+               decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+               encoder_ffn_dim=64, decoder_ffn_dim=64, max_source_positions=16,
+               max_target_positions=32, dropout=0.0, attention_dropout=0.0,
+               activation_dropout=0.0, encoder_layerdrop=0.0, decoder_layerdrop=0.0,
+               pad_token_id=0, bos_token_id=1, eos_token_id=1, decoder_start_token_id=1,
+               use_cache=False, suppress_tokens=None, begin_suppress_tokens=None)
+
+    def batch(n: int) -> dict[str, torch.Tensor]:
+        return {"input_features": torch.randn(n, 8, 32), "labels": torch.randint(3, VOCAB, (n, 6))}
+    return Case(WhisperForConditionalGeneration(cfg), batch)
+
+
+# -- vision (Hugging Face) ------------------------------------------------------------------------
+def vit() -> Case:
+    from transformers import ViTConfig, ViTForImageClassification
+
+    cfg = _cfg(ViTConfig, image_size=IMAGE, patch_size=8, hidden_size=32, num_hidden_layers=2,
+               num_attention_heads=4, intermediate_size=64, hidden_dropout_prob=0.0,
+               attention_probs_dropout_prob=0.0, num_labels=LABELS)
+    return Case(ViTForImageClassification(cfg), _image_batch())
+
+
+def swin() -> Case:
+    from transformers import SwinConfig, SwinForImageClassification
+
+    cfg = _cfg(SwinConfig, image_size=IMAGE, patch_size=4, embed_dim=16, depths=[2, 1],
+               num_heads=[2, 4], window_size=4, mlp_ratio=2.0, hidden_dropout_prob=0.0,
+               attention_probs_dropout_prob=0.0, drop_path_rate=0.0, num_labels=LABELS)
+    return Case(SwinForImageClassification(cfg), _image_batch())
+
+
+def convnext() -> Case:
+    from transformers import ConvNextConfig, ConvNextForImageClassification
+
+    cfg = _cfg(ConvNextConfig, num_stages=2, hidden_sizes=[16, 32], depths=[1, 1], image_size=IMAGE,
+               drop_path_rate=0.0, num_labels=LABELS)
+    return Case(ConvNextForImageClassification(cfg), _image_batch())
+
+
+def resnet() -> Case:
+    """BatchNorm."""
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    cfg = _cfg(ResNetConfig, embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1],
+               layer_type="basic", num_labels=LABELS)
+    return Case(ResNetForImageClassification(cfg), _image_batch())
+
+
+def mobilenet_v2() -> Case:
+    """BatchNorm."""
+    from transformers import MobileNetV2Config, MobileNetV2ForImageClassification
+
+    cfg = _cfg(MobileNetV2Config, image_size=IMAGE, depth_multiplier=0.25, min_depth=4,
+               classifier_dropout_prob=0.0, num_labels=LABELS)
+    return Case(MobileNetV2ForImageClassification(cfg), _image_batch())
+
+
+def efficientnet() -> Case:
+    """BatchNorm, squeeze-and-excitation."""
+    from transformers import EfficientNetConfig, EfficientNetForImageClassification
+
+    # hidden_dim: the top convolution's width, round_filters(1280) = 128 at width 0.1
+    cfg = _cfg(EfficientNetConfig, image_size=IMAGE, width_coefficient=0.1, depth_coefficient=0.2,
+               hidden_dim=128, dropout_rate=0.0, drop_connect_rate=0.0, num_labels=LABELS)
+    return Case(EfficientNetForImageClassification(cfg), _image_batch())
+
+
+def regnet() -> Case:
+    """BatchNorm, grouped convolutions."""
+    from transformers import RegNetConfig, RegNetForImageClassification
+
+    cfg = _cfg(RegNetConfig, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
+               groups_width=4, num_labels=LABELS)
+    return Case(RegNetForImageClassification(cfg), _image_batch())
+
+
+# -- torchvision and timm (optional: skipped when the library does not load) ----------------------
+def _torchvision_models() -> Any:
+    try:
+        import torchvision.models as tvm
+    except Exception as e:  # noqa: BLE001 - any import failure (e.g. its ops library) means skip
+        raise Unavailable(f"torchvision does not load: {type(e).__name__}: {e}") from e
+    return tvm
+
+
+def _classify(model: nn.Module) -> Case:
+    def loss(out: torch.Tensor, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return nn.functional.cross_entropy(out, inputs[1])
+
+    def batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(n, 3, IMAGE, IMAGE), torch.randint(0, LABELS, (n,))
+
+    class WithLabels(nn.Module):  # the labels ride along as an input the model ignores
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = model
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return self.net(x)
+
+    return Case(WithLabels(), batch, loss)
+
+
+def tv_resnet18() -> Case:
+    """torchvision ResNet-18 (BatchNorm), width as published, 5 classes."""
+    return _classify(_torchvision_models().resnet18(num_classes=LABELS))
+
+
+def tv_mobilenet_v3() -> Case:
+    """torchvision MobileNetV3-small (BatchNorm, hard-swish, squeeze-and-excitation)."""
+    return _classify(_torchvision_models().mobilenet_v3_small(num_classes=LABELS, dropout=0.0))
+
+
+def timm_vit() -> Case:
+    try:
+        import timm
+    except Exception as e:  # noqa: BLE001
+        raise Unavailable(f"timm does not load: {type(e).__name__}: {e}") from e
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=IMAGE, patch_size=8,
+                              embed_dim=32, depth=2, num_heads=4, num_classes=LABELS)
+    return _classify(model)
+
+
+# name -> (factory, source library, uses BatchNorm)
+MODELS: dict[str, tuple[Callable[[], Case], str, bool]] = {
+    "llama": (llama, "transformers", False),
+    "mistral": (mistral, "transformers", False),
+    "qwen2": (qwen2, "transformers", False),
+    "qwen3": (qwen3, "transformers", False),
+    "gemma": (gemma, "transformers", False),
+    "phi": (phi, "transformers", False),
+    "mixtral": (mixtral, "transformers", False),
+    "gpt2": (gpt2, "transformers", False),
+    "gpt_neox": (gpt_neox, "transformers", False),
+    "opt": (opt, "transformers", False),
+    "falcon": (falcon, "transformers", False),
+    "bloom": (bloom, "transformers", False),
+    "gptj": (gptj, "transformers", False),
+    "bert": (bert, "transformers", False),
+    "roberta": (roberta, "transformers", False),
+    "distilbert": (distilbert, "transformers", False),
+    "albert": (albert, "transformers", False),
+    "electra": (electra, "transformers", False),
+    "deberta_v2": (deberta_v2, "transformers", False),
+    "t5": (t5, "transformers", False),
+    "bart": (bart, "transformers", False),
+    "whisper": (whisper, "transformers", False),
+    "vit": (vit, "transformers", False),
+    "swin": (swin, "transformers", False),
+    "convnext": (convnext, "transformers", False),
+    "resnet": (resnet, "transformers", True),
+    "mobilenet_v2": (mobilenet_v2, "transformers", True),
+    "efficientnet": (efficientnet, "transformers", True),
+    "regnet": (regnet, "transformers", True),
+    "tv_resnet18": (tv_resnet18, "torchvision", True),
+    "tv_mobilenet_v3": (tv_mobilenet_v3, "torchvision", True),
+    "timm_vit": (timm_vit, "timm", False),
+}
