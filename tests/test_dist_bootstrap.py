@@ -89,6 +89,9 @@ def _clear_launcher_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_launcher_detection_and_env_identity(monkeypatch: pytest.MonkeyPatch) -> None:
     _clear_launcher_env(monkeypatch)
+    # Identity before a process group exists (an earlier test in this pytest process may have
+    # started a one-rank group, e.g. a single-process checkpoint save).
+    monkeypatch.setattr(dist, "_initialized", lambda: False)
     assert dist.detect_launcher() == "python"
     assert (dist.get_rank(), dist.get_world_size(), dist.get_local_rank()) == (0, 1, 0)
     monkeypatch.setenv("PMI_RANK", "2")
