@@ -550,8 +550,10 @@ class RaNNCModule(nn.Module):
         once superseded; files of your own belong beside `latest` (never touched). `path` may
         be a symlink (written through) and must be on a file system every rank sees.
         """
-        ctx = rdist.init_process_group(self.rannc_config.timeout_s)
-        validate.agree_on_collective("save_checkpoint()", ctx.device)
+        # No call digest here: rannc.checkpoint registers each rank's arrival itself and names a
+        # rank that is elsewhere (or gone) within seconds ("call save_checkpoint on every rank"); a
+        # digest all-gather first would meet a departed rank's closed socket instead.
+        rdist.init_process_group(self.rannc_config.timeout_s)
         groups = None
         if self.optimizer is not None:
             groups = self._opt_groups or ckpt.group_names(self.module, self.optimizer)
@@ -570,8 +572,10 @@ class RaNNCModule(nn.Module):
         model's, or that lacks a keyword, is an error naming them; `strict=False` loads what
         both have. A file whose checksum differs from the saved one is an error naming it.
         """
-        ctx = rdist.init_process_group(self.rannc_config.timeout_s)
-        validate.agree_on_collective("load_checkpoint()", ctx.device)
+        # No call digest here: rannc.checkpoint registers each rank's arrival itself and names a
+        # rank that is elsewhere (or gone) within seconds ("call load_checkpoint on every rank"); a
+        # digest all-gather first would meet a departed rank's closed socket instead.
+        rdist.init_process_group(self.rannc_config.timeout_s)
         with self._without_placeholder(), health.phase("checkpoint read"):
             return ckpt.load_checkpoint(self.module, self.optimizer, self._last_rt, path, strict,
                                         stateful)

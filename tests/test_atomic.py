@@ -187,7 +187,8 @@ def check_invariants(graph: TaskGraph, part: AtomicPartition) -> None:
             assert all(graph.values[v].producer is not None for v in graph.tasks[t].mutates)
     assert part.cloned_tasks == [t for t in range(n) if len(expected(t)) > 1]
 
-    # Component edges: exactly the reads of values held elsewhere, all going forward.
+    # Component edges: exactly the reads of values held elsewhere, and a buffer's readers before
+    # the later component storing its new value (a write-back); all going forward.
     edges = part.component_edges(graph)
     assert len(edges) == len(set(edges))
     want: set[tuple[int, int]] = set()
@@ -197,6 +198,10 @@ def check_invariants(graph: TaskGraph, part: AtomicPartition) -> None:
                 p = producer.get(v)
                 if p is not None and c.index not in part.holders[p]:
                     want.add((part.holders[p][0], c.index))
+        for t in c.write_backs:
+            for u, task in enumerate(graph.tasks):
+                if graph.tasks[t].inputs[0] in task.inputs:
+                    want.update((h, c.index) for h in part.holders[u] if h < c.index)
     assert set(edges) == want
     for a, b in edges:
         assert a != b, "self loop"

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import types
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,15 @@ from torch import nn
 
 import rannc
 from rannc import checkpoint as ckpt
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_process_group_left_behind() -> Iterator[None]:
+    """A single-process save starts a one-rank group; later test files expect none."""
+    yield
+    from rannc import dist as rdist
+
+    rdist.shutdown()
 
 
 class Crash(BaseException):

@@ -63,6 +63,10 @@ def test_parent_sees_parameters_under_original_names() -> None:
 def test_plain_python_starts_no_process_group() -> None:
     import torch.distributed as dist
 
+    from rannc import dist as rdist
+
+    rdist.shutdown()  # a group an earlier single-process test started (a checkpoint save)
+    assert not dist.is_initialized()
     rannc.RaNNCModule(nn.Linear(2, 2))
     assert not dist.is_initialized()
     assert rannc.init() is None  # nothing to do with one rank and no timeout asked for

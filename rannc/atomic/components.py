@@ -66,7 +66,11 @@ class AtomicPartition:
         return [t for t, h in enumerate(self.holders) if len(h) > 1]
 
     def component_edges(self, graph: TaskGraph) -> list[tuple[int, int]]:
-        """Data dependencies between components (from, to), without repeats or self-loops."""
+        """Dependencies between components (from, to), without repeats or self-loops: data,
+        and a buffer's readers before the component storing its new value (a write-back has
+        no data edge from the readers of the old value; run first, it would change what they
+        read). Only such orders already forward in component order are added, so the edges
+        stay acyclic; a split the other way is refused on several ranks at deployment."""
         out: set[tuple[int, int]] = set()
         for comp in self.components:
             for u in comp.tasks:
@@ -75,6 +79,10 @@ class AtomicPartition:
                     if p is None or comp.index in self.holders[p]:
                         continue
                     out.add((self.holders[p][0], comp.index))
+            for t in comp.write_backs:
+                buf = graph.tasks[t].inputs[0]
+                for u in graph.consumers(buf):
+                    out.update((c, comp.index) for c in self.holders[u] if c < comp.index)
         return sorted(out)
 
 
