@@ -157,8 +157,8 @@ def _writes_state(graph: TaskGraph, t: int) -> bool:
 
 
 def _write_back_source(graph: TaskGraph, t: int) -> int | None:
-    """For a write-back task (`copy_` of a computed value into a buffer): the task computing
-    the value; else None."""
+    """For a write-back task (capture's `WRITE_BACK_OP`: a computed value stored into a
+    buffer): the task computing the value; else None."""
     task = graph.tasks[t]
     if task.op != WRITE_BACK_OP or len(task.inputs) != 2:
         return None

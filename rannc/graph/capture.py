@@ -408,14 +408,20 @@ def _refuse_writes_into_inputs_or_parameters(ep: ExportedProgram) -> None:
         if spec is not None:
             what = "parameter" if spec.kind is InputKind.PARAMETER else "input"
             name = spec.target if spec.kind is InputKind.PARAMETER else base.name
-            raise CaptureError(
-                f"rannc cannot preserve a mutation: the model writes into its {what} '{name}' "
-                f"in place ({_op_name(node)}), in module '{_module_path(node)}' at "
-                f"{_source_line(node)}. An input or parameter written inside forward() would "
-                "be changed on one rank only. Fix: write into a copy (e.g. `x = x.clone()` "
-                "before the in-place op), or update parameters outside forward().",
-                module_path=_module_path(node) or None,
-            )
+            raise _unkept_write(f"{what} '{name}'", node)
+
+
+def _unkept_write(target: str, node: fx.Node | None) -> CaptureError:
+    """The error for a write into an input or a parameter ("input 'x'"), at `node`'s line."""
+    where = "" if node is None else \
+        f" ({_op_name(node)}), in module '{_module_path(node)}' at {_source_line(node)}"
+    return CaptureError(
+        f"rannc cannot preserve a mutation: the model writes into its {target} in place{where}. "
+        "An input or parameter written inside forward() would be changed on one rank only. "
+        "Fix: write into a copy (e.g. `x = x.clone()` before the in-place op), or update "
+        "parameters outside forward().",
+        module_path=(_module_path(node) or None) if node is not None else None,
+    )
 
 
 def _source_line(node: fx.Node) -> str:
@@ -459,7 +465,6 @@ def _write_back_mutations(ep: ExportedProgram) -> list[OutputSpec]:
             user_specs.append(spec)
             continue
         new = arg if isinstance(arg, fx.Node) else None
-        where = f"module '{_module_path(new)}' at {_source_line(new)}" if new is not None else "?"
         if spec.kind is OutputKind.BUFFER_MUTATION and new is not None:
             buf = placeholder_of[spec.target]
             anchor = max([new, *buf.users], key=order.__getitem__)
@@ -467,15 +472,9 @@ def _write_back_mutations(ep: ExportedProgram) -> list[OutputSpec]:
                 w = gm.graph.call_function(write_back, (buf, new))
             w.meta = {**new.meta, "val": None}
             continue
-        what = {OutputKind.USER_INPUT_MUTATION: f"writes into its input '{spec.target}'",
-                OutputKind.PARAMETER_MUTATION: f"writes into its parameter '{spec.target}'"}
-        raise CaptureError(
-            f"rannc cannot preserve a mutation: the model {what.get(spec.kind, spec.kind.name)} "
-            f"in place, in {where}. An input or parameter written inside forward() would be "
-            "changed on one rank only. Fix: write into a copy (e.g. `x = x.clone()` before the "
-            "in-place op), or return the new value.",
-            module_path=_module_path(new) if new is not None else None,
-        )
+        # A write the training-IR check missed (_refuse_writes_into_inputs_or_parameters).
+        what = {OutputKind.USER_INPUT_MUTATION: "input", OutputKind.PARAMETER_MUTATION: "parameter"}
+        raise _unkept_write(f"{what.get(spec.kind, spec.kind.name)} '{spec.target}'", new)
     out_node.args = (tuple(keep_args),)
     return user_specs
 
