@@ -374,8 +374,28 @@ def _init_torchrun(timeout: datetime.timedelta) -> DistContext:
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     backend = _choose_backend(local_world)
     device = _device_for(backend, local_rank)
-    dist.init_process_group(backend, init_method="env://", timeout=timeout)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun's agent keeps one store for the whole job and, since torch 2.x, no longer
+        # prefixes it per restart: after `--max-restarts` brings the workers back, gloo's
+        # rendezvous reads the dead attempt's addresses ("Gloo connectFullMesh failed ...
+        # Connection refused") whenever it looks before the new peer has written its own. Every
+        # attempt gets its own key space instead (the same prefix torch used to add).
+        client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                               False, timeout)
+        store = dist.PrefixStore(attempt_prefix(), client)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                                timeout=timeout)
+    else:
+        dist.init_process_group(backend, init_method="env://", timeout=timeout)
     return DistContext(rank, world, local_rank, local_world, backend, device, LAUNCHER_TORCHRUN)
+
+
+def attempt_prefix() -> str:
+    """The key space of this run of the workers in a store that outlives it (torchrun's agent
+    store survives a `--max-restarts` restart): ``rannc/attempt_N/`` with torchrun's restart
+    count N, ``rannc/attempt_0/`` under other launchers. Everything rannc keeps in a store lives
+    under it, so an attempt never reads what a dead one left (peers' addresses, a failure record)."""
+    return f"rannc/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
 
 
 def _init_single(timeout: datetime.timedelta) -> DistContext:

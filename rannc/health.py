@@ -372,7 +372,11 @@ def start(rank: int, world: int, timeout_s: float, *, hosts_store: bool = False,
     if clone is not None:
         with contextlib.suppress(Exception):  # its own connection: the main thread uses it too
             store = clone()
-    h = Health(dist.PrefixStore(_PREFIX, store), rank, world, timeout_s)
+    # Unwrapped down to the launcher's store, so the attempt's key space is put back: under
+    # torchrun a restarted attempt must not read the failure record of the one before.
+    from rannc.dist import attempt_prefix
+
+    h = Health(dist.PrefixStore(attempt_prefix() + _PREFIX, store), rank, world, timeout_s)
     h.hosts_store = hosts_store
     h.begin()
     _health = h

@@ -206,11 +206,14 @@ def run_torchrun(
     timeout: float = 240,
     env: Mapping[str, str] | None = None,
     check: bool = True,
+    launcher_args: Sequence[str] = (),
 ) -> subprocess.CompletedProcess[str]:
-    """``torchrun --standalone --nproc-per-node n script args`` (the venv's, else ``-m``)."""
+    """``torchrun --standalone --nproc-per-node n [launcher_args] script args`` (the venv's,
+    else ``-m``)."""
     torchrun = _find_tool("torchrun")
     launcher = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
-    cmd = [*launcher, "--standalone", f"--nproc-per-node={n}", str(script), *map(str, args)]
+    cmd = [*launcher, "--standalone", f"--nproc-per-node={n}", *launcher_args, str(script),
+           *map(str, args)]
     return run_command(cmd, timeout, _env(env), check)
 
 

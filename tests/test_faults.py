@@ -139,3 +139,38 @@ def test_sigterm_from_a_user_says_the_process_was_terminated_by_a_signal() -> No
     assert "rank 1 stops at step 3 (after backward): this process was terminated by a signal " \
         "(SIGTERM" in text, text
     assert "usually because another rank failed" not in text, text
+
+
+def test_torchrun_max_restarts_comes_back_and_resumes_from_the_latest_checkpoint(
+        tmp_path: Path) -> None:
+    # torchrun's agent store outlives the restart: without rannc's per-attempt key space the new
+    # workers' gloo rendezvous read the dead attempt's addresses (connectFullMesh timed out), and
+    # the new watchdog read the dead attempt's failure record and stopped at once.
+    import torch
+
+    script = SCRIPT.parent / "elastic_check.py"
+    out = tmp_path / "final.pt"
+    res = run_torchrun(script, 2, ["--ckpt", tmp_path / "ck", "--marker", tmp_path / "fault",
+                                   "--out", out], timeout=150, check=False,
+                       launcher_args=["--max-restarts=1"])
+    text = res.stdout + res.stderr
+    assert res.returncode == 0, text
+    assert "injected fault on rank 1 at step 3" in text, text
+    for rank in (0, 1):
+        assert f"ATTEMPT 0 rank {rank} resumes at step 0" in text, text
+        assert f"ATTEMPT 1 rank {rank} resumes at step 4" in text, text
+
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("elastic_check", script)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    model, opt = mod.make()
+    for step in range(6):
+        x, y = mod.batch(step)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    got = torch.load(out)
+    for name, want in model.state_dict().items():
+        torch.testing.assert_close(got[name], want, rtol=0, atol=1e-6, msg=name)
