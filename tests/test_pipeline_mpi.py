@@ -35,6 +35,9 @@ LAYOUTS = [
     # Writes through views and into buffers, with values written in one stage read in the
     # next (one microbatch: its input-dependent buffer update, like BatchNorm's, is per piece).
     (2, ["--partition-num", "2", "--eval-check"], 1, 6, "writes"),
+    # One row on one rank at the very first call (capture, profiling and planning included):
+    # reported to hang every rank until timeout_s.
+    (4, ["--partition-num", "2", "--rows", "4,4,1,4"], 1, 13, "bert"),
 ]
 
 

@@ -154,6 +154,8 @@ def main() -> None:
     p.add_argument("--partition-num", type=int, default=0)
     p.add_argument("--microbatches", type=int, default=1)
     p.add_argument("--batch", type=int, default=8, help="global batch")
+    p.add_argument("--rows", default="", help="each rank's rows at the first call, e.g. 4,4,1,4 "
+                   "(default: as even as the batch allows)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--checkpointing", default="auto")
     p.add_argument("--schedule", default="auto")
@@ -193,7 +195,9 @@ def check_model(a: argparse.Namespace, name: str, ctx: rdist.DistContext) -> Non
     case = make_case(name, batch=a.batch, seed=0)
     torch.manual_seed(1)
     y = torch.randint(0, 5, (a.batch,))
-    sizes = local_sizes(a.batch, world)
+    sizes = [int(r) for r in a.rows.split(",")] if a.rows else local_sizes(a.batch, world)
+    if len(sizes) != world or sum(sizes) != a.batch:
+        raise SystemExit(f"--rows {a.rows} must give {world} ranks {a.batch} rows in all")
     lo = sum(sizes[:rank])
     mine = (lo, lo + sizes[rank])
     if a.bf16:
