@@ -175,7 +175,7 @@ class RaNNCModule(nn.Module):
             self._runtimes.move_to_end(key)
         else:
             validate.check_capturable(self.module, leaves, sizes, self._plan is None)
-            with self._shaped_params(), _count_in_signature(self.module, kwargs):
+            with self._shaped_params():
                 cap = capture(self.module, args, kwargs)
             validate.agree_on_graph(cap.graph.fingerprint(), sizes, ctx.device)
             atomic = atomic_components(cap.graph)
@@ -420,8 +420,7 @@ class RaNNCModule(nn.Module):
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
 
     def _deploy(self, args: tuple[Any, ...], kwargs: dict[str, Any], first: bool) -> _Deployment:
-        with _count_in_signature(self.module, kwargs):
-            cap = capture(self.module, args, kwargs)
+        cap = capture(self.module, args, kwargs)
         atomic = atomic_components(cap.graph)
         if not first:
             log.info("rannc: new input signature; captured again (%s)", cap.graph.summary())
@@ -746,39 +745,6 @@ def _count_as_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str,
     device = next((t.device for t in pytree.tree_leaves((args, kwargs))
                    if isinstance(t, torch.Tensor)), None)
     return {**kwargs, COUNT_KWARG: torch.tensor(x, device=device)}
-
-
-@contextlib.contextmanager
-def _count_in_signature(model: nn.Module, kwargs: dict[str, Any]) -> Iterator[None]:
-    """While capturing, a forward that takes `num_items_in_batch` through `**kwargs` (Hugging
-    Face's causal LMs) shows it as a named keyword: torch.export (2.13) cannot match dynamic
-    shapes to a var-keyword argument ("Must provide a tree_name when there might be a
-    mismatch")."""
-    import inspect
-
-    sig = inspect.signature(model.forward)
-    params = list(sig.parameters.values())
-    if COUNT_KWARG not in kwargs or COUNT_KWARG in sig.parameters or \
-            not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        yield
-        return
-    orig = model.forward
-    params = [p for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD]
-    params.append(inspect.Parameter(COUNT_KWARG, inspect.Parameter.KEYWORD_ONLY, default=None))
-
-    def forward(*args: Any, **kw: Any) -> Any:
-        return orig(*args, **kw)
-
-    forward.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
-    own = model.__dict__.get("forward")  # an instance attribute of the user's, if any
-    model.forward = forward  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        if own is None:
-            del model.forward
-        else:
-            model.forward = own  # type: ignore[method-assign]
 
 
 def _grad_inputs_text(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:

@@ -262,6 +262,36 @@ def test_positional_keyword_float_and_none_inputs() -> None:
     assert cap.output_constants == [None, None]
 
 
+class VarKeywords(nn.Module):
+    """A forward taking its mask and a scale through **kwargs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        y = self.lin(x) * kwargs.get("scale", 1.0)
+        if "mask" in kwargs:
+            y = y.masked_fill(kwargs["mask"] == 0, 0.0)
+        return y
+
+
+def test_keywords_caught_by_var_kwargs_are_batched_inputs() -> None:
+    # torch.export 2.13 cannot match dynamic shapes to a **kwargs argument: the capture failed
+    # with "Must provide a tree_name when there might be a mismatch".
+    torch.manual_seed(0)
+    model = VarKeywords()
+    x, mask = torch.randn(5, 6), (torch.rand(5, 6) > 0.3).long()
+    cap = capture(model, (x,), {"mask": mask, "scale": 0.5})
+    assert cap.layout.batch_leaves == (True, True, False)
+    for v in cap.graph.inputs:
+        assert cap.graph.values[v].shape == ("batch", 6)
+    assert "forward" not in model.__dict__  # the signature shown to torch.export is undone
+    for n in (5, 3):  # another batch size runs on the same capture
+        args, kwargs = (x[:n],), {"mask": mask[:n], "scale": 0.5}
+        assert_same_tree(run_captured(cap, model, args, kwargs), model(*args, **kwargs))
+
+
 def test_model_output_round_trips(bert: tuple[Any, CapturedModel]) -> None:
     from transformers.models.bert.modeling_bert import BertForPreTrainingOutput
 

@@ -13,6 +13,7 @@ input's dim 0 is taken to be batched along dim 0.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import operator
 import re
@@ -129,11 +130,12 @@ def capture(
     dynamic_shapes = _dynamic_shapes(model, layout)
     t0 = time.perf_counter()
     try:
-        ep = torch.export.export(
-            model, tuple(ex_args), dict(ex_kwargs),
-            dynamic_shapes=dynamic_shapes,
-            strict=False,
-        )
+        with _keywords_in_signature(model, ex_kwargs):
+            ep = torch.export.export(
+                model, tuple(ex_args), dict(ex_kwargs),
+                dynamic_shapes=dynamic_shapes,
+                strict=False,
+            )
     except Exception as e:  # torch.export raises many types; all become a CaptureError
         raise _capture_error(model, e) from e
     _refuse_writes_into_inputs_or_parameters(ep)
@@ -149,17 +151,60 @@ def capture(
 
 
 def _dynamic_shapes(model: nn.Module, layout: InputLayout) -> dict[str, Any]:
-    """torch.export's dynamic_shapes: dim 0 symbolic for every batched leaf, by parameter name."""
+    """torch.export's dynamic_shapes: dim 0 symbolic for every batched leaf, by parameter name
+    (keywords caught by a `**kwargs` under their own names: see _keywords_in_signature)."""
     batch = Dim("batch", min=1)
     flags = [{0: batch} if b else None for b in layout.batch_leaves]
     dyn_args, dyn_kwargs = pytree.tree_unflatten(flags, layout.spec)
     try:
-        bound = inspect.signature(model.forward).bind(*dyn_args, **dyn_kwargs)
+        bound = _signature_naming(model, dyn_kwargs).bind(*dyn_args, **dyn_kwargs)
     except TypeError as e:
         raise CaptureError(
             f"the inputs do not match {type(model).__name__}.forward's signature: {e}"
         ) from e
     return dict(bound.arguments)
+
+
+def _signature_naming(model: nn.Module, kwargs: Mapping[str, Any]) -> inspect.Signature:
+    """forward's signature with each keyword that its `**kwargs` would catch as a named
+    keyword-only parameter instead (the signature unchanged when none is)."""
+    sig = inspect.signature(model.forward)
+    params = list(sig.parameters.values())
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return sig
+    caught = [k for k in kwargs if k not in sig.parameters]
+    if not caught:
+        return sig
+    params = [p for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    params += [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=None) for k in caught]
+    return sig.replace(parameters=params)
+
+
+@contextlib.contextmanager
+def _keywords_in_signature(model: nn.Module, kwargs: Mapping[str, Any]) -> Iterator[None]:
+    """While exporting, a forward taking keywords through `**kwargs` (Hugging Face's
+    `num_items_in_batch`, a user's `mask=`) shows them as named keywords: torch.export (2.13)
+    cannot match dynamic shapes to a var-keyword argument ("Must provide a tree_name when there
+    might be a mismatch": it lists the caught keywords both inside `kwargs` and on their own)."""
+    sig = _signature_naming(model, kwargs)
+    if sig == inspect.signature(model.forward):
+        yield
+        return
+    orig = model.forward
+
+    def forward(*args: Any, **kw: Any) -> Any:
+        return orig(*args, **kw)
+
+    forward.__signature__ = sig  # type: ignore[attr-defined]
+    own = model.__dict__.get("forward")  # an instance attribute of the user's, if any
+    model.forward = forward  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if own is None:
+            del model.forward
+        else:
+            model.forward = own  # type: ignore[method-assign]
 
 
 def _model_device(model: nn.Module) -> torch.device | None:
