@@ -24,6 +24,7 @@ from typing import Any, cast
 import torch
 from transformers import PreTrainedModel, Trainer
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINING_ARGS_NAME
+from transformers.utils import can_return_loss, find_labels
 
 from rannc.errors import RaNNCError
 from rannc.module import RaNNCModule
@@ -49,6 +50,33 @@ class RaNNCTrainer(Trainer):
         self._rannc_model: dict[str, Any] | None = None
         self._rannc_optim: dict[str, Any] | None = None
         super().__init__(model, *args, **kwargs)
+        # Whether the wrapped model's loss takes `num_items_in_batch` (Trainer's own test, made on
+        # the wrapped model: RaNNCModule itself says no, for the plain Trainer's sake). With it,
+        # Trainer passes the global count of labels that are not -100 and the loss is the global
+        # token mean even when the ranks' rows hold different numbers of masked labels.
+        inner = model.module
+        # Trainer reads these from the class of the model it holds; RaNNCModule.forward(*args,
+        # **kwargs) names no labels, so evaluate() would compute no loss.
+        if self.args.label_names is None:
+            self.label_names = find_labels(type(inner))
+        self.can_return_loss = can_return_loss(type(inner))
+        self.model_accepts_loss_kwargs = bool(getattr(
+            inner, "accepts_loss_kwargs",
+            any(p.kind is inspect.Parameter.VAR_KEYWORD
+                for p in inspect.signature(inner.forward).parameters.values())))
+
+    def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> Any:
+        # Under DDP each rank's loss is its own tokens' sum over the global count, and Trainer
+        # multiplies it by the number of processes because DDP averages gradients. A RaNNCModule
+        # returns the global loss on every rank already (its pieces summed over the ranks), so
+        # that factor must not be applied: the count is still gathered across ranks before this.
+        average = self.args.average_tokens_across_devices
+        self.args.average_tokens_across_devices = False
+        try:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        finally:
+            self.args.average_tokens_across_devices = average
 
     @property
     def _wrapped(self) -> RaNNCModule:

@@ -83,9 +83,10 @@ def comp_of(graph: TaskGraph, part: AtomicPartition, name: str) -> int:
 
 # -- the invariants, restated independently --------------------------------------------------
 def reference_non_constant(graph: TaskGraph) -> list[bool]:
-    """A task is non-constant when it reads a model input or a non-constant task's tensor
-    output (a symbolic size does not carry it)."""
-    live = {n for n, v in graph.values.items() if v.kind is ValueKind.INPUT}
+    """A task is non-constant when it reads a model input with a batch dimension or a
+    non-constant task's tensor output (a symbolic size does not carry it)."""
+    live = {n for n, v in graph.values.items()
+            if v.kind is ValueKind.INPUT and v.batch_dim is not None}
     out: list[bool] = []
     for t in graph.tasks:
         nc = any(v in live for v in t.inputs)
@@ -622,3 +623,29 @@ def test_invariants_on_random_graphs(graph: TaskGraph) -> None:
             atomic_components(graph)
         return
     check_invariants(graph, atomic_components(graph))
+
+
+class _DividedByCount(nn.Module):
+    """Two layers whose summed output is divided by a count passed as a 0-dim tensor (Hugging
+    Face's num_items_in_batch), cast in forward before the layers run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        n = count.to(torch.float32)
+        return self.b(torch.relu(self.a(x))).sum() / n
+
+
+def test_task_reading_only_a_batchless_input_is_cloned_into_its_readers() -> None:
+    # Kept as a component of its own, the cast landed in an early stage and crossed into the
+    # last as a value without rows (the runtime refuses it: Trainer.evaluate() on GPT-2).
+    cap = capture(_DividedByCount(), (torch.randn(3, 4), torch.tensor(7)))
+    g = cap.graph
+    part = atomic_components(g)
+    check_invariants(g, part)
+    (cast,) = [i for i, t in enumerate(g.tasks) if t.op.startswith("aten.to")]
+    (div,) = [i for i, t in enumerate(g.tasks) if t.op.startswith("aten.div")]
+    assert part.component_of[cast] == -1  # not a component: cloned like a constant
+    assert any(cast in c.constant_tasks for c in part.components if div in c.tasks)

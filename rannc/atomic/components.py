@@ -87,16 +87,22 @@ class AtomicPartition:
 
 
 def non_constant_tasks(graph: TaskGraph) -> list[bool]:
-    """Per task: reachable from a model input through tensors.
+    """Per task: reachable from a batched model input through tensors.
 
     A task that depends on the inputs only through their sizes (`arange(batch)`, a mask of
     the batch's shape) is constant: it is cloned into every stage that reads it and computed
     there for that stage's own rows. Received from another stage it would be wrong when the
     rows are regrouped between stages (replicas [2, 1]): `arange(batch)[:, None, None, None]`,
     which Hugging Face's mask functions use to pick each row's attention mask, would arrive
-    as [0, 1, 0] for a 3-row microbatch made of a 2-row and a 1-row piece."""
+    as [0, 1, 0] for a 3-row microbatch made of a 2-row and a 1-row piece.
+
+    So is a task that reads only inputs without a batch dimension (Hugging Face's
+    `num_items_in_batch.to(device)`): every rank passes the same such input and every stage
+    has it, while a batch-less value sent between stages cannot be split into rows (the
+    runtime refuses it)."""
     n = len(graph.tasks)
-    sources = sorted({c for v in graph.values_of_kind(ValueKind.INPUT) for c in graph.consumers(v)})
+    sources = sorted({c for v in graph.values_of_kind(ValueKind.INPUT)
+                      if graph.values[v].batch_dim is not None for c in graph.consumers(v)})
     return forward_reachable(n, graph.edges(tensors_only=True), sources)
 
 

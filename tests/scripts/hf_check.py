@@ -6,8 +6,9 @@
 Default mode: (1) Accelerate `prepare(model, opt, loader)` returns the RaNNCModule itself (no
 DDP) and 4 SGD steps equal the unwrapped model's on the global batch; (2) rannc.hf.RaNNCTrainer
 trains a tiny GPT-2 for 6 steps (2 stages, checkpoints at steps 3 and 6): the loss goes down, and a
-fresh model resumed from checkpoint-3 ends with the same parameters as the uninterrupted run.
-Prints "PASS accelerate rank R" and "PASS trainer rank R".
+fresh model resumed from checkpoint-3 ends with the same parameters as the uninterrupted run;
+(3) RaNNCTrainer with unevenly masked labels (-100) equals the unwrapped model on the global batch.
+Prints "PASS accelerate rank R", "PASS trainer rank R" and "PASS trainer-masked rank R".
 --plain: the plain transformers.Trainer trains, then its rank-0 checkpoint save raises a
 RaNNCError naming rannc.hf.RaNNCTrainer (instead of hanging).
 """
@@ -73,10 +74,10 @@ def dataset() -> list[dict[str, torch.Tensor]]:
 def trainer_args(out: str, **kw: Any) -> Any:
     from transformers import TrainingArguments
 
-    return TrainingArguments(output_dir=out, per_device_train_batch_size=2, max_steps=6,
-                             save_strategy="steps", save_steps=3, logging_steps=1,
-                             learning_rate=3e-3, report_to=[], seed=0, use_cpu=True,
-                             disable_tqdm=True, **kw)
+    return TrainingArguments(**{**dict(
+        output_dir=out, per_device_train_batch_size=2, max_steps=6, save_strategy="steps",
+        save_steps=3, logging_steps=1, learning_rate=3e-3, report_to=[], seed=0, use_cpu=True,
+        disable_tqdm=True), **kw})
 
 
 def check_trainer(rank: int, out: str) -> None:
@@ -110,6 +111,59 @@ def check_trainer(rank: int, out: str) -> None:
     print(f"PASS trainer rank {rank}", flush=True)
 
 
+def masked_dataset() -> list[dict[str, torch.Tensor]]:
+    """Labels masked (-100) unevenly: the ranks' rows hold different numbers of counted tokens."""
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 97, (8, 10), generator=g)
+    labels = ids.masked_fill(torch.rand(8, 10, generator=g) < torch.linspace(0.0, 0.8, 8)[:, None],
+                             -100)
+    return [{"input_ids": x, "labels": y} for x, y in zip(ids, labels, strict=True)]
+
+
+def check_trainer_masked_labels(rank: int, out: str) -> None:
+    """Two SGD steps of RaNNCTrainer with masked labels equal the unwrapped model's on the global
+    batch: the loss is the mean over every rank's counted tokens (num_items_in_batch), not the
+    mean of the ranks' means."""
+    from rannc.hf import RaNNCTrainer
+
+    class InOrder(RaNNCTrainer):  # rank r's rows at step s: 4s + 2r, 4s + 2r + 1
+        def _get_train_sampler(self, *args: Any, **kwargs: Any) -> Any:
+            return torch.utils.data.SequentialSampler(self.train_dataset)
+
+    model = gpt2()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    wrapped = rannc.RaNNCModule(model, opt, partition_num=2, timeout_s=60)
+    data = masked_dataset()
+    trainer = InOrder(model=wrapped, args=trainer_args(
+        out, save_strategy="no", max_grad_norm=0.0, lr_scheduler_type="constant",
+        learning_rate=0.5, max_steps=2), train_dataset=data)
+    trainer.train()
+    got = wrapped.state_dict()
+
+    # The unwrapped model as Trainer trains it in one process: the loss is divided by the count
+    # of the batch's labels that are not -100 (Trainer's count: over labels[..., 1:] when it
+    # knows the loss shifts them), whatever each rank's share of them.
+    shifted = getattr(trainer, "_loss_shifts_labels", False)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for step in range(2):
+        rows = data[4 * step:4 * step + 4]
+        ids = torch.stack([r["input_ids"] for r in rows])
+        labels = torch.stack([r["labels"] for r in rows])
+        count = ((labels[:, 1:] if shifted else labels) != -100).sum()
+        ref(input_ids=ids, labels=labels, num_items_in_batch=count).loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert trainer.label_names == ["labels"], trainer.label_names
+    ev = trainer.evaluate(data[:4])  # the labels are found: an eval loss, the same on every rank
+    assert "eval_loss" in ev, ev
+    if rank == 0:
+        want = ref.state_dict()
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=RTOL, atol=ATOL, msg=k)
+    print(f"PASS trainer-masked rank {rank}", flush=True)
+
+
 def check_plain_trainer_save(out: str) -> None:
     from transformers import Trainer
 
@@ -134,6 +188,7 @@ def main() -> None:
         return
     check_accelerate(rank)
     check_trainer(rank, a.out)
+    check_trainer_masked_labels(rank, a.out + "-masked")
 
 
 if __name__ == "__main__":
