@@ -68,9 +68,9 @@ class RaNNCModule(nn.Module):
     # forward's **kwargs): True makes it pass num_items_in_batch, the global label count, and
     # multiply the loss by the number of processes, right under DDP where each rank's loss is its
     # rows' share. A RaNNCModule returns the global loss itself on every rank, so that factor
-    # would scale loss and gradients by the world size (and capturing a **kwargs forward called
-    # with an extra keyword fails today). The loss is then the row-weighted mean over the ranks'
-    # rows: exact unless labels are masked (-100).
+    # would scale loss and gradients by the world size. The plain Trainer's loss is then the
+    # row-weighted mean over the ranks' rows (exact unless labels are masked with -100);
+    # rannc.hf.RaNNCTrainer passes the count without the factor and is exact.
     accepts_loss_kwargs = False
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
