@@ -105,8 +105,10 @@ class Plan:
         return d
 
     def to_onnx(self, path: str | os.PathLike[str]) -> None:
-        """The captured graph as ONNX with each task's `stage` (and `atomic_component`) as node
-        attributes, for Netron. Needs the graph: a plan from rannc.plan() or RaNNCModule.plan."""
+        """The captured graph as ONNX for Netron: one function per stage (a node that opens
+        into the stage's graph), each task node with its `stage` and `atomic_component`
+        attributes (`rannc.graph.onnx_export`). Needs the graph: a plan from rannc.plan() or
+        RaNNCModule.plan."""
         if self.source is None:
             raise RaNNCError("this plan has no graph attached (it was loaded from a file); get it "
                              "from rannc.plan(...) or RaNNCModule.plan to export it")
@@ -118,7 +120,7 @@ class Plan:
         stage_of = {c: st.index for st in self.stages for c in st.components}
         for t, task in enumerate(graph.tasks):
             attrs[task.name]["stage"] = stage_of[atomic.holders[t][0]]
-        export_onnx(graph, os.fspath(path), task_attrs=attrs)
+        export_onnx(graph, os.fspath(path), task_attrs=attrs, group_by="stage")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Plan:
