@@ -845,7 +845,8 @@ def plan(model: object, args: tuple[object, ...] = (), kwargs: dict[str, object]
 
     Pure: captures the model (a `meta`-device model works and allocates nothing), estimates
     costs and searches; no process group, no device side effects. `cluster` defaults to this
-    machine's measured device times `dry_run_np` (or 1) devices on one node.
+    machine's measured device times `dry_run_np` (or 1) devices on one node. Its phases show
+    as progress bars on stderr when it is a terminal (`config.progress`).
     """
     import torch
 
