@@ -129,9 +129,9 @@ _STYLE: dict[str, dict[str, Any]] = {
     "send": {"facecolor": "#56B4E9"},  # measured isend calls (queueing the transfer)
     "recv wait": {"facecolor": "#DDDDDD", "hatch": "////", "edgecolor": "#999999"},
     "all-reduce": {"facecolor": "#CC79A7"},
-    # measured: from a rank's last action to the end of its iteration (gradient all-reduce,
-    # waiting for its last sends)
-    "grad reduce, sends": {"facecolor": "#CC79A7", "hatch": "....", "edgecolor": "#FFFFFF"},
+    # measured: from a rank's last action to the end of its iteration: returning the outputs,
+    # the script's own code up to backward(), the gradient all-reduce, the last sends' waits
+    "after last action": {"facecolor": "#CC79A7", "hatch": "....", "edgecolor": "#FFFFFF"},
 }
 # A chart lane: its name, its events (times from the chart's origin), the seconds after its
 # last event drawn as the tail kind.
@@ -212,14 +212,14 @@ def measured_panel(measured: Mapping[int, Sequence[Event]],
     if iteration is None:
         t0 = min(starts, default=0.0)
         lanes: list[_Lane] = [(_lane_name("rank", r, measured[r]), _shift(measured[r], t0), 0.0,
-                               "grad reduce, sends") for r in sorted(measured)]
+                               "after last action") for r in sorted(measured)]
         return f"measured: actions span {_fmt_ms(span)} (first action start to last end)", lanes
     lanes = []
     for r in sorted(measured):
         evs = list(measured[r])
         last = max((e.end for e in evs), default=0.0)
         lanes.append((_lane_name("rank", r, evs), evs, max(iteration.get(r, 0.0) - last, 0.0),
-                      "grad reduce, sends"))
+                      "after last action"))
     wall = max((_lane_end(lane) for lane in lanes), default=0.0)
     return (f"measured: iteration {_fmt_ms(wall)} (forward() call to gradients reduced, slowest "
             f"rank); actions span {_fmt_ms(span)}", lanes)
