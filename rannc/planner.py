@@ -133,25 +133,25 @@ def plan_graph(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, conf
     found: list[_Candidate] = []
     # (tables, devices, the stage counts they hold for), kept only while nothing fits, for the error
     infeasible: list[tuple[StageTables, int, set[int]]] = []
-    for D, R in progress.iterate("stage DP search (pipeline layouts)", layouts):
-        for m in mbs:
-            if batch_per_replica(batch_size, R, m, 1) < 1 or m * R > batch_size:
-                continue
-            for sched in schedules:
-                eager = sched != "gpipe"
-                # A stage holds at most min(S, m) microbatches under 1F1B (the first stage);
-                # the split is made under that bound and refined per stage below.
-                bounds_in = sorted({min(S, m) for S in range(1, D + 1)}) if eager else [m]
-                for n_in in bounds_in:
-                    tab = table(D, R, m, n_in, m if eager and late else 0)
-                    for cand in _solutions(tab, D, R, m, config, sched):
-                        if eager and min(len(cand.replicas), m) != n_in:
-                            continue
-                        stats.candidates += 1
-                        found.append(cand)
-                    if not found:
-                        counts = {S for S in range(1, D + 1) if not eager or min(S, m) == n_in}
-                        infeasible.append((tab, D, counts))
+    # one step per pipeline layout and microbatch count
+    for D, R, m in progress.iterate("stage DP search", [(D, R, m) for D, R in layouts for m in mbs]):
+        if batch_per_replica(batch_size, R, m, 1) < 1 or m * R > batch_size:
+            continue
+        for sched in schedules:
+            eager = sched != "gpipe"
+            # A stage holds at most min(S, m) microbatches under 1F1B (the first stage);
+            # the split is made under that bound and refined per stage below.
+            bounds_in = sorted({min(S, m) for S in range(1, D + 1)}) if eager else [m]
+            for n_in in bounds_in:
+                tab = table(D, R, m, n_in, m if eager and late else 0)
+                for cand in _solutions(tab, D, R, m, config, sched):
+                    if eager and min(len(cand.replicas), m) != n_in:
+                        continue
+                    stats.candidates += 1
+                    found.append(cand)
+                if not found:
+                    counts = {S for S in range(1, D + 1) if not eager or min(S, m) == n_in}
+                    infeasible.append((tab, D, counts))
     mixed_dp = (not cluster.is_homogeneous and cluster.size <= _HETERO_DP_MAX
                 and bool(config.extra.get("hetero_dp", True))
                 and bool(config.extra.get("balance", True)))
