@@ -13,8 +13,8 @@ callers; only the facade (RaNNCModule's first call) and `rannc.plan` build a rea
   from `mpirun` stay free of carriage returns;
 * "on" / "off": always / never (RANNC_PROGRESS=1 / 0 in the environment).
 
-tqdm draws the bars (a dependency of transformers and torch's own tooling, so nearly always
-present); it is imported only when a bar is shown.
+tqdm draws the bars (a rannc dependency; Hugging Face's libraries pull it in as well); it is
+imported only when a bar is shown.
 """
 
 from __future__ import annotations
