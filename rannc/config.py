@@ -27,6 +27,9 @@ from rannc.errors import ConfigError
 _SCHEDULES = ("auto", "gpipe", "1f1b", "scp")
 _CHECKPOINTING = ("auto", "on", "off", "stage_aware")
 _PROFILERS = ("auto", "measure", "estimate")
+# A switch field's other spellings, from keywords (True) and the environment ("1", "true").
+_SWITCH = {True: "on", False: "off", "1": "on", "0": "off", "true": "on", "false": "off",
+           "yes": "on", "no": "off"}
 # RANNC_* variables that are not Config fields: read by rannc.dist at start-up.
 LAUNCH_ENV = ("RANNC_BACKEND", "RANNC_MASTER_ADDR", "RANNC_MPI_ABORT_ON_ERROR")
 # RaNNC's own variables that rannc does not read, with what to use instead. A spelling match
@@ -54,9 +57,11 @@ RANNC_ORIGINAL_ENV = {
 
 def _f(default: Any = None, *, factory: Any = None, lo: float | None = None,
        hi: float | None = None, open_lo: bool = False, open_hi: bool = False,
-       choices: tuple[str, ...] = ()) -> Any:
-    """A field with its allowed range (lo <= value <= hi; open_*: strict) or choices."""
-    meta = {"lo": lo, "hi": hi, "open_lo": open_lo, "open_hi": open_hi, "choices": choices}
+       choices: tuple[str, ...] = (), aliases: Mapping[Any, str] | None = None) -> Any:
+    """A field with its allowed range (lo <= value <= hi; open_*: strict) or choices;
+    `aliases` maps other accepted values (True, "1") to the choice they stand for."""
+    meta = {"lo": lo, "hi": hi, "open_lo": open_lo, "open_hi": open_hi, "choices": choices,
+            "aliases": dict(aliases or {})}
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -136,6 +141,12 @@ class Config:
     "sync" (exact on the global batch: one microbatch for the whole plan, statistics summed
     over a stage's replicas in forward and backward). Running statistics follow the global
     batch, updated once per call, in both."""
+
+    progress: bool | str = _f("auto", choices=("auto", "on", "off"), aliases=_SWITCH)
+    """Progress bars on stderr, on rank 0, for the first call's capture, atomic components,
+    profiling and stage DP search (minutes on a large model): "auto" when stderr is a terminal
+    (never in logs or CI output), "on" (or True, RANNC_PROGRESS=1) always, "off" (False,
+    RANNC_PROGRESS=0) never. Read back as "auto", "on" or "off"."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -218,6 +229,10 @@ def check_field(name: str, value: Any, where: str) -> Any:
     meta = f.metadata
     origin = typing.get_origin(base) or base
     given = value
+    aliases = meta.get("aliases") or {}
+    key = value.lower() if isinstance(value, str) else value
+    if isinstance(value, bool | str) and key in aliases:
+        value = aliases[key]
     ok = True
     if origin is bool:
         ok = isinstance(value, bool)
@@ -253,6 +268,8 @@ def _expected(base: Any, meta: Mapping[str, Any], optional: bool) -> str:
     origin = typing.get_origin(base) or base
     if meta.get("choices"):
         text = "one of " + ", ".join(repr(c) for c in meta["choices"])
+        if meta.get("aliases"):
+            text += " (or True, False)"
     else:
         text = {bool: "a boolean", int: "an integer", float: "a finite number", str: "a string",
                 list: "a non-empty list of integers", dict: "a dict"}.get(origin, str(base))
@@ -277,8 +294,8 @@ def _fix(name: str, base: Any, meta: Mapping[str, Any], where: str) -> str:
     if where.startswith("RANNC_"):
         return (f"set {where} to such a value (e.g. {where}={example}; numbers and lists are "
                 f"read as JSON), or unset it")
-    shown = repr(example) if origin is str else example.replace("1", "True") if origin is bool \
-        else example.replace(",", ", ")
+    shown = repr(example) if origin is str or meta.get("choices") \
+        else example.replace("1", "True") if origin is bool else example.replace(",", ", ")
     return f"pass {name}={shown} or another such value (or RANNC_{name.upper()}={example})"
 
 

@@ -43,6 +43,7 @@ from rannc.graph.capture import CapturedModel, capture, flatten_inputs
 from rannc.graph.extract import StageGraph, build_stage_module, run_chain, split_graph
 from rannc.pipeline.runtime import COUNT_KWARG, PipelineFunction, PipelineRuntime
 from rannc.plans import Plan
+from rannc.progress import Progress, progress_for
 
 log = logging.getLogger(__name__)
 
@@ -175,12 +176,14 @@ class RaNNCModule(nn.Module):
             self._runtimes.move_to_end(key)
         else:
             validate.check_capturable(self.module, leaves, sizes, self._plan is None)
-            with self._shaped_params():
+            progress = progress_for(self.rannc_config.progress, ctx.rank)
+            with self._shaped_params(), progress.phase("capture"):
                 cap = capture(self.module, args, kwargs)
             validate.agree_on_graph(cap.graph.fingerprint(), sizes, ctx.device)
-            atomic = atomic_components(cap.graph)
+            with progress.phase("atomic components"):
+                atomic = atomic_components(cap.graph)
             if self._plan is None:
-                plan = self._make_plan(cap, atomic, ctx, leaves, sizes)
+                plan = self._make_plan(cap, atomic, ctx, leaves, sizes, progress)
                 if ctx.rank == 0:
                     _show_plan(plan)
                 self._plan = plan
@@ -223,7 +226,7 @@ class RaNNCModule(nn.Module):
         return pytree.tree_unflatten(flat, cap.out_spec)
 
     def _make_plan(self, cap: CapturedModel, atomic: AtomicPartition, ctx: rdist.DistContext,
-                   leaves: list[Any], sizes: list[int]) -> Plan:
+                   leaves: list[Any], sizes: list[int], progress: Progress) -> Plan:
         """Load the saved plan, or plan on rank 0 for this world, and broadcast it (one plan for
         all ranks even though each measures its own device).
 
@@ -268,9 +271,10 @@ class RaNNCModule(nn.Module):
             try:
                 cluster = self._cluster(cfg, ctx, reports)
                 costs = GraphCosts.of(cap.graph, atomic)
-                oracle = make_oracle(cfg, cap, atomic, self.module, leaves, costs, cluster)
+                oracle = make_oracle(cfg, cap, atomic, self.module, leaves, costs, cluster,
+                                     progress=progress)
                 box[0] = plan_graph(cap.graph, atomic, cluster, cfg, batch_size=sum(sizes),
-                                    oracle=oracle, costs=costs).to_dict()
+                                    oracle=oracle, costs=costs, progress=progress).to_dict()
             except RaNNCError as e:  # every rank raises it, none waits for a plan
                 box[0] = {"error": str(e), "type": type(e).__name__,
                           "needed_bytes": getattr(e, "needed_bytes", None)}
@@ -343,12 +347,15 @@ class RaNNCModule(nn.Module):
         names = {r: f"rank {r} (stage {s})" for r, s, _t, _e in every}
         costs = plan_costs(rt.plan) if predicted_from == "plan" else measured_costs(rt.plan, events)
         predicted = simulate(rt.schedule, costs)
-        measured_s = max(t for _r, _s, t, _e in every)
+        # Each rank's events count from its forward() call, and iteration_s from it to its
+        # gradients reduced (0 when no backward ran): the measured panel states the one
+        # iteration time, drawn to, rather than the title giving another than the panel.
+        iteration = {r: t for r, _s, t, _e in every}
         chrome_trace(events, path + ".json", names=names)
         timeline_png(path + ".png", measured=events, predicted=predicted,
+                     measured_iteration=iteration if all(iteration.values()) else None,
                      title=f"schedule {rt.schedule.name}, {len(rt.plan.stages)} stages, "
-                           f"{rt.plan.microbatches} microbatches; measured iteration "
-                           f"{measured_s * 1e3:.1f} ms")
+                           f"{rt.plan.microbatches} microbatches")
         return [path + ".json", path + ".png"]
 
     def _release_params(self, rt: PipelineRuntime) -> None:
@@ -420,8 +427,11 @@ class RaNNCModule(nn.Module):
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
 
     def _deploy(self, args: tuple[Any, ...], kwargs: dict[str, Any], first: bool) -> _Deployment:
-        cap = capture(self.module, args, kwargs)
-        atomic = atomic_components(cap.graph)
+        progress = progress_for(self.rannc_config.progress, 0)
+        with progress.phase("capture"):
+            cap = capture(self.module, args, kwargs)
+        with progress.phase("atomic components"):
+            atomic = atomic_components(cap.graph)
         if not first:
             log.info("rannc: new input signature; captured again (%s)", cap.graph.summary())
         groups = [list(range(len(atomic.components)))]

@@ -37,6 +37,7 @@ from rannc.graph.task_graph import TaskGraph, ValueKind
 from rannc.plans import Plan, StagePlan, stage_ranks
 from rannc.profile.device import Cluster, DeviceSpec
 from rannc.profile.estimate import BlockProfile, GraphCosts, _bytes
+from rannc.progress import NO_PROGRESS, Progress
 from rannc.schedule import SCHEDULES, StageCosts, chain, in_flight, make_schedule, simulate
 from rannc.stage_dp.dp import stage_dp
 from rannc.stage_dp.hetero import HeteroDevices
@@ -87,8 +88,9 @@ class _Candidate:
 
 def plan_graph(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, config: Config, *,
                batch_size: int, oracle: BlockOracle | None = None, costs: GraphCosts | None = None,
-               stats: PlanStats | None = None) -> Plan:
-    """Plan `graph` (captured at global batch `batch_size`) for `cluster`."""
+               stats: PlanStats | None = None, progress: Progress = NO_PROGRESS) -> Plan:
+    """Plan `graph` (captured at global batch `batch_size`) for `cluster`; `progress` shows
+    the phases (a measuring oracle shows its own profiling)."""
     config = _batchnorm_config(graph, config)
     stats = stats if stats is not None else PlanStats()
     t0 = time.perf_counter()
@@ -103,9 +105,9 @@ def plan_graph(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, conf
     t1 = time.perf_counter()
     b_ref = max(1, math.ceil(batch_size / world))
     comp_time = oracle.component_time(b_ref)
-    block_of = form_blocks_for(graph, atomic, costs, spec_time=comp_time,
-                               limit=limit, opt=opt, k=config.blocks, bandwidth=spec.link_bandwidth,
-                               batch=b_ref)
+    with progress.phase("coarsening into blocks"):
+        block_of = form_blocks_for(graph, atomic, costs, spec_time=comp_time, limit=limit, opt=opt,
+                                   k=config.blocks, bandwidth=spec.link_bandwidth, batch=b_ref)
     k = max(block_of) + 1
     stats.blocks = k
     uses = ValueUses.of(graph, atomic)
@@ -131,25 +133,25 @@ def plan_graph(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, conf
     found: list[_Candidate] = []
     # (tables, devices, the stage counts they hold for), kept only while nothing fits, for the error
     infeasible: list[tuple[StageTables, int, set[int]]] = []
-    for D, R in layouts:
-        for m in mbs:
-            if batch_per_replica(batch_size, R, m, 1) < 1 or m * R > batch_size:
-                continue
-            for sched in schedules:
-                eager = sched != "gpipe"
-                # A stage holds at most min(S, m) microbatches under 1F1B (the first stage);
-                # the split is made under that bound and refined per stage below.
-                bounds_in = sorted({min(S, m) for S in range(1, D + 1)}) if eager else [m]
-                for n_in in bounds_in:
-                    tab = table(D, R, m, n_in, m if eager and late else 0)
-                    for cand in _solutions(tab, D, R, m, config, sched):
-                        if eager and min(len(cand.replicas), m) != n_in:
-                            continue
-                        stats.candidates += 1
-                        found.append(cand)
-                    if not found:
-                        counts = {S for S in range(1, D + 1) if not eager or min(S, m) == n_in}
-                        infeasible.append((tab, D, counts))
+    # one step per pipeline layout and microbatch count
+    for D, R, m in progress.iterate("stage DP search", [(D, R, m) for D, R in layouts for m in mbs]):
+        if batch_per_replica(batch_size, R, m, 1) < 1 or m * R > batch_size:
+            continue
+        for sched in schedules:
+            eager = sched != "gpipe"
+            # A stage holds at most min(S, m) microbatches under 1F1B (the first stage);
+            # the split is made under that bound and refined per stage below.
+            bounds_in = sorted({min(S, m) for S in range(1, D + 1)}) if eager else [m]
+            for n_in in bounds_in:
+                tab = table(D, R, m, n_in, m if eager and late else 0)
+                for cand in _solutions(tab, D, R, m, config, sched):
+                    if eager and min(len(cand.replicas), m) != n_in:
+                        continue
+                    stats.candidates += 1
+                    found.append(cand)
+                if not found:
+                    counts = {S for S in range(1, D + 1) if not eager or min(S, m) == n_in}
+                    infeasible.append((tab, D, counts))
     mixed_dp = (not cluster.is_homogeneous and cluster.size <= _HETERO_DP_MAX
                 and bool(config.extra.get("hetero_dp", True))
                 and bool(config.extra.get("balance", True)))
@@ -208,7 +210,8 @@ def plan_graph(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, conf
     # extra boundary_refinement=False: stages as runs of whole blocks, as the paper plans them
     # (benchmarks and tests compare against it)
     refine = bool(config.extra.get("boundary_refinement", True))
-    for ref in _distinct(ranked)[:_BOUNDARY_REFINED if refine else 1]:
+    for ref in progress.iterate("refining stage boundaries",
+                                _distinct(ranked)[:_BOUNDARY_REFINED if refine else 1]):
         got = _refine_boundaries(ref, block_of, io, comp_time, tabler, late) if refine else \
             (ref, list(block_of), io)
         if best is None or got[0].time < best[0].time * (1 - 1e-9):
@@ -842,13 +845,16 @@ def plan(model: object, args: tuple[object, ...] = (), kwargs: dict[str, object]
 
     Pure: captures the model (a `meta`-device model works and allocates nothing), estimates
     costs and searches; no process group, no device side effects. `cluster` defaults to this
-    machine's measured device times `dry_run_np` (or 1) devices on one node.
+    machine's measured device times `dry_run_np` (or 1) devices on one node. Its phases show
+    as progress bars on stderr when it is a terminal (`config.progress`).
     """
     import torch
 
     from rannc.atomic.components import atomic_components
+    from rannc.dist import get_rank
     from rannc.graph.capture import capture, flatten_inputs
     from rannc.profile.device import measure_local_device
+    from rannc.progress import progress_for
 
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"rannc.plan needs a torch.nn.Module, got {type(model).__name__}")
@@ -857,20 +863,23 @@ def plan(model: object, args: tuple[object, ...] = (), kwargs: dict[str, object]
         n = cfg.dry_run_np or 1
         cluster = Cluster.homogeneous(measure_local_device(), n=n, per_node=n)
     stats = stats if stats is not None else PlanStats()
+    progress = progress_for(cfg.progress, get_rank())
     t0 = time.perf_counter()
-    cap = capture(model, args, kwargs or {})
-    atomic = atomic_components(cap.graph)
+    with progress.phase("capture"):
+        cap = capture(model, args, kwargs or {})
+    with progress.phase("atomic components"):
+        atomic = atomic_components(cap.graph)
     stats.seconds["capture"] = time.perf_counter() - t0
     leaves, layout = flatten_inputs(args, kwargs or {})
     costs = GraphCosts.of(cap.graph, atomic)
-    oracle = make_oracle(cfg, cap, atomic, model, leaves, costs, cluster)
+    oracle = make_oracle(cfg, cap, atomic, model, leaves, costs, cluster, progress=progress)
     # capture() has refused inputs without a batched tensor, so layout.batch is set
     return plan_graph(cap.graph, atomic, cluster, cfg, batch_size=layout.batch or 0,
-                      oracle=oracle, costs=costs, stats=stats)
+                      oracle=oracle, costs=costs, stats=stats, progress=progress)
 
 
 def make_oracle(cfg: Config, cap: Any, atomic: AtomicPartition, model: Any, leaves: Sequence[Any],
-                costs: GraphCosts, cluster: Cluster) -> BlockOracle:
+                costs: GraphCosts, cluster: Cluster, progress: Progress = NO_PROGRESS) -> BlockOracle:
     """`profiler`: `estimate` always; `measure` runs blocks on this process's device (the model
     must be materialised there); `auto` measures when the model's parameters live on a CUDA
     device and estimates otherwise (CPU timings of a busy host mislead more than they help, and
@@ -882,8 +891,8 @@ def make_oracle(cfg: Config, cap: Any, atomic: AtomicPartition, model: Any, leav
     if use == "auto":
         use = "measure" if device.type == "cuda" else "estimate"
     if use == "estimate":
-        return EstimateOracle(costs, cluster)
+        return EstimateOracle(costs, cluster)  # array arithmetic: nothing to show
     from rannc.profile.measure import MeasureOracle
 
     return MeasureOracle(cap, atomic, model, leaves, device, costs, cluster.slowest,
-                         cache_dir=cfg.profile_cache_dir)
+                         cache_dir=cfg.profile_cache_dir, progress=progress)

@@ -80,24 +80,23 @@ class Plan:
             head += f", {self.blocks} blocks"
         if self.predicted_iteration_time is not None:
             head += f", predicted {_fmt_s(self.predicted_iteration_time)}/iteration"
-        lines = [head, f"{'stage':>5} {'components':>11} {'params':>6} {'rows/mb':>7} {'fwd':>9} "
-                       f"{'bwd':>9} {'memory':>9} {'recomp':>6}  {'ranks':<16} modules"]
+        header = ("stage", "components", "params", "rows/mb", "fwd", "bwd", "memory", "recomp",
+                  "ranks", "modules")
+        rows = []
         for st in self.stages:
-            comps = f"{st.components[0]}-{st.components[-1]}" if st.components else "-"
             p = st.predicted
-            ranks = ",".join(map(str, st.ranks))
-            if len(set(st.shares)) > 1 or st.devices:
-                ranks = ",".join(
-                    f"{r}:{st.devices[j]}:{st.shares[j]:.2f}" if st.devices else f"{r}:{st.shares[j]:.2f}"
-                    for j, r in enumerate(st.ranks))
-            rows = f"{int(p['microbatch_rows'])}" if "microbatch_rows" in p else "-"
-            fwd = _fmt_s(p["forward_s"]) if "forward_s" in p else "-"
-            bwd = _fmt_s(p["backward_s"]) if "backward_s" in p else "-"
-            memory = f"{p['memory_bytes'] / 1e9:.2f} GB" if "memory_bytes" in p else "-"
-            lines.append(f"{st.index:>5} {comps:>11} {len(st.param_names):>6} {rows:>7} {fwd:>9} "
-                         f"{bwd:>9} {memory:>9} {_fmt_recompute(st.recompute):>6}  {ranks:<16} "
-                         f"{st.modules or '-'}")
-        return "\n".join(lines)
+            rows.append((
+                str(st.index),
+                f"{st.components[0]}-{st.components[-1]}" if st.components else "-",
+                str(len(st.param_names)),
+                f"{int(p['microbatch_rows'])}" if "microbatch_rows" in p else "-",
+                _fmt_s(p["forward_s"]) if "forward_s" in p else "-",
+                _fmt_s(p["backward_s"]) if "backward_s" in p else "-",
+                f"{p['memory_bytes'] / 1e9:.2f} GB" if "memory_bytes" in p else "-",
+                _fmt_recompute(st.recompute),
+                _fmt_stage_ranks(st),
+                st.modules or "-"))
+        return "\n".join([head, *_table(header, rows, left={"ranks", "modules"})])
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(replace(self, source=None))
@@ -106,8 +105,10 @@ class Plan:
         return d
 
     def to_onnx(self, path: str | os.PathLike[str]) -> None:
-        """The captured graph as ONNX with each task's `stage` (and `atomic_component`) as node
-        attributes, for Netron. Needs the graph: a plan from rannc.plan() or RaNNCModule.plan."""
+        """The captured graph as ONNX for Netron: one function per stage (a node that opens
+        into the stage's graph), each task node with its `stage` and `atomic_component`
+        attributes (`rannc.graph.onnx_export`). Needs the graph: a plan from rannc.plan() or
+        RaNNCModule.plan."""
         if self.source is None:
             raise RaNNCError("this plan has no graph attached (it was loaded from a file); get it "
                              "from rannc.plan(...) or RaNNCModule.plan to export it")
@@ -119,7 +120,7 @@ class Plan:
         stage_of = {c: st.index for st in self.stages for c in st.components}
         for t, task in enumerate(graph.tasks):
             attrs[task.name]["stage"] = stage_of[atomic.holders[t][0]]
-        export_onnx(graph, os.fspath(path), task_attrs=attrs)
+        export_onnx(graph, os.fspath(path), task_attrs=attrs, group_by="stage")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Plan:
@@ -246,6 +247,39 @@ def plan_problem(plan: Plan, graph: TaskGraph, atomic: AtomicPartition,
                 what.append(f"it lists {extra[:5]}, which its components do not read")
             return f"stage {s}'s parameters do not match its components: {'; '.join(what)}"
     return None
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]], left: set[str]) -> list[str]:
+    """Lines of a table whose columns are as wide as their widest cell (numbers right-aligned,
+    the `left` columns left-aligned), two spaces apart, with no trailing blanks: every row
+    puts each column at the same position whatever the rank lists or module names hold."""
+    widths = [max(len(cells[i]) for cells in (header, *rows)) for i in range(len(header))]
+    out = []
+    for cells in (header, *rows):
+        out.append("  ".join(c.ljust(w) if h in left else c.rjust(w)
+                             for h, c, w in zip(header, cells, widths, strict=True)).rstrip())
+    return out
+
+
+def _fmt_stage_ranks(st: StagePlan) -> str:
+    """`0-3,6` when the replicas share rows evenly on one kind of device; otherwise each rank
+    with its share (and device), which the ranges would hide."""
+    if len(set(st.shares)) > 1 or st.devices:
+        return ",".join(f"{r}:{st.devices[j]}:{st.shares[j]:.2f}" if st.devices
+                        else f"{r}:{st.shares[j]:.2f}" for j, r in enumerate(st.ranks))
+    return fmt_ranks(st.ranks)
+
+
+def fmt_ranks(ranks: Sequence[int]) -> str:
+    """Ranks as sorted runs: (0, 1, 2, 3, 6) -> "0-3,6"; a pair of neighbours stays "4,5"."""
+    runs: list[list[int]] = []
+    for r in sorted(set(ranks)):
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    return ",".join(f"{run[0]}-{run[-1]}" if len(run) > 2 else ",".join(map(str, run))
+                    for run in runs) or "-"
 
 
 def _fmt_recompute(frac: float) -> str:

@@ -33,8 +33,12 @@ def test_plan_for_a_cluster_we_do_not_have(tmp_path: Path) -> None:
     import onnx as onnx_lib
 
     model = onnx_lib.load(str(onnx))
-    stages = {a.i for n in model.graph.node for a in n.attribute if a.name == "stage"}
-    assert stages == set(range(len(plan.stages)))
+    # one function per stage, each node inside with its stage
+    assert [n.op_type for n in model.graph.node][:len(plan.stages)] == [
+        f"stage{s}" for s in range(len(plan.stages))]
+    stages = {f.name: {a.i for n in f.node for a in n.attribute if a.name == "stage"}
+              for f in model.functions}
+    assert stages == {f"stage{s}": {s} for s in range(len(plan.stages))}
 
 
 def test_bad_arguments_say_what_is_wrong() -> None:

@@ -272,8 +272,11 @@ def test_progress_line(capsys: pytest.CaptureFixture[str]) -> None:
     oracle, n = _case_oracle("fork_join", progress=True)
     oracle.block_profile(_blocks(n, 2), [1, 2])
     err = capsys.readouterr().err
-    assert "\rrannc: profiling block 2/2 at batch 2" in err
+    assert "rannc: profiling" in err and "4/4" in err  # a step per (block, batch) run
     assert err.endswith("\n")
+    oracle, n = _case_oracle("fork_join")  # progress=False: nothing drawn
+    oracle.block_profile(_blocks(n, 2), [1, 2])
+    assert "rannc:" not in capsys.readouterr().err
 
 
 def test_meta_model_is_refused() -> None:

@@ -284,3 +284,49 @@ def test_missing_onnx_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setitem(sys.modules, "onnx", None)
     with pytest.raises(ImportError, match="pip install onnx"):
         to_onnx_model(cm.graph)
+
+
+def test_stages_are_functions_netron_opens(tmp_path: Path) -> None:
+    """group_by="stage": one local function per stage, called once from the main graph (Netron
+    draws a call as one node that opens into the stage's graph); each task node keeps its
+    stage as an attribute, in metadata_props, and as the name scope stage<k>/."""
+    from rannc.graph.onnx_export import GROUP_DOMAIN
+
+    cm = capture(_mlp(), (torch.randn(4, 8),))
+    graph = cm.graph
+    n = len(graph.tasks)
+    stage_of = {t.name: 0 if i < n // 2 else 1 for i, t in enumerate(graph.tasks)}
+    m = _export_and_load(graph, tmp_path / "staged.onnx",
+                         task_attrs={t: {"stage": s} for t, s in stage_of.items()}, group_by="stage")
+    calls = list(m.graph.node)
+    assert [(c.op_type, c.domain, c.name) for c in calls] == [
+        ("stage0", GROUP_DOMAIN, "stage0"), ("stage1", GROUP_DOMAIN, "stage1")]
+    assert [{p.key: p.value for p in c.metadata_props} for c in calls] == [{"stage": "0"},
+                                                                          {"stage": "1"}]
+    fns = {(f.domain, f.name): f for f in m.functions}
+    assert set(fns) == {(GROUP_DOMAIN, "stage0"), (GROUP_DOMAIN, "stage1")}
+    seen = []
+    for k, call in enumerate(calls):
+        fn = fns[(GROUP_DOMAIN, f"stage{k}")]
+        assert list(fn.input) == list(call.input) and list(fn.output) == list(call.output)
+        for node in fn.node:
+            task = node.name.removeprefix(f"stage{k}/")
+            assert node.name == f"stage{k}/{task}" and stage_of[task] == k
+            assert _attrs(node)["stage"] == k
+            assert {p.key: p.value for p in node.metadata_props} == {"stage": str(k)}
+            seen.append(task)
+    assert seen == [t.name for t in graph.tasks]  # every task once, in order
+    # stage 1 reads what stage 0 makes; the model's output leaves stage 1
+    assert set(calls[0].output) & set(calls[1].input)
+    assert m.graph.output[0].name in calls[1].output
+
+
+def test_group_by_needs_a_group_for_every_task() -> None:
+    cm = capture(_mlp(), (torch.randn(4, 8),))
+    tasks = [t.name for t in cm.graph.tasks]
+    with pytest.raises(ValueError, match="give every task a stage"):
+        to_onnx_model(cm.graph, task_attrs={tasks[0]: {"stage": 0}}, group_by="stage")
+    # stage 0 both before and after stage 1: the calls would read each other
+    cyc = {t: {"stage": 1 if i == len(tasks) // 2 else 0} for i, t in enumerate(tasks)}
+    with pytest.raises(ValueError, match="cycle"):
+        to_onnx_model(cm.graph, task_attrs=cyc, group_by="stage")

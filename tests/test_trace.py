@@ -125,3 +125,37 @@ def test_timeline_png_without_matplotlib(tmp_path: Path, timeline: Timeline,
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
     with pytest.raises(RaNNCError, match=r"pip install rannc\[trace\]"):
         timeline_png(tmp_path / "x.png", predicted=timeline)
+
+
+def test_measured_panel_names_the_iteration_it_draws_to(timeline: Timeline) -> None:
+    # Each rank's clock starts at its forward() call; the first action starts after the input
+    # sends and the iteration ends after the gradient all-reduce: 20 ms of actions in 26 ms.
+    from rannc.schedule.trace import _lane_end, measured_panel
+
+    measured = {r: [Event(e.action, 0.002 + e.start * 0.001, 0.002 + e.end * 0.001) for e in evs]
+                for r, evs in measured_of(timeline).items()}
+    first = min(e.start for evs in measured.values() for e in evs)
+    last = max(e.end for evs in measured.values() for e in evs)
+    iteration = {r: max(e.end for e in evs) + 0.004 for r, evs in measured.items()}
+    wall = max(iteration.values())
+    assert wall > last - first + 0.005  # two different quantities
+
+    title, lanes = measured_panel(measured, iteration)
+    assert f"iteration {wall * 1e3:.3g} ms" in title and "gradients reduced" in title
+    assert f"actions span {(last - first) * 1e3:.3g} ms" in title
+    assert max(_lane_end(lane) for lane in lanes) == pytest.approx(wall)  # drawn to it
+    assert all(lane[2] == pytest.approx(0.004) for lane in lanes)  # the tail after the actions
+
+    title, lanes = measured_panel(measured)  # a loaded trace: no iteration times known
+    assert title.startswith(f"measured: actions span {(last - first) * 1e3:.3g} ms")
+    assert "iteration" not in title
+    assert max(_lane_end(lane) for lane in lanes) == pytest.approx(last - first)
+
+
+def test_timeline_png_draws_the_measured_iteration(tmp_path: Path, timeline: Timeline) -> None:
+    pytest.importorskip("matplotlib")
+    measured = measured_of(timeline)
+    path = tmp_path / "both.png"
+    timeline_png(path, measured=measured, predicted=timeline,
+                 measured_iteration={r: max(e.end for e in evs) + 1.0 for r, evs in measured.items()})
+    assert path.read_bytes().startswith(PNG_MAGIC)

@@ -45,6 +45,15 @@ Node attributes (the vocabulary a viewer shows):
 The model's ``metadata_props`` record the graph's fingerprint
 (``rannc.fingerprint``) and summary (``rannc.summary``).
 
+Grouping (``group_by="stage"``, what ``Plan.to_onnx`` writes): each stage's nodes go into an
+ONNX local function ``stage<k>`` (domain ``rannc.stage``), and the main graph holds one call
+node per stage, wired by the values that cross stages. Netron draws a function call as one
+node with a "show function definition" button that opens the stage's own graph; it does not
+group an ONNX graph's nodes by ``/`` name scopes (its ONNX reader has that code switched off),
+so functions are the grouping it shows. Every task node also carries its group in a name
+scope (``stage1/linear_3``, which Model Explorer and other scope-aware viewers fold into a
+group), in its ``metadata_props`` (``stage`` = ``1``) and in its ``stage`` attribute.
+
 ``onnx`` is an optional dependency (``pip install onnx``); it is imported only
 when an export is asked for.
 """
@@ -63,11 +72,13 @@ from rannc.graph.task_graph import TaskGraph, Value, ValueKind
 
 if TYPE_CHECKING:
     import onnx
+    from onnx import FunctionProto
 
 log = logging.getLogger(__name__)
 
 ATEN_DOMAIN = "org.pytorch.aten"
 ATEN_DOMAIN_VERSION = 1
+GROUP_DOMAIN = "rannc.stage"  # the domain of the per-stage functions (group_by)
 DEFAULT_OPSET = 17
 
 # Attributes every node gets; task_attrs may not redefine them.
@@ -131,8 +142,13 @@ def to_onnx_model(
     *,
     task_attrs: Mapping[str, Mapping[str, int | str]] | None = None,
     initializers: Mapping[str, torch.Tensor] | None = None,
+    group_by: str | None = None,
 ) -> onnx.ModelProto:
     """The ONNX model of `graph` (see the module docstring for the mapping).
+
+    `group_by` names an int attribute every task has in `task_attrs` (``"stage"``): the tasks
+    sharing its value k become the local function ``<group_by><k>``, called once from the main
+    graph, and their nodes are named ``<group_by><k>/<task>``.
 
     `task_attrs` maps a task name to extra node attributes (int or string), such as
     ``{"atomic_component": 3, "stage": 1}``. `initializers` maps a parameter, buffer or
@@ -170,6 +186,7 @@ def to_onnx_model(
                              f"'{graph.values[name].producer}'")
 
     # -- nodes -----------------------------------------------------------------
+    group_of = _groups(graph, task_attrs, group_by)
     nodes = []
     for task in graph.tasks:
         node = helper.make_node(
@@ -182,6 +199,9 @@ def to_onnx_model(
             node.attribute.append(helper.make_attribute("mutates", list(task.mutates)))
         for key, val in (task_attrs.get(task.name) or {}).items():
             node.attribute.append(_task_attr(helper, task.name, key, val))
+        if group_by is not None:
+            node.name = f"{group_by}{group_of[task.name]}/{task.name}"
+            helper.set_metadata_props(node, {group_by: str(group_of[task.name])})
         nodes.append(node)
 
     # -- graph outputs -----------------------------------------------------------
@@ -212,6 +232,11 @@ def to_onnx_model(
         _value_info(onnx, v, n) for n, v in graph.values.items()
         if n not in seen_inputs and n not in emitted
     ]
+    functions: list[FunctionProto] = []  # (the name onnx is the module object here)
+    if group_by is not None:
+        nodes, inner, functions = _group_nodes(onnx, nodes[:len(graph.tasks)],
+                                               nodes[len(graph.tasks):], inner, group_of,
+                                               group_by, [o.name for o in output_infos])
 
     # -- initializers --------------------------------------------------------------
     tensors = []
@@ -242,8 +267,8 @@ def to_onnx_model(
     )
     model = helper.make_model(
         onnx_graph,
-        opset_imports=[helper.make_opsetid("", DEFAULT_OPSET),
-                       helper.make_opsetid(ATEN_DOMAIN, ATEN_DOMAIN_VERSION)],
+        opset_imports=_opsets(helper) + ([helper.make_opsetid(GROUP_DOMAIN, 1)] if functions else []),
+        functions=functions,
         producer_name="rannc",
         doc_string="A rannc task graph: one node per ATen operation (not runnable ONNX).",
     )
@@ -258,6 +283,7 @@ def export_onnx(
     *,
     task_attrs: Mapping[str, Mapping[str, int | str]] | None = None,
     initializers: Mapping[str, torch.Tensor] | None = None,
+    group_by: str | None = None,
 ) -> None:
     """Write `graph` as an ONNX file at `path` (open it in Netron).
 
@@ -265,7 +291,8 @@ def export_onnx(
     file (ONNX external data), as one protobuf message cannot hold more than 2 GiB.
     """
     onnx = _import_onnx()
-    model = to_onnx_model(graph, task_attrs=task_attrs, initializers=initializers)
+    model = to_onnx_model(graph, task_attrs=task_attrs, initializers=initializers,
+                          group_by=group_by)
     path = os.fspath(path)
     size = sum(len(t.raw_data) for t in model.graph.initializer)
     if size > _EXTERNAL_DATA_BYTES:
@@ -273,6 +300,77 @@ def export_onnx(
                         location=os.path.basename(path) + ".data")
     else:
         onnx.save_model(model, path)
+
+
+def _opsets(helper: ModuleType) -> list[onnx.OperatorSetIdProto]:
+    return [helper.make_opsetid("", DEFAULT_OPSET), helper.make_opsetid(ATEN_DOMAIN, ATEN_DOMAIN_VERSION)]
+
+
+def _groups(graph: TaskGraph, task_attrs: Mapping[str, Mapping[str, int | str]],
+            group_by: str | None) -> dict[str, int]:
+    """Each task's group: its `group_by` attribute, which every task must have as an int."""
+    if group_by is None:
+        return {}
+    out = {}
+    for task in graph.tasks:
+        k = (task_attrs.get(task.name) or {}).get(group_by)
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+            raise ValueError(f"group_by={group_by!r}: task '{task.name}' has {group_by}={k!r}; "
+                             f"give every task a {group_by} >= 0 in task_attrs")
+        out[task.name] = k
+    return out
+
+
+def _group_nodes(ox: ModuleType, tasks: list[onnx.NodeProto], extra: list[onnx.NodeProto],
+                 inner: list[onnx.ValueInfoProto], group_of: Mapping[str, int], group_by: str,
+                 graph_outputs: list[str]) -> tuple[list[onnx.NodeProto], list[onnx.ValueInfoProto],
+                                                    list[onnx.FunctionProto]]:
+    """The main graph's nodes (a call per group, then `extra`), its value_info (the values
+    crossing groups) and the functions, one per group, holding the groups' task nodes."""
+    helper = ox.helper
+    members: dict[int, list[onnx.NodeProto]] = {}
+    for node in tasks:
+        members.setdefault(group_of[node.name.split("/", 1)[1]], []).append(node)
+    made = {o: k for k, ns in members.items() for n in ns for o in n.output if o}
+    # values some other group, an extra node or the graph reads: a group's function outputs
+    read_outside = set(graph_outputs) | {i for n in extra for i in n.input}
+    reads: dict[int, list[str]] = {}
+    for k, ns in members.items():
+        seen: dict[str, None] = {}
+        for n in ns:
+            for i in n.input:
+                if i and made.get(i) != k:
+                    seen[i] = None
+                    read_outside.add(i)
+        reads[k] = list(seen)
+    # Groups in dependency order (a plan's stages are convex: index order, but the exporter
+    # should not rely on it); a cycle between groups has no ONNX form.
+    after = {k: {made[i] for i in reads[k] if i in made} for k in members}
+    order: list[int] = []
+    while len(order) < len(members):
+        ready = sorted(k for k in members if k not in order and after[k] <= set(order))
+        if not ready:
+            raise ValueError(f"group_by={group_by!r}: the groups "
+                             f"{sorted(set(members) - set(order))} read each other's values in "
+                             "a cycle; each group must be convex (as a plan's stages are)")
+        order += ready
+    infos = {vi.name: vi for vi in inner}
+    calls: list[onnx.NodeProto] = []
+    functions: list[onnx.FunctionProto] = []
+    for k in order:
+        name = f"{group_by}{k}"
+        outs = [o for n in members[k] for o in n.output if o and o in read_outside]
+        own = {o for n in members[k] for o in n.output if o} - set(outs)
+        fn = helper.make_function(GROUP_DOMAIN, name, reads[k], outs, members[k], _opsets(helper),
+                                  doc_string=f"{group_by} {k}: {len(members[k])} task(s)")
+        fn.value_info.extend(infos[v] for v in sorted(own) if v in infos)
+        functions.append(fn)
+        call = helper.make_node(name, reads[k], outs, name=name, domain=GROUP_DOMAIN,
+                                doc_string=f"{group_by} {k}")
+        helper.set_metadata_props(call, {group_by: str(k)})
+        calls.append(call)
+    inside = {o for ns in members.values() for n in ns for o in n.output if o} - read_outside
+    return calls + extra, [vi for vi in inner if vi.name not in inside], functions
 
 
 def _task_attr(helper: ModuleType, task: str, key: str, val: object) -> onnx.AttributeProto:
@@ -337,4 +435,4 @@ def _tensor_proto(ox: ModuleType, v: Value, t: torch.Tensor) -> onnx.TensorProto
     return proto
 
 
-__all__ = ["ATEN_DOMAIN", "export_onnx", "op_type", "to_onnx_model"]
+__all__ = ["ATEN_DOMAIN", "GROUP_DOMAIN", "export_onnx", "op_type", "to_onnx_model"]

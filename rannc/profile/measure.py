@@ -80,6 +80,7 @@ from rannc.planner import BlockOracle
 from rannc.profile.cache import Entry, ProfileCache, block_key
 from rannc.profile.device import DeviceSpec
 from rannc.profile.estimate import FLOAT_DTYPES, BlockProfile, GraphCosts
+from rannc.progress import Progress, progress_for
 
 log = logging.getLogger(__name__)
 
@@ -137,14 +138,16 @@ class MeasureOracle(BlockOracle):
     parameters on a real device (not `meta`); leaves: the example call's flat input leaves
     (`flatten_inputs`); device: where to measure; costs and spec: the roofline estimate used
     for per-component times (with calibration), CPU working memory and fallbacks; cache_dir:
-    directory of the on-disk cache (None: no cache); progress: True always shows a progress
-    line on stderr, False never, None after `progress_after_s` seconds.
+    directory of the on-disk cache (None: no cache); progress: where to show a bar per
+    profiling pass, one step per (block, batch size) run (`rannc.progress`; True: on stderr,
+    False or None: none).
     """
 
     def __init__(self, cap: CapturedModel, atomic: AtomicPartition, model: nn.Module,
                  leaves: Sequence[Any], device: torch.device | str, costs: GraphCosts,
-                 spec: DeviceSpec, *, cache_dir: str | None = None, progress: bool | None = None,
-                 settings: MeasureSettings | None = None, progress_after_s: float = 2.0) -> None:
+                 spec: DeviceSpec, *, cache_dir: str | None = None,
+                 progress: Progress | bool | None = None,
+                 settings: MeasureSettings | None = None) -> None:
         self.cap = cap
         self.graph = cap.graph
         self.atomic = atomic
@@ -155,8 +158,8 @@ class MeasureOracle(BlockOracle):
         self.costs = costs
         self.spec = spec
         self.settings = settings or MeasureSettings()
-        self.progress = progress
-        self.progress_after_s = progress_after_s
+        self.progress = progress if isinstance(progress, Progress) else \
+            progress_for(bool(progress), 0)
         self.env = cap.bind(model, leaves)
         for name, t in self.env.items():
             if isinstance(t, torch.Tensor) and t.device.type == "meta":
@@ -240,22 +243,17 @@ class MeasureOracle(BlockOracle):
                      what: str) -> None:
         stages = split_graph(self.graph, self.atomic, groups)
         need = {v for j, _ in todo for v in stages[j].inputs if v not in self.env}
-        progress = _Progress(self.progress, self.progress_after_s)
-        with self._no_side_effects():
+        with self._no_side_effects(), self.progress.phase(what, total=len(todo)) as step:
             self._record(need)
             by_block: dict[int, list[int]] = {}
             for j, i in todo:
                 by_block.setdefault(j, []).append(i)
-            done = 0
             for j, cols in by_block.items():
                 mod = build_stage_module(self.cap.gm, self.graph, stages[j])
                 params = self._block_tensors(stages[j])
                 failed = False
                 for i in sorted(cols, key=lambda i: batch_sizes[i]):
                     b = batch_sizes[i]
-                    done += 1
-                    progress.update(f"rannc: {what} block {j + 1}/{len(groups)} at batch {b} "
-                                    f"({done}/{len(todo)})")
                     measured = False
                     if failed:  # a smaller batch ran out of memory: so does this one
                         entry: Entry = (math.inf,) * 4  # type: ignore[assignment]
@@ -267,11 +265,11 @@ class MeasureOracle(BlockOracle):
                     self._memo[(keys[j], b)] = entry
                     if self.cache is not None and measured:
                         self.cache.put(keys[j], b, entry)
+                    step(1)
                 del mod, params
                 self._restore_buffers()
                 if self.cache is not None:
                     self.cache.flush()
-        progress.done()
 
     def _entry(self, j: int, b: int, mod: fx.GraphModule, stage: StageGraph,
                params: dict[str, torch.Tensor], est: BlockProfile,
@@ -541,31 +539,6 @@ class _Recorder(fx.Interpreter):
             # a copy: an in-place op later in the graph must not change what we recorded
             self.kept[n.name] = result.detach().clone() if isinstance(result, torch.Tensor) else result
         return result
-
-
-class _Progress:
-    """A one-line progress indicator on stderr, rewritten with \\r."""
-
-    def __init__(self, mode: bool | None, after_s: float) -> None:
-        self.mode = mode
-        self.after_s = after_s
-        self.t0 = time.perf_counter()
-        self.shown = 0
-
-    def update(self, text: str) -> None:
-        if self.mode is False:
-            return
-        if self.mode is None and time.perf_counter() - self.t0 < self.after_s:
-            return
-        sys.stderr.write("\r" + text.ljust(self.shown) + " ...")
-        sys.stderr.flush()
-        self.shown = len(text)
-
-    def done(self) -> None:
-        if self.shown:
-            text = f"rannc: profiling done in {time.perf_counter() - self.t0:.1f} s"
-            sys.stderr.write("\r" + text.ljust(self.shown + 4) + "\n")
-            sys.stderr.flush()
 
 
 # -- helpers -------------------------------------------------------------------------------------

@@ -129,9 +129,13 @@ _STYLE: dict[str, dict[str, Any]] = {
     "send": {"facecolor": "#56B4E9"},  # measured isend calls (queueing the transfer)
     "recv wait": {"facecolor": "#DDDDDD", "hatch": "////", "edgecolor": "#999999"},
     "all-reduce": {"facecolor": "#CC79A7"},
+    # measured: from a rank's last action to the end of its iteration: returning the outputs,
+    # the script's own code up to backward(), the gradient all-reduce, the last sends' waits
+    "after last action": {"facecolor": "#CC79A7", "hatch": "....", "edgecolor": "#FFFFFF"},
 }
-# A chart lane: its name, its events (times from the chart's origin), its all-reduce seconds.
-_Lane = tuple[str, Sequence[Event], float]
+# A chart lane: its name, its events (times from the chart's origin), the seconds after its
+# last event drawn as the tail kind.
+_Lane = tuple[str, Sequence[Event], float, str]
 _BAR_H = 0.8  # of a lane's height
 _WAIT_H = 0.3  # waits are drawn thin, so the compute bars stand out
 _FIG_W = 14.0  # inches
@@ -139,12 +143,18 @@ _DPI = 110
 
 
 def timeline_png(path: str | os.PathLike[str], *, measured: Mapping[int, Sequence[Event]] | None = None,
-                 predicted: Timeline | None = None, title: str = "") -> None:
+                 predicted: Timeline | None = None, title: str = "",
+                 measured_iteration: Mapping[int, float] | None = None) -> None:
     """Draw a Gantt chart of a pipeline iteration to a PNG file at `path`.
 
-    `measured` maps rank -> the events it ran, in seconds on one clock; the chart starts at
-    their earliest start, and its iteration time runs to the latest end (no all-reduce is
-    measured). `predicted` is `simulate`'s result, one lane per stage. With both,
+    `measured` maps rank -> the events it ran, in seconds on one clock. `measured_iteration`
+    (rank -> seconds, optional) says that clock starts at each rank's forward() call and when
+    its iteration ended (gradients reduced, sends done): the chart then starts at 0, every lane
+    runs to its iteration's end, and the panel's iteration time is the slowest rank's, the
+    wall time a training step spends in rannc. Without it the chart starts at the earliest
+    event and the panel gives the span of the actions, named as such (it leaves out what
+    runs before the first and after the last action, e.g. the gradient all-reduce).
+    `predicted` is `simulate`'s result, one lane per stage. With both,
     they are drawn one above the other on the same time axis. Forward, backward and
     recompute are coloured bars (numbered by microbatch where wide enough), receive waits
     thin hatched grey bars, a predicted all-reduce a bar after the stage's last action.
@@ -156,13 +166,9 @@ def timeline_png(path: str | os.PathLike[str], *, measured: Mapping[int, Sequenc
 
     panels: list[tuple[str, list[_Lane]]] = []
     if measured is not None:
-        t0 = min((e.start for evs in measured.values() for e in evs), default=0.0)
-        lanes: list[_Lane] = [(_lane_name("rank", r, measured[r]), _shift(measured[r], t0), 0.0)
-                              for r in sorted(measured)]
-        span = max((e.end for _, evs, _ in lanes for e in evs), default=0.0)
-        panels.append((f"measured: iteration {_fmt_ms(span)}", lanes))
+        panels.append(measured_panel(measured, measured_iteration))
     if predicted is not None:
-        lanes = [(f"stage {s}", evs, predicted.allreduce[s])
+        lanes: list[_Lane] = [(f"stage {s}", evs, predicted.allreduce[s], "all-reduce")
                  for s, evs in enumerate(predicted.events)]
         panels.append((f"predicted (simulator): iteration {_fmt_ms(predicted.iteration_time)}",
                        lanes))
@@ -173,11 +179,11 @@ def timeline_png(path: str | os.PathLike[str], *, measured: Mapping[int, Sequenc
     FigureCanvasAgg(fig)
     axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False, height_ratios=heights)
     all_lanes = [lane for _, lanes in panels for lane in lanes]
-    end = max((max(e.end for e in evs) + ar for _, evs, ar in all_lanes if evs), default=0.0)
+    end = max((_lane_end(lane) for lane in all_lanes), default=0.0)
     end_ms = end * _MS or 1.0
     # A microbatch number goes in bars at least this wide, the same width for every bar, so
     # that either all bars of a kind are numbered or none (no stray numbers in a dense chart).
-    digits = len(str(max((e.action.micro for _, evs, _ in all_lanes for e in evs), default=0)))
+    digits = len(str(max((e.action.micro for _, evs, _, _ in all_lanes for e in evs), default=0)))
     min_label_ms = (7 * digits + 4) * end_ms / (0.9 * _FIG_W * _DPI)
     kinds: set[str] = set()
     for ax, (panel_title, lanes) in zip(axes[:, 0], panels, strict=True):
@@ -193,11 +199,44 @@ def timeline_png(path: str | os.PathLike[str], *, measured: Mapping[int, Sequenc
     fig.savefig(os.fspath(path), format="png")
 
 
+def measured_panel(measured: Mapping[int, Sequence[Event]],
+                   iteration: Mapping[int, float] | None = None) -> tuple[str, list[_Lane]]:
+    """The measured panel's title and lanes (see `timeline_png`). Two quantities are easily
+    confused here: the span of the actions (first start to last end, across ranks) and the
+    iteration's wall time (forward() call to gradients reduced, the slowest rank), which adds
+    the input sends before the first action and what follows the last: the script's code up
+    to backward() and the all-reduce (tests/scripts/pipeline_check.py, GPT-2 on 2 CPU ranks,
+    1F1B: 111 ms of actions in a 133 ms iteration). The title names the one the lanes are
+    drawn to."""
+    starts = [e.start for evs in measured.values() for e in evs]
+    ends = [e.end for evs in measured.values() for e in evs]
+    span = max(ends, default=0.0) - min(starts, default=0.0)
+    if iteration is None:
+        t0 = min(starts, default=0.0)
+        lanes: list[_Lane] = [(_lane_name("rank", r, measured[r]), _shift(measured[r], t0), 0.0,
+                               "after last action") for r in sorted(measured)]
+        return f"measured: actions span {_fmt_ms(span)} (first action start to last end)", lanes
+    lanes = []
+    for r in sorted(measured):
+        evs = list(measured[r])
+        last = max((e.end for e in evs), default=0.0)
+        lanes.append((_lane_name("rank", r, evs), evs, max(iteration.get(r, 0.0) - last, 0.0),
+                      "after last action"))
+    wall = max((_lane_end(lane) for lane in lanes), default=0.0)
+    return (f"measured: iteration {_fmt_ms(wall)} (forward() call to gradients reduced, slowest "
+            f"rank); actions span {_fmt_ms(span)}", lanes)
+
+
+def _lane_end(lane: _Lane) -> float:
+    _, evs, tail, _ = lane
+    return max((e.end for e in evs), default=0.0) + tail if evs else tail
+
+
 def _draw_panel(ax: Axes, lanes: Sequence[_Lane], min_label_ms: float) -> set[str]:
     """Draw one lane per entry (top to bottom) into ax; return the kinds drawn."""
     kinds: set[str] = set()
     n = len(lanes)
-    for i, (_, evs, allreduce) in enumerate(lanes):
+    for i, (_, evs, tail, tail_kind) in enumerate(lanes):
         y = n - 1 - i  # first lane on top
         bars: dict[str, list[tuple[float, float]]] = {}
         for e in evs:
@@ -209,14 +248,15 @@ def _draw_panel(ax: Axes, lanes: Sequence[_Lane], min_label_ms: float) -> set[st
             if kind not in ("recv wait", "send") and width >= min_label_ms:
                 ax.text(e.start * _MS + width / 2, y, str(e.action.micro), ha="center",
                         va="center", fontsize=7, color="white", clip_on=True)
-        if allreduce > 0 and evs:
-            bars["all-reduce"] = [(evs[-1].end * _MS, allreduce * _MS)]
+        if tail > 0:
+            last = max((e.end for e in evs), default=0.0)
+            bars[tail_kind] = [(last * _MS, tail * _MS)]
         for kind, spans in bars.items():
             h = _WAIT_H if kind == "recv wait" else _BAR_H
             style = {"edgecolor": "white", "linewidth": 0.5, **_STYLE[kind]}
             ax.broken_barh(spans, (y - h / 2, h), **style)
             kinds.add(kind)
-    ax.set_yticks(range(n), [name for name, _, _ in reversed(lanes)], fontsize=9)
+    ax.set_yticks(range(n), [lane[0] for lane in reversed(lanes)], fontsize=9)
     ax.set_ylim(-0.6, n - 0.4)
     ax.grid(axis="x", color="#EEEEEE", linewidth=0.8)
     ax.set_axisbelow(True)
@@ -246,4 +286,4 @@ def _import_matplotlib() -> tuple[Any, Any, Any]:
     return Figure, Rectangle, FigureCanvasAgg
 
 
-__all__ = ["TraceError", "chrome_trace", "load_chrome_trace", "timeline_png"]
+__all__ = ["TraceError", "chrome_trace", "load_chrome_trace", "measured_panel", "timeline_png"]
