@@ -54,7 +54,17 @@ from rannc.graph.task_graph import Value, ValueKind, eval_dim
 from rannc.pipeline import batchnorm as bnorm
 from rannc.pipeline.rows import Range, RowLayout, intersect
 from rannc.plans import Plan
-from rannc.schedule import Action, Event, Op, Schedule, ScheduleError, make_schedule, validate
+from rannc.schedule import (
+    FILL_DRAIN,
+    Action,
+    Event,
+    Op,
+    Schedule,
+    ScheduleError,
+    get_spec,
+    make_schedule,
+    validate,
+)
 
 log = logging.getLogger(__name__)
 
@@ -138,18 +148,21 @@ class PipelineRuntime:
         self._pending: dict[str, torch.Tensor] = {}
         self.sync = True
         self._call: _Call | None = None
-        self._eager_ok = plan.schedule != "gpipe" and self._one_scalar_loss()
-        self.schedule = self._schedule(plan.schedule if self._eager_ok else "gpipe")
+        planned = get_spec(plan.schedule)
+        # the schedule run: an eager one falls back to fill-drain without one scalar loss
+        self.spec = planned if not planned.eager or self._one_scalar_loss() else get_spec(FILL_DRAIN)
+        self.schedule = self._schedule(self.spec.name)
         self._has_consumers = bool(self.schedule.consumers(self.s))
         self.rec_part, self.keep_part = self._parts(captured, atomic, groups)
         self._bn = self._batch_norm(batchnorm)
         bn_tasks = set(bnorm.training_batch_norms(self.cap.gm, self.graph))
         self._bn_stages = [t for t, st in enumerate(self.stages)
                            if len(self.plan.stages[t].ranks) > 1 and set(st.tasks) & bn_tasks]
-        if plan.schedule != "gpipe" and not self._eager_ok and rank == 0:
+        if self.spec is not planned and rank == 0:
             log.info("rannc: schedule %s needs the model to return one floating-point scalar "
                      "(the loss) to run its backward inside forward(); this model returns %s, so "
-                     "it runs fill-drain (gpipe) instead", plan.schedule, self._outputs_text())
+                     "it runs fill-drain (%s) instead", plan.schedule, self._outputs_text(),
+                     FILL_DRAIN)
         if self._count_input() is not None and not self._summed and rank == 0:
             log.warning("rannc: the call passed %s, but no scalar output of the model is computed "
                         "from it (its loss ignores it), so scalar outputs are combined as a "
@@ -172,8 +185,8 @@ class PipelineRuntime:
         before backward (`recompute` of its components) and the suffix that keeps them."""
         comps = groups[self.s]
         n_rec = self.plan.stages[self.s].recomputed_components
-        if self._scp_last(self.s):
-            n_rec = 0  # it holds one microbatch at a time: recomputing would save nothing
+        if not self.spec.recomputes(self.s, len(self.stages), True):
+            n_rec = 0  # e.g. scp's last stage holds one microbatch at a time: nothing to save
 
         def part(st: StageGraph) -> _Part:
             gm = build_stage_module(captured.gm, self.graph, st)
@@ -237,14 +250,10 @@ class PipelineRuntime:
                         f"({len(per)} replicas, rows {per}) without rows; pass at least "
                         "one row per replica")
 
-    def _scp_last(self, s: int) -> bool:
-        return self.plan.schedule == "scp" and self._eager_ok and s == len(self.plan.stages) - 1
-
     def _schedule(self, name: str) -> Schedule:
         sup = [sorted({self.supplier(v, t) for v in st.inputs if self._moves(v)} - {-1})
                for t, st in enumerate(self.stages)]
-        rc = [st.recomputed_components > 0 and not self._scp_last(t)
-              for t, st in enumerate(self.plan.stages)]
+        rc = [st.recomputed_components > 0 for st in self.plan.stages]
         try:
             sched = make_schedule(name, self.plan.microbatches, sup, rc)
         except ScheduleError as e:
@@ -426,7 +435,7 @@ class PipelineRuntime:
             buffers = dict(self.model.named_buffers(remove_duplicate=False))
             self._bn.begin_call(buffers)
         grad = torch.is_grad_enabled()
-        mode = "forward" if not grad else "eager" if self._eager_ok else "split"
+        mode = "forward" if not grad else "eager" if self.spec.eager else "split"
         call = _Call(layout, self.cap.bind(self.model, leaves),
                      [_Micro(layout.rows[self.s][m][self.j]) for m in range(self.plan.microbatches)],
                      mode, t0=time.perf_counter())
