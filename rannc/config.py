@@ -132,6 +132,11 @@ class Config:
     """How many captured input signatures (e.g. sequence lengths) are kept, >= 1; the least
     recently used one is dropped beyond it (its next call captures again). Pad inputs to a few
     bucket lengths when they vary."""
+    bucket_mb: float = _f(25.0, lo=0, open_lo=True)
+    """Size in MB (2^20 bytes), > 0, of the buckets gradients are all-reduced in over the ranks
+    holding them (rannc.pipeline.grads): each bucket starts as soon as its gradients are final
+    in the last microbatch's backward, overlapping the rest. The reduction holds at most one
+    bucket beyond the gradients. Smaller: more, shorter collectives that start earlier."""
     trace: bool = _f(False)
     """Record per-rank runtime events."""
     extra: dict[str, Any] = _f(factory=dict)
