@@ -110,13 +110,14 @@ class GradReducer:
         out: list[_Bucket] = []
         cur: list[str] = []
         size = 0
-        for n in order:
+        for n in order:  # a bucket stays within bucket_bytes unless one parameter exceeds it
             p = self.held[n]
-            if cur and (self.held[cur[0]].dtype != p.dtype or size >= self.bucket_bytes):
+            nbytes = p.numel() * p.element_size()
+            if cur and (self.held[cur[0]].dtype != p.dtype or size + nbytes > self.bucket_bytes):
                 out.append(self._bucket(cur))
                 cur, size = [], 0
             cur.append(n)
-            size += p.numel() * p.element_size()
+            size += nbytes
         if cur:
             out.append(self._bucket(cur))
         return out
