@@ -498,6 +498,8 @@ def parse_results(text: str) -> dict[str, dict[str, Any]]:
 
 # -- the command ------------------------------------------------------------------------------
 def _parser() -> argparse.ArgumentParser:
+    from rannc.schedule import SCHEDULES
+
     p = argparse.ArgumentParser(
         prog="python -m rannc.check",
         description="Check a model under rannc against the unwrapped model on the global batch "
@@ -508,7 +510,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--partition-num", type=int, default=None, help="force the stage count")
     p.add_argument("--replicas", default=None, help="force replicas per stage, e.g. 2,1")
     p.add_argument("--microbatches", type=int, default=None, help="force the microbatch count")
-    p.add_argument("--schedule", default=None, help="auto, gpipe, 1f1b or scp")
+    p.add_argument("--schedule", default=None,
+                   help=f"auto or one of {', '.join(SCHEDULES)}")
     p.add_argument("--option", action="append", default=[], metavar="NAME=JSON",
                    help="any other rannc option, e.g. --option checkpointing='\"on\"'")
     p.add_argument("--batch", type=int, default=None, help="global batch (default: the case's, or 8)")

@@ -18,13 +18,19 @@ import math
 import os
 import typing
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from rannc.errors import ConfigError
+from rannc.schedule.spec import SCHEDULES
 
-_SCHEDULES = ("auto", "gpipe", "1f1b", "scp")
+
+def _schedules() -> tuple[str, ...]:
+    """Read when a value is checked, so a schedule registered later is accepted too."""
+    return ("auto", *SCHEDULES)
+
+
 _CHECKPOINTING = ("auto", "on", "off", "stage_aware")
 _PROFILERS = ("auto", "measure", "estimate")
 # A switch field's other spellings, from keywords (True) and the environment ("1", "true").
@@ -57,9 +63,11 @@ RANNC_ORIGINAL_ENV = {
 
 def _f(default: Any = None, *, factory: Any = None, lo: float | None = None,
        hi: float | None = None, open_lo: bool = False, open_hi: bool = False,
-       choices: tuple[str, ...] = (), aliases: Mapping[Any, str] | None = None) -> Any:
-    """A field with its allowed range (lo <= value <= hi; open_*: strict) or choices;
-    `aliases` maps other accepted values (True, "1") to the choice they stand for."""
+       choices: tuple[str, ...] | Callable[[], tuple[str, ...]] = (),
+       aliases: Mapping[Any, str] | None = None) -> Any:
+    """A field with its allowed range (lo <= value <= hi; open_*: strict) or choices (a tuple,
+    or a function giving them when a value is checked); `aliases` maps other accepted values
+    (True, "1") to the choice they stand for."""
     meta = {"lo": lo, "hi": hi, "open_lo": open_lo, "open_hi": open_hi, "choices": choices,
             "aliases": dict(aliases or {})}
     if factory is not None:
@@ -94,9 +102,10 @@ class Config:
     """Fraction of device memory kept free, in [0, 1)."""
     opt_param_factor: float | None = _f(None, lo=0)
     """Optimizer state per parameter element, >= 0 (None: read from the optimizer, Adam = 2)."""
-    schedule: str = _f("auto", choices=_SCHEDULES)
-    """Pipeline schedule: auto (the planner picks by simulated time within memory), gpipe
-    (fill-drain), 1f1b, or scp (Merak's shifted critical path)."""
+    schedule: str = _f("auto", choices=_schedules)
+    """Pipeline schedule: auto (the planner picks by simulated time within memory), or one of
+    rannc.schedule.SCHEDULES: gpipe (fill-drain), 1f1b, or scp (Merak's shifted critical
+    path)."""
     checkpointing: str = _f("auto", choices=_CHECKPOINTING)
     """Recomputation: auto, on, off or stage_aware."""
     profiler: str = _f("auto", choices=_PROFILERS)
@@ -129,6 +138,11 @@ class Config:
     """How many captured input signatures (e.g. sequence lengths) are kept, >= 1; the least
     recently used one is dropped beyond it (its next call captures again). Pad inputs to a few
     bucket lengths when they vary."""
+    bucket_mb: float = _f(25.0, lo=0, open_lo=True)
+    """Size in MB (2^20 bytes), > 0, of the buckets gradients are all-reduced in over the ranks
+    holding them (rannc.pipeline.grads): each bucket starts as soon as its gradients are final
+    in the last microbatch's backward, overlapping the rest. The reduction holds at most one
+    bucket beyond the gradients. Smaller: more, shorter collectives that start earlier."""
     trace: bool = _f(False)
     """Record per-rank runtime events."""
     extra: dict[str, Any] = _f(factory=dict)
@@ -249,7 +263,7 @@ def check_field(name: str, value: Any, where: str) -> Any:
         value = list(value) if ok else value
     elif origin is dict:
         ok = isinstance(value, dict)
-    if ok and meta.get("choices") and value not in meta["choices"]:
+    if ok and _choices(meta) and value not in _choices(meta):
         ok = False
     if ok and origin in (int, float, list):
         for x in value if origin is list else [value]:
@@ -264,10 +278,15 @@ def check_field(name: str, value: Any, where: str) -> Any:
     return value
 
 
+def _choices(meta: Mapping[str, Any]) -> tuple[str, ...]:
+    c = meta.get("choices") or ()
+    return tuple(c() if callable(c) else c)
+
+
 def _expected(base: Any, meta: Mapping[str, Any], optional: bool) -> str:
     origin = typing.get_origin(base) or base
-    if meta.get("choices"):
-        text = "one of " + ", ".join(repr(c) for c in meta["choices"])
+    if _choices(meta):
+        text = "one of " + ", ".join(repr(c) for c in _choices(meta))
         if meta.get("aliases"):
             text += " (or True, False)"
     else:
@@ -288,7 +307,7 @@ _EXAMPLES = {bool: "1", int: "2", float: "60", str: "NAME", list: "[2,1]", dict:
 
 def _fix(name: str, base: Any, meta: Mapping[str, Any], where: str) -> str:
     origin = typing.get_origin(base) or base
-    example = meta["choices"][0] if meta.get("choices") else _EXAMPLES.get(origin, "...")
+    example = _choices(meta)[0] if _choices(meta) else _EXAMPLES.get(origin, "...")
     if name == "timeout_s":
         example = "600"
     if where.startswith("RANNC_"):

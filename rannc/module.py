@@ -198,7 +198,8 @@ class RaNNCModule(nn.Module):
             rt = PipelineRuntime(self.module, cap, atomic, plan, ctx.rank, ctx.world_size, ctx.device,
                                  trace=self.rannc_config.trace,
                                  wrap_stage=_compile_stage if self.rannc_config.compile else None,
-                                 batchnorm=self.rannc_config.batchnorm)
+                                 batchnorm=self.rannc_config.batchnorm,
+                                 bucket_mb=self.rannc_config.bucket_mb)
             rt.sync = self._sync
             if not self._runtimes:
                 _seed_at_deployment(self.rannc_config)
@@ -609,7 +610,7 @@ class RaNNCModule(nn.Module):
         if rt is None:
             return rclip.torch_clip_grad_norm_(self.module.parameters(), max_norm, norm_type,
                                                error_if_nonfinite, foreach)
-        if any(r._pending for r in self._runtimes.values()):  # local sums awaiting a reduce
+        if any(r.grads.pending for r in self._runtimes.values()):  # local sums awaiting a reduce
             raise RaNNCError("clip_grad_norm_ after a backward under no_sync(): the gradients are "
                              "not yet summed over ranks. Clip after the last (synchronised) "
                              "backward of the accumulation, outside no_sync()")

@@ -38,7 +38,7 @@ from rannc.plans import Plan, StagePlan, stage_ranks
 from rannc.profile.device import Cluster, DeviceSpec
 from rannc.profile.estimate import BlockProfile, GraphCosts, _bytes
 from rannc.progress import NO_PROGRESS, Progress
-from rannc.schedule import SCHEDULES, StageCosts, chain, in_flight, make_schedule, simulate
+from rannc.schedule import SCHEDULES, StageCosts, chain, get_spec, in_flight, make_schedule, simulate
 from rannc.stage_dp.dp import stage_dp
 from rannc.stage_dp.hetero import HeteroDevices
 from rannc.stage_dp.refine import block_starts, level_points, plan_order, segment_of
@@ -138,19 +138,18 @@ def plan_graph(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, conf
         if batch_per_replica(batch_size, R, m, 1) < 1 or m * R > batch_size:
             continue
         for sched in schedules:
-            eager = sched != "gpipe"
-            # A stage holds at most min(S, m) microbatches under 1F1B (the first stage);
-            # the split is made under that bound and refined per stage below.
-            bounds_in = sorted({min(S, m) for S in range(1, D + 1)}) if eager else [m]
-            for n_in in bounds_in:
-                tab = table(D, R, m, n_in, m if eager and late else 0)
+            # A stage holds at most in_flight(S, m) microbatches (1F1B: min(S, m), on the
+            # first stage); the split is made under that bound and refined per stage below.
+            held = {S: get_spec(sched).held(S, m, late) for S in range(1, D + 1)}
+            for n_in in sorted({h.in_flight for h in held.values()}):
+                tab = table(D, R, m, n_in, held[D].saved_inputs)
                 for cand in _solutions(tab, D, R, m, config, sched):
-                    if eager and min(len(cand.replicas), m) != n_in:
+                    if held[len(cand.replicas)].in_flight != n_in:
                         continue
                     stats.candidates += 1
                     found.append(cand)
                 if not found:
-                    counts = {S for S in range(1, D + 1) if not eager or min(S, m) == n_in}
+                    counts = {S for S in range(1, D + 1) if held[S].in_flight == n_in}
                     infeasible.append((tab, D, counts))
     mixed_dp = (not cluster.is_homogeneous and cluster.size <= _HETERO_DP_MAX
                 and bool(config.extra.get("hetero_dp", True))
@@ -293,9 +292,9 @@ def plan_splits(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, con
     for m in mbs:  # one microbatch count's tables at a time: they are (blocks^2 x width) each
         table = _TableCache(prof, io, mem, cluster, batch_size, spec.link_bandwidth, width=width)
         for sched in SCHEDULES if config.schedule == "auto" else [config.schedule]:
-            eager = sched != "gpipe"
             for i, (bounds, replicas) in enumerate(splits):
-                tab = table(D, R, m, min(len(replicas), m) if eager else m, m if eager and late else 0)
+                held = get_spec(sched).held(len(replicas), m, late)
+                tab = table(D, R, m, held.in_flight, held.saved_inputs)
                 ref = _refine(_candidate(tab, D, R, m, bounds, replicas, sched), table, late)
                 old = best[i]
                 if ref is not None and (old is None or ref.time < old.time * (1 - 1e-9)):
@@ -387,19 +386,18 @@ def _late_pass(graph: TaskGraph) -> bool:
 def _refine(c: _Candidate, table: Any, late: bool) -> _Refined | None:
     S = len(c.replicas)
     sched = c.schedule
-    eager = sched != "gpipe"
+    saved = get_spec(sched).held(S, c.microbatches, late).saved_inputs
     idx = [(c.bounds[s], c.bounds[s + 1] - 1, c.replicas[s]) for s in range(S)]
     # the schedule's own in-flight counts (recomputation does not change them)
     counts = [n for n, _ in in_flight(make_schedule(sched, c.microbatches, chain(S), [False] * S))]
     rows = []
     for s, x in enumerate(idx):
-        tab = table(c.devices, c.copies, c.microbatches, counts[s],
-                    c.microbatches if eager and late else 0)
+        tab = table(c.devices, c.copies, c.microbatches, counts[s], saved)
         if not math.isfinite(float(tab.h[x])):
             return None
         rows.append((float(tab.recompute[x]), float(tab.fwd[x]), float(tab.bwd[x]),
                      float(tab.allreduce[x]), float(tab.memory[x]), float(tab.recompute_s[x])))
-    if sched == "scp":  # never recomputes on the last stage: it holds one microbatch anyway
+    if not get_spec(sched).recompute_last:  # e.g. scp: its last stage holds one microbatch
         f, fw, bw, ar, memory, rs = rows[-1]
         rows[-1] = (0.0, fw, bw - rs, ar, memory, 0.0)
     rc = [r[0] for r in rows]
@@ -472,7 +470,7 @@ def _refine_boundaries(best: _Refined, block_of: Sequence[int], io: BlockIO, com
     starts = block_starts(block_of)
     cuts = [starts[b] for b in c.bounds]
     windows = [(starts[b - 1], starts[b + 1]) for b in c.bounds[1:-1]]
-    saved = c.microbatches if c.schedule != "gpipe" and late else 0
+    saved = get_spec(c.schedule).held(S, c.microbatches, late).saved_inputs
     for _ in range(_LEVELS):
         points = level_points(weight, cuts, windows, _PIECES)
         seg_of = segment_of(order, points)
@@ -671,10 +669,10 @@ def _hetero_search(graph: TaskGraph, atomic: AtomicPartition, costs: GraphCosts,
             continue
         batch_of = [0] + [batch_per_replica(batch_size, 1, m, d) for d in range(1, world + 1)]
         for sched in schedules:
-            eager = sched != "gpipe"
+            held = get_spec(sched).held(world, m, late)
             hs = hetero_stages(prof, io, static, dev, rows=batch_size / m, batch_of=batch_of,
-                               in_flight=min(world, m) if eager else m,
-                               saved=m if eager and late else 0, link_bw=link_bw,
+                               in_flight=held.in_flight,
+                               saved=held.saved_inputs, link_bw=link_bw,
                                allreduce_bw=ar_bw, microbatches=m,
                                checkpointing=config.checkpointing, stages=config.partition_num,
                                replicas=config.replicas)

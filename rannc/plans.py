@@ -183,7 +183,7 @@ def plan_problem(plan: Plan, graph: TaskGraph, atomic: AtomicPartition,
     """The first thing wrong with `plan` for this graph and its world, said with the values,
     or None. Pure; the checks the runtime relies on and would otherwise fail on obscurely."""
     from rannc.planner import param_names_of
-    from rannc.schedule.actions import SCHEDULES
+    from rannc.schedule.spec import SCHEDULES
 
     if plan.schedule not in SCHEDULES:
         return f"schedule {plan.schedule!r} is not one of {', '.join(SCHEDULES)}"

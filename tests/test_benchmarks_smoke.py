@@ -143,3 +143,12 @@ def test_capacity_benchmark() -> None:
     measured = [ln.split("|")[1:-1] for ln in out.splitlines() if ln.startswith(("| rannc | L", "| DDP | L"))]
     assert sorted(r[0].strip() for r in measured) == ["DDP", "DDP", "rannc", "rannc"], out
     assert all(float(r[6]) > 0 and float(r[5]) > 0 for r in measured), out
+
+
+def test_grad_reduce_benchmark() -> None:
+    """The bucketed reduction's row (without --old-root only the new runtime runs): a positive
+    step time and at most one bucket held beyond the gradients."""
+    out = run("benchmarks/grad_reduce.py")
+    rows = [ln.split("|")[1:-1] for ln in out.splitlines() if ln.startswith("| gpipe |")]
+    assert len(rows) == 1 and float(rows[0][2]) > 0, out
+    assert float(rows[0][4]) <= 0.01 + 1e-9, out

@@ -89,6 +89,30 @@ def test_every_schedule_equals_the_unwrapped_model(n: int, args: list[str], mode
             assert len(re.findall(rf"OK {what} bert rank", res.stdout)) == 2 * n
 
 
+# Gradients reduced in buckets of about 1 KB (RANNC_BUCKET_MB), so most parameters reduce in
+# their own .grad and the small ones share buffers, started during the last backward under
+# fill-drain: with replicas, BERT's word embedding tied across both stages (a group of all four
+# ranks), shared_param's weight used twice, and partial recomputation (a parameter read by the
+# recomputed and the kept part accumulates twice in one microbatch); under 1F1B every bucket
+# starts after backward(); no_sync and clipping with small buckets are in test_train_ops_mpi.py.
+BUCKETED = [
+    (4, ["--replicas", "2,2", "--microbatches", "2", "--batch", "8", "--schedule", "gpipe",
+         "--recompute-fraction", "0.5"], "bert,shared_param,gpt2"),
+    (3, ["--replicas", "2,1", "--microbatches", "2", "--batch", "7", "--schedule", "1f1b",
+         "--grad-scaler"], "bert,kwargs"),
+]
+
+
+@pytest.mark.parametrize(("n", "args", "models"), BUCKETED,
+                         ids=[f"{n}r-{'_'.join(x.lstrip('-') for x in a)}" for n, a, _ in BUCKETED])
+def test_small_gradient_buckets_equal_the_unwrapped_model(n: int, args: list[str],
+                                                          models: str) -> None:
+    res = run_mpi(SCRIPT, n, ["--model", models, *args], env={"RANNC_BUCKET_MB": "0.001"})
+    for model in models.split(","):
+        got = sorted(re.findall(rf"PASS {model} rank (\d+)", res.stdout))
+        assert got == [str(r) for r in range(n)], (model, res.stdout)
+
+
 # Mixed precision (issue 6): bf16 autocast with recomputation under 1F1B, a model cast to bf16,
 # and GradScaler with an inf gradient injected on one rank (every rank must skip that step and
 # keep the same scale; kwargs leaves two ranks without parameters).

@@ -42,6 +42,16 @@ def test_clip_accumulate_and_optimizers_equal_the_unwrapped_model(n: int, args: 
         assert f"SCHEDULE {args[args.index('--schedule') + 1]}" in res.stdout, res.stdout
 
 
+def test_accumulation_and_clipping_with_small_gradient_buckets() -> None:
+    """no_sync's pending local sums and the tied word embedding (stages 0 and 1, all four
+    ranks) reduced in buckets of about 1 KB that start during the last backward."""
+    res = run_mpi(SCRIPT, 4, ["--model", "bert", "--microbatches", "2", "--batch", "8",
+                              "--replicas", "2,2", "--schedule", "gpipe"],
+                  env={"RANNC_BUCKET_MB": "0.001"})
+    got = sorted(re.findall(r"PASS bert rank (\d+)", res.stdout))
+    assert got == ["0", "1", "2", "3"], res.stdout
+
+
 @pytest.mark.parametrize("norm_type", [2.0, math.inf])
 def test_clip_in_one_process_is_torchs(norm_type: float) -> None:
     case = make_case("fork_join", batch=4)

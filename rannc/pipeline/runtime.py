@@ -18,7 +18,8 @@ Gradient semantics (DDP): rank r's `backward()` of L_r sends d L_r / d(out) / W
 for its rows (W = world size) and the average of the scalar outputs'
 gradients; each (microbatch, replica) piece of a scalar output carries the
 weight rows/N of the global row-weighted mean; parameter gradients are then
-summed over every rank holding the parameter (stage replicas, tied copies).
+summed over every rank holding the parameter (stage replicas, tied copies), in
+buckets started during the last backward (`rannc.pipeline.grads`).
 
 Index conventions: s, t stages; m microbatches; j replicas; r ranks.
 """
@@ -52,9 +53,20 @@ from rannc.graph.extract import (
 )
 from rannc.graph.task_graph import Value, ValueKind, eval_dim
 from rannc.pipeline import batchnorm as bnorm
+from rannc.pipeline.grads import GradReducer, ParamGroup, share_overflow
 from rannc.pipeline.rows import Range, RowLayout, intersect
 from rannc.plans import Plan
-from rannc.schedule import Action, Event, Op, Schedule, ScheduleError, make_schedule, validate
+from rannc.schedule import (
+    FILL_DRAIN,
+    Action,
+    Event,
+    Op,
+    Schedule,
+    ScheduleError,
+    get_spec,
+    make_schedule,
+    validate,
+)
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +128,7 @@ class PipelineRuntime:
                  plan: Plan, rank: int, world_size: int, device: torch.device,
                  trace: bool = False,
                  wrap_stage: Callable[[fx.GraphModule], Any] | None = None,
-                 batchnorm: str = "local") -> None:
+                 batchnorm: str = "local", bucket_mb: float = 25.0) -> None:
         self.model, self.cap, self.plan = model, captured, plan
         self._wrap_stage = wrap_stage  # e.g. torch.compile (Config.compile), applied to each part
         self.rank, self.world_size, self.device = rank, world_size, device
@@ -134,22 +146,26 @@ class PipelineRuntime:
         self._summed = self._summed_outputs()
         self._check_boundaries()
         self.held = self._held_params()
-        self._groups = self._param_groups()
-        self._pending: dict[str, torch.Tensor] = {}
+        param_groups = self._param_groups()
         self.sync = True
         self._call: _Call | None = None
-        self._eager_ok = plan.schedule != "gpipe" and self._one_scalar_loss()
-        self.schedule = self._schedule(plan.schedule if self._eager_ok else "gpipe")
+        planned = get_spec(plan.schedule)
+        # the schedule run: an eager one falls back to fill-drain without one scalar loss
+        self.spec = planned if not planned.eager or self._one_scalar_loss() else get_spec(FILL_DRAIN)
+        self.schedule = self._schedule(self.spec.name)
         self._has_consumers = bool(self.schedule.consumers(self.s))
         self.rec_part, self.keep_part = self._parts(captured, atomic, groups)
+        self.grads = GradReducer(self.held, param_groups, self._first_use(),
+                                 int(bucket_mb * 2**20), self._accumulations())
         self._bn = self._batch_norm(batchnorm)
         bn_tasks = set(bnorm.training_batch_norms(self.cap.gm, self.graph))
         self._bn_stages = [t for t, st in enumerate(self.stages)
                            if len(self.plan.stages[t].ranks) > 1 and set(st.tasks) & bn_tasks]
-        if plan.schedule != "gpipe" and not self._eager_ok and rank == 0:
+        if self.spec is not planned and rank == 0:
             log.info("rannc: schedule %s needs the model to return one floating-point scalar "
                      "(the loss) to run its backward inside forward(); this model returns %s, so "
-                     "it runs fill-drain (gpipe) instead", plan.schedule, self._outputs_text())
+                     "it runs fill-drain (%s) instead", plan.schedule, self._outputs_text(),
+                     FILL_DRAIN)
         if self._count_input() is not None and not self._summed and rank == 0:
             log.warning("rannc: the call passed %s, but no scalar output of the model is computed "
                         "from it (its loss ignores it), so scalar outputs are combined as a "
@@ -172,8 +188,8 @@ class PipelineRuntime:
         before backward (`recompute` of its components) and the suffix that keeps them."""
         comps = groups[self.s]
         n_rec = self.plan.stages[self.s].recomputed_components
-        if self._scp_last(self.s):
-            n_rec = 0  # it holds one microbatch at a time: recomputing would save nothing
+        if not self.spec.recomputes(self.s, len(self.stages), True):
+            n_rec = 0  # e.g. scp's last stage holds one microbatch at a time: nothing to save
 
         def part(st: StageGraph) -> _Part:
             gm = build_stage_module(captured.gm, self.graph, st)
@@ -237,14 +253,10 @@ class PipelineRuntime:
                         f"({len(per)} replicas, rows {per}) without rows; pass at least "
                         "one row per replica")
 
-    def _scp_last(self, s: int) -> bool:
-        return self.plan.schedule == "scp" and self._eager_ok and s == len(self.plan.stages) - 1
-
     def _schedule(self, name: str) -> Schedule:
         sup = [sorted({self.supplier(v, t) for v in st.inputs if self._moves(v)} - {-1})
                for t, st in enumerate(self.stages)]
-        rc = [st.recomputed_components > 0 and not self._scp_last(t)
-              for t, st in enumerate(self.plan.stages)]
+        rc = [st.recomputed_components > 0 for st in self.plan.stages]
         try:
             sched = make_schedule(name, self.plan.microbatches, sup, rc)
         except ScheduleError as e:
@@ -349,7 +361,33 @@ class PipelineRuntime:
         params = dict(self.model.named_parameters(remove_duplicate=False))
         return {n: params[n] for n in self.plan.stages[self.s].param_names}
 
-    def _param_groups(self) -> list[tuple[tuple[int, ...], list[str], Any]]:
+    def _first_use(self) -> dict[str, int]:
+        """Per parameter name: the index of the first task reading it in the whole graph (the
+        same on every rank: the reducer's bucket order)."""
+        out: dict[str, int] = {}
+        for i, task in enumerate(self.graph.tasks):
+            for v in task.inputs:
+                val = self.graph.values[v]
+                if val.kind is ValueKind.PARAM and val.target is not None:
+                    out.setdefault(val.target, i)
+        return out
+
+    def _accumulations(self) -> dict[int, int]:
+        """Per held parameter (by id): how many backward passes of one microbatch accumulate
+        into it here, one per part (recomputed, kept) reading it."""
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        out: dict[int, int] = {}
+        for part in (self.rec_part, self.keep_part):
+            if part is None:
+                continue
+            ids = {id(params[val.target]) for v in part.graph.inputs
+                   for val in [self.graph.values[v]]
+                   if val.kind is ValueKind.PARAM and val.target in params}
+            for i in ids:
+                out[i] = out.get(i, 0) + 1
+        return out
+
+    def _param_groups(self) -> list[ParamGroup]:
         """(ranks, parameter names, process group) per distinct set of holding ranks.
 
         Every rank creates every group in the same order, as torch.distributed requires.
@@ -426,7 +464,7 @@ class PipelineRuntime:
             buffers = dict(self.model.named_buffers(remove_duplicate=False))
             self._bn.begin_call(buffers)
         grad = torch.is_grad_enabled()
-        mode = "forward" if not grad else "eager" if self._eager_ok else "split"
+        mode = "forward" if not grad else "eager" if self.spec.eager else "split"
         call = _Call(layout, self.cap.bind(self.model, leaves),
                      [_Micro(layout.rows[self.s][m][self.j]) for m in range(self.plan.microbatches)],
                      mode, t0=time.perf_counter())
@@ -475,11 +513,14 @@ class PipelineRuntime:
                                        self._tag(v, m, _FWD), call)
 
     def _run(self, call: _Call, acts: Sequence[Action], scalars: dict[str, torch.Tensor],
-             scalar_g: dict[str, torch.Tensor] | None = None) -> None:
+             scalar_g: dict[str, torch.Tensor] | None = None, arm: Action | None = None) -> None:
+        """Run `acts`; `arm`: the action before which the gradient reducer is armed."""
         for a in acts:
             mic = call.micro[a.micro]
             if mic.empty:
                 continue
+            if a == arm:
+                self.grads.arm()
             t0 = time.perf_counter() if self.trace else 0.0
             # A named range per action (F0.3: forward of stage 0, microbatch 3) in torch.profiler traces.
             with torch.profiler.record_function(f"rannc {a}"):
@@ -782,13 +823,13 @@ class PipelineRuntime:
         scalar_g = {v: x / w for v, x in zip(scalar_names, flat, strict=False)}
         call.used = {v for v, x in zip(batch_names, flat[len(scalar_names):], strict=True) if x > 0}
         batch_used = bool(call.used)
-        before = {n: p.grad for n, p in self.held.items()}
-        for p in self.held.values():
-            p.grad = None
+        self.grads.begin()
         if call.mode == "split":
             self._send_output_grads(call, grad_of)
             rest = self.schedule.actions[self.s][len(self.schedule.forward_part(self.s)):]
-            self._run(call, rest, {}, scalar_g)
+            # the last microbatch's backward makes gradients final: buckets start from there
+            last = [a for a in rest if a.op is Op.B and not call.micro[a.micro].empty]
+            self._run(call, rest, {}, scalar_g, arm=last[-1] if last and self.sync else None)
             in_grads = self._receive_input_grads(call)
         else:
             g = scalar_g[self._loss]
@@ -803,7 +844,9 @@ class PipelineRuntime:
                 for v, x in self._receive_input_grads(call).items():
                     in_grads[v] = in_grads[v] + x if v in in_grads else x
         with torch.profiler.record_function("rannc reduce gradients"):
-            self._reduce_grads(before)
+            self.grads.finish(self.sync)
+            if self.sync:
+                self._share_overflow()
         self._wait_sends(call)
         self.iteration_s = time.perf_counter() - call.t0
         return in_grads
@@ -897,75 +940,14 @@ class PipelineRuntime:
             total = g if total is None else total + g
         return total
 
-    def _reduce_grads(self, before: dict[str, torch.Tensor | None]) -> None:
-        """Sum this backward's gradients over the ranks holding each parameter and add them to
-        what `.grad` held before. Under no_sync the local sums wait in `_pending` (and show in
-        `.grad`) until the next synchronised backward reduces them together.
-
-        A parameter that got no gradient on any rank holding it (the loss does not depend on
-        it) keeps `.grad` None, as in the original model: an optimizer then skips it, where a
-        zero gradient would still apply weight decay and move its Adam moments."""
-        new = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in self.held.items()}
-        got = {n for n, p in self.held.items() if p.grad is not None or n in self._pending}
-        if not self.sync:
-            for n, p in self.held.items():
-                if n not in got:
-                    p.grad = before[n]
-                    continue
-                pend = self._pending.get(n)
-                self._pending[n] = new[n] if pend is None else pend + new[n]
-                prev = before[n]
-                p.grad = new[n] if prev is None else prev + new[n]
-            return
-        base: dict[str, torch.Tensor | None] = {}
-        for n in self.held:
-            pend = self._pending.pop(n, None)
-            prev = before[n]
-            base[n] = prev if pend is None or prev is None else prev - pend
-            if pend is not None:
-                new[n] = new[n] + pend
-        for _ranks, names, group in self._groups:
-            if group is None:
-                continue
-            tensors = [new[n] for n in names]
-            flat = torch.cat([t.reshape(-1) for t in tensors])
-            with health.phase("gradient all-reduce"):
-                dist.all_reduce(flat, group=group)
-            at = 0
-            for n, t in zip(names, tensors, strict=True):
-                new[n] = flat[at:at + t.numel()].view_as(t)
-                at += t.numel()
-            # On how many of these ranks each parameter got a gradient. A collective of its
-            # own: appended to `flat` it would change how the backend chunks the sum, and with
-            # it the float rounding of the gradients.
-            flags = torch.tensor([float(n in got) for n in names], device=tensors[0].device)
-            dist.all_reduce(flags, group=group)
-            got |= {n for n, f in zip(names, flags.tolist(), strict=True) if f > 0}
-        for n, p in self.held.items():
-            b = base[n]
-            p.grad = b if n not in got else new[n] if b is None else b + new[n]
-        self._share_overflow()
-
     def _share_overflow(self) -> None:
-        """If any rank's gradients are not finite (an fp16 overflow in one stage), make every
-        rank's gradients show it, so that a GradScaler skips the step on every rank and all
-        ranks lower the scale alike: GradScaler itself only looks at the local gradients."""
-        grads = [p.grad for p in self.held.values() if p.grad is not None]
+        """A non-finite gradient on any rank shows on every rank (`grads.share_overflow`); a
+        rank holding no parameter answers with its optimizer's stand-in."""
+        grads = [p.grad for p in self.grads.held.values() if p.grad is not None]
         if self.placeholder is not None:
             self.placeholder.grad = torch.zeros_like(self.placeholder)
             grads.append(self.placeholder.grad)
-        # One min/max pass per gradient (NaN, inf and -inf all show in its two values) and one
-        # sync. isfinite makes four passes with temporaries per gradient, and the inf-norm
-        # (_foreach_norm(g, inf)) is not vectorised on CPU: 12.6 ms against aminmax's 0.9 ms for
-        # 17 MB of gradients, about 3 % of a small BERT step (benchmarks/runtime_peers.py).
-        # A sum or 2-norm would be cheaper still but can overflow on finite fp16 gradients.
-        nonempty = [g for g in grads if g.numel()]
-        bad = bool(nonempty) and not bool(torch.stack(
-            [m.float() for g in nonempty for m in torch.aminmax(g)]).isfinite().all())
-        flag = torch.tensor([float(bad)], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() > 0 and not bad and grads:
-            grads[0].view(-1)[0] = math.inf
+        share_overflow(grads, self.device)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

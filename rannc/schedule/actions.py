@@ -12,10 +12,10 @@ written `<op><stage>.<microbatch>` ("F1.3", "RB0.2"). A schedule's text form is 
 and one line per stage; `Schedule.parse(str(s)) == s`. Sends never block (the runtime uses
 isend); receives block until every matching send has happened, which is what `simulate` models.
 
-The generators here build the three schedules rannc runs: fill-drain (GPipe), 1F1B
-(PipeDream-flush order) and Merak's shifted critical path ("scp": 1F1B whose recomputation runs
-before the stage waits for the gradient, so it fills that wait, and none on the last stage,
-which holds one microbatch at a time anyway). Merak also moves one forward of the penultimate
+The generators in `rannc.schedule.spec` build the schedules rannc runs: fill-drain (GPipe),
+1F1B (PipeDream-flush order) and Merak's shifted critical path ("scp": 1F1B whose recomputation
+runs before the stage waits for the gradient, so it fills that wait, and none on the last
+stage, which holds one microbatch at a time anyway). Merak also moves one forward of the penultimate
 stage ahead; modelled as an extra warm-up forward our simulator predicts that slower (S=4, M=8,
 uniform stages: 53 vs 39 time units), so it is left out (BENCHMARKS.md).
 `suppliers[t]` lists the stages stage t receives activations from (a skip connection makes it
@@ -27,7 +27,6 @@ Index conventions: s, t stages; m microbatches.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -130,70 +129,6 @@ def chain(n_stages: int) -> tuple[tuple[int, ...], ...]:
     return tuple(() if t == 0 else (t - 1,) for t in range(n_stages))
 
 
-SCHEDULES = ("gpipe", "1f1b", "scp")
-
-
-def make_schedule(name: str, microbatches: int, suppliers: Sequence[Sequence[int]],
-                  recompute: Sequence[bool]) -> Schedule:
-    """Build schedule `name` ("gpipe", "1f1b" or "scp") for the stage graph `suppliers`, where
-    `recompute[s]` says stage s drops activations in forward and recomputes them."""
-    sup = tuple(tuple(sorted(x)) for x in suppliers)
-    n = len(sup)
-    if len(recompute) != n:
-        raise ScheduleError(f"recompute has {len(recompute)} entries for {n} stages")
-    if microbatches < 1:
-        raise ScheduleError(f"microbatches must be at least 1, got {microbatches}")
-    has_cons = [any(s in x for x in sup) for s in range(n)]
-    M = microbatches
-
-    def fwd(s: int, m: int) -> list[Action]:
-        out = [Action(s, m, Op.RF)] if sup[s] else []
-        out.append(Action(s, m, Op.F))
-        return out + ([Action(s, m, Op.SF)] if has_cons[s] else [])
-
-    def bwd(s: int, m: int, rc: bool, early: bool) -> list[Action]:
-        recv = [Action(s, m, Op.RB)] if has_cons[s] else []
-        r = [Action(s, m, Op.R)] if rc else []
-        out = r + recv if early else recv + r
-        out.append(Action(s, m, Op.B))
-        return out + ([Action(s, m, Op.SB)] if sup[s] else [])
-
-    lines: list[tuple[Action, ...]] = []
-    for s in range(n):
-        acts: list[Action] = []
-        if name == "gpipe":
-            for m in range(M):
-                acts += fwd(s, m)
-            for m in reversed(range(M)):
-                acts += bwd(s, m, recompute[s], False)
-        elif name in ("1f1b", "scp"):
-            scp = name == "scp"
-            rc = recompute[s] and not (scp and s == n - 1)
-            warm = min(_depth_to_end(sup, s), M)  # forwards before the first backward
-            for m in range(warm):
-                acts += fwd(s, m)
-            for i in range(M - warm):
-                acts += fwd(s, warm + i)
-                acts += bwd(s, i, rc, scp)
-            for i in range(M - warm, M):
-                acts += bwd(s, i, rc, scp)
-        else:
-            raise ScheduleError(f"unknown schedule {name!r}; use one of {', '.join(SCHEDULES)}")
-        lines.append(tuple(acts))
-    return Schedule(name, M, sup, tuple(lines))
-
-
-def _depth_to_end(sup: Sequence[Sequence[int]], s: int) -> int:
-    """Longest chain of consumers after stage s (the last stage: 0)."""
-    n = len(sup)
-    depth = [0] * n
-    for t in reversed(range(n)):
-        for u in range(t + 1, n):
-            if t in sup[u]:
-                depth[t] = max(depth[t], depth[u] + 1)
-    return depth[s]
-
-
 def validate(sched: Schedule) -> None:
     """Raise ScheduleError unless every stage runs F and B of every microbatch once, in an
     order whose data are there: RF before F before SF; R (if any) after F and before B; RB
@@ -228,5 +163,4 @@ def validate(sched: Schedule) -> None:
                                         f"{Action(s, m, first)}")
 
 
-__all__ = ["COMPUTE", "SCHEDULES", "Action", "Op", "Schedule", "ScheduleError", "chain",
-           "make_schedule", "validate"]
+__all__ = ["COMPUTE", "Action", "Op", "Schedule", "ScheduleError", "chain", "validate"]

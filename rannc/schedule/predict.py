@@ -7,8 +7,9 @@ import statistics
 from collections.abc import Mapping, Sequence
 
 from rannc.plans import Plan
-from rannc.schedule.actions import Op, Schedule, chain, make_schedule
+from rannc.schedule.actions import Op, Schedule, chain
 from rannc.schedule.simulate import Event, StageCosts, Timeline, simulate
+from rannc.schedule.spec import make_schedule
 
 
 def plan_schedule(plan: Plan, suppliers: Sequence[Sequence[int]] | None = None) -> Schedule:

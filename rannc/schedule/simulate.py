@@ -7,8 +7,9 @@ runtime's isend / blocking recv). After its last action a stage all-reduces its 
 When no worker can move and some still have actions left, the schedule deadlocks, and
 `simulate` names each stuck stage and what it waits for.
 
-Fill-drain ("gpipe") also has a barrier between its forward and backward halves, as the
-runtime does (forward() returns, and backward() starts with an all-reduce).
+A schedule that does not run eagerly (fill-drain, "gpipe"; `ScheduleSpec.eager`) also has a
+barrier between its forward and backward halves, as the runtime does (forward() returns, and
+backward() starts with an all-reduce).
 
 Also here: the peak number of microbatches each stage holds activations for, which is what
 the memory model multiplies, and the bubble ratio.
@@ -20,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from rannc.schedule.actions import COMPUTE, Action, Op, Schedule, ScheduleError
+from rannc.schedule.spec import SCHEDULES
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +83,9 @@ def simulate(sched: Schedule, costs: StageCosts) -> Timeline:
     remaining = sum(len(a) for a in sched.actions)
     # Fill-drain returns from forward() between its two halves: the outputs are gathered and
     # every rank meets in the loss gradient's all-reduce before any backward starts.
-    split = [len(sched.forward_part(s)) if sched.name == "gpipe" else -1 for s in range(S)]
+    spec = SCHEDULES.get(sched.name)  # a parsed schedule may have a name of its own: no barrier
+    split = [len(sched.forward_part(s)) if spec is not None and not spec.eager else -1
+             for s in range(S)]
     fwd_end: dict[int, float] = {}
     while remaining:
         moved = False

@@ -1,0 +1,118 @@
+"""The gradient reducer in one process (a one-rank gloo group, so a sum is the gradient itself):
+buckets start during the last backward, in order, with at most one bucket's buffer beyond the
+gradients; a parameter accumulated twice waits for both; no_sync keeps local sums; a parameter
+without a gradient keeps None. Exactness across ranks is in test_pipeline_mpi.py."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import rannc
+from rannc.errors import ConfigError
+from rannc.pipeline.grads import GradReducer
+
+
+@pytest.fixture(scope="module")
+def group() -> Iterator[object]:
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.new_group([0])
+    if started:
+        dist.destroy_process_group()
+
+
+def _mlp(width: int = 16, depth: int = 12) -> nn.Sequential:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.Tanh()]
+    return nn.Sequential(*layers)
+
+
+def _reducer(model: nn.Module, group: object, bucket_bytes: int,
+             accumulations: int = 1) -> GradReducer:
+    held = dict(model.named_parameters())
+    return GradReducer(held, [((0,), list(held), group)], {n: i for i, n in enumerate(held)},
+                       bucket_bytes, {id(p): accumulations for p in held.values()})
+
+
+def test_buckets_start_in_backward_with_at_most_one_bucket_beyond_the_gradients(group: object) -> None:
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    x = torch.randn(4, 16)
+    ref(x).square().sum().backward()
+    red = _reducer(model, group, bucket_bytes=1200)  # a weight and its bias
+    buckets = red.groups[0].buckets
+    assert len(buckets) > 10
+    red.begin()
+    red.arm()
+    model(x).square().sum().backward()
+    # the first starts in backward; later ones when the one buffer in use is free again
+    assert red.groups[0].started >= 1
+    red.finish(sync=True)
+    for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=n)
+    assert all(b.numel * 4 <= 1200 for b in buckets if not b.in_place)
+    total = sum(p.numel() * 4 for p in model.parameters())
+    assert 0 < red.peak_extra_bytes <= 1200 < total / 8
+    assert red.extra_bytes == 0
+
+
+def test_gradients_add_to_what_grad_held_and_no_sync_keeps_local_sums(group: object) -> None:
+    model = _mlp(depth=3)
+    ref = copy.deepcopy(model)
+    xs = [torch.randn(3, 16) for _ in range(3)]
+    for x in xs:
+        ref(x).sum().backward()
+    red = _reducer(model, group, bucket_bytes=256)
+    model(xs[0]).sum().backward()  # a backward outside rannc's reduction: kept and added to
+    for i, x in enumerate(xs[1:]):
+        red.begin()
+        red.arm()
+        model(x).sum().backward()
+        red.finish(sync=i == 1)
+        assert bool(red.pending) == (i == 0)
+    for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, msg=n)
+
+
+def test_a_parameter_accumulated_twice_is_reduced_after_the_second(group: object) -> None:
+    w = nn.Parameter(torch.randn(4, 4))
+    model = nn.Module()
+    model.w = w
+    red = _reducer(model, group, bucket_bytes=1, accumulations=2)
+    red.begin()
+    red.arm()
+    x = torch.randn(2, 4)
+    (x @ w).sum().backward()  # e.g. the kept part's backward
+    assert red.groups[0].started == 0
+    (x @ w).square().sum().backward()  # the recomputed part's
+    assert red.groups[0].started == 1
+    red.finish(sync=True)
+    w2 = w.detach().clone().requires_grad_(True)
+    ((x @ w2).sum() + (x @ w2).square().sum()).backward()
+    torch.testing.assert_close(w.grad, w2.grad)
+
+
+def test_a_parameter_without_a_gradient_keeps_none(group: object) -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    red = _reducer(model, group, bucket_bytes=1 << 20)
+    red.begin()
+    red.arm()
+    model[0](torch.randn(2, 4)).sum().backward()
+    red.finish(sync=True)
+    assert model[0].weight.grad is not None and model[1].weight.grad is None
+
+
+def test_bucket_mb_is_validated() -> None:
+    assert rannc.Config(bucket_mb=0.5).bucket_mb == 0.5
+    assert rannc.Config.resolve(environ={"RANNC_BUCKET_MB": "4"}).bucket_mb == 4.0
+    with pytest.raises(ConfigError, match="bucket_mb must be a finite number > 0"):
+        rannc.Config(bucket_mb=0)
