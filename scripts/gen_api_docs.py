@@ -3,6 +3,8 @@
     python scripts/gen_api_docs.py            # writes docs/api.md and docs/config.md
     python scripts/gen_api_docs.py --out DIR  # writes them into DIR instead
 
+It also rewrites the short Config table in README.md (between its config-table markers).
+
 docs/api.md: every name in `rannc.__all__` (and the few public names outside it: the Hugging
 Face trainer, the checkpoint and failure errors) with its signature and docstring, and each
 class's documented public methods. docs/config.md: every `rannc.Config` field with its type,
@@ -235,14 +237,47 @@ def render_config() -> str:
     return _tidy(lines)
 
 
+README_START, README_END = "<!-- config-table:start -->", "<!-- config-table:end -->"
+
+
+def _first_sentence(text: str) -> str:
+    text = " ".join(text.split())
+    m = re.search(r"(?<!e\.g)(?<!i\.e)\.(\s|$)", text)
+    return text[:m.end()].strip() if m else text
+
+
+def readme_table() -> str:
+    """The README's short Config table: each field's default, variable and first sentence."""
+    lines = ["| field | default | environment variable | what it does |", "|---|---|---|---|"]
+    lines += [f"| `{r['name']}` | `{r['default']}` | `{r['env']}` | {_cell(_first_sentence(r['doc']))} |"
+              for r in config_fields()]
+    return "\n".join(lines)
+
+
+def update_readme(path: Path) -> bool:
+    """Replace the table between the README's markers; False when the markers are missing."""
+    text = path.read_text()
+    start, end = text.find(README_START), text.find(README_END)
+    if start < 0 or end < start:
+        return False
+    new = text[:start + len(README_START)] + "\n" + readme_table() + "\n" + text[end:]
+    path.write_text(new)
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--out", type=Path, default=ROOT / "docs", help="directory to write into")
+    p.add_argument("--readme", type=Path, default=ROOT / "README.md",
+                   help="the README whose Config table (between its markers) is rewritten")
     a = p.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
     for name, text in (("api.md", render_api()), ("config.md", render_config())):
         (a.out / name).write_text(text)
         print(f"wrote {a.out / name}")
+    if not update_readme(a.readme):
+        raise SystemExit(f"gen_api_docs: {a.readme} lacks the lines {README_START} and {README_END}")
+    print(f"updated the Config table in {a.readme}")
     return 0
 
 
