@@ -182,6 +182,9 @@ def test_wheel_installs_outside_the_checkout(installed: Path, tmp_path: Path) ->
     where = sh(str(installed / "python"), "-c", "import rannc, rannc._C; print(rannc.__file__)").stdout
     assert str(installed.parent) in where and str(ROOT) not in where, where
     assert sh(str(installed / "rannc"), "--version").stdout.strip() == f"rannc {rannc.__version__}"
+    license = sh(str(installed / "python"), "-c", "from importlib.metadata import metadata; "
+                 "print(metadata('rannc')['License-Expression'])").stdout.strip()
+    assert license == "Apache-2.0", license
 
     # README: rannc plan from a factory in a file of the user's own
     (tmp_path / "my_models.py").write_text(readme_block("`my_models.py`:", "python"))
