@@ -92,9 +92,9 @@ class Config:
     max_pipeline: int = _f(32, lo=1)
     """Largest microbatch count the planner considers (>= min_pipeline)."""
     blocks: int = _f(32, lo=1)
-    """k: the number of blocks phase 2 coarsens the atomic components into, which the stage
-    DP splits into stages (its time grows with k^2). After it, the chosen plans' stage
-    boundaries are refined below block level, so k bounds the planning time more than the
+    """k: how many blocks the planner groups the model's atomic components into before it
+    splits the blocks into stages (planning time grows with k^2). The chosen plans' stage
+    boundaries are then refined below block level, so k bounds the planning time more than the
     plan's quality (`extra={"boundary_refinement": False}` keeps whole blocks)."""
     mem_limit_gb: float | None = _f(None, lo=0, open_lo=True)
     """Per-device memory to plan for in GB, > 0 (None: the device's own)."""
@@ -107,9 +107,15 @@ class Config:
     rannc.schedule.SCHEDULES: gpipe (fill-drain), 1f1b, or scp (Merak's shifted critical
     path)."""
     checkpointing: str = _f("auto", choices=_CHECKPOINTING)
-    """Recomputation: auto, on, off or stage_aware."""
+    """Recomputation (activation checkpointing) in backward: "auto" (the planner chooses, per
+    stage, the fraction of the stage to recompute that fits its memory), "on" (every stage
+    recomputes all of its forward), "off" (never), "stage_aware" (as auto; the name of the
+    original RaNNC's option)."""
     profiler: str = _f("auto", choices=_PROFILERS)
-    """Cost oracle: auto, measure or estimate."""
+    """Where the planner's costs come from: "estimate" (a roofline model over the graph's
+    shapes and the device's figures; no device needed), "measure" (blocks run on this rank's
+    device, cached in `profile_cache_dir`), or "auto" (measure when the model's parameters are
+    on a CUDA device, else estimate)."""
     save_deployment: bool = _f(False)
     """Write the plan to `deployment_file` after planning."""
     load_deployment: bool = _f(False)
@@ -124,7 +130,8 @@ class Config:
     """A JSON file describing the devices by hand (rannc.Cluster.load), one per rank, used
     instead of each rank measuring its own device."""
     dry_run_np: int | None = _f(None, lo=1)
-    """Plan for this many ranks without running (planning only), >= 1."""
+    """rannc.plan() without `cluster=`: plan for this many devices like this machine's, on
+    one node (None: one), >= 1."""
     timeout_s: float = _f(300.0, lo=0, open_lo=True)
     """Seconds, > 0 and finite, before a collective that does not complete (a rank that does
     not arrive) is reported as a failure. Raise it when a rank may legitimately spend longer
@@ -144,9 +151,11 @@ class Config:
     in the last microbatch's backward, overlapping the rest. The reduction holds at most one
     bucket beyond the gradients. Smaller: more, shorter collectives that start earlier."""
     trace: bool = _f(False)
-    """Record per-rank runtime events."""
+    """Record each rank's pipeline actions with their times, for `RaNNCModule.write_trace`
+    (a Perfetto trace and a timeline PNG beside the simulator's prediction)."""
     extra: dict[str, Any] = _f(factory=dict)
-    """Options for experimental features (a dict)."""
+    """Options for experimental planner features, a dict; e.g. `{"boundary_refinement":
+    False}` keeps stage boundaries on whole blocks. Unknown keys are ignored."""
     compile: bool = _f(False)
     """torch.compile each stage's module (the graphs rannc runs), not the RaNNCModule itself."""
     batchnorm: str = _f("local", choices=("local", "sync"))

@@ -59,7 +59,16 @@ class _Deployment:
 
 
 class RaNNCModule(nn.Module):
-    """Wrap `model` (and optionally its optimizer) for automatic hybrid parallelism."""
+    """Wrap `model` (and optionally its optimizer) for automatic hybrid parallelism.
+
+    Construction is cheap (it starts the process group under mpiexec/torchrun); the first call
+    captures the model, plans (or loads a plan) and deploys it: each rank then holds only its
+    stage's parameters, and the optimizer steps only those. Every rank calls the wrapper with
+    its own local batch; the model behaves as the original on the concatenation of the ranks'
+    batches. Settings are `rannc.Config` fields, as `config=` or keywords (`partition_num=2`),
+    or `RANNC_*` environment variables; they are readable as `model.rannc_config`. Attributes
+    of the wrapped model (a Hugging Face `config`) are reachable through the wrapper, and the
+    wrapped model is `model.module`."""
 
     # Already distributed: Accelerate's prepare() (and so Hugging Face's Trainer) returns a module
     # with this flag as it is instead of wrapping it in DistributedDataParallel, which would

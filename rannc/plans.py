@@ -30,6 +30,11 @@ PLAN_FORMAT = 1
 
 @dataclass(frozen=True, slots=True)
 class StagePlan:
+    """One pipeline stage of a Plan: the atomic components it runs (a contiguous, convex run
+    of the model), the ranks holding its replicas (one each) with each replica's share of a
+    microbatch's rows, the fraction recomputed in backward, the parameters it holds (original
+    names), the user's modules it covers and the planner's cost predictions."""
+
     index: int
     components: tuple[int, ...]  # atomic components, in order
     ranks: tuple[int, ...]  # one per replica
@@ -53,6 +58,12 @@ class StagePlan:
 
 @dataclass(frozen=True, slots=True)
 class Plan:
+    """A deployment: what every rank runs. Its stages in pipeline order, the microbatch count,
+    the schedule, the number of ranks and the fingerprint of the graph it was made for (a
+    loaded plan is checked against it), with the predicted iteration time. `summary()` prints
+    it as a table; `save()`/`Plan.load()` keep it as JSON; `to_onnx()` writes the partitioned
+    graph. Made by `rannc.plan()` and by a RaNNCModule's first call (`model.plan`)."""
+
     stages: tuple[StagePlan, ...]
     microbatches: int
     world_size: int
@@ -147,6 +158,7 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Plan:
+        """A plan written by `save()`."""
         with open(path) as f:
             return cls.from_dict(json.load(f))
 

@@ -23,6 +23,11 @@ GiB = float(1 << 30)
 
 @dataclass(frozen=True, slots=True)
 class DeviceSpec:
+    """What the planner knows of a device: usable memory, peak FLOP/s and memory bandwidth
+    (the estimate oracle's roofline), link bandwidth within a node. `rannc.KNOWN_DEVICES`
+    holds vendor figures by name (`"V100-32GB"`, `"A100-80GB"`, `"H100"`, ...); describe
+    another device with these fields (also in a cluster file)."""
+
     name: str
     memory_bytes: float  # usable device memory
     flops: float  # peak fp32 FLOP/s (dense)
@@ -97,6 +102,8 @@ class Cluster:
     @classmethod
     def homogeneous(cls, device: str | DeviceSpec = "V100-32GB", n: int = 32, per_node: int = 8,
                     inter_node_bandwidth: float = 12.5 * GB) -> Cluster:
+        """`n` devices of one kind (a KNOWN_DEVICES name, "local" for this machine's measured
+        device, or a DeviceSpec), `per_node` to a node."""
         if n < 1:
             raise ConfigError(f"a cluster needs n >= 1 devices, got {n}")
         spec = device_spec(device)
