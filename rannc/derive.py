@@ -17,8 +17,7 @@ import dataclasses
 from rannc.atomic.components import AtomicPartition
 from rannc.errors import RaNNCError
 from rannc.graph.task_graph import TaskGraph
-from rannc.planner import param_names_of
-from rannc.plans import Plan
+from rannc.plans import Plan, param_names_of
 
 
 def derive_plan(graph: TaskGraph, atomic: AtomicPartition, base: Plan, *,

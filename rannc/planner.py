@@ -32,11 +32,12 @@ import numpy as np
 from rannc.atomic.components import AtomicPartition
 from rannc.coarsen.blocks import CoarsenProblem, form_blocks
 from rannc.config import Config
-from rannc.errors import ConfigError, RaNNCError
+from rannc.errors import ConfigError, PlanInfeasibleError, RaNNCError
 from rannc.graph.task_graph import TaskGraph, ValueKind
-from rannc.plans import Plan, StagePlan, stage_ranks
+from rannc.plans import Plan, StagePlan, param_names_of, stage_ranks
 from rannc.profile.device import Cluster, DeviceSpec
 from rannc.profile.estimate import BlockProfile, GraphCosts, _bytes
+from rannc.profile.oracle import BlockOracle, EstimateOracle
 from rannc.schedule import SCHEDULES, StageCosts, chain, in_flight, make_schedule, simulate
 from rannc.stage_dp.dp import stage_dp
 from rannc.stage_dp.hetero import HeteroDevices
@@ -53,14 +54,6 @@ from rannc.stage_dp.tables import (
 )
 
 log = logging.getLogger(__name__)
-
-
-class PlanInfeasibleError(RaNNCError):
-    """No plan fits device memory; `needed_bytes` is the smallest per-device memory that would."""
-
-    def __init__(self, message: str, needed_bytes: float) -> None:
-        super().__init__(message)
-        self.needed_bytes = needed_bytes
 
 
 @dataclass
@@ -756,18 +749,6 @@ def _component_fraction(costs: GraphCosts, comps: Sequence[int], f: float, rows:
     return min(c, len(comps)) / len(comps)
 
 
-def param_names_of(graph: TaskGraph, atomic: AtomicPartition, comps: Sequence[int]) -> tuple[str, ...]:
-    """The original names of the parameters the components read, each once."""
-    names: dict[str, None] = {}
-    for c in comps:
-        for t in atomic.components[c].tasks:
-            for v in graph.tasks[t].inputs:
-                val = graph.values[v]
-                if val.kind is ValueKind.PARAM and val.target is not None:
-                    names[val.target] = None
-    return tuple(names)
-
-
 def _module_range(graph: TaskGraph, atomic: AtomicPartition, comps: Sequence[int]) -> str:
     paths = [graph.tasks[atomic.components[c].task].module_path for c in comps]
     paths = [p for p in paths if p] or ["<top>"]
@@ -798,39 +779,6 @@ def form_blocks_for(graph: TaskGraph, atomic: AtomicPartition, costs: GraphCosts
                           memory=[float(x) for x in memory], mem_limit=limit, k=min(k, n),
                           bandwidth=bandwidth)
     return list(form_blocks(prob))
-
-
-# -- oracles -----------------------------------------------------------------------------------
-
-class BlockOracle:
-    """What the planner asks a cost oracle (estimate or measure)."""
-
-    additive = False
-    """Whether a group's costs are exactly its components' (sums; the maximum for working
-    memory), so that a split costs the same whatever grouping it is tabled on. A measured
-    oracle times each group on its own, and groups of different sizes time differently."""
-
-    def component_time(self, batch: int) -> np.ndarray:
-        raise NotImplementedError
-
-    def block_profile(self, block_of: Sequence[int], batch_sizes: Sequence[int]) -> BlockProfile:
-        raise NotImplementedError
-
-
-class EstimateOracle(BlockOracle):
-    """Roofline estimates on the cluster's slowest device."""
-
-    additive = True
-
-    def __init__(self, costs: GraphCosts, cluster: Cluster) -> None:
-        self.costs = costs
-        self.spec = cluster.slowest
-
-    def component_time(self, batch: int) -> np.ndarray:
-        return self.costs.component_time(self.spec, batch)
-
-    def block_profile(self, block_of: Sequence[int], batch_sizes: Sequence[int]) -> BlockProfile:
-        return self.costs.block_profile(self.spec, block_of, batch_sizes)
 
 
 # -- the public entry point ---------------------------------------------------------------------

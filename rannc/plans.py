@@ -23,7 +23,7 @@ from typing import Any
 
 from rannc.atomic.components import AtomicPartition
 from rannc.errors import ConfigError, PlanMismatchError, RaNNCError
-from rannc.graph.task_graph import TaskGraph
+from rannc.graph.task_graph import TaskGraph, ValueKind
 
 PLAN_FORMAT = 1
 
@@ -177,11 +177,22 @@ class Plan:
                                         f"{world_size} ranks: {problem}. Fix: {again}.")
 
 
+def param_names_of(graph: TaskGraph, atomic: AtomicPartition, comps: Sequence[int]) -> tuple[str, ...]:
+    """The original names of the parameters the components read, each once."""
+    names: dict[str, None] = {}
+    for c in comps:
+        for t in atomic.components[c].tasks:
+            for v in graph.tasks[t].inputs:
+                val = graph.values[v]
+                if val.kind is ValueKind.PARAM and val.target is not None:
+                    names[val.target] = None
+    return tuple(names)
+
+
 def plan_problem(plan: Plan, graph: TaskGraph, atomic: AtomicPartition,
                  batch_rows: int | None = None) -> str | None:
     """The first thing wrong with `plan` for this graph and its world, said with the values,
     or None. Pure; the checks the runtime relies on and would otherwise fail on obscurely."""
-    from rannc.planner import param_names_of
     from rannc.schedule.actions import SCHEDULES
 
     if plan.schedule not in SCHEDULES:
