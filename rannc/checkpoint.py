@@ -110,9 +110,8 @@ def _holders(rt: PipelineRuntime, canonical: Mapping[str, str]) -> dict[str, tup
     """Canonical name -> the ranks of the stage whose copy counts: parameters, every stage
     holding them (their copies are equal); buffers, the first stage reading them."""
     out: dict[str, set[int]] = {}
-    for st in rt.plan.stages:
-        for n in st.param_names:
-            out.setdefault(canonical[n], set()).update(st.ranks)
+    for n, ranks in rt.plan.holders().items():
+        out.setdefault(canonical[n], set()).update(ranks)
     graph = rt.graph
     for s, sg in enumerate(rt.stages):
         for v in sg.inputs:

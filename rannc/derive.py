@@ -24,10 +24,7 @@ def derive_plan(graph: TaskGraph, atomic: AtomicPartition, base: Plan, *,
                 recompute: bool = True) -> Plan:
     """`base`'s stages, ranks and parameter placement for `graph` (same model, another
     capture). `recompute=False` drops recomputation (forward-only use)."""
-    holders: dict[str, list[int]] = {}
-    for st in base.stages:
-        for n in st.param_names:
-            holders.setdefault(n, []).append(st.index)
+    holders = base.holder_stages()
     n_stages = len(base.stages)
     stage_of = [0] * len(atomic.components)
     preds: list[set[int]] = [set() for _ in atomic.components]

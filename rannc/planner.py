@@ -34,7 +34,7 @@ from rannc.coarsen.blocks import CoarsenProblem, form_blocks
 from rannc.config import Config
 from rannc.errors import ConfigError, PlanInfeasibleError, RaNNCError
 from rannc.graph.task_graph import TaskGraph, ValueKind
-from rannc.plans import Plan, StagePlan, param_names_of, stage_ranks
+from rannc.plans import Plan, StagePlan, check_replicas_divide, param_names_of, stage_ranks
 from rannc.profile.device import Cluster, DeviceSpec
 from rannc.profile.estimate import BlockProfile, GraphCosts, _bytes
 from rannc.profile.oracle import BlockOracle, EstimateOracle
@@ -502,10 +502,8 @@ def _pipeline_layouts(cluster: Cluster, config: Config) -> list[tuple[int, int]]
     (Algorithm 2), or what forced replicas imply."""
     world = cluster.size
     if config.replicas is not None:
+        check_replicas_divide(config.replicas, world)
         per = sum(config.replicas)
-        if world % per:
-            raise ConfigError(f"replicas {config.replicas} use {per} ranks per pipeline, which does "
-                              f"not divide the {world} devices; make sum(replicas) divide {world}")
         return [(per, world // per)]
     out = []
     n = 1

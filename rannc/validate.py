@@ -38,6 +38,7 @@ from rannc.errors import (  # CallOrderError and output_type_error: re-exported,
     RaNNCError,
     output_type_error,
 )
+from rannc.plans import check_replicas_divide
 
 if TYPE_CHECKING:  # rannc.graph.capture imports this module
     from rannc.dist import DistContext
@@ -272,13 +273,7 @@ def check_config(config: Config, world_size: int) -> None:
     """What `Config` cannot check alone: the forced sizes against the number of ranks. Every
     rank runs it before its first collective, with the same config, so all raise or none."""
     if config.replicas is not None:
-        per = sum(config.replicas)
-        if world_size % per:
-            raise ConfigError(
-                f"replicas={config.replicas} sum to {per} ranks per pipeline, which does not "
-                f"divide the {world_size} ranks running. Fix: give counts that sum to "
-                f"{world_size} (or a divisor of it, to run {world_size} // sum copies of the "
-                "pipeline), or leave replicas unset for the planner to choose.")
+        check_replicas_divide(config.replicas, world_size)
         if config.partition_num is not None and config.partition_num != len(config.replicas):
             raise ConfigError(
                 f"partition_num={config.partition_num} but replicas={config.replicas} lists "
