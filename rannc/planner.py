@@ -328,6 +328,18 @@ class _Refined:
     recompute_s: tuple[float, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class _StageCost:
+    """One stage of a candidate, read from its stage tables."""
+
+    recompute: float  # fraction of its kept activation memory recomputed
+    fwd: float
+    bwd: float  # recomputation included
+    allreduce: float
+    memory: float
+    recompute_s: float
+
+
 class _TableCache:
     """Stage tables per (devices per pipeline D, copies R, microbatches m, in-flight bound,
     saved inputs), built on first use."""
@@ -381,25 +393,27 @@ def _refine(c: _Candidate, table: Any, late: bool) -> _Refined | None:
     idx = [(c.bounds[s], c.bounds[s + 1] - 1, c.replicas[s]) for s in range(S)]
     # the schedule's own in-flight counts (recomputation does not change them)
     counts = [n for n, _ in in_flight(make_schedule(sched, c.microbatches, chain(S), [False] * S))]
-    rows = []
+    rows: list[_StageCost] = []
     for s, x in enumerate(idx):
         tab = table(c.devices, c.copies, c.microbatches, counts[s],
                     c.microbatches if eager and late else 0)
         if not math.isfinite(float(tab.h[x])):
             return None
-        rows.append((float(tab.recompute[x]), float(tab.fwd[x]), float(tab.bwd[x]),
-                     float(tab.allreduce[x]), float(tab.memory[x]), float(tab.recompute_s[x])))
+        rows.append(_StageCost(recompute=float(tab.recompute[x]), fwd=float(tab.fwd[x]),
+                               bwd=float(tab.bwd[x]), allreduce=float(tab.allreduce[x]),
+                               memory=float(tab.memory[x]), recompute_s=float(tab.recompute_s[x])))
     if sched == "scp":  # never recomputes on the last stage: it holds one microbatch anyway
-        f, fw, bw, ar, memory, rs = rows[-1]
-        rows[-1] = (0.0, fw, bw - rs, ar, memory, 0.0)
-    rc = [r[0] for r in rows]
+        last = rows[-1]
+        rows[-1] = dataclasses.replace(last, recompute=0.0, bwd=last.bwd - last.recompute_s,
+                                       recompute_s=0.0)
+    rc = [r.recompute for r in rows]
     timeline = simulate(make_schedule(sched, c.microbatches, chain(S), [f > 0 for f in rc]),
-                        StageCosts(fwd=[r[1] for r in rows], bwd=[r[2] - r[5] for r in rows],
-                                   recompute=[r[5] for r in rows], comm_fwd=[0.0] * S,
-                                   comm_bwd=[0.0] * S, allreduce=[r[3] for r in rows]))
-    return _Refined(c, timeline.iteration_time, tuple(rc), tuple(r[1] for r in rows),
-                    tuple(r[2] for r in rows), tuple(r[3] for r in rows),
-                    tuple(r[4] for r in rows), tuple(counts), tuple(r[5] for r in rows))
+                        StageCosts(fwd=[r.fwd for r in rows], bwd=[r.bwd - r.recompute_s for r in rows],
+                                   recompute=[r.recompute_s for r in rows], comm_fwd=[0.0] * S,
+                                   comm_bwd=[0.0] * S, allreduce=[r.allreduce for r in rows]))
+    return _Refined(c, timeline.iteration_time, tuple(rc), tuple(r.fwd for r in rows),
+                    tuple(r.bwd for r in rows), tuple(r.allreduce for r in rows),
+                    tuple(r.memory for r in rows), tuple(counts), tuple(r.recompute_s for r in rows))
 
 
 _BOUNDARY_REFINED = 4  # plans, the fastest at block level, whose boundaries are refined
