@@ -36,6 +36,7 @@ import os
 import platform
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,21 @@ MODELS: dict[str, tuple[str, tuple[int, ...]]] = {
     "ResNet152x8": ("resnet", (152, 8, 512, 224)),
     "GPT-2 24x1024": ("gpt2", (24, 1024, 64, 512)),
     "GPT-2 48x1600": ("gpt2", (48, 1600, 64, 1024)),
+}
+# LLM shapes (--llm): (layers, hidden, intermediate, heads, kv heads, vocab, global batch in
+# sequences, sequence length, experts); Gemma-7B-like uses Gemma's head_dim 256 (16 heads x 256
+# is wider than its hidden 3072, as in Gemma-7B), Mixtral routes each token to 2 of 8 experts.
+LLMS: dict[str, tuple[str, tuple[int, ...]]] = {
+    "Llama-3-8B": ("llama", (32, 4096, 14336, 32, 8, 128256, 64, 4096, 0)),
+    "Llama-3-70B": ("llama", (80, 8192, 28672, 64, 8, 128256, 64, 4096, 0)),
+    "Gemma-7B-like": ("gemma", (28, 3072, 24576, 16, 16, 256000, 64, 4096, 0)),
+    "Mixtral-8x7B": ("mixtral", (32, 4096, 14336, 32, 8, 32000, 64, 4096, 8)),
+}
+# the LLM table's baselines: torchtitan's default equal-layer split, a FLOPs-balanced layer
+# split (torchtitan's auto-partition balances layer costs), DeepSpeed's parameter-count split
+LLM_BASELINES = ("equal layers", "FLOPs balanced", "parameter count")
+SMOKE_LLMS: dict[str, tuple[str, tuple[int, ...]]] = {
+    "Llama 2x64": ("llama", (2, 64, 128, 4, 2, 128, 8, 16, 0)),
 }
 SMOKE: dict[str, tuple[str, tuple[int, ...]]] = {
     "BERT 2x64": ("bert", (2, 64, 16, 16)),
@@ -98,6 +114,8 @@ def build(kind: str, a: tuple[int, ...]) -> tuple[Any, tuple[Any, ...], dict[str
             layers = ([["transformer.wte", "transformer.wpe", "transformer.drop"]]
                       + [[f"transformer.h.{i}"] for i in range(L)] + [["transformer.ln_f", "lm_head"]])
             return model, (), {"input_ids": ids, "labels": ids, "use_cache": False}, batch, layers
+        if kind in ("llama", "gemma", "mixtral"):
+            return _llm(kind, a)
         from resnet import bit_resnet
 
         from benchmarks.schedules import _WithLoss
@@ -112,6 +130,75 @@ def build(kind: str, a: tuple[int, ...]) -> tuple[Any, tuple[Any, ...], dict[str
             layers += [[f"net.body.{i}.units.{j}"] for j in range(len(stage.units))]
         layers.append(["net.norm", "net.relu", "net.pool", "net.head"])
         return model, x, {}, batch, layers
+
+
+def _llm(kind: str, a: tuple[int, ...]) -> tuple[Any, tuple[Any, ...], dict[str, Any], int, Layers]:
+    """A Hugging Face decoder LLM of the given shape (on the meta device: the caller's
+    `torch.device("meta")`), called on input_ids and labels; layers: embeddings, each decoder
+    layer, final norm + LM head."""
+    import torch
+    import transformers as tr
+
+    L, H, inter, heads, kv, vocab, batch, seq, experts = a
+    common = dict(num_hidden_layers=L, hidden_size=H, intermediate_size=inter,
+                  num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab,
+                  max_position_embeddings=seq, use_cache=False)
+    if kind == "llama":
+        model = tr.LlamaForCausalLM(tr.LlamaConfig(**common))
+    elif kind == "gemma":
+        model = tr.GemmaForCausalLM(tr.GemmaConfig(**common, head_dim=256))
+    else:
+        model = tr.MixtralForCausalLM(tr.MixtralConfig(**common, num_local_experts=experts,
+                                                       num_experts_per_tok=2))
+    ids = torch.zeros(batch, seq, dtype=torch.long)
+    layers = ([["model.embed_tokens", "model.rotary_emb"]] + [[f"model.layers.{i}"] for i in range(L)]
+              + [["model.norm", "lm_head"]])
+    return model, (), {"input_ids": ids, "labels": ids}, batch, layers
+
+
+def minmax_bounds(weights: Sequence[float], S: int) -> list[int] | None:
+    """Bounds of the contiguous split of `weights` into S non-empty parts whose largest sum is
+    smallest (exact DP; what DeepSpeed's `partition_balanced` and torchgpipe's `balance_cost`
+    approximate), or None when there are fewer weights than parts."""
+    n = len(weights)
+    if S > n:
+        return None
+    pre = [0.0]
+    for w in weights:
+        pre.append(pre[-1] + float(w))
+    INF = float("inf")
+    best = [[INF] * (n + 1) for _ in range(S + 1)]
+    cut = [[0] * (n + 1) for _ in range(S + 1)]
+    best[0][0] = 0.0
+    for s in range(1, S + 1):
+        for j in range(s, n - (S - s) + 1):
+            for i in range(s - 1, j):
+                v = max(best[s - 1][i], pre[j] - pre[i])
+                if v < best[s][j]:
+                    best[s][j], cut[s][j] = v, i
+    bounds, j = [n], n
+    for s in range(S, 0, -1):
+        j = cut[s][j]
+        bounds.append(j)
+    return bounds[::-1]
+
+
+def llm_splitters(model: Any, layers: Layers, times_us: list[int]) -> dict[str, Split | str]:
+    """The LLM table's baselines (see LLM_BASELINES)."""
+    n = len(layers)
+    params = layer_params(model, layers)
+
+    def equal(S: int) -> list[int] | None:
+        # torchtitan's default: the decoder layers (and the embedding and head as one layer
+        # each) spread evenly, the first stages taking one more when S does not divide
+        if S > n:
+            return None
+        q, r = divmod(n, S)
+        return [i * q + min(i, r) for i in range(S + 1)]
+
+    return {"equal layers": equal,
+            "FLOPs balanced": lambda S: minmax_bounds(times_us, S),
+            "parameter count": lambda S: minmax_bounds(params, S)}
 
 
 def layer_of_components(graph: Any, atomic: Any, layers: Layers) -> list[int]:
@@ -229,6 +316,7 @@ def one(name: str, kind: str, a: tuple[int, ...], device: str, worlds: Sequence[
     from rannc.planner import plan_graph, plan_splits
     from rannc.profile.estimate import GraphCosts
 
+    t0 = time.perf_counter()
     model, args, kw, batch, layers = build(kind, a)
     params = sum(p.numel() for p in model.parameters())
     g = capture(model, args, kw).graph
@@ -236,12 +324,14 @@ def one(name: str, kind: str, a: tuple[int, ...], device: str, worlds: Sequence[
     costs = GraphCosts.of(g, at)
     layer_of = layer_of_components(g, at, layers)
     res: dict[str, Any] = {"model": name, "params_b": params / 1e9, "layers": len(layers),
-                           "components": len(at.components), "batch": batch, "worlds": {}}
+                           "components": len(at.components), "batch": batch, "worlds": {},
+                           "capture_s": time.perf_counter() - t0}
     for W in worlds:
         cluster = rannc.Cluster.homogeneous(device, W, per_node)
         spec = cluster.slowest
         cfg = rannc.Config(blocks=blocks)
         row: dict[str, Any] = {}
+        t_world = time.perf_counter()
         try:
             p = plan_graph(g, at, cluster, cfg, batch_size=batch, costs=costs)
             row["rannc"] = {"time": p.predicted_iteration_time, "m": p.microbatches,
@@ -252,7 +342,8 @@ def one(name: str, kind: str, a: tuple[int, ...], device: str, worlds: Sequence[
         times_us = [0] * len(layers)
         for c, lay in enumerate(layer_of):
             times_us[lay] += int(comp_t[c] * 1e6)
-        splitters = peer_splitters(model, layers, times_us)
+        llm = kind in ("llama", "gemma", "mixtral")
+        splitters = (llm_splitters if llm else peer_splitters)(model, layers, times_us)
         best: dict[str, dict[str, Any]] = {}
         for S in [s for s in range(1, W + 1) if W % s == 0 and s <= len(layers)]:
             splits: dict[str, list[int]] = {}
@@ -271,10 +362,11 @@ def one(name: str, kind: str, a: tuple[int, ...], device: str, worlds: Sequence[
                 if pl is not None and (peer not in best or pl.predicted_iteration_time < best[peer]["time"]):
                     best[peer] = {"time": pl.predicted_iteration_time, "S": S, "m": pl.microbatches,
                                   "schedule": pl.schedule, "bounds": b}
-        for peer in PEERS:
+        for peer in (LLM_BASELINES if llm else PEERS):
             fn = splitters[peer]
             row[peer] = best.get(peer, {"status": fn if isinstance(fn, str) else "no split fits"})
         row["bound"] = float(costs.component_time(spec, batch).sum()) / W
+        row["seconds"] = time.perf_counter() - t_world
         res["worlds"][str(W)] = row
     return res
 
@@ -299,6 +391,8 @@ def table(results: list[dict[str, Any]], W: int) -> list[str]:
            "|---" * (7 + len(PEERS)) + "|"]
     for r in results:
         row = r["worlds"][str(W)]
+        if "equal layers" in row:
+            continue  # an LLM row: llm_table
         rt = row["rannc"].get("time")
         peers = [row[p]["time"] for p in PEERS if "time" in row[p]]
         best = min(peers) if peers else None
@@ -307,6 +401,28 @@ def table(results: list[dict[str, Any]], W: int) -> list[str]:
         out.append(f"| {r['model']} | {r['params_b']:.2f} | {r['layers']} | {cell(row['rannc'])} | "
                    + " | ".join(cell(row[p]) for p in PEERS)
                    + f" | {row['bound']:.4g} | {ratio} | {bound} |")
+    return out
+
+
+def llm_table(results: list[dict[str, Any]], W: int) -> list[str]:
+    """The LLM table: rannc against each baseline (ratio > 1: rannc faster) and the bound."""
+    out = [f"**{W} devices**", "",
+           "| model | params (B) | rannc s/iter | " + " | ".join(f"{p} s/iter" for p in LLM_BASELINES)
+           + " | bound s/iter | " + " | ".join(f"{p} / rannc" for p in LLM_BASELINES)
+           + " | rannc / bound | planning s |",
+           "|---" * (6 + 2 * len(LLM_BASELINES)) + "|"]
+    for r in results:
+        row = r["worlds"].get(str(W))
+        if row is None or "equal layers" not in row:
+            continue
+        rt = row["rannc"].get("time")
+        ratios = [f"{row[p]['time'] / rt:.3f}" if rt and "time" in row[p] else "n/a"
+                  for p in LLM_BASELINES]
+        bound = f"{rt / row['bound']:.3f}" if rt else "n/a"
+        out.append(f"| {r['model']} | {r['params_b']:.2f} | {cell(row['rannc'])} | "
+                   + " | ".join(cell(row[p]) for p in LLM_BASELINES)
+                   + f" | {row['bound']:.4g} | " + " | ".join(ratios)
+                   + f" | {bound} | {row.get('seconds', float('nan')):.0f} |")
     return out
 
 
@@ -363,9 +479,11 @@ def main() -> None:
                    "with --smoke unless given)")
     p.add_argument("--results", default=None, help="a folder for each model's raw results: "
                    "written as each model finishes and reused when present (resumable)")
+    p.add_argument("--llm", action="store_true", help="the LLM shapes (LLMS) against the "
+                   "equal-layer, FLOPs-balanced and parameter-count splits; use --device H100")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
-    catalogue = SMOKE if a.smoke else MODELS
+    catalogue = ((SMOKE_LLMS if a.llm else SMOKE) if a.smoke else LLMS if a.llm else MODELS)
     worlds = [4] if a.smoke else [int(x) for x in a.devices.split(",")]
     per_node = 2 if a.smoke else a.per_node
     if a.one:
@@ -392,10 +510,13 @@ def main() -> None:
             results.append(json.loads(saved.read_text()))
             continue
         # a fresh process per model: captures of the largest take GBs
-        cmd = [sys.executable, __file__, "--one", name, "--device", a.device,
+        cmd = [sys.executable, __file__, "--one", name, "--device", a.device, *(["--llm"] * a.llm),
                "--devices", ",".join(map(str, worlds)), "--per-node", str(a.per_node),
                "--blocks", str(a.blocks)]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+        if out.returncode != 0 and a.llm:  # report it and go on with the other shapes
+            print(f"{name} failed:\n{out.stderr[-1500:]}", flush=True)
+            continue
         if out.returncode != 0:
             raise SystemExit(f"{name} failed:\n{out.stderr[-3000:]}")
         results.append(json.loads(out.stdout.strip().splitlines()[-1]))
@@ -404,8 +525,12 @@ def main() -> None:
             saved.write_text(json.dumps(results[-1]))
         print(f"done: {name}", file=sys.stderr, flush=True)
     for W in worlds:
-        print("\n".join(["", *table(results, W)]), flush=True)
-    path = a.plot or (None if a.smoke else str(ROOT / "docs" / "plan_quality.png"))
+        print("\n".join(["", *(llm_table if a.llm else table)(results, W)]), flush=True)
+    if a.llm:
+        for r in results:
+            print(f"{r['model']}: capture {r['capture_s']:.0f} s, "
+                  + ", ".join(f"{W} devices {row['seconds']:.0f} s" for W, row in r["worlds"].items()))
+    path = a.plot or (None if a.smoke or a.llm else str(ROOT / "docs" / "plan_quality.png"))
     if path:
         plot(results, worlds, Path(path), f"{a.device}, estimate oracle, {datetime.date.today()}")
         print(f"\nplot: {path}")

@@ -46,7 +46,7 @@ import torch.distributed as dist
 from torch import nn
 
 from rannc import health
-from rannc.errors import RaNNCError
+from rannc.errors import CheckpointError, CheckpointMismatchError, RaNNCError
 from rannc.graph.task_graph import ValueKind
 from rannc.pipeline.runtime import PipelineRuntime
 
@@ -110,9 +110,8 @@ def _holders(rt: PipelineRuntime, canonical: Mapping[str, str]) -> dict[str, tup
     """Canonical name -> the ranks of the stage whose copy counts: parameters, every stage
     holding them (their copies are equal); buffers, the first stage reading them."""
     out: dict[str, set[int]] = {}
-    for st in rt.plan.stages:
-        for n in st.param_names:
-            out.setdefault(canonical[n], set()).update(st.ranks)
+    for n, ranks in rt.plan.holders().items():
+        out.setdefault(canonical[n], set()).update(ranks)
     graph = rt.graph
     for s, sg in enumerate(rt.stages):
         for v in sg.inputs:
@@ -299,15 +298,6 @@ def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
 # (beside `latest`) are never touched; files added inside a version directory are kept when the
 # version is superseded (only rannc's own files are removed, and the directory is left, with a
 # warning, if anything else remains in it).
-
-class CheckpointError(RaNNCError):
-    """A checkpoint directory is missing, damaged, does not match the model, or was asked for
-    in a way that cannot work (a save on some ranks only, a path that names no directory)."""
-
-
-class CheckpointMismatchError(CheckpointError):
-    """A checkpoint's model entries differ from the model's (strict loading)."""
-
 
 LATEST = "latest"
 STATEFUL_FILE = "stateful.pt"

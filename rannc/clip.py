@@ -44,10 +44,9 @@ def owned_parameters(model: nn.Module, plan: Plan, held: Mapping[str, nn.Paramet
     for n, p in params.items():
         first_name.setdefault(id(p), n)
     owner: dict[str, int] = {}
-    for st in plan.stages:
-        for n in st.param_names:
-            key = first_name[id(params[n])]
-            owner[key] = min(owner.get(key, min(st.ranks)), *st.ranks)
+    for n, ranks in plan.holders().items():  # tied names: the lowest holder of any of them
+        key = first_name[id(params[n])]
+        owner[key] = min(owner.get(key, ranks[0]), ranks[0])
     out: dict[int, nn.Parameter] = {}
     for p in held.values():
         if owner[first_name[id(p)]] == rank:

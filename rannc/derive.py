@@ -17,18 +17,14 @@ import dataclasses
 from rannc.atomic.components import AtomicPartition
 from rannc.errors import RaNNCError
 from rannc.graph.task_graph import TaskGraph
-from rannc.planner import param_names_of
-from rannc.plans import Plan
+from rannc.plans import Plan, param_names_of
 
 
 def derive_plan(graph: TaskGraph, atomic: AtomicPartition, base: Plan, *,
                 recompute: bool = True) -> Plan:
     """`base`'s stages, ranks and parameter placement for `graph` (same model, another
     capture). `recompute=False` drops recomputation (forward-only use)."""
-    holders: dict[str, list[int]] = {}
-    for st in base.stages:
-        for n in st.param_names:
-            holders.setdefault(n, []).append(st.index)
+    holders = base.holder_stages()
     n_stages = len(base.stages)
     stage_of = [0] * len(atomic.components)
     preds: list[set[int]] = [set() for _ in atomic.components]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 
 class RaNNCError(RuntimeError):
     """Base class of every error rannc raises on purpose."""
@@ -33,3 +35,61 @@ class OutputTypeError(CaptureError):
 
 class PlanMismatchError(RaNNCError):
     """A loaded plan was made for another model, input shapes or number of ranks."""
+
+
+class PlanInfeasibleError(RaNNCError):
+    """No plan fits device memory; `needed_bytes` is the smallest per-device memory that would."""
+
+    def __init__(self, message: str, needed_bytes: float) -> None:
+        super().__init__(message)
+        self.needed_bytes = needed_bytes
+
+
+class CallOrderError(RaNNCError):
+    """Ranks entered different rannc collectives at the same time (one in forward, another in
+    state_dict(), say): every rank must make the same collective calls in the same order."""
+
+
+class CheckpointError(RaNNCError):
+    """A checkpoint directory is missing, damaged, does not match the model, or was asked for
+    in a way that cannot work (a save on some ranks only, a path that names no directory)."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """A checkpoint's model entries differ from the model's (strict loading)."""
+
+
+class RankFailure(RaNNCError):
+    """A collective failed or timed out because another rank failed, died or diverged."""
+
+
+class ScheduleError(RaNNCError):
+    """An invalid schedule (a missing or misplaced action, or a deadlock)."""
+
+
+class TraceError(RaNNCError):
+    """A trace could not be written, read or drawn."""
+
+
+_UNKNOWN_OUTPUT = re.compile(r"Found <class '([^']+)'> in output, which is not a known type")
+
+
+def output_type_error(model_name: str, error: BaseException) -> OutputTypeError | None:
+    """torch.export's complaint about an output type it cannot flatten, said in rannc's
+    terms (None when `error` is something else)."""
+    found = _UNKNOWN_OUTPUT.search(str(error))
+    if found is None:
+        return None
+    kind = found.group(1)
+    if "Cache" in kind:  # a Hugging Face model returning its key/value cache
+        return OutputTypeError(
+            f"{model_name}.forward returns (in its output) a {kind}, a key/value cache for "
+            "generation, which is not a tensor, a number or a pytree of them. Fix: set "
+            "use_cache=False (model.config.use_cache = False, or pass use_cache=False) when "
+            "training with rannc.")
+    return OutputTypeError(
+        f"{model_name}.forward returns (in its output) a {kind}, which is not a tensor, a number or a pytree "
+        "(tuple, list, dict, dataclass registered with torch.utils._pytree, Hugging Face "
+        "ModelOutput) of them; rannc must split and combine every output by rows. Fix: return "
+        "the tensors in a tuple or dict, or register the class as a pytree node with "
+        f"torch.utils._pytree.register_pytree_node({kind.rsplit('.', 1)[-1]}, ...).")

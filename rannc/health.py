@@ -46,7 +46,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from rannc.errors import RaNNCError
+from rannc.errors import RankFailure, RaNNCError
 
 #: How often the watchdog beats and looks for failures (seconds).
 POLL_S = 0.2
@@ -54,10 +54,6 @@ POLL_S = 0.2
 ACK_WAIT_S = 3.0
 _PREFIX = "rannc/health/"
 EXITED = "exited"
-
-
-class RankFailure(RaNNCError):
-    """A collective failed or timed out because another rank failed, died or diverged."""
 
 
 class Health:

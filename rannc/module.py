@@ -374,8 +374,7 @@ class RaNNCModule(nn.Module):
         A parameter that no stage reads stays on every rank (state_dict() still has it)."""
         held = self._held_ids() or set()  # over every deployed signature
         params = dict(self.module.named_parameters(remove_duplicate=False))
-        read = {id(params[n]) for r in self._runtimes.values() for st in r.plan.stages
-                for n in st.param_names}
+        read = {id(params[n]) for r in self._runtimes.values() for n in r.plan.holders()}
         released = []
         for n, p in params.items():
             if id(p) in read and id(p) not in held and p.numel():

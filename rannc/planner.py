@@ -32,11 +32,12 @@ import numpy as np
 from rannc.atomic.components import AtomicPartition
 from rannc.coarsen.blocks import CoarsenProblem, form_blocks
 from rannc.config import Config
-from rannc.errors import ConfigError, RaNNCError
+from rannc.errors import ConfigError, PlanInfeasibleError, RaNNCError
 from rannc.graph.task_graph import TaskGraph, ValueKind
-from rannc.plans import Plan, StagePlan, stage_ranks
+from rannc.plans import Plan, StagePlan, check_replicas_divide, param_names_of, stage_ranks
 from rannc.profile.device import Cluster, DeviceSpec
 from rannc.profile.estimate import BlockProfile, GraphCosts, _bytes
+from rannc.profile.oracle import BlockOracle, EstimateOracle
 from rannc.progress import NO_PROGRESS, Progress
 from rannc.schedule import SCHEDULES, StageCosts, chain, get_spec, in_flight, make_schedule, simulate
 from rannc.stage_dp.dp import stage_dp
@@ -54,14 +55,6 @@ from rannc.stage_dp.tables import (
 )
 
 log = logging.getLogger(__name__)
-
-
-class PlanInfeasibleError(RaNNCError):
-    """No plan fits device memory; `needed_bytes` is the smallest per-device memory that would."""
-
-    def __init__(self, message: str, needed_bytes: float) -> None:
-        super().__init__(message)
-        self.needed_bytes = needed_bytes
 
 
 @dataclass
@@ -337,6 +330,18 @@ class _Refined:
     recompute_s: tuple[float, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class _StageCost:
+    """One stage of a candidate, read from its stage tables."""
+
+    recompute: float  # fraction of its kept activation memory recomputed
+    fwd: float
+    bwd: float  # recomputation included
+    allreduce: float
+    memory: float
+    recompute_s: float
+
+
 class _TableCache:
     """Stage tables per (devices per pipeline D, copies R, microbatches m, in-flight bound,
     saved inputs), built on first use."""
@@ -390,24 +395,26 @@ def _refine(c: _Candidate, table: Any, late: bool) -> _Refined | None:
     idx = [(c.bounds[s], c.bounds[s + 1] - 1, c.replicas[s]) for s in range(S)]
     # the schedule's own in-flight counts (recomputation does not change them)
     counts = [n for n, _ in in_flight(make_schedule(sched, c.microbatches, chain(S), [False] * S))]
-    rows = []
+    rows: list[_StageCost] = []
     for s, x in enumerate(idx):
         tab = table(c.devices, c.copies, c.microbatches, counts[s], saved)
         if not math.isfinite(float(tab.h[x])):
             return None
-        rows.append((float(tab.recompute[x]), float(tab.fwd[x]), float(tab.bwd[x]),
-                     float(tab.allreduce[x]), float(tab.memory[x]), float(tab.recompute_s[x])))
+        rows.append(_StageCost(recompute=float(tab.recompute[x]), fwd=float(tab.fwd[x]),
+                               bwd=float(tab.bwd[x]), allreduce=float(tab.allreduce[x]),
+                               memory=float(tab.memory[x]), recompute_s=float(tab.recompute_s[x])))
     if not get_spec(sched).recompute_last:  # e.g. scp: its last stage holds one microbatch
-        f, fw, bw, ar, memory, rs = rows[-1]
-        rows[-1] = (0.0, fw, bw - rs, ar, memory, 0.0)
-    rc = [r[0] for r in rows]
+        last = rows[-1]
+        rows[-1] = dataclasses.replace(last, recompute=0.0, bwd=last.bwd - last.recompute_s,
+                                       recompute_s=0.0)
+    rc = [r.recompute for r in rows]
     timeline = simulate(make_schedule(sched, c.microbatches, chain(S), [f > 0 for f in rc]),
-                        StageCosts(fwd=[r[1] for r in rows], bwd=[r[2] - r[5] for r in rows],
-                                   recompute=[r[5] for r in rows], comm_fwd=[0.0] * S,
-                                   comm_bwd=[0.0] * S, allreduce=[r[3] for r in rows]))
-    return _Refined(c, timeline.iteration_time, tuple(rc), tuple(r[1] for r in rows),
-                    tuple(r[2] for r in rows), tuple(r[3] for r in rows),
-                    tuple(r[4] for r in rows), tuple(counts), tuple(r[5] for r in rows))
+                        StageCosts(fwd=[r.fwd for r in rows], bwd=[r.bwd - r.recompute_s for r in rows],
+                                   recompute=[r.recompute_s for r in rows], comm_fwd=[0.0] * S,
+                                   comm_bwd=[0.0] * S, allreduce=[r.allreduce for r in rows]))
+    return _Refined(c, timeline.iteration_time, tuple(rc), tuple(r.fwd for r in rows),
+                    tuple(r.bwd for r in rows), tuple(r.allreduce for r in rows),
+                    tuple(r.memory for r in rows), tuple(counts), tuple(r.recompute_s for r in rows))
 
 
 _BOUNDARY_REFINED = 4  # plans, the fastest at block level, whose boundaries are refined
@@ -510,10 +517,8 @@ def _pipeline_layouts(cluster: Cluster, config: Config) -> list[tuple[int, int]]
     (Algorithm 2), or what forced replicas imply."""
     world = cluster.size
     if config.replicas is not None:
+        check_replicas_divide(config.replicas, world)
         per = sum(config.replicas)
-        if world % per:
-            raise ConfigError(f"replicas {config.replicas} use {per} ranks per pipeline, which does "
-                              f"not divide the {world} devices; make sum(replicas) divide {world}")
         return [(per, world // per)]
     out = []
     n = 1
@@ -757,18 +762,6 @@ def _component_fraction(costs: GraphCosts, comps: Sequence[int], f: float, rows:
     return min(c, len(comps)) / len(comps)
 
 
-def param_names_of(graph: TaskGraph, atomic: AtomicPartition, comps: Sequence[int]) -> tuple[str, ...]:
-    """The original names of the parameters the components read, each once."""
-    names: dict[str, None] = {}
-    for c in comps:
-        for t in atomic.components[c].tasks:
-            for v in graph.tasks[t].inputs:
-                val = graph.values[v]
-                if val.kind is ValueKind.PARAM and val.target is not None:
-                    names[val.target] = None
-    return tuple(names)
-
-
 def _module_range(graph: TaskGraph, atomic: AtomicPartition, comps: Sequence[int]) -> str:
     paths = [graph.tasks[atomic.components[c].task].module_path for c in comps]
     paths = [p for p in paths if p] or ["<top>"]
@@ -799,39 +792,6 @@ def form_blocks_for(graph: TaskGraph, atomic: AtomicPartition, costs: GraphCosts
                           memory=[float(x) for x in memory], mem_limit=limit, k=min(k, n),
                           bandwidth=bandwidth)
     return list(form_blocks(prob))
-
-
-# -- oracles -----------------------------------------------------------------------------------
-
-class BlockOracle:
-    """What the planner asks a cost oracle (estimate or measure)."""
-
-    additive = False
-    """Whether a group's costs are exactly its components' (sums; the maximum for working
-    memory), so that a split costs the same whatever grouping it is tabled on. A measured
-    oracle times each group on its own, and groups of different sizes time differently."""
-
-    def component_time(self, batch: int) -> np.ndarray:
-        raise NotImplementedError
-
-    def block_profile(self, block_of: Sequence[int], batch_sizes: Sequence[int]) -> BlockProfile:
-        raise NotImplementedError
-
-
-class EstimateOracle(BlockOracle):
-    """Roofline estimates on the cluster's slowest device."""
-
-    additive = True
-
-    def __init__(self, costs: GraphCosts, cluster: Cluster) -> None:
-        self.costs = costs
-        self.spec = cluster.slowest
-
-    def component_time(self, batch: int) -> np.ndarray:
-        return self.costs.component_time(self.spec, batch)
-
-    def block_profile(self, block_of: Sequence[int], batch_sizes: Sequence[int]) -> BlockProfile:
-        return self.costs.block_profile(self.spec, block_of, batch_sizes)
 
 
 # -- the public entry point ---------------------------------------------------------------------

@@ -23,7 +23,7 @@ from typing import Any
 
 from rannc.atomic.components import AtomicPartition
 from rannc.errors import ConfigError, PlanMismatchError, RaNNCError
-from rannc.graph.task_graph import TaskGraph
+from rannc.graph.task_graph import TaskGraph, ValueKind
 
 PLAN_FORMAT = 1
 
@@ -74,6 +74,29 @@ class Plan:
     blocks: int | None = None  # phase 2's block count
     # The graph it was made from, for to_onnx; not saved (a loaded plan has none).
     source: tuple[TaskGraph, AtomicPartition] | None = field(default=None, compare=False, repr=False)
+
+    def holder_stages(self) -> dict[str, tuple[int, ...]]:
+        """Parameter name -> the stages that hold it, in stage order. THE answer to who holds a
+        parameter (a tied one lists every stage reading it); every module asks here."""
+        out: dict[str, list[int]] = {}
+        for st in self.stages:
+            for n in st.param_names:
+                out.setdefault(n, []).append(st.index)
+        return {n: tuple(s) for n, s in out.items()}
+
+    def holders(self) -> dict[str, tuple[int, ...]]:
+        """Parameter name -> the ranks that hold a copy of it (every replica of every holding
+        stage), ascending. Their copies are equal after every step."""
+        return {n: tuple(sorted({r for s in stages for r in self.stages[s].ranks}))
+                for n, stages in self.holder_stages().items()}
+
+    def owner(self, name: str) -> int:
+        """The rank whose copy of parameter `name` counts once (its lowest holder): the one
+        that saves it, and adds its gradient to a global norm."""
+        ranks = self.holders().get(name)
+        if not ranks:
+            raise RaNNCError(f"no stage of this plan holds parameter {name!r}")
+        return ranks[0]
 
     def stage_of_rank(self, rank: int) -> StagePlan:
         for st in self.stages:
@@ -190,11 +213,22 @@ class Plan:
                                         f"{world_size} ranks: {problem}. Fix: {again}.")
 
 
+def param_names_of(graph: TaskGraph, atomic: AtomicPartition, comps: Sequence[int]) -> tuple[str, ...]:
+    """The original names of the parameters the components read, each once."""
+    names: dict[str, None] = {}
+    for c in comps:
+        for t in atomic.components[c].tasks:
+            for v in graph.tasks[t].inputs:
+                val = graph.values[v]
+                if val.kind is ValueKind.PARAM and val.target is not None:
+                    names[val.target] = None
+    return tuple(names)
+
+
 def plan_problem(plan: Plan, graph: TaskGraph, atomic: AtomicPartition,
                  batch_rows: int | None = None) -> str | None:
     """The first thing wrong with `plan` for this graph and its world, said with the values,
     or None. Pure; the checks the runtime relies on and would otherwise fail on obscurely."""
-    from rannc.planner import param_names_of
     from rannc.schedule.spec import SCHEDULES
 
     if plan.schedule not in SCHEDULES:
@@ -302,14 +336,22 @@ def _fmt_s(seconds: float) -> str:
     return f"{seconds * 1e3:.2f} ms" if seconds < 1 else f"{seconds:.2f} s"
 
 
+def check_replicas_divide(replicas: Sequence[int], world_size: int) -> None:
+    """Replica counts (one per stage) must run whole copies of the pipeline on `world_size`
+    ranks: sum(replicas) divides it. The one check and message, for forced and planned counts."""
+    per = sum(replicas)
+    if per < 1 or world_size % per:
+        raise ConfigError(
+            f"replicas={list(replicas)} sum to {per} ranks per pipeline, which does not "
+            f"divide the {world_size} ranks running. Fix: give counts that sum to "
+            f"{world_size} (or a divisor of it, to run {world_size} // sum copies of the "
+            "pipeline), or leave replicas unset for the planner to choose.")
+
+
 def stage_ranks(replicas: Sequence[int], world_size: int) -> list[tuple[int, ...]]:
     """Ranks of each stage's replicas: R copies of the pipeline, each over sum(replicas) ranks."""
+    check_replicas_divide(replicas, world_size)
     per_copy = sum(replicas)
-    if world_size % per_copy:
-        raise ConfigError(
-            f"replicas {list(replicas)} use {per_copy} ranks per pipeline, which does not divide "
-            f"the world size {world_size}; make sum(replicas) divide {world_size}"
-        )
     copies = world_size // per_copy
     out: list[tuple[int, ...]] = []
     start = 0

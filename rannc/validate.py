@@ -27,15 +27,18 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from rannc.config import Config
-from rannc.errors import (
+from rannc.errors import (  # CallOrderError and output_type_error: re-exported, once defined here
+    CallOrderError,
     CaptureError,
     ConfigError,
     InputDeviceError,
     InputMismatchError,
-    OutputTypeError,
+    PlanInfeasibleError,
     PlanMismatchError,
     RaNNCError,
+    output_type_error,
 )
+from rannc.plans import check_replicas_divide
 
 if TYPE_CHECKING:  # rannc.graph.capture imports this module
     from rannc.dist import DistContext
@@ -138,11 +141,6 @@ def agree_on_call(args: Sequence[Any], kwargs: Mapping[str, Any], leaves: Sequen
     if any(isinstance(x, torch.Tensor) and x.device.type != ctx.device.type for x in leaves):
         check_devices(call_signature(args, kwargs, layout.batch_leaves), ctx.device)
     return sizes
-
-
-class CallOrderError(RaNNCError):
-    """Ranks entered different rannc collectives at the same time (one in forward, another in
-    state_dict(), say): every rank must make the same collective calls in the same order."""
 
 
 def _gather_digest(rows: int, digest: int, device: torch.device, world: int) -> list[torch.Tensor]:
@@ -275,13 +273,7 @@ def check_config(config: Config, world_size: int) -> None:
     """What `Config` cannot check alone: the forced sizes against the number of ranks. Every
     rank runs it before its first collective, with the same config, so all raise or none."""
     if config.replicas is not None:
-        per = sum(config.replicas)
-        if world_size % per:
-            raise ConfigError(
-                f"replicas={config.replicas} sum to {per} ranks per pipeline, which does not "
-                f"divide the {world_size} ranks running. Fix: give counts that sum to "
-                f"{world_size} (or a divisor of it, to run {world_size} // sum copies of the "
-                "pipeline), or leave replicas unset for the planner to choose.")
+        check_replicas_divide(config.replicas, world_size)
         if config.partition_num is not None and config.partition_num != len(config.replicas):
             raise ConfigError(
                 f"partition_num={config.partition_num} but replicas={config.replicas} lists "
@@ -328,35 +320,9 @@ def check_capturable(model: torch.nn.Module, leaves: Sequence[Any], sizes: Seque
             "checkpoint); to plan without running, use rannc.plan(model, ...) or `rannc plan`")
 
 
-_UNKNOWN_OUTPUT = re.compile(r"Found <class '([^']+)'> in output, which is not a known type")
-
-
-def output_type_error(model_name: str, error: BaseException) -> OutputTypeError | None:
-    """torch.export's complaint about an output type it cannot flatten, said in rannc's
-    terms (None when `error` is something else)."""
-    found = _UNKNOWN_OUTPUT.search(str(error))
-    if found is None:
-        return None
-    kind = found.group(1)
-    if "Cache" in kind:  # a Hugging Face model returning its key/value cache
-        return OutputTypeError(
-            f"{model_name}.forward returns (in its output) a {kind}, a key/value cache for "
-            "generation, which is not a tensor, a number or a pytree of them. Fix: set "
-            "use_cache=False (model.config.use_cache = False, or pass use_cache=False) when "
-            "training with rannc.")
-    return OutputTypeError(
-        f"{model_name}.forward returns (in its output) a {kind}, which is not a tensor, a number or a pytree "
-        "(tuple, list, dict, dataclass registered with torch.utils._pytree, Hugging Face "
-        "ModelOutput) of them; rannc must split and combine every output by rows. Fix: return "
-        "the tensors in a tuple or dict, or register the class as a pytree node with "
-        f"torch.utils._pytree.register_pytree_node({kind.rsplit('.', 1)[-1]}, ...).")
-
-
 def rebuild_error(info: Mapping[str, Any]) -> RaNNCError:
     """The error rank 0 met while planning (sent as {"type", "error", ...}), raised again on
     every rank with its own type, so `except PlanInfeasibleError` works on every rank."""
-    from rannc.planner import PlanInfeasibleError
-
     message = f"{info.get('where', 'planning')} failed on rank 0: {info['error']}"
     if info["type"] == PlanInfeasibleError.__name__:
         return PlanInfeasibleError(message, needed_bytes=info.get("needed_bytes", math.nan))

@@ -152,3 +152,36 @@ def test_grad_reduce_benchmark() -> None:
     rows = [ln.split("|")[1:-1] for ln in out.splitlines() if ln.startswith("| gpipe |")]
     assert len(rows) == 1 and float(rows[0][2]) > 0, out
     assert float(rows[0][4]) <= 0.01 + 1e-9, out
+
+
+def test_plan_quality_llm_table() -> None:
+    out = run("benchmarks/plan_quality.py", "--llm")
+    found = rows(out, "| Llama 2x64")
+    assert len(found) == 1, out
+    r = found[0]
+    assert len(r) == 12, r
+    rannc, bound = float(r[2].split()[0]), float(r[6])
+    assert 0 < bound <= rannc, r
+    for c in (3, 4, 5):  # the three baselines: a time each (tiny model: every split fits)
+        assert float(r[c].split()[0]) > 0, r
+
+
+def test_minmax_bounds_is_the_best_contiguous_split() -> None:
+    import itertools
+    import random
+
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.plan_quality import minmax_bounds
+
+    rng = random.Random(0)
+    for _ in range(50):
+        w = [rng.randint(1, 20) for _ in range(rng.randint(1, 8))]
+        for S in range(1, len(w) + 1):
+            b = minmax_bounds(w, S)
+            assert b is not None and b[0] == 0 and b[-1] == len(w) and len(b) == S + 1
+            assert all(x < y for x, y in itertools.pairwise(b))
+            got = max(sum(w[x:y]) for x, y in itertools.pairwise(b))
+            best = min(max(sum(w[x:y]) for x, y in itertools.pairwise((0, *c, len(w))))
+                       for c in itertools.combinations(range(1, len(w)), S - 1))
+            assert got == best, (w, S, b)
+        assert minmax_bounds(w, len(w) + 1) is None

@@ -31,10 +31,9 @@ from torch import nn
 from torch.export import Dim, ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind, OutputSpec, TensorArgument
 
-from rannc.errors import CaptureError
+from rannc.errors import CaptureError, output_type_error
 from rannc.graph.native import forward_reachable
 from rannc.graph.task_graph import COPY_OP, WRITE_BACK_OP, Task, TaskGraph, Value, ValueKind
-from rannc.validate import output_type_error
 
 BATCH = sympy.Symbol("batch")
 

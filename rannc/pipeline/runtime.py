@@ -392,10 +392,7 @@ class PipelineRuntime:
 
         Every rank creates every group in the same order, as torch.distributed requires.
         """
-        holders: dict[str, set[int]] = {}
-        for st in self.plan.stages:
-            for n in st.param_names:
-                holders.setdefault(n, set()).update(st.ranks)
+        holders = self.plan.holders()
         by_set: dict[tuple[int, ...], list[str]] = {}
         for n in sorted(holders):
             by_set.setdefault(tuple(sorted(holders[n])), []).append(n)

@@ -76,10 +76,10 @@ from rannc.errors import ConfigError
 from rannc.graph.capture import CapturedModel
 from rannc.graph.extract import StageGraph, build_stage_module, split_graph
 from rannc.graph.task_graph import Value, ValueKind, eval_dim
-from rannc.planner import BlockOracle
 from rannc.profile.cache import Entry, ProfileCache, block_key
 from rannc.profile.device import DeviceSpec
 from rannc.profile.estimate import FLOAT_DTYPES, BlockProfile, GraphCosts
+from rannc.profile.oracle import BlockOracle
 from rannc.progress import Progress, progress_for
 
 log = logging.getLogger(__name__)

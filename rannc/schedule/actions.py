@@ -30,7 +30,7 @@ import re
 from dataclasses import dataclass
 from enum import Enum
 
-from rannc.errors import RaNNCError
+from rannc.errors import ScheduleError
 
 
 class Op(Enum):
@@ -62,10 +62,6 @@ class Action:
         if m is None:
             raise ScheduleError(f"cannot read action {text!r}; expected e.g. F0.3, RB1.2, SF2.0")
         return cls(int(m.group(2)), int(m.group(3)), Op(m.group(1)))
-
-
-class ScheduleError(RaNNCError):
-    """An invalid schedule (a missing or misplaced action, or a deadlock)."""
 
 
 @dataclass(frozen=True, slots=True)

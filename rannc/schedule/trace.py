@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rannc.errors import RaNNCError
+from rannc.errors import RaNNCError, TraceError
 from rannc.schedule.actions import Action, Op
 from rannc.schedule.simulate import Event, Timeline
 
@@ -33,10 +33,6 @@ _MS = 1e3  # the chart counts milliseconds
 
 _CATEGORY = {Op.F: "forward", Op.B: "backward", Op.R: "recompute", Op.SF: "send", Op.SB: "send",
              Op.RF: "recv", Op.RB: "recv"}
-
-
-class TraceError(RaNNCError):
-    """A trace could not be written, read or drawn."""
 
 
 # --- Chrome / Perfetto trace -------------------------------------------------------------------
