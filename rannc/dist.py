@@ -382,6 +382,8 @@ def _init_torchrun(timeout: datetime.timedelta) -> DistContext:
         # attempt gets its own key space instead (the same prefix torch used to add).
         client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                                False, timeout)
+        from rannc.health import attempt_prefix
+
         store = dist.PrefixStore(attempt_prefix(), client)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                                 timeout=timeout)
@@ -389,13 +391,6 @@ def _init_torchrun(timeout: datetime.timedelta) -> DistContext:
         dist.init_process_group(backend, init_method="env://", timeout=timeout)
     return DistContext(rank, world, local_rank, local_world, backend, device, LAUNCHER_TORCHRUN)
 
-
-def attempt_prefix() -> str:
-    """The key space of this run of the workers in a store that outlives it (torchrun's agent
-    store survives a `--max-restarts` restart): ``rannc/attempt_N/`` with torchrun's restart
-    count N, ``rannc/attempt_0/`` under other launchers. Everything rannc keeps in a store lives
-    under it, so an attempt never reads what a dead one left (peers' addresses, a failure record)."""
-    return f"rannc/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
 
 
 def _init_single(timeout: datetime.timedelta) -> DistContext:

@@ -350,6 +350,14 @@ def stop() -> None:
         _health = None
 
 
+def attempt_prefix() -> str:
+    """The key space of this run of the workers in a store that outlives it (torchrun's agent
+    store survives a `--max-restarts` restart): ``rannc/attempt_N/`` with torchrun's restart
+    count N, ``rannc/attempt_0/`` under other launchers. Everything rannc keeps in a store lives
+    under it, so an attempt never reads what a dead one left (peers' addresses, a failure record)."""
+    return f"rannc/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+
+
 def start(rank: int, world: int, timeout_s: float, *, hosts_store: bool = False,
           name_pids: bool = False, store: Any | None = None) -> Health | None:
     """Start the watchdog of a multi-rank job (called once the default group exists).
@@ -370,8 +378,6 @@ def start(rank: int, world: int, timeout_s: float, *, hosts_store: bool = False,
             store = clone()
     # Unwrapped down to the launcher's store, so the attempt's key space is put back: under
     # torchrun a restarted attempt must not read the failure record of the one before.
-    from rannc.dist import attempt_prefix
-
     h = Health(dist.PrefixStore(attempt_prefix() + _PREFIX, store), rank, world, timeout_s)
     h.hosts_store = hosts_store
     h.begin()
