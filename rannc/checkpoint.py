@@ -622,7 +622,7 @@ def _all_arrive(what: str) -> None:
     h.store.add(key, 1)
     deadline = time.monotonic() + h.timeout_s
     while h.store.add(key, 0) < h.world:
-        gone = [r for r in range(h.world) if r != h.rank and _passed(h, r)]
+        gone = [r for r in range(h.world) if r != h.rank and h.gone_past(r)]
         late = time.monotonic() > deadline
         if (gone or late) and h.store.add(key, 0) < h.world:
             absent = [r for r in range(h.world) if not h.store.check([f"{key}/{r}"])]
@@ -632,15 +632,6 @@ def _all_arrive(what: str) -> None:
                 f"rank {h.rank} called {what}() and {why}: call {what} on every rank (it is "
                 f"collective: each rank writes or reads its own part). {h.explain()}")
         time.sleep(0.02)
-
-
-def _passed(h: health.Health, r: int) -> bool:
-    """Whether rank r has certainly gone on without this checkpoint call."""
-    # _last/_dead_peers are the watchdog's own view of its peers (health has no public one).
-    last = h._last(r)  # noqa: SLF001
-    if last is not None and (last[1] == health.EXITED or last[0] > h.step):
-        return True
-    return r in h._dead_peers()  # noqa: SLF001
 
 
 # -- sharded checkpoints ----------------------------------------------------------------------------

@@ -226,6 +226,15 @@ class Health:
         text = self.store.get("failed")
         return json.loads(text) if text else None
 
+    def gone_past(self, r: int) -> bool:
+        """Whether rank r has certainly gone on past this rank's present step: it finished its
+        script, reached a later step, or died (a collective this rank is about to start would
+        wait for it in vain)."""
+        last = self._last(r)
+        if last is not None and (last[1] == EXITED or last[0] > self.step):
+            return True
+        return r in self._dead_peers()
+
     def _dead_peers(self) -> list[int]:
         dead = []
         for r, info in self.peers.items():
