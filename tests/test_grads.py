@@ -111,6 +111,20 @@ def test_a_parameter_without_a_gradient_keeps_none(group: object) -> None:
     assert model[0].weight.grad is not None and model[1].weight.grad is None
 
 
+def test_a_frozen_parameter_is_held_without_a_hook(group: object) -> None:
+    # Whisper's positional embeddings are frozen (requires_grad=False): registering the
+    # post-accumulate hook on one raised in the last backward (the conformance suite's
+    # 3r-rep21-m2-gpipe whisper cell).
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    model[0].weight.requires_grad_(False)
+    red = _reducer(model, group, bucket_bytes=1 << 20)
+    red.begin()
+    red.arm()
+    model(torch.randn(2, 4)).sum().backward()
+    red.finish(sync=True)
+    assert model[0].weight.grad is None and model[1].weight.grad is not None
+
+
 def test_bucket_mb_is_validated() -> None:
     assert rannc.Config(bucket_mb=0.5).bucket_mb == 0.5
     assert rannc.Config.resolve(environ={"RANNC_BUCKET_MB": "4"}).bucket_mb == 4.0

@@ -149,7 +149,9 @@ class GradReducer:
             for b in grp.buckets:
                 for n in b.names:
                     p = self.held[n]
-                    if self.accumulations.get(id(p), 0) > 0:
+                    # A frozen parameter (requires_grad=False, e.g. Whisper's positional
+                    # embeddings) never accumulates: `finish` handles it with the rest.
+                    if p.requires_grad and self.accumulations.get(id(p), 0) > 0:
                         self._hooks.append(p.register_post_accumulate_grad_hook(
                             lambda p, n=n: self._accumulated(p, n)))
 
