@@ -246,7 +246,10 @@ class GradReducer:
                     if not wait and not self._buffered.work.is_completed():
                         break
                     self._complete(self._buffered, st)
-                self._start(b, grp.group, st)
+                # Started from a hook this is still the gradient all-reduce (not the backward
+                # around it): a failure in it is reported as such.
+                with health.phase("gradient all-reduce"):
+                    self._start(b, grp.group, st)
                 grp.started += 1
 
     def _start(self, b: _Bucket, group: Any, st: _State) -> None:
