@@ -392,7 +392,6 @@ def _init_torchrun(timeout: datetime.timedelta) -> DistContext:
     return DistContext(rank, world, local_rank, local_world, backend, device, LAUNCHER_TORCHRUN)
 
 
-
 def _init_single(timeout: datetime.timedelta) -> DistContext:
     backend = _choose_backend(1)
     device = _device_for(backend, 0)

@@ -126,10 +126,11 @@ def capture(
     device = _model_device(model)
     leaves = [_prepare_leaf(x, b, device) for x, b in zip(leaves, layout.batch_leaves, strict=True)]
     ex_args, ex_kwargs = pytree.tree_unflatten(leaves, layout.spec)
-    dynamic_shapes = _dynamic_shapes(model, layout)
+    named = _signature_naming(model, ex_kwargs)
+    dynamic_shapes = _dynamic_shapes(model, layout, named)
     t0 = time.perf_counter()
     try:
-        with _keywords_in_signature(model, ex_kwargs):
+        with _keywords_in_signature(model, named):
             ep = torch.export.export(
                 model, tuple(ex_args), dict(ex_kwargs),
                 dynamic_shapes=dynamic_shapes,
@@ -149,14 +150,17 @@ def capture(
     return _from_exported(ep, layout, seconds, functional)
 
 
-def _dynamic_shapes(model: nn.Module, layout: InputLayout) -> dict[str, Any]:
+def _dynamic_shapes(model: nn.Module, layout: InputLayout,
+                    named: inspect.Signature | None) -> dict[str, Any]:
     """torch.export's dynamic_shapes: dim 0 symbolic for every batched leaf, by parameter name
-    (keywords caught by a `**kwargs` under their own names: see _keywords_in_signature)."""
+    (`named`: forward's signature with the keywords its `**kwargs` catches named, see
+    _signature_naming; None: forward's own)."""
     batch = Dim("batch", min=1)
     flags = [{0: batch} if b else None for b in layout.batch_leaves]
     dyn_args, dyn_kwargs = pytree.tree_unflatten(flags, layout.spec)
+    sig = named if named is not None else inspect.signature(model.forward)
     try:
-        bound = _signature_naming(model, dyn_kwargs).bind(*dyn_args, **dyn_kwargs)
+        bound = sig.bind(*dyn_args, **dyn_kwargs)
     except TypeError as e:
         raise CaptureError(
             f"the inputs do not match {type(model).__name__}.forward's signature: {e}"
@@ -164,29 +168,31 @@ def _dynamic_shapes(model: nn.Module, layout: InputLayout) -> dict[str, Any]:
     return dict(bound.arguments)
 
 
-def _signature_naming(model: nn.Module, kwargs: Mapping[str, Any]) -> inspect.Signature:
+def _signature_naming(model: nn.Module, kwargs: Mapping[str, Any]) -> inspect.Signature | None:
     """forward's signature with each keyword that its `**kwargs` would catch as a named
-    keyword-only parameter instead (the signature unchanged when none is)."""
+    keyword-only parameter instead; None when no keyword is caught (forward's own serves).
+
+    torch.export (2.13) cannot match dynamic shapes to a var-keyword argument ("Must provide a
+    tree_name when there might be a mismatch": it lists the caught keywords both inside
+    `kwargs` and on their own), so Hugging Face's `num_items_in_batch` or a user's `mask=`
+    passed through `**kwargs` must be named for the export."""
     sig = inspect.signature(model.forward)
     params = list(sig.parameters.values())
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return sig
+        return None
     caught = [k for k in kwargs if k not in sig.parameters]
     if not caught:
-        return sig
+        return None
     params = [p for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD]
     params += [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=None) for k in caught]
     return sig.replace(parameters=params)
 
 
 @contextlib.contextmanager
-def _keywords_in_signature(model: nn.Module, kwargs: Mapping[str, Any]) -> Iterator[None]:
-    """While exporting, a forward taking keywords through `**kwargs` (Hugging Face's
-    `num_items_in_batch`, a user's `mask=`) shows them as named keywords: torch.export (2.13)
-    cannot match dynamic shapes to a var-keyword argument ("Must provide a tree_name when there
-    might be a mismatch": it lists the caught keywords both inside `kwargs` and on their own)."""
-    sig = _signature_naming(model, kwargs)
-    if sig == inspect.signature(model.forward):
+def _keywords_in_signature(model: nn.Module, named: inspect.Signature | None) -> Iterator[None]:
+    """While exporting, forward shows signature `named` (see _signature_naming; None: left
+    as it is); the model's own forward is restored after."""
+    if named is None:
         yield
         return
     orig = model.forward
@@ -194,7 +200,7 @@ def _keywords_in_signature(model: nn.Module, kwargs: Mapping[str, Any]) -> Itera
     def forward(*args: Any, **kw: Any) -> Any:
         return orig(*args, **kw)
 
-    forward.__signature__ = sig  # type: ignore[attr-defined]
+    forward.__signature__ = named  # type: ignore[attr-defined]
     own = model.__dict__.get("forward")  # an instance attribute of the user's, if any
     model.forward = forward  # type: ignore[method-assign]
     try:
