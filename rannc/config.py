@@ -33,9 +33,11 @@ def _schedules() -> tuple[str, ...]:
 
 _CHECKPOINTING = ("auto", "on", "off", "stage_aware")
 _PROFILERS = ("auto", "measure", "estimate")
+# How a yes or a no is spelt in a RANNC_* variable (a boolean field's, or a switch's).
+_YES, _NO = ("1", "true", "yes"), ("0", "false", "no")
 # A switch field's other spellings, from keywords (True) and the environment ("1", "true").
-_SWITCH = {True: "on", False: "off", "1": "on", "0": "off", "true": "on", "false": "off",
-           "yes": "on", "no": "off"}
+_SWITCH: dict[bool | str, str] = {True: "on", False: "off", **dict.fromkeys(_YES, "on"),
+                                   **dict.fromkeys(_NO, "off")}
 # RANNC_* variables that are not Config fields: read by rannc.dist at start-up.
 LAUNCH_ENV = ("RANNC_BACKEND", "RANNC_MASTER_ADDR", "RANNC_MPI_ABORT_ON_ERROR")
 # RaNNC's own variables that rannc does not read, with what to use instead. A spelling match
@@ -357,10 +359,10 @@ def _parse_env(name: str, key: str, text: str) -> Any:
     if str in typing.get_args(tp) or tp is str:
         return None if text.lower() in ("none", "null") and tp is not str else text
     if tp is bool:
-        if text.lower() not in {"0", "1", "true", "false", "yes", "no"}:
+        if text.lower() not in _YES + _NO:
             raise ConfigError(f"{key}={text!r} is not valid: {name} must be a boolean. Fix: set "
                               f"{key} to 1/0/true/false, or unset it")
-        return text.lower() in {"1", "true", "yes"}
+        return text.lower() in _YES
     try:
         return json.loads(text)
     except json.JSONDecodeError:
