@@ -50,16 +50,16 @@ class RaNNCTrainer(Trainer):
         self._rannc_model: dict[str, Any] | None = None
         self._rannc_optim: dict[str, Any] | None = None
         super().__init__(model, *args, **kwargs)
-        # Whether the wrapped model's loss takes `num_items_in_batch` (Trainer's own test, made on
-        # the wrapped model: RaNNCModule itself says no, for the plain Trainer's sake). With it,
-        # Trainer passes the global count of labels that are not -100 and the loss is the global
-        # token mean even when the ranks' rows hold different numbers of masked labels.
         inner = model.module
         # Trainer reads these from the class of the model it holds; RaNNCModule.forward(*args,
         # **kwargs) names no labels, so evaluate() would compute no loss.
         if self.args.label_names is None:
             self.label_names = find_labels(type(inner))
         self.can_return_loss = can_return_loss(type(inner))
+        # Whether the wrapped model's loss takes `num_items_in_batch` (Trainer's own test, made on
+        # the wrapped model: RaNNCModule itself says no, for the plain Trainer's sake). With it,
+        # Trainer passes the global count of labels that are not -100 and the loss is the global
+        # token mean even when the ranks' rows hold different numbers of masked labels.
         self.model_accepts_loss_kwargs = bool(getattr(
             inner, "accepts_loss_kwargs",
             any(p.kind is inspect.Parameter.VAR_KEYWORD
