@@ -100,6 +100,7 @@ def run_command(
     group is not enough: Hydra's proxy and each rank call setsid(), so they are in sessions of
     their own, and they outlive mpiexec when it is killed.  The tag finds them wherever they are.
     """
+    _check_layer(cmd)
     token = uuid.uuid4().hex
     proc = subprocess.Popen(
         list(cmd),
@@ -135,6 +136,16 @@ def run_command(
     if check and proc.returncode != 0:
         pytest.fail(f"exit status {proc.returncode}\n" + _describe(cmd, proc.returncode, out, err))
     return result
+
+
+def _check_layer(cmd: Sequence[str]) -> None:
+    """A launch of ranks belongs to a multi_rank test (the layers: tests/conftest.py)."""
+    layer = os.environ.get("PYTEST_LAYER", "")
+    launcher = any(Path(c).name in ("mpiexec", "mpirun", "torchrun") or c == "torch.distributed.run"
+                   for c in cmd)
+    if launcher and layer not in ("", "multi_rank"):
+        pytest.fail(f"this test is marked {layer} but launches ranks ({Path(cmd[0]).name}): mark it "
+                    "multi_rank (tests/conftest.py)", pytrace=False)
 
 
 def _tagged_pids(token: str) -> list[int]:

@@ -15,6 +15,8 @@ import pytest
 import rannc
 from rannc.config import LAUNCH_ENV
 
+pytestmark = pytest.mark.layer("single_process")
+
 ROOT = Path(__file__).resolve().parents[1]
 FIX = ("run `.venv/bin/python scripts/gen_api_docs.py` and commit docs/api.md, docs/config.md "
        "and README.md")
@@ -39,6 +41,7 @@ def test_committed_docs_are_current(generated: Path, name: str) -> None:
     assert committed.read_text() == (generated / Path(name).name).read_text(), f"{name} is stale: {FIX}"
 
 
+@pytest.mark.layer("pure")
 def test_docs_cover_every_public_name_and_field() -> None:
     api = (ROOT / "docs" / "api.md").read_text()
     config = (ROOT / "docs" / "config.md").read_text()

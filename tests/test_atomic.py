@@ -22,6 +22,8 @@ from rannc.atomic.components import AtomicPartition, atomic_components
 from rannc.graph.capture import CapturedModel, capture
 from rannc.graph.task_graph import WRITE_BACK_OP, Task, TaskGraph, Value, ValueKind
 
+pytestmark = pytest.mark.layer("pure")
+
 CONST_KINDS = (ValueKind.PARAM, ValueKind.BUFFER, ValueKind.CONSTANT)
 
 

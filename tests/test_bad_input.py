@@ -22,6 +22,8 @@ from rannc import validate
 from rannc.errors import ConfigError, InputDeviceError
 from rannc.graph.capture import flatten_inputs
 
+pytestmark = pytest.mark.layer("single_process")
+
 SCRIPT = Path(__file__).parent / "scripts" / "bad_input_check.py"
 
 # case -> (error type, what the message must say: the problem and values, then the fix)
@@ -90,6 +92,7 @@ def launch(tmp_path_factory: pytest.TempPathFactory) -> str:
     return res.stdout
 
 
+@pytest.mark.layer("multi_rank")
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_cross_rank_bad_input_is_the_same_clear_error_on_every_rank(launch: str, name: str) -> None:
     kind, says = CASES[name]
@@ -102,6 +105,7 @@ def test_cross_rank_bad_input_is_the_same_clear_error_on_every_rank(launch: str,
         assert text in first, f"{text!r} missing from: {first}"
 
 
+@pytest.mark.layer("multi_rank")
 def test_job_still_trains_exactly_after_the_errors_with_a_bounded_capture_cache(launch: str) -> None:
     for when in ("after_errors_before_deployment", "after_errors_after_deployment",
                  "plan_file_read_on_rank_0_only", "at_the_end"):
@@ -224,6 +228,7 @@ def test_unknown_option_name() -> None:
         rannc.RaNNCModule(nn.Linear(2, 2), microbatch=2)
 
 
+@pytest.mark.layer("multi_rank")
 def test_partition_num_beyond_the_ranks_and_replicas_of_another_length() -> None:
     with pytest.raises(ConfigError, match=r"partition_num=4 stages need at least that many ranks "
                                           r"but 2 run.*launch at least 4 ranks"):
@@ -244,6 +249,7 @@ def _digest(*args: object, **kwargs: object) -> int:
     return validate.call_digest(layout, leaves)
 
 
+@pytest.mark.layer("pure")
 def test_local_batch_sizes_may_differ_nothing_else_may() -> None:
     long = torch.long
     base = _digest(torch.zeros(3, 5), mask=torch.ones(3, 5, dtype=long))
@@ -257,6 +263,7 @@ def test_local_batch_sizes_may_differ_nothing_else_may() -> None:
     assert len({base, *others}) == 1 + len(others)
 
 
+@pytest.mark.layer("pure")
 def test_mismatch_names_the_nested_argument_and_groups_ranks() -> None:
     ok = _sig(torch.zeros(2, 4), batch={"ids": torch.zeros(2, 16, dtype=torch.long)})
     bad = _sig(torch.zeros(2, 4), batch={"ids": torch.zeros(2, 32, dtype=torch.long)})
@@ -265,6 +272,7 @@ def test_mismatch_names_the_nested_argument_and_groups_ranks() -> None:
     assert "ranks 0, 2: a tensor [B, 16] int64 on cpu; rank 1: a tensor [B, 32] int64" in text
 
 
+@pytest.mark.layer("pure")
 def test_input_device_check_reads_device_types_only() -> None:
     sig = _sig(torch.zeros(2, 4), mask=torch.zeros(2, 4))
     validate.check_devices(sig, torch.device("cpu"))
@@ -273,6 +281,7 @@ def test_input_device_check_reads_device_types_only() -> None:
         validate.check_devices(sig, torch.device("cuda", 1))
 
 
+@pytest.mark.layer("pure")
 def test_a_mistyped_environment_variable_is_named_with_the_likely_one() -> None:
     with pytest.warns(UserWarning, match=r"rannc ignores the environment variable "
                                          r"RANNC_PARTITON_NUM: did you mean RANNC_PARTITION_NUM\?"):
@@ -280,6 +289,7 @@ def test_a_mistyped_environment_variable_is_named_with_the_likely_one() -> None:
     assert cfg.partition_num is None
 
 
+@pytest.mark.layer("pure")
 def test_launch_variables_are_not_reported_as_unknown() -> None:
     from rannc import dist
     from rannc.config import LAUNCH_ENV

@@ -13,6 +13,8 @@ import torch.fx as fx
 from rannc.graph.task_graph import Task, TaskGraph, Value, ValueKind
 from rannc.pipeline import batchnorm as bnorm
 
+pytestmark = pytest.mark.layer("pure")
+
 OPS = [torch.ops.aten.batch_norm.default, torch.ops.aten.native_batch_norm.default,
        torch.ops.aten._native_batch_norm_legit.default,
        torch.ops.aten._native_batch_norm_legit_functional.default]

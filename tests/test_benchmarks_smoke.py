@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.layer("pure")
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -21,6 +23,7 @@ def run(*args: str) -> str:
     return res.stdout
 
 
+@pytest.mark.layer("multi_rank")
 @pytest.mark.parametrize("part", ["simulated", "measured"])
 def test_schedules_benchmark(part: str) -> None:
     out = run("benchmarks/schedules.py", "--only", part, "--steps", "2")
@@ -70,11 +73,13 @@ def test_profile_measure_benchmark() -> None:
     assert rows(out, "| all | 2 |"), out
 
 
+@pytest.mark.layer("single_process")
 def test_single_stage_overhead_benchmark() -> None:
     out = run("benchmarks/single_stage_overhead.py")
     assert "rannc  median" in out and "throughput ratio rannc/plain:" in out, out
 
 
+@pytest.mark.layer("single_process")
 def test_gpu_study_benchmark(tmp_path: Path) -> None:
     """Issue 8 study 5 at tiny sizes on this machine's device: both variants for fp32 and bf16
     (autocast), and predicted vs measured times of the 1- and 2-stage splits."""
@@ -92,6 +97,7 @@ def test_gpu_study_benchmark(tmp_path: Path) -> None:
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.layer("multi_rank")
 def test_pipeline_memory_benchmark() -> None:
     out = run("benchmarks/pipeline_memory.py")
     assert rows(out, "| rannc x2, rank 0") and rows(out, "| rannc x2, rank 1"), out
@@ -117,11 +123,13 @@ def test_plan_quality_benchmark(tmp_path: Path) -> None:
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.layer("multi_rank")
 def test_soak_benchmark() -> None:
     out = run("benchmarks/soak.py")
     assert "no errors" in out and out.count("| - |") == 2, out
 
 
+@pytest.mark.layer("multi_rank")
 def test_runtime_peers_benchmark() -> None:
     """rannc, torch.distributed.pipelining on the same stages, and DDP: one row each, a positive
     speed, and the same loss (the script exits non-zero when the losses disagree)."""
@@ -132,6 +140,7 @@ def test_runtime_peers_benchmark() -> None:
     assert "loss check: every pipelining run agrees" in out, out
 
 
+@pytest.mark.layer("multi_rank")
 def test_capacity_benchmark() -> None:
     """The planner-side table (rannc fits at least what DDP fits: DDP's layout is one of its
     candidates) and the measured rows of both runs."""
@@ -145,6 +154,7 @@ def test_capacity_benchmark() -> None:
     assert all(float(r[6]) > 0 and float(r[5]) > 0 for r in measured), out
 
 
+@pytest.mark.layer("multi_rank")
 def test_grad_reduce_benchmark() -> None:
     """The bucketed reduction's row (without --old-root only the new runtime runs): a positive
     step time and at most one bucket held beyond the gradients."""

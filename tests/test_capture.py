@@ -19,6 +19,8 @@ from rannc.graph.capture import CapturedModel, capture, flatten_inputs
 from rannc.graph.task_graph import TaskGraph, Value, ValueKind
 from rannc.module import RaNNCModule
 
+pytestmark = pytest.mark.layer("pure")
+
 
 # -- helpers ------------------------------------------------------------------------------------
 def output_value(graph: TaskGraph, i: int) -> Value:
@@ -438,6 +440,7 @@ def _single_process_equal(case: Case, steps: int = 2) -> None:
         torch.testing.assert_close(b, c, msg=f"buffer {n}")
 
 
+@pytest.mark.layer("single_process")
 def test_every_write_into_a_tensor_made_in_forward_is_kept() -> None:
     """Slice copies, tensor/boolean index_put, scatter, fills, writes through transpose and view
     aliases, and buffer updates (through a view, input-dependent) all reach the result. Before
@@ -445,6 +448,7 @@ def test_every_write_into_a_tensor_made_in_forward_is_kept() -> None:
     _single_process_equal(make_case("writes", batch=6))
 
 
+@pytest.mark.layer("single_process")
 def test_t5_given_only_labels_shifts_them_right() -> None:
     """T5 builds decoder_input_ids with shift_tokens_right (a write into new_zeros)."""
     transformers = pytest.importorskip("transformers")

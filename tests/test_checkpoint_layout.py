@@ -22,6 +22,8 @@ from torch import nn
 import rannc
 from rannc import checkpoint as ckpt
 
+pytestmark = pytest.mark.layer("single_process")
+
 
 @pytest.fixture(scope="module", autouse=True)
 def _no_process_group_left_behind() -> Iterator[None]:
@@ -286,6 +288,7 @@ def test_user_files_are_kept(tmp_path: Path, caplog: pytest.LogCaptureFixture) -
     assert (ck / "v-000001" / "notes.txt").exists() and rannc.latest_checkpoint(ck) == str(ck / "v-000003")
 
 
+@pytest.mark.layer("pure")
 def test_a_per_rank_state_cannot_go_to_another_number_of_ranks(tmp_path: Path) -> None:
     """States that differ across the saving ranks are stored per rank; loading them on another
     number of ranks is an error naming the key. States equal on every rank are stored once."""

@@ -21,6 +21,8 @@ from mpi_harness import TESTS, run_mpi, run_python
 
 import rannc
 
+pytestmark = pytest.mark.layer("multi_rank")
+
 SCRIPT = TESTS / "scripts" / "checkpoint_check.py"
 MODELS = ("gpt2", "resnet")
 ON_4 = ["--layout", "gpt2=1,1,2/2", "--layout", "resnet=1,1,1,1/1"]
@@ -87,6 +89,7 @@ def test_checkpoint_from_4_ranks_loads_on_2(loaded: subprocess.CompletedProcess[
         assert _passed(loaded.stdout, "load", model) == ["0", "1"], loaded.stdout
 
 
+@pytest.mark.layer("single_process")
 def test_single_process(tmp_path: Path) -> None:
     res = run_python(SCRIPT, ["--phase", "single", "--dir", str(tmp_path), "--layout", "gpt2"])
     assert "PASS single gpt2 rank 0" in res.stdout, res.stdout

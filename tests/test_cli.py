@@ -7,7 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import rannc
+
+pytestmark = pytest.mark.layer("pure")
 
 ROOT = Path(__file__).resolve().parents[1]
 FACTORY = f"{ROOT / 'tests' / 'plan_factories.py'}:tiny_bert"

@@ -27,6 +27,8 @@ from rannc.coarsen.blocks import (
     is_convex,
 )
 
+pytestmark = pytest.mark.layer("pure")
+
 try:
     from rannc import _C  # type: ignore[attr-defined]
 except ImportError as e:  # a failure, not a skip: see the module docstring

@@ -13,6 +13,8 @@ from torch import nn
 import rannc
 from rannc.errors import ConfigError
 
+pytestmark = pytest.mark.layer("pure")
+
 
 @pytest.mark.parametrize(("key", "text", "says"), [
     ("RANNC_PARTITION_NUM", "two", "RANNC_PARTITION_NUM='two' is not valid: partition_num must "
@@ -97,6 +99,7 @@ class _Drop(nn.Module):
         return nn.functional.dropout(self.lin(x), 0.5, training=self.training)
 
 
+@pytest.mark.layer("single_process")
 def test_seed_seeds_torch_at_deployment() -> None:
     import copy
 

@@ -12,7 +12,7 @@ from mpi_harness import run_mpi
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "determinism_check.py"
 DIGEST = re.compile(r"DIGEST ([0-9a-f]{64}) initial ([0-9a-f]{64}) loss (\S+)")
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.layer("multi_rank")]
 
 
 def test_two_seeded_runs_end_with_bit_identical_parameters() -> None:

@@ -23,7 +23,7 @@ OK = re.compile(
     r"OK rank (\d+) of (\d+) local (\d+) backend (gloo|nccl) launcher (mpi|torchrun|python|external)"
 )
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.layer("multi_rank")]
 
 
 def ok_ranks(stdout: str, world: int, launcher: str) -> set[int]:
@@ -37,6 +37,7 @@ def ok_ranks(stdout: str, world: int, launcher: str) -> set[int]:
     return seen
 
 
+@pytest.mark.layer("single_process")
 def test_plain_python_is_a_world_of_one() -> None:
     res = run_python(SCRIPT, ["--timeout-s", "30", "--expect-launcher", "python"], timeout=120)
     assert ok_ranks(res.stdout, 1, "python") == {0}, res.stdout
@@ -106,6 +107,7 @@ def test_launcher_detection_and_env_identity(monkeypatch: pytest.MonkeyPatch) ->
     assert dist.get_rank() == 3
 
 
+@pytest.mark.layer("pure")
 def test_backend_override(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RANNC_BACKEND", "gloo")
     assert dist._choose_backend(1) == "gloo"
@@ -114,6 +116,7 @@ def test_backend_override(monkeypatch: pytest.MonkeyPatch) -> None:
         dist._choose_backend(1)
 
 
+@pytest.mark.layer("single_process")
 def test_new_group_before_init_says_what_to_do() -> None:
     if dist._initialized():
         pytest.skip("a process group already exists in this pytest process")

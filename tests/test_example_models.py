@@ -12,6 +12,8 @@ from rannc.errors import CaptureError
 from rannc.graph.capture import capture
 from rannc.graph.task_graph import ValueKind
 
+pytestmark = pytest.mark.layer("pure")
+
 D = 16
 B = 4
 

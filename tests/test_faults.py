@@ -21,7 +21,7 @@ SCRIPT = Path(__file__).resolve().parent / "scripts" / "fault_check.py"
 TIMEOUT_S = 5.0
 FAULT = re.compile(r"FAULT rank (\d+) step (\d+) at ([0-9.]+)")
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.layer("multi_rank")]
 
 
 def launch(launcher: str, *args: str, n: int = 2) -> tuple[subprocess.CompletedProcess[str], float]:

@@ -17,6 +17,8 @@ import rannc
 from rannc.errors import ConfigError
 from rannc.pipeline.grads import GradReducer
 
+pytestmark = pytest.mark.layer("single_process")
+
 
 @pytest.fixture(scope="module")
 def group() -> Iterator[object]:
@@ -125,6 +127,7 @@ def test_a_frozen_parameter_is_held_without_a_hook(group: object) -> None:
     assert model[0].weight.grad is None and model[1].weight.grad is not None
 
 
+@pytest.mark.layer("pure")
 def test_bucket_mb_is_validated() -> None:
     assert rannc.Config(bucket_mb=0.5).bucket_mb == 0.5
     assert rannc.Config.resolve(environ={"RANNC_BUCKET_MB": "4"}).bucket_mb == 4.0

@@ -16,6 +16,8 @@ from rannc.graph.capture import capture
 from rannc.planner import plan_graph
 from rannc.stage_dp.shares import whale_shares
 
+pytestmark = pytest.mark.layer("pure")
+
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
 
@@ -78,6 +80,7 @@ def test_a_device_short_of_memory_gets_fewer_rows() -> None:
     assert plan.stages[0].predicted["memory_bytes"] <= need * 0.8 * (1 + 1e-9)
 
 
+@pytest.mark.layer("multi_rank")
 def test_a_really_slow_rank_gets_a_third_of_the_rows(tmp_path: Path) -> None:
     """One of 2 ranks shares its core with a busy process (the harness's throttle, about 2x
     slower). Declared 2x slower in a cluster file, it gets a third of the rows, and both plans

@@ -11,7 +11,11 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 import rannc
+
+pytestmark = pytest.mark.layer("pure")
 
 ROOT = Path(rannc.__file__).parent
 

@@ -14,6 +14,8 @@ from torch import nn
 
 import rannc
 
+pytestmark = pytest.mark.layer("multi_rank")
+
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "hf_check.py"
 
 
@@ -37,6 +39,7 @@ def test_plain_trainer_checkpoint_fails_at_once_naming_rannc_trainer(tmp_path: P
     assert time.monotonic() - t0 < 200  # not the 30 s collective timeout of a hung gather, twice
 
 
+@pytest.mark.layer("single_process")
 def test_trainer_subclass_wants_a_rannc_module() -> None:
     pytest.importorskip("accelerate")
     from rannc.hf import RaNNCTrainer
@@ -45,6 +48,7 @@ def test_trainer_subclass_wants_a_rannc_module() -> None:
         RaNNCTrainer(model=nn.Linear(2, 2))
 
 
+@pytest.mark.layer("single_process")
 def test_outer_torch_compile_says_to_use_compile_option() -> None:
     model = rannc.RaNNCModule(nn.Linear(4, 2))
     x = torch.randn(3, 4)
@@ -60,6 +64,7 @@ def _mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
 
 
+@pytest.mark.layer("single_process")
 @pytest.mark.timeout(400)
 def test_compile_option_compiles_the_stages_and_stays_exact() -> None:
     import copy

@@ -28,6 +28,8 @@ from rannc.profile.device import DeviceSpec
 from rannc.profile.estimate import GraphCosts
 from rannc.profile.measure import MeasureOracle, MeasureSettings, _chunks
 
+pytestmark = pytest.mark.layer("pure")
+
 FAST = MeasureSettings(warmup=1, min_reps=2, max_reps=4, max_seconds=0.15, min_sample_s=3e-3)
 # A fixed spec (not measure_local_device, which varies run to run): only the estimate's
 # relative component costs and CPU working memory come from it.

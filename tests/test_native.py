@@ -14,6 +14,8 @@ import pytest
 from rannc.graph import group_check
 from rannc.graph import task_graph as ref
 
+pytestmark = pytest.mark.layer("pure")
+
 try:
     from rannc import _C  # type: ignore[attr-defined]
 except ImportError as e:  # a failure, not a skip: see the module docstring

@@ -16,6 +16,8 @@ from rannc.graph.capture import capture  # noqa: E402
 from rannc.graph.onnx_export import ATEN_DOMAIN, export_onnx, op_type, to_onnx_model  # noqa: E402
 from rannc.graph.task_graph import TaskGraph, ValueKind  # noqa: E402
 
+pytestmark = pytest.mark.layer("pure")
+
 
 def _mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))

@@ -5,11 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import onnx
+import pytest
 from model_zoo import make_case
 
 from rannc.atomic.components import atomic_components, task_attributes
 from rannc.graph.capture import capture
 from rannc.graph.onnx_export import export_onnx
+
+pytestmark = pytest.mark.layer("pure")
 
 
 def test_bert_exports_with_atomic_components(tmp_path: Path) -> None:

@@ -18,6 +18,8 @@ import pytest
 
 import rannc
 
+pytestmark = pytest.mark.layer("pure")
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -170,6 +172,7 @@ def _user_env(bin_dir: Path) -> dict[str, str]:
     return env
 
 
+@pytest.mark.layer("multi_rank")
 @pytest.mark.timeout(2400)  # the fixture's build and install count too (390 s here, loaded)
 def test_wheel_installs_outside_the_checkout(installed: Path, tmp_path: Path) -> None:
     env = _user_env(installed)

@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 from mpi_harness import TESTS, run_mpi, run_torchrun
 
+pytestmark = pytest.mark.layer("multi_rank")
+
 SCRIPT = TESTS / "scripts" / "pipeline_check.py"
 
 ALL = "bert,gpt2,fork_join,shared_param,kwargs"

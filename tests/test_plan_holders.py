@@ -12,6 +12,8 @@ from rannc.plans import Plan, StagePlan, check_replicas_divide, stage_ranks
 from rannc.profile.device import Cluster
 from rannc.validate import check_config
 
+pytestmark = pytest.mark.layer("pure")
+
 
 def _plan() -> Plan:
     # 2 copies of a 2-stage pipeline [1, 2] over 6 ranks; "wte" tied: read by both stages

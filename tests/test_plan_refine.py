@@ -19,6 +19,8 @@ from rannc.profile.estimate import GraphCosts, _bytes
 from rannc.stage_dp.refine import block_starts, level_points, pieces, plan_order, segment_of
 from rannc.stage_dp.tables import BlockIO
 
+pytestmark = pytest.mark.layer("pure")
+
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
 

@@ -7,6 +7,8 @@ import pytest
 import rannc
 from rannc.plans import StagePlan, fmt_ranks, stage_ranks
 
+pytestmark = pytest.mark.layer("pure")
+
 
 @pytest.mark.parametrize(("ranks", "text"), [
     ((0, 1, 2, 3, 6), "0-3,6"), ((4, 5), "4,5"), ((7,), "7"), ((3, 1, 2, 0), "0-3"),

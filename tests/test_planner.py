@@ -16,6 +16,8 @@ from rannc.graph.capture import capture
 from rannc.planner import PlanInfeasibleError, PlanStats, plan_graph
 from rannc.profile.estimate import GraphCosts
 
+pytestmark = pytest.mark.layer("pure")
+
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
 SPEC = rannc.DeviceSpec("test-gpu", memory_bytes=16e9, flops=10e12, mem_bandwidth=1e12)

@@ -12,6 +12,8 @@ from torch import nn
 import rannc
 from rannc.progress import NO_PROGRESS, progress_for
 
+pytestmark = pytest.mark.layer("pure")
+
 # The estimate oracle's profiling is array arithmetic and shows no bar (test_measure checks
 # the measuring oracle's).
 PHASES = ("rannc: capture", "rannc: atomic components", "rannc: coarsening into blocks",
@@ -67,6 +69,7 @@ def test_nothing_is_drawn_when_stderr_is_not_a_terminal(capsys: pytest.CaptureFi
     assert sys.stderr.getvalue() == ""  # type: ignore[attr-defined]
 
 
+@pytest.mark.layer("single_process")
 def test_the_first_call_shows_capture(capsys: pytest.CaptureFixture[str]) -> None:
     model, args = _model()
     wrapped = rannc.RaNNCModule(model, progress=True)

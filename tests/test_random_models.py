@@ -30,6 +30,8 @@ from rannc.atomic.components import atomic_components
 from rannc.graph.capture import capture
 from rannc.graph.extract import split_graph
 
+pytestmark = pytest.mark.layer("pure")
+
 RTOL, ATOL = 1e-5, 1e-6
 MODELS = 60
 LAYOUTS = 5

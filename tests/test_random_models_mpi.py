@@ -12,6 +12,8 @@ import re
 import pytest
 from mpi_harness import TESTS, run_mpi
 
+pytestmark = pytest.mark.layer("multi_rank")
+
 SCRIPT = TESTS / "scripts" / "random_models_check.py"
 
 # (ranks, examples, seed): 44 examples in all

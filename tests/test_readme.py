@@ -12,9 +12,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import rannc
 from rannc import checkpoint, health, validate
 from rannc.config import LAUNCH_ENV, RANNC_ORIGINAL_ENV
+
+pytestmark = pytest.mark.layer("pure")
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()

@@ -18,6 +18,8 @@ from torch import nn
 
 import rannc
 
+pytestmark = pytest.mark.layer("pure")
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -56,6 +58,7 @@ class _Payload:
         return (open, (self.marker, "w"))
 
 
+@pytest.mark.layer("single_process")
 def test_checkpoint_metadata_that_would_run_code_is_refused(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))

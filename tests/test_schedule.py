@@ -29,6 +29,8 @@ from rannc.schedule import (
 )
 from rannc.schedule.predict import plan_costs, predict
 
+pytestmark = pytest.mark.layer("pure")
+
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
 SKIP = ((), (0,), (0, 1), (2,))  # stage 2 reads stages 0 and 1 (a skip connection)

@@ -29,6 +29,8 @@ from rannc.schedule import (
     validate,
 )
 
+pytestmark = pytest.mark.layer("pure")
+
 
 def _fifo_fill_drain(line: StageLine) -> list[Action]:
     """Fill-drain whose backwards run in forward order (a made-up schedule for the test)."""

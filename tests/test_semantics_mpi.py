@@ -8,6 +8,8 @@ import re
 import pytest
 from mpi_harness import TESTS, run_mpi
 
+pytestmark = pytest.mark.layer("multi_rank")
+
 SCRIPT = TESTS / "scripts" / "semantics_check.py"
 
 
@@ -58,6 +60,7 @@ def test_num_items_in_batch_gives_the_global_token_mean(n: int, args: list[str])
     _passed(res.stdout, f"masked_lm {args[1]}", n)
 
 
+@pytest.mark.layer("pure")
 def test_batchnorm_sync_keeps_one_microbatch_in_the_plan() -> None:
     """The planner keeps one microbatch (for the whole plan) under batchnorm="sync" when the
     model has BatchNorm, and refuses a forced count above one; "local" plans as before."""

@@ -11,6 +11,8 @@ from model_zoo import BUILDERS, make_case
 
 import rannc
 
+pytestmark = pytest.mark.layer("single_process")
+
 RTOL, ATOL = 1e-6, 1e-7
 
 
@@ -94,6 +96,7 @@ def test_eval_mode_and_no_grad() -> None:
         assert_tree_close(wrapped(*case.args), ref(*case.args))
 
 
+@pytest.mark.layer("pure")
 def test_released_parameter_memory_goes_back_to_the_os() -> None:
     """After a rank releases the parameters it does not hold, rannc trims the C heap: the
     ~1 MB parameter blocks glibc kept would otherwise stay resident (benchmarks/capacity.py)."""

@@ -9,6 +9,8 @@ import pytest
 
 from rannc.stage_dp.dp import exhaustive, split_value, stage_dp, stage_dp_reference
 
+pytestmark = pytest.mark.layer("pure")
+
 
 def random_table(rng: np.random.Generator, k: int, devices: int, mem_cap: float | None) -> np.ndarray:
     """Costs shaped like real stages: a stage's time is the sum of its blocks' times split over its

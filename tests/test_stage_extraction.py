@@ -27,6 +27,8 @@ from rannc.graph.extract import (
 )
 from rannc.graph.task_graph import ValueKind
 
+pytestmark = pytest.mark.layer("pure")
+
 RTOL, ATOL = 1e-6, 1e-7
 
 

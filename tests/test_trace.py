@@ -23,6 +23,8 @@ from rannc.schedule import (
     timeline_png,
 )
 
+pytestmark = pytest.mark.layer("pure")
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 CATEGORIES = {"forward", "backward", "recompute", "send", "recv"}
 

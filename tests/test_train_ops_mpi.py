@@ -18,6 +18,8 @@ from mpi_harness import TESTS, run_mpi
 import rannc
 from rannc.module import optimizer_state_factor
 
+pytestmark = pytest.mark.layer("multi_rank")
+
 SCRIPT = TESTS / "scripts" / "train_ops_check.py"
 
 # (ranks, arguments, models): BERT on 4 stages, so its tied word embedding lives on ranks 0 and
@@ -52,6 +54,7 @@ def test_accumulation_and_clipping_with_small_gradient_buckets() -> None:
     assert got == ["0", "1", "2", "3"], res.stdout
 
 
+@pytest.mark.layer("single_process")
 @pytest.mark.parametrize("norm_type", [2.0, math.inf])
 def test_clip_in_one_process_is_torchs(norm_type: float) -> None:
     case = make_case("fork_join", batch=4)
@@ -71,6 +74,7 @@ def test_clip_in_one_process_is_torchs(norm_type: float) -> None:
         [q.grad for q in ref.parameters()], norm_type))
 
 
+@pytest.mark.layer("pure")
 def test_optimizer_state_factor_counts_torchs_state() -> None:
     """The factor equals the per-element state torch keeps after a step."""
     def measured(opt: torch.optim.Optimizer, lin: torch.nn.Linear) -> float:

@@ -17,6 +17,8 @@ from torch import nn
 
 import rannc
 
+pytestmark = pytest.mark.layer("single_process")
+
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "wrapper_check.py"
 
 
@@ -72,6 +74,7 @@ def test_plain_python_starts_no_process_group() -> None:
     assert rannc.init() is None  # nothing to do with one rank and no timeout asked for
 
 
+@pytest.mark.layer("multi_rank")
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("launcher", ["mpi", "torchrun"])
 def test_wrapper_mpi(launcher: str) -> None:
@@ -82,6 +85,7 @@ def test_wrapper_mpi(launcher: str) -> None:
     assert res.stdout.count("PASS wrapper") == 2, res.stdout + res.stderr
 
 
+@pytest.mark.layer("multi_rank")
 @pytest.mark.timeout(400)
 def test_compiled_stages_profiler_ranges_and_plan_table_mpi() -> None:
     """compile=True on 2 ranks equals the unwrapped model; stage actions show in torch.profiler;

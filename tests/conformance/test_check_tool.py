@@ -16,9 +16,10 @@ from rannc.check import CheckResult, parse_results
 
 TOYS = "tests/conformance/toys.py"
 
-pytestmark = pytest.mark.conformance
+pytestmark = [pytest.mark.conformance, pytest.mark.layer("multi_rank")]
 
 
+@pytest.mark.layer("pure")
 def test_a_check_passes_within_tolerance_and_fails_beyond() -> None:
     c = CheckResult("grads")
     want = torch.tensor([1.0, -2.0, 0.0])
@@ -30,6 +31,7 @@ def test_a_check_passes_within_tolerance_and_fails_beyond() -> None:
     assert not c.passed and c.worst == "b"
 
 
+@pytest.mark.layer("pure")
 def test_missing_gradients_count_as_zeros_and_shapes_must_match() -> None:
     c = CheckResult("grads")
     c.add("unused", None, torch.zeros(3), rtol=1e-4, atol=1e-5)

@@ -27,7 +27,7 @@ from rannc.check import Settings, parse_results, run_case
 SCRIPT = TESTS / "conformance" / "run_check.py"
 ZOO = "conformance.zoo"
 
-pytestmark = pytest.mark.conformance
+pytestmark = [pytest.mark.conformance, pytest.mark.layer("single_process")]
 
 
 @dataclass(frozen=True)
@@ -191,6 +191,7 @@ def launches(request: pytest.FixtureRequest) -> Iterator[Launches]:
     yield Launches(request.session.items)
 
 
+@pytest.mark.layer("multi_rank")
 @pytest.mark.timeout(LAUNCH_LIMIT_S * 2 + 60)  # a launch, and a relaunch after a crash
 def test_multi_rank(cell: tuple[str, str], launches: Launches) -> None:
     layout, model = cell
