@@ -20,6 +20,7 @@ Forced `partition_num`, `replicas` and `microbatches` narrow the search to them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import time
@@ -40,7 +41,7 @@ from rannc.profile.estimate import BlockProfile, GraphCosts, _bytes
 from rannc.profile.oracle import BlockOracle, EstimateOracle
 from rannc.progress import NO_PROGRESS, Progress
 from rannc.schedule import SCHEDULES, StageCosts, chain, get_spec, in_flight, make_schedule, simulate
-from rannc.stage_dp.dp import stage_dp
+from rannc.stage_dp.dp import stage_dp, stage_dp_by_position
 from rannc.stage_dp.hetero import HeteroDevices
 from rannc.stage_dp.refine import block_starts, level_points, plan_order, segment_of
 from rannc.stage_dp.shares import finish_time, whale_shares
@@ -124,26 +125,43 @@ def plan_graph(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, conf
     table = _TableCache(prof, io, mem, cluster, batch_size, spec.link_bandwidth)
 
     found: list[_Candidate] = []
-    # (tables, devices, the stage counts they hold for), kept only while nothing fits, for the error
-    infeasible: list[tuple[StageTables, int, set[int]]] = []
+    # (tables, the table of each position from the end, devices, the stage counts they hold
+    # for), kept only while nothing fits, for the error
+    infeasible: list[tuple[list[StageTables], list[int], int, set[int]]] = []
     # one step per pipeline layout and microbatch count
     for D, R, m in progress.iterate("stage DP search", [(D, R, m) for D, R in layouts for m in mbs]):
         if batch_per_replica(batch_size, R, m, 1) < 1 or m * R > batch_size:
             continue
         for sched in schedules:
-            # A stage holds at most in_flight(S, m) microbatches (1F1B: min(S, m), on the
-            # first stage); the split is made under that bound and refined per stage below.
+            saved = get_spec(sched).held(D, m, late).saved_inputs
+            by_pos = _in_flight_by_position(sched, D, m)
+            if by_pos is not None:
+                # Each stage is costed with the microbatches it holds, known from its position
+                # counted from the end (1F1B: the j-th from the end holds min(j, m)); the DP
+                # runs over the blocks reversed to know that position.
+                counts = sorted(set(by_pos))
+                tabs = [table(D, R, m, n, saved) for n in counts]
+                table_of = [counts.index(n) for n in by_pos]
+                for cand in _solutions(tabs, table_of, D, R, m, config, sched):
+                    stats.candidates += 1
+                    found.append(cand)
+                if not found:
+                    infeasible.append((tabs, table_of, D, set(range(1, D + 1))))
+                continue
+            # A schedule whose in-flight counts do not depend on the position alone: every
+            # stage of an S-stage split is budgeted for the most any stage holds,
+            # in_flight(S, m), and refined per stage below.
             held = {S: get_spec(sched).held(S, m, late) for S in range(1, D + 1)}
             for n_in in sorted({h.in_flight for h in held.values()}):
-                tab = table(D, R, m, n_in, held[D].saved_inputs)
-                for cand in _solutions(tab, D, R, m, config, sched):
+                tab = table(D, R, m, n_in, saved)
+                for cand in _solutions([tab], [0] * D, D, R, m, config, sched):
                     if held[len(cand.replicas)].in_flight != n_in:
                         continue
                     stats.candidates += 1
                     found.append(cand)
                 if not found:
-                    counts = {S for S in range(1, D + 1) if held[S].in_flight == n_in}
-                    infeasible.append((tab, D, counts))
+                    counts_s = {S for S in range(1, D + 1) if held[S].in_flight == n_in}
+                    infeasible.append(([tab], [0] * D, D, counts_s))
     mixed_dp = (not cluster.is_homogeneous and cluster.size <= _HETERO_DP_MAX
                 and bool(config.extra.get("hetero_dp", True))
                 and bool(config.extra.get("balance", True)))
@@ -165,8 +183,8 @@ def plan_graph(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, conf
                 f"(microbatches {sorted(mbs)}, pipeline copies {sorted({R for _D, R in layouts})}) "
                 f"needs at least one row per microbatch of each copy, so at least {rows} rows; "
                 "use a larger global batch, or force fewer microbatches or replicas")
-        smallest = min((_memory_needed(tab, D, config, ok) for tab, D, ok in infeasible),
-                       default=math.inf)
+        smallest = min((_memory_needed(tabs, table_of, D, config, ok)
+                        for tabs, table_of, D, ok in infeasible), default=math.inf)
         need = smallest / (1.0 - config.mem_margin)
         have = limit / (1.0 - config.mem_margin)
         raise PlanInfeasibleError(
@@ -288,7 +306,8 @@ def plan_splits(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, con
             for i, (bounds, replicas) in enumerate(splits):
                 held = get_spec(sched).held(len(replicas), m, late)
                 tab = table(D, R, m, held.in_flight, held.saved_inputs)
-                ref = _refine(_candidate(tab, D, R, m, bounds, replicas, sched), table, late)
+                ref = _refine(_candidate([tab] * len(replicas), D, R, m, bounds, replicas, sched),
+                              table, late)
                 old = best[i]
                 if ref is not None and (old is None or ref.time < old.time * (1 - 1e-9)):
                     best[i] = ref
@@ -488,11 +507,11 @@ def _refine_boundaries(best: _Refined, block_of: Sequence[int], io: BlockIO, com
         bounds = _min_max_bounds([t.h[:, :, d] for t, d in zip(tabs, c.replicas, strict=True)])
         mine = tuple(points.index(x) for x in cuts)
         if bounds is not None and bounds != mine:
-            ref = _refine(_candidate(tabs[0], c.devices, c.copies, c.microbatches, bounds,
+            ref = _refine(_candidate(tabs, c.devices, c.copies, c.microbatches, bounds,
                                      c.replicas, c.schedule), table, late)
             # the plan so far, costed on these same groups unless that cannot change its cost
             now = out[0] if tabler.oracle.additive else _refine(_candidate(
-                tabs[0], c.devices, c.copies, c.microbatches, mine, c.replicas, c.schedule),
+                tabs, c.devices, c.copies, c.microbatches, mine, c.replicas, c.schedule),
                 table, late)
             if ref is not None and (now is None or ref.time < now.time * (1 - 1e-9)):
                 out = (ref, seg_of, seg_io)
@@ -558,26 +577,54 @@ def _microbatch_counts(config: Config, batch_size: int) -> list[int]:
     return out or [1]
 
 
-def _solutions(tab: StageTables, D: int, R: int, m: int, config: Config,
-               sched: str) -> list[_Candidate]:
-    h = tab.h
+def _in_flight_by_position(sched: str, D: int, m: int) -> tuple[int, ...] | None:
+    """Microbatches in flight on the stage j-th from the end (index j - 1, j = 1..D), when that
+    depends on j alone and not on the number of stages (1F1B: min(j, m)); None otherwise. Read
+    off the schedule's own lines (`in_flight`), for D and D - 1 stages, which must agree."""
+    got = _in_flight_counts(sched, D, m)
+    if D > 1 and _in_flight_counts(sched, D - 1, m) != got[:D - 1]:
+        return None
+    return got
+
+
+@functools.lru_cache(maxsize=256)
+def _in_flight_counts(sched: str, S: int, m: int) -> tuple[int, ...]:
+    """Microbatches in flight per stage of an S-stage chain, the last stage first."""
+    return tuple(n for n, _ in reversed(in_flight(make_schedule(sched, m, chain(S), [False] * S))))
+
+
+def _stage_tables(tabs: Sequence[StageTables], table_of: Sequence[int], S: int) -> list[StageTables]:
+    """The table of each of S stages, first to last (`table_of`: by position from the end)."""
+    return [tabs[table_of[S - s - 1]] for s in range(S)]
+
+
+def _solutions(tabs: Sequence[StageTables], table_of: Sequence[int], D: int, R: int, m: int,
+               config: Config, sched: str) -> list[_Candidate]:
+    """The DP's best split for each stage count (or the forced one), the j-th stage from the end
+    costed with `tabs[table_of[j - 1]]`."""
     if config.replicas is not None:
-        return _forced_replicas(tab, D, R, m, tuple(config.replicas), sched)
-    s_max = min(h.shape[0], D) if config.partition_num is None else config.partition_num
-    sols = stage_dp(h, D, s_max)
+        return _forced_replicas(tabs, table_of, D, R, m, tuple(config.replicas), sched)
+    k = tabs[0].h.shape[0]
+    s_max = min(k, D) if config.partition_num is None else config.partition_num
+    if len(tabs) == 1:
+        sols = stage_dp(tabs[0].h, D, s_max)
+    else:
+        sols = stage_dp_by_position([t.h for t in tabs], table_of, D, s_max)
     wanted = range(len(sols)) if config.partition_num is None else [config.partition_num - 1]
     out = []
     for s in wanted:
         if s < len(sols) and sols[s].feasible:
-            out.append(_candidate(tab, D, R, m, sols[s].bounds, sols[s].replicas, sched))
+            out.append(_candidate(_stage_tables(tabs, table_of, s + 1), D, R, m, sols[s].bounds,
+                                  sols[s].replicas, sched))
     return out
 
 
-def _forced_replicas(tab: StageTables, D: int, R: int, m: int, reps: tuple[int, ...],
-                     sched: str) -> list[_Candidate]:
+def _forced_replicas(tabs: Sequence[StageTables], table_of: Sequence[int], D: int, R: int, m: int,
+                     reps: tuple[int, ...], sched: str) -> list[_Candidate]:
     """The best bounds for fixed per-stage replica counts: a 1-D min-max DP over blocks."""
-    bounds = _min_max_bounds([tab.h[:, :, d] for d in reps])
-    return [] if bounds is None else [_candidate(tab, D, R, m, bounds, reps, sched)]
+    per_stage = _stage_tables(tabs, table_of, len(reps))
+    bounds = _min_max_bounds([t.h[:, :, d] for t, d in zip(per_stage, reps, strict=True)])
+    return [] if bounds is None else [_candidate(per_stage, D, R, m, bounds, reps, sched)]
 
 
 def _min_max_bounds(hs: Sequence[np.ndarray]) -> tuple[int, ...] | None:
@@ -601,21 +648,26 @@ def _min_max_bounds(hs: Sequence[np.ndarray]) -> tuple[int, ...] | None:
     return tuple(reversed(bounds))
 
 
-def _candidate(tab: StageTables, D: int, R: int, m: int, bounds: Sequence[int],
+def _candidate(tabs: Sequence[StageTables], D: int, R: int, m: int, bounds: Sequence[int],
                reps: Sequence[int], sched: str) -> _Candidate:
+    """`tabs`: each stage's table (first to last)."""
     idx = [(bounds[i], bounds[i + 1] - 1, reps[i]) for i in range(len(reps))]
-    t = gpipe_iteration_time([float(tab.fwd[x]) for x in idx], [float(tab.bwd[x]) for x in idx],
-                             [float(tab.allreduce[x]) for x in idx], m)
-    return _Candidate(t, D, R, m, tuple(bounds), tuple(reps), tab, sched)
+    t = gpipe_iteration_time([float(tb.fwd[x]) for tb, x in zip(tabs, idx, strict=True)],
+                             [float(tb.bwd[x]) for tb, x in zip(tabs, idx, strict=True)],
+                             [float(tb.allreduce[x]) for tb, x in zip(tabs, idx, strict=True)], m)
+    return _Candidate(t, D, R, m, tuple(bounds), tuple(reps), tabs[0], sched)
 
 
-def _memory_needed(tab: StageTables, D: int, config: Config, stage_counts: set[int]) -> float:
+def _memory_needed(tabs: Sequence[StageTables], table_of: Sequence[int], D: int, config: Config,
+                   stage_counts: set[int]) -> float:
     """The smallest per-device memory any split of this layout into one of `stage_counts`
-    stages needs: min-max over memory."""
-    mm = tab.memory_min
+    stages needs: min-max over memory, each position with its own table."""
     if config.replicas is not None:
         return math.inf
-    sols = stage_dp(np.where(np.isfinite(mm), mm, math.inf), D, min(mm.shape[0], D))
+    mms = [np.where(np.isfinite(t.memory_min), t.memory_min, math.inf) for t in tabs]
+    k = mms[0].shape[0]
+    sols = stage_dp(mms[0], D, min(k, D)) if len(mms) == 1 else \
+        stage_dp_by_position(mms, table_of, D, min(k, D))
     wanted = stage_counts if config.partition_num is None else stage_counts & {config.partition_num}
     return min((sol.value for S, sol in enumerate(sols, 1) if S in wanted), default=math.inf)
 

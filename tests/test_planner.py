@@ -168,3 +168,25 @@ def test_the_measure_oracle_plans_a_materialised_model(tmp_path: object) -> None
     again = rannc.plan(case.model, case.args, case.kwargs, cluster=cluster, config=cfg, stats=second)
     assert [st.components for st in again.stages] == [st.components for st in plan.stages]
     assert second.seconds["profile"] < first.seconds["profile"]
+
+
+def test_each_stage_is_budgeted_for_the_microbatches_its_position_holds(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under 1F1B the last stage holds one microbatch in flight, the first min(S, M). With the
+    vocabulary projection on the last stage, a memory limit that fits the last stage at one
+    microbatch (and the first at two) has a plan; budgeting every stage for the first stage's
+    two microbatches, as the search did before, finds none."""
+    from rannc import planner
+
+    model, kw = _vocab_heavy_bert()
+    cluster = rannc.Cluster.homogeneous(SPEC, n=2, per_node=2)
+    opts = dict(partition_num=2, microbatches=4, schedule="1f1b", checkpointing="off")
+    roomy = rannc.plan(model, (), kw, cluster=cluster, config=rannc.Config(**opts))
+    assert [st.predicted["in_flight"] for st in roomy.stages] == [2.0, 1.0]
+    need = max(st.predicted["memory_bytes"] for st in roomy.stages)
+    cfg = rannc.Config(**opts, mem_limit_gb=need * 1.001 / 0.9 / 1e9)  # mem_margin 0.1
+    tight = rannc.plan(model, (), kw, cluster=cluster, config=cfg)
+    assert [st.predicted["in_flight"] for st in tight.stages] == [2.0, 1.0]
+    monkeypatch.setattr(planner, "_in_flight_by_position", lambda sched, D, m: None)
+    with pytest.raises(PlanInfeasibleError):
+        rannc.plan(model, (), kw, cluster=cluster, config=cfg)

@@ -7,7 +7,15 @@ import math
 import numpy as np
 import pytest
 
-from rannc.stage_dp.dp import exhaustive, split_value, stage_dp, stage_dp_reference
+from rannc.stage_dp.dp import (
+    exhaustive,
+    exhaustive_by_position,
+    split_value,
+    stage_dp,
+    stage_dp_by_position,
+    stage_dp_by_position_reference,
+    stage_dp_reference,
+)
 
 pytestmark = pytest.mark.layer("pure")
 
@@ -63,3 +71,75 @@ def test_more_stages_than_blocks_is_infeasible() -> None:
     h = np.ones((2, 2, 4))
     sols = stage_dp(h, devices=3, s_max=3)
     assert sols[0].feasible and sols[1].feasible and not sols[2].feasible
+
+
+def positional_tables(rng: np.random.Generator, k: int, devices: int, positions: int,
+                      cap: float) -> list[np.ndarray]:
+    """One table per in-flight count n = 1..positions, as 1F1B's memory model makes them: the
+    same stage costs the same time, but its activations count n times against the cap."""
+    t = rng.uniform(0.1, 3.0, size=k) + 0.05
+    mem_p = rng.uniform(0.5, 2.0, size=k)
+    mem_a = rng.uniform(0.2, 1.5, size=k)
+    hs = []
+    for n in range(1, positions + 1):
+        h = np.full((k, k, devices + 1), math.inf)
+        for lo in range(k):
+            for r in range(lo, k):
+                for d in range(1, devices + 1):
+                    if mem_p[lo:r + 1].sum() + n * mem_a[lo:r + 1].sum() / d <= cap:
+                        h[lo, r, d] = t[lo:r + 1].sum() / d + 0.05 * (d - 1) + 0.1
+        hs.append(h)
+    return hs
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_positional_dp_matches_exhaustive_search(seed: int) -> None:
+    rng = np.random.default_rng(100 + seed)
+    k, devices = int(rng.integers(1, 8)), int(rng.integers(1, 6))
+    hs = positional_tables(rng, k, devices, devices, float(rng.uniform(2.0, 10.0)))
+    table_of = list(range(devices))  # 1F1B: the j-th stage from the end holds j microbatches
+    native = stage_dp_by_position(hs, table_of, devices, devices)
+    ref = stage_dp_by_position_reference(hs, table_of, devices, devices)
+    for s in range(1, devices + 1):
+        best = exhaustive_by_position(hs, table_of, devices, s)
+        got = native[s - 1]
+        assert got.value == pytest.approx(best, rel=1e-12) or got.value == best == math.inf
+        assert ref[s - 1] == got
+        if got.feasible:
+            assert len(got.replicas) == s and sum(got.replicas) == devices
+            assert got.bounds[0] == 0 and got.bounds[-1] == k
+            assert max(float(hs[table_of[s - i - 1]][got.bounds[i], got.bounds[i + 1] - 1, got.replicas[i]])
+                       for i in range(s)) == got.value
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_positional_dp_with_one_table_is_the_stage_dp(seed: int) -> None:
+    rng = np.random.default_rng(200 + seed)
+    k, devices = int(rng.integers(1, 9)), int(rng.integers(1, 7))
+    h = random_table(rng, k, devices, None if seed % 2 else 8.0)
+    got = stage_dp_by_position([h], [0] * devices, devices, devices)
+    want = stage_dp(h, devices, devices)
+    assert [g.value for g in got] == [w.value for w in want]
+
+
+def test_a_plan_that_fits_only_when_later_stages_hold_fewer_microbatches() -> None:
+    """Two blocks with activations 1, parameters 1 (first) and 1.5 (last), cap 3, one device
+    each, 1F1B: budgeted for the first stage's two microbatches in flight, the last stage does
+    not fit (1.5 + 2 > 3); by position it holds one (1.5 + 1) and the split exists."""
+    def table(n: int) -> np.ndarray:
+        h = np.full((2, 2, 3), math.inf)
+        for b, params in ((0, 1.0), (1, 1.5)):
+            if params + n * 1.0 <= 3.0:
+                h[b, b, 1] = 1.0
+        return h
+    assert not stage_dp(table(2), devices=2, s_max=2)[1].feasible
+    got = stage_dp_by_position([table(1), table(2)], [0, 1], devices=2, s_max=2)
+    assert got[1].feasible and got[1].bounds == (0, 1, 2) and got[1].replicas == (1, 1)
+
+
+def test_bad_positional_tables_are_refused() -> None:
+    h = np.ones((2, 2, 3))
+    with pytest.raises(ValueError, match="name one of the 1 tables"):
+        stage_dp_by_position([h], [0, 1], devices=2, s_max=2)
+    with pytest.raises(ValueError, match="shape"):
+        stage_dp_by_position([h, np.ones((3, 3, 3))], [0, 1], devices=2, s_max=2)
