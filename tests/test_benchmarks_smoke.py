@@ -195,3 +195,13 @@ def test_minmax_bounds_is_the_best_contiguous_split() -> None:
                        for c in itertools.combinations(range(1, len(w)), S - 1))
             assert got == best, (w, S, b)
         assert minmax_bounds(w, len(w) + 1) is None
+
+
+@pytest.mark.full  # about a minute of launches; the memory model's own tests run in CI
+@pytest.mark.layer("multi_rank")
+def test_memory_forecast_benchmark() -> None:
+    """A row per rank (BERT and GPT-2, 1 and 2 stages), each with a forecast and a measured peak."""
+    out = run("benchmarks/memory_forecast.py")
+    found = rows(out, "| bert |") + rows(out, "| gpt2 |")
+    assert len(found) == 6, out
+    assert all(float(r[4]) > 0 and float(r[5]) > 0 for r in found), out
