@@ -312,9 +312,11 @@ def _gather(obj: Any, world: int) -> list[Any]:
 
 
 def _plan_text(wrapped: Any, world: int) -> str:
+    if world == 1:
+        return "one process"
     plan = getattr(wrapped, "plan", None)
     if plan is None:
-        return "one process" if world == 1 else ""
+        return ""
     reps = [st.replicas for st in plan.stages]
     copies = world // max(1, sum(reps))
     text = f"{len(plan.stages)} stages, replicas {reps}"

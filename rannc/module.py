@@ -134,7 +134,8 @@ class RaNNCModule(nn.Module):
 
     @property
     def plan(self) -> Plan | None:
-        """The deployment plan after the first multi-rank call (None before, or in one process)."""
+        """The deployment plan after the first call (None before). In one process it is the whole
+        model as one stage, one microbatch, with no predictions: nothing is planned there."""
         return self._plan
 
     # -- running -----------------------------------------------------------
@@ -156,6 +157,10 @@ class RaNNCModule(nn.Module):
             first = not self._deployments
             validate.check_capturable(self.module, leaves, [layout.batch or 0], first)
             dep = self._deploy(args, kwargs, first=first)
+            if first:
+                from rannc.planner import single_process_plan
+
+                self._plan = single_process_plan(dep.captured.graph, dep.atomic, layout.batch or 0)
             self._deployments[key] = dep
             self._bound_cache(self._deployments, pinned=None)
             if first:

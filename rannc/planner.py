@@ -40,7 +40,16 @@ from rannc.profile.device import Cluster, DeviceSpec
 from rannc.profile.estimate import BlockProfile, GraphCosts, _bytes
 from rannc.profile.oracle import BlockOracle, EstimateOracle
 from rannc.progress import NO_PROGRESS, Progress
-from rannc.schedule import SCHEDULES, StageCosts, chain, get_spec, in_flight, make_schedule, simulate
+from rannc.schedule import (
+    FILL_DRAIN,
+    SCHEDULES,
+    StageCosts,
+    chain,
+    get_spec,
+    in_flight,
+    make_schedule,
+    simulate,
+)
 from rannc.stage_dp.dp import stage_dp, stage_dp_by_position
 from rannc.stage_dp.hetero import HeteroDevices
 from rannc.stage_dp.refine import block_starts, level_points, plan_order, segment_of
@@ -812,6 +821,18 @@ def _component_fraction(costs: GraphCosts, comps: Sequence[int], f: float, rows:
         return 1.0
     c = int(np.searchsorted(np.cumsum(kept) / total, f - 1e-12)) + 1
     return min(c, len(comps)) / len(comps)
+
+
+def single_process_plan(graph: TaskGraph, atomic: AtomicPartition, batch_size: int) -> Plan:
+    """What one process runs: the whole graph as one stage on rank 0, one microbatch, nothing
+    recomputed. Nothing is searched and no costs are predicted (one process has no choice to
+    make); `model.plan` shows it, so a script reads the same attribute on one rank or many."""
+    comps = tuple(range(len(atomic.components)))
+    stage = StagePlan(index=0, components=comps, ranks=(0,), shares=(1.0,), recompute=0.0,
+                      param_names=param_names_of(graph, atomic, comps),
+                      modules=_module_range(graph, atomic, comps))
+    return Plan(stages=(stage,), microbatches=1, world_size=1, fingerprint=graph.fingerprint(),
+                schedule=FILL_DRAIN, batch_size=batch_size, source=(graph, atomic))
 
 
 def _module_range(graph: TaskGraph, atomic: AtomicPartition, comps: Sequence[int]) -> str:

@@ -62,6 +62,24 @@ def test_parent_sees_parameters_under_original_names() -> None:
     assert len(list(parent.parameters())) == len(list(ref.parameters()))
 
 
+def test_one_process_has_a_plan_too() -> None:
+    """model.plan after the first call in one process, as on several ranks: one stage holding every
+    parameter, every atomic component, one microbatch, rank 0; printable and saved as any plan."""
+    case = make_case("gpt2")
+    model = rannc.RaNNCModule(case.model)
+    assert model.plan is None
+    model(*case.args, **case.kwargs)
+    plan = model.plan
+    assert plan is not None and len(plan.stages) == 1 and plan.world_size == 1
+    (st,) = plan.stages
+    assert st.ranks == (0,) and plan.microbatches == 1 and st.recompute == 0.0
+    params = dict(case.model.named_parameters(remove_duplicate=False))  # tied: wte and lm_head
+    assert {id(params[n]) for n in st.param_names} == {id(p) for p in case.model.parameters()}
+    assert st.components == tuple(range(len(st.components)))
+    assert "1 stage(s), 1 microbatch(es)" in plan.summary()
+    assert rannc.Plan.from_dict(plan.to_dict()) == plan
+
+
 def test_plain_python_starts_no_process_group() -> None:
     import torch.distributed as dist
 
