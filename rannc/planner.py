@@ -89,11 +89,38 @@ class _Candidate:
     schedule: str
 
 
+_FINER_BLOCKS = 2  # times the planner doubles k when nothing fits at the configured k
+
+
 def plan_graph(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, config: Config, *,
                batch_size: int, oracle: BlockOracle | None = None, costs: GraphCosts | None = None,
                stats: PlanStats | None = None, progress: Progress = NO_PROGRESS) -> Plan:
     """Plan `graph` (captured at global batch `batch_size`) for `cluster`; `progress` shows
-    the phases (a measuring oracle shows its own profiling)."""
+    the phases (a measuring oracle shows its own profiling).
+
+    When no plan fits at `config.blocks` blocks, the search runs again on twice as many (up to
+    `_FINER_BLOCKS` times, never more blocks than atomic components): a stage is a run of whole
+    blocks, so k blocks allow at most k stages and none smaller than a block, and a model that
+    fits only in more, smaller stages (Llama-3-70B on 64 H100: 33 stages of 2 to 3 layers)
+    would otherwise be refused although a plan exists."""
+    k = config.blocks
+    for attempt in range(_FINER_BLOCKS + 1):
+        try:
+            return _plan_graph(graph, atomic, cluster, config, batch_size=batch_size, oracle=oracle,
+                               costs=costs, stats=stats, progress=progress)
+        except PlanInfeasibleError:
+            finer = min(2 * k, len(atomic.components))
+            if attempt == _FINER_BLOCKS or finer <= k:
+                raise
+            log.info("rannc: no plan fits in %d blocks; planning again with %d", k, finer)
+            k = finer
+            config = dataclasses.replace(config, blocks=k)
+    raise AssertionError("unreachable")  # the loop returns or raises
+
+
+def _plan_graph(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, config: Config, *,
+                batch_size: int, oracle: BlockOracle | None = None, costs: GraphCosts | None = None,
+                stats: PlanStats | None = None, progress: Progress = NO_PROGRESS) -> Plan:
     config = _batchnorm_config(graph, config)
     stats = stats if stats is not None else PlanStats()
     t0 = time.perf_counter()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -190,3 +191,42 @@ def test_each_stage_is_budgeted_for_the_microbatches_its_position_holds(
     monkeypatch.setattr(planner, "_in_flight_by_position", lambda sched, D, m: None)
     with pytest.raises(PlanInfeasibleError):
         rannc.plan(model, (), kw, cluster=cluster, config=cfg)
+
+
+def test_when_nothing_fits_in_k_blocks_the_planner_tries_finer_ones(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stage is a run of whole blocks, so k blocks allow at most k stages and none smaller than
+    a block; when nothing fits, the search runs again on 2k and then 4k blocks (never more
+    than the atomic components), and the last attempt's error is raised. (Llama-3-70B on 64
+    H100 fits only that way: BENCHMARKS.md.)"""
+    from rannc import planner
+
+    tried: list[int] = []
+    real = planner._plan_graph
+
+    def fits_from(k_ok: int) -> Any:
+        def attempt(*args: Any, **kwargs: Any) -> rannc.Plan:
+            cfg = args[3]
+            tried.append(cfg.blocks)
+            if cfg.blocks < k_ok:
+                raise PlanInfeasibleError(f"nothing fits in {cfg.blocks} blocks", needed_bytes=1.0)
+            return real(*args, **kwargs)
+        return attempt
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(12)])
+    args = (torch.zeros(8, 64),)
+    cluster = rannc.Cluster.homogeneous(SPEC, n=4, per_node=4)
+    monkeypatch.setattr(planner, "_plan_graph", fits_from(8))
+    plan = rannc.plan(model, args, cluster=cluster, config=rannc.Config(blocks=2))
+    assert tried == [2, 4, 8] and plan.blocks is not None and plan.blocks >= 8
+    tried.clear()
+    monkeypatch.setattr(planner, "_plan_graph", fits_from(1000))
+    with pytest.raises(PlanInfeasibleError, match="nothing fits in 8 blocks"):
+        rannc.plan(model, args, cluster=cluster, config=rannc.Config(blocks=2))
+    assert tried == [2, 4, 8]
+    tried.clear()
+    n = len(capture(model, args, {}).graph.tasks)  # more than the atomic components
+    with pytest.raises(PlanInfeasibleError):
+        rannc.plan(model, args, cluster=cluster, config=rannc.Config(blocks=n))
+    assert tried == [n]  # already at or beyond the components: nothing finer to try
