@@ -179,18 +179,21 @@ def test_each_stage_is_budgeted_for_the_microbatches_its_position_holds(
     two microbatches, as the search did before, finds none."""
     from rannc import planner
 
+    monkeypatch.setattr(planner, "_FINER_BLOCKS", 0)  # the budget alone, not finer blocks
     model, kw = _vocab_heavy_bert()
+    cap = capture(model, (), kw)
+    graph, atomic = cap.graph, atomic_components(cap.graph)
     cluster = rannc.Cluster.homogeneous(SPEC, n=2, per_node=2)
     opts = dict(partition_num=2, microbatches=4, schedule="1f1b", checkpointing="off")
-    roomy = rannc.plan(model, (), kw, cluster=cluster, config=rannc.Config(**opts))
+    roomy = plan_graph(graph, atomic, cluster, rannc.Config(**opts), batch_size=32)
     assert [st.predicted["in_flight"] for st in roomy.stages] == [2.0, 1.0]
     need = max(st.predicted["memory_bytes"] for st in roomy.stages)
     cfg = rannc.Config(**opts, mem_limit_gb=need * 1.001 / 0.9 / 1e9)  # mem_margin 0.1
-    tight = rannc.plan(model, (), kw, cluster=cluster, config=cfg)
+    tight = plan_graph(graph, atomic, cluster, cfg, batch_size=32)
     assert [st.predicted["in_flight"] for st in tight.stages] == [2.0, 1.0]
     monkeypatch.setattr(planner, "_in_flight_by_position", lambda sched, D, m: None)
     with pytest.raises(PlanInfeasibleError):
-        rannc.plan(model, (), kw, cluster=cluster, config=cfg)
+        plan_graph(graph, atomic, cluster, cfg, batch_size=32)
 
 
 def test_when_nothing_fits_in_k_blocks_the_planner_tries_finer_ones(
