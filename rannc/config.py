@@ -97,7 +97,8 @@ class Config:
     """k: how many blocks the planner groups the model's atomic components into before it
     splits the blocks into stages (planning time grows with k^2). The chosen plans' stage
     boundaries are then refined below block level, so k bounds the planning time more than the
-    plan's quality (`extra={"boundary_refinement": False}` keeps whole blocks)."""
+    plan's quality (`extra={"boundary_refinement": False}` keeps whole blocks). When no plan
+    fits in k blocks, the planner tries 2k and then 4k before saying so."""
     mem_limit_gb: float | None = _f(None, lo=0, open_lo=True)
     """Per-device memory to plan for in GB, > 0 (None: the device's own)."""
     mem_margin: float = _f(0.1, lo=0, hi=1, open_hi=True)
