@@ -36,7 +36,7 @@ import re
 import shutil
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, cast, runtime_checkable
@@ -65,7 +65,8 @@ class Holdings:
     tensors: dict[str, torch.Tensor]  # canonical name -> this rank's tensor (empty if released)
     canonical: dict[str, str]  # every parameter/buffer name -> its canonical name
     persistent: tuple[str, ...]  # canonical names of state-dict entries, in state-dict order
-    source: dict[str, int]  # canonical name -> the rank whose copy is authoritative
+    source: dict[str, int]  # canonical name -> the rank whose copy is authoritative (for a
+    # parameter this rank holds: its owner, which also keeps its optimizer state under ZeRO-1)
     held: frozenset[str]  # canonical names whose tensor this rank holds
 
     @classmethod
@@ -89,6 +90,8 @@ class Holdings:
         source = dict.fromkeys(tensors, 0)
         for n, ranks in _holders(rt, canonical).items():
             source[n] = min(ranks)
+        for n, r in rt.owners.items():  # this rank's parameters: their owners (rannc.ownership)
+            source[canonical[n]] = r
         # Buffers and parameters no stage reads stay on every rank.
         held_ids = {id(p) for p in rt.held.values()}
         in_stages = {canonical[n] for st in rt.plan.stages for n in st.param_names}
@@ -245,8 +248,9 @@ def _hyper(group: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
-                         state_dict: Mapping[str, Any]) -> None:
-    """Load a by-name optimizer state dict into this rank's (possibly pruned) optimizer."""
+                         state_dict: Mapping[str, Any], only: Collection[str] | None = None) -> None:
+    """Load a by-name optimizer state dict into this rank's (possibly pruned) optimizer; with
+    `only`, the state of those parameters alone (ZeRO-1: the ones this rank steps)."""
     if not {"state", "param_groups"} <= set(state_dict):
         raise RaNNCError("an optimizer state dict by name has 'state' and 'param_groups' (from "
                          "RaNNCModule.optimizer_state_dict())")
@@ -266,7 +270,7 @@ def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
                              "which the saved param group does not")
         idx = []
         for n in names:
-            if n in by_name:
+            if n in by_name and (only is None or n in only):
                 state[i] = by_name[n]
             idx.append(i)
             i += 1
@@ -776,6 +780,8 @@ def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer | None,
                                       group_names(model, optimizer))
     if optimizer is not None and load_opt:
         held = {n for names in group_names(model, optimizer) for n in names}
+        if rt is not None and rt.plan.zero_stage:  # ZeRO-1: only the state this rank steps
+            held = {n for n in held if h.source.get(n) == rank}
         for key, md in saved.items():
             if not key.startswith(_OPTIM):
                 continue

@@ -3,9 +3,10 @@
 Every rank holds only its stage's parameters, and a parameter held by several ranks (a
 stage's replicas, a weight tied between stages) carries the same, already reduced, gradient on
 each of them. So the global norm is one all-reduce of per-rank contributions, where each rank
-counts only the parameters it *owns*: every parameter tensor is owned by the lowest rank that
-holds it, and a tied weight (several names, one tensor) is one parameter, exactly as
-`torch.nn.utils.clip_grad_norm_` on the unwrapped model counts it. Every rank then scales the
+counts only the parameters it *owns* (`rannc.ownership`: the lowest holder, or under
+ZeRO-1 the holder whose optimizer steps it), and a tied weight (several names, one tensor)
+is one parameter, exactly as `torch.nn.utils.clip_grad_norm_` on the unwrapped model counts
+it. Every rank then scales the
 gradients it holds by the same coefficient, with torch's own `clip_grads_with_norm_`.
 
 Training scripts written for DDP call `torch.nn.utils.clip_grad_norm_(model.parameters(), c)`.
@@ -26,30 +27,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from rannc.plans import Plan
-
 # torch's function, kept before any wrapper is installed.
 torch_clip_grad_norm_ = torch.nn.utils.clip_grad.clip_grad_norm_
 
 
-def owned_parameters(model: nn.Module, plan: Plan, held: Mapping[str, nn.Parameter],
+def owned_parameters(model: nn.Module, owners: Mapping[str, int], held: Mapping[str, nn.Parameter],
                      rank: int) -> list[nn.Parameter]:
-    """The held parameters whose lowest holding rank is `rank`, each tensor once.
-
-    Names are keyed by tensor identity on the (unreleased or released) model, which every rank
-    builds alike, so tied names count as one parameter on every rank.
-    """
-    first_name: dict[int, str] = {}
-    params = dict(model.named_parameters(remove_duplicate=False))
-    for n, p in params.items():
-        first_name.setdefault(id(p), n)
-    owner: dict[str, int] = {}
-    for n, ranks in plan.holders().items():  # tied names: the lowest holder of any of them
-        key = first_name[id(params[n])]
-        owner[key] = min(owner.get(key, ranks[0]), ranks[0])
+    """The held parameters `rank` owns (`owners`: `rannc.ownership.parameter_owners` of the
+    deployment), each tensor once: tied names are one parameter on every rank."""
+    first: dict[int, str] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        first.setdefault(id(p), n)
     out: dict[int, nn.Parameter] = {}
     for p in held.values():
-        if owner[first_name[id(p)]] == rank:
+        if owners.get(first[id(p)]) == rank:
             out[id(p)] = p
     return list(out.values())
 

@@ -65,8 +65,8 @@ RANNC_ORIGINAL_ENV = {
 
 def _f(default: Any = None, *, factory: Any = None, lo: float | None = None,
        hi: float | None = None, open_lo: bool = False, open_hi: bool = False,
-       choices: tuple[str, ...] | Callable[[], tuple[str, ...]] = (),
-       aliases: Mapping[Any, str] | None = None) -> Any:
+       choices: tuple[Any, ...] | Callable[[], tuple[Any, ...]] = (),
+       aliases: Mapping[Any, Any] | None = None) -> Any:
     """A field with its allowed range (lo <= value <= hi; open_*: strict) or choices (a tuple,
     or a function giving them when a value is checked); `aliases` maps other accepted values
     (True, "1") to the choice they stand for."""
@@ -148,6 +148,13 @@ class Config:
     """How many captured input signatures (e.g. sequence lengths) are kept, >= 1; the least
     recently used one is dropped beyond it (its next call captures again). Pad inputs to a few
     bucket lengths when they vary."""
+    zero_stage: int | str = _f("auto", choices=(0, 1, "auto"), aliases={"0": 0, "1": 1})
+    """ZeRO stage of the optimizer state: 0 (every replica of a stage keeps the state of all
+    the stage's parameters, as DDP), 1 (ZeRO-1: each parameter's state lives on one replica,
+    which steps it and sends the new values to the others after the step; Adam's 8 bytes per
+    parameter divide by the replicas), or "auto" (0, unless no plan fits in memory without
+    ZeRO-1). Gradients, clipping and `zero_grad()` are unchanged: every replica's `.grad` holds
+    the full reduced gradient."""
     bucket_mb: float = _f(25.0, lo=0, open_lo=True)
     """Size in MB (2^20 bytes), > 0, of the buckets gradients are all-reduced in over the ranks
     holding them (rannc.pipeline.grads): each bucket starts as soon as its gradients are final
@@ -257,7 +264,7 @@ def check_field(name: str, value: Any, where: str) -> Any:
     given = value
     aliases = meta.get("aliases") or {}
     key = value.lower() if isinstance(value, str) else value
-    if isinstance(value, bool | str) and key in aliases:
+    if isinstance(value, bool | str) and key in aliases:  # (an int alias key would match True)
         value = aliases[key]
     ok = True
     if origin is bool:
@@ -275,8 +282,9 @@ def check_field(name: str, value: Any, where: str) -> Any:
         value = list(value) if ok else value
     elif origin is dict:
         ok = isinstance(value, dict)
-    if ok and _choices(meta) and value not in _choices(meta):
-        ok = False
+    if ok and _choices(meta) and (value not in _choices(meta) or (
+            isinstance(value, bool) and not any(isinstance(c, bool) for c in _choices(meta)))):
+        ok = False  # (True == 1: a bool is not a choice of 0 and 1)
     if ok and origin in (int, float, list):
         for x in value if origin is list else [value]:
             lo, hi = meta.get("lo"), meta.get("hi")
@@ -299,7 +307,7 @@ def _expected(base: Any, meta: Mapping[str, Any], optional: bool) -> str:
     origin = typing.get_origin(base) or base
     if _choices(meta):
         text = "one of " + ", ".join(repr(c) for c in _choices(meta))
-        if meta.get("aliases"):
+        if any(isinstance(k, bool) for k in meta.get("aliases") or {}):
             text += " (or True, False)"
     else:
         text = {bool: "a boolean", int: "an integer", float: "a finite number", str: "a string",

@@ -20,6 +20,7 @@ import logging
 import os
 import sys
 import warnings
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ from rannc.derive import derive_plan
 from rannc.errors import ConfigError, RaNNCError
 from rannc.graph.capture import CapturedModel, capture, flatten_inputs
 from rannc.graph.extract import StageGraph, build_stage_module, run_chain, split_graph
+from rannc.ownership import parameter_owners
 from rannc.pipeline.runtime import COUNT_KWARG, PipelineFunction, PipelineRuntime
 from rannc.plans import Plan
 from rannc.progress import Progress, progress_for
@@ -118,6 +120,10 @@ class RaNNCModule(nn.Module):
         self._owned: list[nn.Parameter] | None = None  # the parameters this rank counts in norms
         rclip.register(self)  # torch.nn.utils.clip_grad_norm_ recognises model.parameters()
         self._opt_groups: list[list[str]] | None = None  # param names per group, before pruning
+        # rannc.ownership of the planned deployment (first name -> owning rank), and its runtime
+        self._owners: dict[str, int] | None = None
+        self._planned_rt: PipelineRuntime | None = None
+        self._set_aside: list[tuple[nn.Parameter, torch.Tensor | None]] = []  # ZeRO-1, in a step
 
     module: nn.Module  # the wrapped model (as `DistributedDataParallel.module`)
 
@@ -181,11 +187,15 @@ class RaNNCModule(nn.Module):
             validate.check_config(self.rannc_config, ctx.world_size)
         leaves, layout = flatten_inputs(args, kwargs)
         key = (layout.signature, self.training, _autocast_state())
-        # Before anything a rank might do alone: every rank raises here, or none does.
-        sizes = validate.agree_on_call(args, kwargs, leaves, layout, ctx,
+        # Before anything a rank might do alone: every rank raises at `resolve`, or none does.
+        # A call like the last one runs on its row layout before the ranks agree (see
+        # PipelineRuntime.forward); any other waits for the agreement here.
+        agreement = validate.post_call(args, kwargs, leaves, layout, ctx,
                                        validate.call_mode(self.training, key[2])
                                        + _grad_inputs_text(args, kwargs))
         rt = self._runtimes.get(key)
+        guess = rt.guess_sizes(agreement) if rt is not None else None
+        sizes = guess if guess is not None else agreement.resolve()
         if rt is not None:
             self._runtimes.move_to_end(key)
         else:
@@ -225,7 +235,7 @@ class RaNNCModule(nn.Module):
             self._bound_cache(self._runtimes, pinned=next(iter(self._runtimes)))
         cap = rt.cap
         self._last_rt = rt
-        flat = rt.forward(leaves, sizes)
+        flat = rt.forward(leaves, sizes, agreement)
         if torch.is_grad_enabled():
             idx = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
             names = [cap.graph.outputs[i] for i in idx]
@@ -377,6 +387,12 @@ class RaNNCModule(nn.Module):
         """Free the parameters this rank does not hold and stop the optimizer stepping them.
 
         A parameter that no stage reads stays on every rank (state_dict() still has it)."""
+        if self._owners is None:  # the planned deployment, before anything is released
+            self._owners = parameter_owners(self.module, rt.plan, rt.rank)
+            self._planned_rt = rt
+            rt.owners = self._owners
+            if rt.plan.zero_stage and self.optimizer is not None:
+                self._zero_hooks(self.optimizer)
         held = self._held_ids() or set()  # over every deployed signature
         params = dict(self.module.named_parameters(remove_duplicate=False))
         read = {id(params[n]) for r in self._runtimes.values() for n in r.plan.holders()}
@@ -390,8 +406,8 @@ class RaNNCModule(nn.Module):
         if self.optimizer is not None:
             if self._opt_groups is None:  # the names before pruning, for optimizer_state_dict()
                 self._opt_groups = ckpt.group_names(self.module, self.optimizer)
-            for p in released:
-                self.optimizer.state.pop(p, None)
+            for p in released + (rt.not_stepped() if rt is self._planned_rt else []):
+                self.optimizer.state.pop(p, None)  # (ZeRO-1: state another holder keeps)
             for group in self.optimizer.param_groups:
                 keep = [id(p) not in read or id(p) in held for p in group["params"]]
                 group["params"] = [p for p, k in zip(group["params"], keep, strict=True) if k]
@@ -407,8 +423,37 @@ class RaNNCModule(nn.Module):
                 self.optimizer.param_groups[0]["params"] = [self._placeholder]
         for r in self._runtimes.values():
             r.placeholder = self._placeholder
+            r.owners = self._owners
         if released:
             _return_freed_heap()
+
+    def _zero_hooks(self, optimizer: torch.optim.Optimizer) -> None:
+        """ZeRO-1 on the user's own optimizer: for its step, the gradients of the parameters
+        other holders own are set aside (torch's optimizers skip a parameter without a
+        gradient, so this rank neither updates them nor makes state for them); after it they
+        come back, and each owner sends its parameters' new values to their other holders.
+        Outside the step nothing differs: every held parameter's `.grad` is the full reduced
+        gradient, `zero_grad()`, GradScaler's `unscale_` and clipping see every parameter."""
+        me = weakref.ref(self)
+
+        def before(opt: Any, args: Any, kwargs: Any) -> None:
+            m = me()
+            if m is not None and m._planned_rt is not None:
+                m._set_aside = [(p, p.grad) for p in m._planned_rt.not_stepped()]
+                for p, _g in m._set_aside:
+                    p.grad = None
+
+        def after(opt: Any, args: Any, kwargs: Any) -> None:
+            m = me()
+            if m is not None and m._planned_rt is not None:
+                for p, g in m._set_aside:
+                    p.grad = g
+                m._set_aside = []
+                with health.phase("ZeRO-1 parameter broadcast", m._calls):
+                    m._planned_rt.share_stepped_params()
+
+        optimizer.register_step_pre_hook(before)
+        optimizer.register_step_post_hook(after)
 
     @contextlib.contextmanager
     def _without_placeholder(self) -> Iterator[None]:
@@ -551,7 +596,15 @@ class RaNNCModule(nn.Module):
         the state of the parameters it holds, and every group's hyper-parameters. Not a
         collective; every rank needs the whole dict. Works before and after the first call."""
         with self._without_placeholder():
-            ckpt.load_optimizer_state(self.module, self._need_optimizer(), state_dict)
+            ckpt.load_optimizer_state(self.module, self._need_optimizer(), state_dict,
+                                      only=self._stepped_names())
+
+    def _stepped_names(self) -> set[str] | None:
+        """ZeRO-1: the parameters this rank's optimizer steps (None: every one it holds)."""
+        rt = self._planned_rt
+        if rt is None or not rt.plan.zero_stage or self._owners is None:
+            return None
+        return {n for n, r in self._owners.items() if r == rt.rank}
 
     def _need_optimizer(self) -> torch.optim.Optimizer:
         if self.optimizer is None:
@@ -629,7 +682,7 @@ class RaNNCModule(nn.Module):
                              "backward of the accumulation, outside no_sync()")
         validate.agree_on_collective("clip_grad_norm_()", rt.device)
         if self._owned is None:
-            self._owned = rclip.owned_parameters(self.module, rt.plan, rt.held, rt.rank)
+            self._owned = rclip.owned_parameters(self.module, rt.owners, rt.held, rt.rank)
         held = list({id(p): p for p in rt.held.values()}.values())
         dtype = held[0].dtype if held else torch.get_default_dtype()
         grads = [p.grad for p in self._owned if p.grad is not None]

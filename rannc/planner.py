@@ -62,6 +62,7 @@ from rannc.stage_dp.tables import (
     batch_per_replica,
     gpipe_iteration_time,
     stage_tables,
+    static_memory,
 )
 
 log = logging.getLogger(__name__)
@@ -104,17 +105,27 @@ def plan_graph(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, conf
     fits only in more, smaller stages (Llama-3-70B on 64 H100: 33 stages of 2 to 3 layers)
     would otherwise be refused although a plan exists."""
     k = config.blocks
+    # zero_stage "auto": ZeRO-1 only when nothing fits without it (its broadcast after each
+    # step costs time; the memory it frees is the replicas' copies of the optimizer state).
+    zeros = [int(config.zero_stage)] if config.zero_stage != "auto" else [0, 1] if cluster.size > 1 \
+        else [0]
     for attempt in range(_FINER_BLOCKS + 1):
-        try:
-            return _plan_graph(graph, atomic, cluster, config, batch_size=batch_size, oracle=oracle,
-                               costs=costs, stats=stats, progress=progress)
-        except PlanInfeasibleError:
-            finer = min(2 * k, len(atomic.components))
-            if attempt == _FINER_BLOCKS or finer <= k:
-                raise
-            log.info("rannc: no plan fits in %d blocks; planning again with %d", k, finer)
-            k = finer
-            config = dataclasses.replace(config, blocks=k)
+        for z in zeros:
+            try:
+                plan = _plan_graph(graph, atomic, cluster, dataclasses.replace(config, zero_stage=z),
+                                   batch_size=batch_size, oracle=oracle, costs=costs, stats=stats,
+                                   progress=progress)
+                return dataclasses.replace(plan, zero_stage=z)
+            except PlanInfeasibleError:
+                finer = min(2 * k, len(atomic.components))
+                if z == zeros[-1] and (attempt == _FINER_BLOCKS or finer <= k):
+                    raise
+                if z != zeros[-1]:
+                    log.info("rannc: no plan fits without ZeRO-1 in %d blocks; planning with the "
+                             "optimizer state spread over each stage's replicas", k)
+        log.info("rannc: no plan fits in %d blocks; planning again with %d", k, finer)
+        k = finer
+        config = dataclasses.replace(config, blocks=k)
     raise AssertionError("unreachable")  # the loop returns or raises
 
 
@@ -201,7 +212,7 @@ def _plan_graph(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, con
     mixed_dp = (not cluster.is_homogeneous and cluster.size <= _HETERO_DP_MAX
                 and bool(config.extra.get("hetero_dp", True))
                 and bool(config.extra.get("balance", True)))
-    static = io.params + io.grad_params * (1 + opt)
+    static = static_memory(io.params, io.grad_params, opt, 1, 0)  # (mixed devices: all state)
     if not found and mixed_dp:
         # The DP above plans every stage within the smallest device's memory; on a mixed
         # cluster the mixed-cluster DP may still fit, with each stage on its own devices.
@@ -270,7 +281,7 @@ def _plan_graph(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, con
         # extra balance=False: equal shares in rank order, what a planner that assumes identical
         # devices would run (benchmarks compare against it)
         balance = bool(config.extra.get("balance", True))
-        plan_static = plan_io.params + plan_io.grad_params * (1 + opt)
+        plan_static = static_memory(plan_io.params, plan_io.grad_params, opt, 1, 0)
         out = _heterogeneous(out, cluster, _hetero_devices(cluster, config), plan_static,
                              balance=balance)
         if mixed_dp:
@@ -432,7 +443,8 @@ def _memory_model(cluster: Cluster, config: Config) -> tuple[DeviceSpec, MemoryM
     limit = spec.memory_bytes if config.mem_limit_gb is None else config.mem_limit_gb * 1e9
     limit *= 1.0 - config.mem_margin
     opt = 2.0 if config.opt_param_factor is None else config.opt_param_factor
-    return spec, MemoryModel(opt_param_factor=opt, limit=limit, checkpointing=config.checkpointing)
+    return spec, MemoryModel(opt_param_factor=opt, limit=limit, checkpointing=config.checkpointing,
+                             zero_stage=1 if config.zero_stage == 1 else 0)
 
 
 def _late_pass(graph: TaskGraph) -> bool:

@@ -72,6 +72,9 @@ class Plan:
     predicted_iteration_time: float | None = None
     batch_size: int | None = None  # the global batch it was planned for
     blocks: int | None = None  # phase 2's block count
+    # ZeRO stage: 1 = each parameter's optimizer state lives on one of its holders only
+    # (rannc.ownership); 0 = on every holder.
+    zero_stage: int = 0
     # The graph it was made from, for to_onnx; not saved (a loaded plan has none).
     source: tuple[TaskGraph, AtomicPartition] | None = field(default=None, compare=False, repr=False)
 
@@ -91,8 +94,9 @@ class Plan:
                 for n, stages in self.holder_stages().items()}
 
     def owner(self, name: str) -> int:
-        """The rank whose copy of parameter `name` counts once (its lowest holder): the one
-        that saves it, and adds its gradient to a global norm."""
+        """The lowest holder of parameter `name`. Which holder's copy counts once (saves it,
+        adds its gradient to a global norm, steps it under ZeRO-1) is `rannc.ownership`'s
+        answer, which is this one when `zero_stage` is 0."""
         ranks = self.holders().get(name)
         if not ranks:
             raise RaNNCError(f"no stage of this plan holds parameter {name!r}")
@@ -112,6 +116,8 @@ class Plan:
             head += f", global batch {self.batch_size}"
         if self.blocks is not None:
             head += f", {self.blocks} blocks"
+        if self.zero_stage:
+            head += f", ZeRO-{self.zero_stage}"
         if self.predicted_iteration_time is not None:
             head += f", predicted {_fmt_s(self.predicted_iteration_time)}/iteration"
         header = ("stage", "components", "params", "rows/mb", "fwd", "bwd", "memory", "recomp",
@@ -170,7 +176,8 @@ class Plan:
         return cls(stages=stages, microbatches=d["microbatches"], world_size=d["world_size"],
                    fingerprint=d["fingerprint"], schedule=d["schedule"],
                    predicted_iteration_time=d["predicted_iteration_time"],
-                   batch_size=d.get("batch_size"), blocks=d.get("blocks"))
+                   batch_size=d.get("batch_size"), blocks=d.get("blocks"),
+                   zero_stage=int(d.get("zero_stage", 0)))
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the plan as JSON, atomically (a crash mid-write leaves the old file)."""

@@ -10,7 +10,11 @@ computes anyway. Only when the digests differ do the ranks gather a full `CallSi
 (with argument names), to say which rank passed what. Checks that read only what the digest
 covers, like the input devices, then give the same verdict everywhere by construction.
 
-Everything but `agree_on_call` is a pure function.
+The all-gather need not be waited for at once: `post_call` starts it, and a rank that guesses
+the row layout from its last call computes until the first transfer to or from another rank,
+which waits for it (`PipelineRuntime.forward`); so stage 0 starts its next forwards while the
+last stage still runs its optimizer step. Everything but `agree_on_call`, `post_call` and
+`agree_on_collective`/`agree_on_graph` is a pure function.
 """
 
 from __future__ import annotations
@@ -123,34 +127,77 @@ def call_digest(layout: InputLayout, leaves: Sequence[Any], mode: str = "") -> i
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "big")
 
 
+class CallAgreement:
+    """A call's all-gather of [local rows, digest], posted without waiting (`post_call`).
+
+    A rank that can guess the row layout (its runtime's last call, `PipelineRuntime.forward`)
+    computes while the all-gather completes, and `resolve`s it before any data leaves the
+    rank; every other rank resolves it at once. `resolve` returns every rank's local batch
+    size, or raises the same error on every rank (`agree_on_call`)."""
+
+    def __init__(self, args: Sequence[Any], kwargs: Mapping[str, Any], leaves: Sequence[Any],
+                 layout: InputLayout, ctx: DistContext, mode: str) -> None:
+        self._call: tuple[Any, ...] | None = (args, kwargs, leaves, layout, ctx, mode)
+        self.rows = layout.batch or 0
+        self.digest = call_digest(layout, leaves, mode)
+        self._every, self._work = _gather_digest(self.rows, self.digest, ctx.device,
+                                                 ctx.world_size, async_op=True)
+        self._sizes: list[int] | None = None
+
+    @property
+    def resolved(self) -> bool:
+        return self._sizes is not None
+
+    def ready(self) -> bool:
+        """Whether `resolve` would return without waiting on another rank."""
+        return self._sizes is not None or self._work is None or self._work.is_completed()
+
+    def resolve(self) -> list[int]:
+        if self._sizes is not None:
+            return self._sizes
+        if self._work is not None:
+            self._work.wait()
+        assert self._call is not None
+        args, kwargs, leaves, layout, ctx, mode = self._call
+        sizes = [int(x[0]) for x in self._every]
+        if len({int(x[1]) for x in self._every}) > 1:  # all ranks see this, so all gather the details
+            sigs: list[Any] = [None] * ctx.world_size
+            dist.all_gather_object(sigs, call_signature(args, kwargs, layout.batch_leaves, mode))
+            if any(isinstance(x, str) for x in sigs):
+                raise CallOrderError(describe_call_order(sigs))
+            raise InputMismatchError(describe_mismatch(sigs, sizes))
+        if any(isinstance(x, torch.Tensor) and x.device.type != ctx.device.type for x in leaves):
+            check_devices(call_signature(args, kwargs, layout.batch_leaves), ctx.device)
+        self._sizes = sizes
+        self._call = None  # (the call's inputs need not outlive it)
+        return sizes
+
+
+def post_call(args: Sequence[Any], kwargs: Mapping[str, Any], leaves: Sequence[Any],
+              layout: InputLayout, ctx: DistContext, mode: str) -> CallAgreement:
+    """Start the call's agreement (one all-gather, not waited for); see `CallAgreement`."""
+    return CallAgreement(args, kwargs, leaves, layout, ctx, mode)
+
+
 def agree_on_call(args: Sequence[Any], kwargs: Mapping[str, Any], leaves: Sequence[Any],
                   layout: InputLayout, ctx: DistContext, mode: str) -> list[int]:
     """Every rank's local batch size, after checking that every rank made the same kind of
     call, in the same `mode` (`call_mode`), with inputs on its device. Collective (one
     all-gather per call; a second only when the calls differ), and every rank raises the same
     `InputMismatchError` or `InputDeviceError`, or none does."""
-    every = _gather_digest(layout.batch or 0, call_digest(layout, leaves, mode), ctx.device,
-                           ctx.world_size)
-    sizes = [int(x[0]) for x in every]
-    if len({int(x[1]) for x in every}) > 1:  # all ranks see this, so all gather the details
-        sigs: list[Any] = [None] * ctx.world_size
-        dist.all_gather_object(sigs, call_signature(args, kwargs, layout.batch_leaves, mode))
-        if any(isinstance(x, str) for x in sigs):
-            raise CallOrderError(describe_call_order(sigs))
-        raise InputMismatchError(describe_mismatch(sigs, sizes))
-    if any(isinstance(x, torch.Tensor) and x.device.type != ctx.device.type for x in leaves):
-        check_devices(call_signature(args, kwargs, layout.batch_leaves), ctx.device)
-    return sizes
+    return post_call(args, kwargs, leaves, layout, ctx, mode).resolve()
 
 
-def _gather_digest(rows: int, digest: int, device: torch.device, world: int) -> list[torch.Tensor]:
+def _gather_digest(rows: int, digest: int, device: torch.device, world: int,
+                   async_op: bool = False) -> tuple[list[torch.Tensor], Any]:
     """The all-gather every rannc collective call starts with: [rows, digest of the call]. One
     shape for every kind of call, so ranks in different calls still meet here and compare,
-    instead of pairing unrelated transfers (gloo aborted: "Received data size doesn't match")."""
+    instead of pairing unrelated transfers (gloo aborted: "Received data size doesn't match").
+    Returns the gathered rows and, with `async_op`, the work to wait for."""
     mine = torch.tensor([rows, digest], dtype=torch.int64, device=device)
     every = [torch.zeros(2, dtype=torch.int64, device=device) for _ in range(world)]
-    dist.all_gather(every, mine)
-    return every
+    work = dist.all_gather(every, mine, async_op=async_op)
+    return every, work
 
 
 def agree_on_collective(kind: str, device: torch.device) -> None:
@@ -160,7 +207,7 @@ def agree_on_collective(kind: str, device: torch.device) -> None:
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
         return
     digest = int.from_bytes(hashlib.sha256(kind.encode()).digest()[:7], "big")
-    every = _gather_digest(0, digest, device, dist.get_world_size())
+    every, _ = _gather_digest(0, digest, device, dist.get_world_size())
     if len({int(x[1]) for x in every}) > 1:
         calls: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(calls, kind)
@@ -177,7 +224,7 @@ def agree_on_graph(fingerprint: str, sizes: Sequence[int], device: torch.device)
         return
     digest = int(fingerprint[:13], 16) if re.fullmatch(r"[0-9a-f]{13,}", fingerprint) else \
         int.from_bytes(hashlib.sha256(fingerprint.encode()).digest()[:6], "big")
-    every = _gather_digest(0, digest, device, dist.get_world_size())
+    every, _ = _gather_digest(0, digest, device, dist.get_world_size())
     prints = [int(x[1]) for x in every]
     if len(set(prints)) > 1:
         per = _by_rank([f"graph {p:013x}" for p in prints])
@@ -331,8 +378,8 @@ def rebuild_error(info: Mapping[str, Any]) -> RaNNCError:
     return known.get(info["type"], RaNNCError)(message)
 
 
-__all__ = ["CallOrderError", "CallSignature", "LeafSignature", "agree_on_call",
+__all__ = ["CallAgreement", "CallOrderError", "CallSignature", "LeafSignature", "agree_on_call",
            "agree_on_collective", "agree_on_graph", "describe_call_order", "call_digest", "call_mode",
-           "call_signature",
+           "call_signature", "post_call",
            "check_capturable", "check_config",
            "check_devices", "describe_mismatch", "output_type_error", "rebuild_error"]

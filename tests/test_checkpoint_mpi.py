@@ -1,6 +1,9 @@
 """Checkpoints under mpiexec (gloo, CPU): gathered state dicts and optimizer state against the
 unwrapped model, sharded checkpoints saved on 4 ranks (replicas 1,1,2) and loaded on 2 (two
-stages), resume exactness, a save killed before it is moved into place, a resume bit-identical
+stages), resume exactness, across ZeRO stages (saved under ZeRO-1, where GPT-2's last stage
+and its embedding tied over three ranks keep each parameter's optimizer state on one holder;
+resumed under 0, which saves again; loaded on 2 ranks under 1), a save killed before it is moved
+into place, a resume bit-identical
 to an uninterrupted run with an LR scheduler and dropout RNG (2 ranks), and a save called on rank
 0 only (an error within seconds). The single-process layout tests are test_checkpoint_layout.py.
 
@@ -36,7 +39,8 @@ def ckpt_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def saved(ckpt_dir: Path) -> subprocess.CompletedProcess[str]:
-    return run_mpi(SCRIPT, 4, ["--phase", "save", "--dir", str(ckpt_dir), *ON_4])
+    return run_mpi(SCRIPT, 4, ["--phase", "save", "--dir", str(ckpt_dir), *ON_4],
+                   env={"RANNC_ZERO_STAGE": "1"})
 
 
 @pytest.fixture(scope="module")
@@ -44,13 +48,14 @@ def resumed(saved: subprocess.CompletedProcess[str],
             ckpt_dir: Path) -> subprocess.CompletedProcess[str]:
     """New processes resume from the checkpoint, then rank 0 dies inside another save."""
     return run_mpi(SCRIPT, 4, ["--phase", "resume", "--dir", str(ckpt_dir), *ON_4, "--crash"],
-                   check=False)
+                   check=False, env={"RANNC_ZERO_STAGE": "0"})
 
 
 @pytest.fixture(scope="module")
 def loaded(resumed: subprocess.CompletedProcess[str],
            ckpt_dir: Path) -> subprocess.CompletedProcess[str]:
-    return run_mpi(SCRIPT, 2, ["--phase", "load", "--dir", str(ckpt_dir), *ON_2])
+    return run_mpi(SCRIPT, 2, ["--phase", "load", "--dir", str(ckpt_dir), *ON_2],
+                   env={"RANNC_ZERO_STAGE": "1"})
 
 
 def _passed(out: str, what: str, model: str) -> list[str]:
@@ -61,6 +66,7 @@ def test_state_dict_and_optimizer_state_round_trip(saved: subprocess.CompletedPr
     """Gathered state dict == reference (strict load into the unwrapped model); optimizer state
     by name == reference; load_state_dict before and after the first call; reloaded optimizer
     state gives the reference's next step."""
+    assert "ZeRO-1" in saved.stderr, saved.stderr  # (the plan table rank 0 prints)
     for model in MODELS:
         assert _passed(saved.stdout, "state_dict", model) == ["0", "1", "2", "3"], saved.stdout
         assert _passed(saved.stdout, "save", model) == ["0", "1", "2", "3"], saved.stdout

@@ -54,6 +54,20 @@ def test_accumulation_and_clipping_with_small_gradient_buckets() -> None:
     assert got == ["0", "1", "2", "3"], res.stdout
 
 
+@pytest.mark.parametrize("args", [["--replicas", "2,2", "--schedule", "gpipe"],
+                                  ["--replicas", "1,1", "--schedule", "1f1b"]],
+                         ids=["2x2-gpipe-bert", "1x1x2-1f1b-gpt2"])
+def test_zero_1_clip_accumulate_and_optimizers(args: list[str]) -> None:
+    """Under ZeRO-1 each holder steps only its share of the parameters: clipping (the norm
+    counted at each parameter's owner), no_sync accumulation, and the torch optimizers with
+    their schedulers (each with its own state shape) still equal the unwrapped model."""
+    model = "bert" if "gpipe" in args else "gpt2"
+    res = run_mpi(SCRIPT, 4, ["--model", model, "--microbatches", "2", "--batch", "8", *args],
+                  env={"RANNC_ZERO_STAGE": "1"})
+    got = sorted(re.findall(rf"PASS {model} rank (\d+)", res.stdout))
+    assert got == ["0", "1", "2", "3"], res.stdout
+
+
 @pytest.mark.layer("single_process")
 @pytest.mark.parametrize("norm_type", [2.0, math.inf])
 def test_clip_in_one_process_is_torchs(norm_type: float) -> None:

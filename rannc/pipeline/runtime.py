@@ -33,7 +33,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -67,6 +67,9 @@ from rannc.schedule import (
     make_schedule,
     validate,
 )
+
+if TYPE_CHECKING:
+    from rannc.validate import CallAgreement
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +116,20 @@ class _Call:
     grad_inputs: frozenset[str] = frozenset()  # model inputs whose rows get gradients back
     input_stash: dict[str, torch.Tensor] = field(default_factory=dict)  # eager: for a unit loss gradient
     t0: float = 0.0
+    # A call run on the last call's row layout before the ranks agreed on this one's: its
+    # agreement and checks, and its transfers to other ranks, held back until they pass.
+    agreement: CallAgreement | None = None
+    checks: list[Callable[[], None]] = field(default_factory=list)
+    held_back: list[tuple[torch.Tensor, int, int]] = field(default_factory=list)
+
+
+class _LayoutChanged(Exception):
+    """A call run on the last call's layout found that some rank's batch size changed: it runs
+    again on `sizes` (nothing of it has left this rank)."""
+
+    def __init__(self, sizes: list[int]) -> None:
+        super().__init__(sizes)
+        self.sizes = sizes
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,7 +163,12 @@ class PipelineRuntime:
         self._summed = self._summed_outputs()
         self._check_boundaries()
         self.held = self._held_params()
-        param_groups = self._param_groups()
+        param_groups = self.param_groups = self._param_groups()
+        self._bucket_bytes = int(bucket_mb * 2**20)
+        # rannc.ownership.parameter_owners of the deployment (set by the module): first
+        # parameter name -> the holder that saves it, counts it in norms and, under ZeRO-1,
+        # steps it.
+        self.owners: dict[str, int] = {}
         self.sync = True
         self._call: _Call | None = None
         planned = get_spec(plan.schedule)
@@ -180,6 +202,15 @@ class PipelineRuntime:
         # a stand-in parameter in the optimizer of a rank that holds none (see _share_overflow)
         self.placeholder: nn.Parameter | None = None
         self.events: list[Event] = []  # the last iteration's actions, when tracing
+        # (digest, every rank's local batch size) of the last call: the guess for the next one.
+        self._agreed: tuple[int, list[int]] | None = None
+        # A call on a guessed layout is run again when the guess was wrong; that is exact only
+        # where its first run changed nothing but the RNG: no BatchNorm statistics, no buffer
+        # written in forward.
+        self._can_guess = (world_size > 1 and not self._bn.sites
+                           and not any(t.mutates for t in self.graph.tasks))
+        self.guessed_calls = 0  # calls run on a guessed layout (their agreement not waited for)
+        self.rerun_calls = 0  # of those, run again because a batch size changed
         self.iteration_s = 0.0  # the last iteration's seconds from forward() to the gradients
 
     def _parts(self, captured: CapturedModel, atomic: AtomicPartition,
@@ -420,8 +451,26 @@ class PipelineRuntime:
     def _send(self, x: torch.Tensor, dst: int, tag: int, call: _Call) -> None:
         if dst == self.rank:
             call.local[tag] = x.detach()
+        elif call.agreement is not None:
+            call.held_back.append((x.detach().contiguous(), dst, tag))
         else:
             call.sends.append(dist.isend(x.detach().contiguous(), dst, tag=tag))
+
+    def _settle(self, call: _Call) -> None:
+        """A call run on a guessed layout: wait for the ranks' agreement (raising what it raises,
+        on every rank alike), then either send what was held back or, if some rank's batch size
+        changed, start the call again on the agreed layout."""
+        if call.agreement is None:
+            return
+        sizes = call.agreement.resolve()
+        for check in call.checks:
+            check()
+        if sizes != call.layout.local_sizes:
+            raise _LayoutChanged(sizes)
+        call.agreement = None
+        for x, dst, tag in call.held_back:
+            call.sends.append(dist.isend(x, dst, tag=tag))
+        call.held_back.clear()
 
     def _recv_rows(self, v: str, rows: Range, sources: Sequence[tuple[int, Range]], kind: int,
                    m: int, call: _Call) -> torch.Tensor:
@@ -435,6 +484,7 @@ class PipelineRuntime:
             if r == self.rank:
                 pieces.append(call.local.pop(tag))  # sliced to `part` by the sender (this rank)
             else:
+                self._settle(call)
                 buf = self._empty(v, part[1] - part[0])
                 dist.recv(buf, r, tag=tag)
                 pieces.append(buf)
@@ -445,15 +495,58 @@ class PipelineRuntime:
         return list(zip(self.plan.stages[t].ranks, layout.rows[t][m], strict=True))
 
     # -- forward -----------------------------------------------------------
-    def forward(self, leaves: Sequence[Any], sizes: Sequence[int]) -> list[Any]:
+    def guess_sizes(self, agreement: CallAgreement) -> list[int] | None:
+        """The ranks' local batch sizes, guessed before they agree on them: those of this
+        runtime's last call when this rank's call is the same kind with as many rows as then.
+        None where a guess cannot be taken back if wrong (BatchNorm statistics or buffers
+        updated in forward: see `forward`)."""
+        if self._agreed is None or not self._can_guess:
+            return None
+        digest, sizes = self._agreed
+        if digest != agreement.digest or sizes[self.rank] != agreement.rows:
+            return None
+        return list(sizes)
+
+    def forward(self, leaves: Sequence[Any], sizes: Sequence[int],
+                agreement: CallAgreement | None = None) -> list[Any]:
         """Run this rank's part of the call, every rank's local batch sizes given (from
         `validate.agree_on_call`); returns the flat outputs for this rank.
+
+        With `agreement` not yet resolved, `sizes` is a guess (`guess_sizes`): the call computes
+        on it and holds back every transfer to another rank until the agreement arrives, before
+        its first receive from another rank at the latest, so no collective stands between one
+        step and the next (stage 0 runs its first forwards while later stages still step their
+        optimizers). If some rank's batch size changed, nothing has left this rank: the RNG goes
+        back to where it was and the call runs again on the agreed sizes.
 
         Without grad mode only forwards run. Under fill-drain, the forwards run here and the
         rest of the line when `backward()` comes. Under 1F1B and the shifted critical path the
         whole line runs here, seeded with a unit gradient of the loss, and `backward()` commits
         the gradients scaled by the real one (gradients are linear in it)."""
-        self._check_count(leaves)
+        guessed = agreement is not None and not agreement.resolved
+        if guessed:
+            assert agreement is not None
+            self.guessed_calls += 1
+            rng = _rng_state(self.device)
+            try:
+                out = self._forward(leaves, sizes, agreement, lambda: self._check_count(leaves))
+            except _LayoutChanged as changed:
+                _set_rng_state(rng, self.device)
+                self.rerun_calls += 1
+                sizes = changed.sizes
+                if self.rank == 0:
+                    log.debug("rannc: a rank's batch size changed: the call runs on %s", sizes)
+                out = self._forward(leaves, sizes, None, None)
+        else:
+            self._check_count(leaves)
+            out = self._forward(leaves, sizes, None, None)
+        if agreement is not None:
+            self._agreed = (agreement.digest, list(sizes))
+        return out
+
+    def _forward(self, leaves: Sequence[Any], sizes: Sequence[int],
+                 agreement: CallAgreement | None, count_check: Callable[[], None] | None,
+                 ) -> list[Any]:
         layout = RowLayout(sizes, self.plan.microbatches, [s.shares for s in self.plan.stages])
         self._check_sync_rows(layout)
         buffers: dict[str, torch.Tensor] = {}
@@ -464,7 +557,8 @@ class PipelineRuntime:
         mode = "forward" if not grad else "eager" if self.spec.eager else "split"
         call = _Call(layout, self.cap.bind(self.model, leaves),
                      [_Micro(layout.rows[self.s][m][self.j]) for m in range(self.plan.microbatches)],
-                     mode, t0=time.perf_counter())
+                     mode, t0=time.perf_counter(), agreement=agreement,
+                     checks=[count_check] if count_check is not None else [])
         if grad:
             call.grad_inputs = frozenset(v for v, _x in self.grad_inputs(leaves))
         self._call = None
@@ -524,6 +618,8 @@ class PipelineRuntime:
                 self._run_action(call, a, mic, scalars, scalar_g)
             if self.trace:
                 self.events.append(Event(a, t0 - call.t0, time.perf_counter() - call.t0))
+            if call.agreement is not None and call.agreement.ready():
+                self._settle(call)  # the held-back transfers go as soon as they can
 
     def _run_action(self, call: _Call, a: Action, mic: _Micro, scalars: dict[str, torch.Tensor],
                     scalar_g: dict[str, torch.Tensor] | None) -> None:
@@ -746,7 +842,9 @@ class PipelineRuntime:
 
     def _check_count(self, leaves: Sequence[Any]) -> None:
         """`num_items_in_batch` is the global count: the same on every rank (a rank passing its
-        own count would silently scale its pieces wrongly)."""
+        own count would silently scale its pieces wrongly). Collective when the call passed it;
+        after the call's agreement, so that every rank runs the same collectives in the same
+        order even when the agreement raises."""
         count = self._count_input()
         if count is None:
             return
@@ -767,6 +865,7 @@ class PipelineRuntime:
 
     def _collect_outputs(self, call: _Call, layout: RowLayout,
                          scalars: dict[str, torch.Tensor]) -> list[Any]:
+        self._settle(call)
         if scalars:
             names = sorted(scalars)
             flat = torch.stack([scalars[v] for v in names])
@@ -946,6 +1045,54 @@ class PipelineRuntime:
             grads.append(self.placeholder.grad)
         share_overflow(grads, self.device)
 
+    def first_names(self) -> dict[int, str]:
+        """id of each parameter tensor -> its first name (the key of `owners`)."""
+        out: dict[int, str] = {}
+        for n, p in self.model.named_parameters(remove_duplicate=False):
+            out.setdefault(id(p), n)
+        return out
+
+    def not_stepped(self) -> list[nn.Parameter]:
+        """ZeRO-1: the held parameters another holder's optimizer steps (each tensor once)."""
+        if self.plan.zero_stage == 0:
+            return []
+        first = self.first_names()
+        out = {id(p): p for p in self.held.values() if self.owners[first[id(p)]] != self.rank}
+        return list(out.values())
+
+    def share_stepped_params(self) -> None:
+        """ZeRO-1, after the optimizer step: each parameter's owner sends its new values to the
+        parameter's other holders; one broadcast per (holders, owner, dtype) and bucket_mb."""
+        if self.plan.zero_stage == 0:
+            return
+        first = self.first_names()
+        for _ranks, names, group in self.param_groups:
+            if group is None:
+                continue
+            by: dict[tuple[int, str], dict[int, nn.Parameter]] = {}
+            for n in names:
+                p = self.held[n]
+                by.setdefault((self.owners[first[id(p)]], str(p.dtype)), {})[id(p)] = p
+            for (owner, _dtype), ps in sorted(by.items()):
+                for chunk in _chunks(list(ps.values()), self._bucket_bytes):
+                    self._broadcast(chunk, owner, group)
+
+    def _broadcast(self, ps: list[nn.Parameter], owner: int, group: Any) -> None:
+        with torch.no_grad():
+            if len(ps) == 1 and ps[0].is_contiguous():
+                dist.broadcast(ps[0].data, owner, group=group)
+                return
+            if self.rank == owner:
+                flat = torch.cat([p.detach().reshape(-1) for p in ps])
+            else:
+                flat = torch.empty(sum(p.numel() for p in ps), dtype=ps[0].dtype, device=self.device)
+            dist.broadcast(flat, owner, group=group)
+            if self.rank != owner:
+                at = 0
+                for p in ps:
+                    p.copy_(flat[at:at + p.numel()].view_as(p))
+                    at += p.numel()
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         prev, self.sync = self.sync, False
@@ -981,6 +1128,32 @@ class PipelineFunction(torch.autograd.Function):
             in_grads = ctx.runtime.backward(grad_of)
         return (None, None, None, None, *([None] * len(grads)),
                 *[in_grads.get(v) for v in ctx.in_names])
+
+
+def _chunks(ps: list[nn.Parameter], nbytes: int) -> Iterator[list[nn.Parameter]]:
+    """Consecutive runs of `ps` of at most `nbytes` each (one larger parameter alone)."""
+    run: list[nn.Parameter] = []
+    size = 0
+    for p in ps:
+        b = p.numel() * p.element_size()
+        if run and size + b > nbytes:
+            yield run
+            run, size = [], 0
+        run.append(p)
+        size += b
+    if run:
+        yield run
+
+
+def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None], device: torch.device) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
 
 
 def _is_float(val: Value) -> bool:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -160,6 +161,16 @@ class MemoryModel:
     opt_param_factor: float  # optimizer state per parameter element (Adam: 2)
     limit: float  # bytes a stage may use (device memory after the margin)
     checkpointing: str  # auto / on / off / stage_aware
+    zero_stage: int = 0  # 1: a stage's optimizer state is spread over its replicas (ZeRO-1)
+
+
+def static_memory(params: Any, grad_params: Any, opt_param_factor: float, ranks: int,
+                  zero_stage: int) -> Any:
+    """Bytes a stage holds whatever the batch: its parameters, their gradients and the
+    optimizer state, which ZeRO-1 spreads over the stage's `ranks` replicas (each keeps about
+    1/ranks of it: `rannc.ownership.spread`). Arrays or floats alike."""
+    opt = opt_param_factor / ranks if zero_stage else opt_param_factor
+    return params + grad_params * (1 + opt)
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,7 +220,6 @@ def stage_tables(prof: BlockProfile, io: BlockIO, mem: MemoryModel, *, batch_siz
     work_max = np.zeros((k, k, prof.work.shape[1]))
     for lo in range(k):
         work_max[lo, lo:] = np.maximum.accumulate(prof.work[lo:], axis=0)
-    static = io.params + io.grad_params * (1 + mem.opt_param_factor)
     f_min = 1.0 if mem.checkpointing == "on" else 0.0
     f_max = 0.0 if mem.checkpointing == "off" else 1.0
     for d in range(1, devices + 1):
@@ -229,6 +239,9 @@ def stage_tables(prof: BlockProfile, io: BlockIO, mem: MemoryModel, *, batch_siz
         comm = (inb + outb) / link_bw
         ranks = d * copies
         ar = 2.0 * io.grad_params * (ranks - 1) / ranks / allreduce_bw
+        if mem.zero_stage:  # the owners' new parameters go to the other replicas: an all-gather
+            ar = ar * 1.5
+        static = static_memory(io.params, io.grad_params, mem.opt_param_factor, ranks, mem.zero_stage)
         base = static + n_in * (inb + outb) + saved_inputs * inb + work_max[:, :, i]
         full = base + n_in * kept  # nothing recomputed
         saved_per_f = (n_in - 1) * kept  # memory one unit of f frees

@@ -301,6 +301,14 @@ def check_model(a: argparse.Namespace, name: str, ctx: rdist.DistContext) -> Non
         torch.testing.assert_close(p_, ref_names[n], rtol=RTOL, atol=ATOL,
                                    msg=lambda m, n=n: f"rank {rank} param {n}: {m}")
     other_calls(a, name, model, ref, rank, world)
+    # Optimizer state: under ZeRO-1 each parameter's on one of its holders only.
+    own = {id(p_) for p_ in case.model.parameters()}  # (not rannc's stand-in on a rank holding none)
+    print(f"STATE {name} rank {rank} params_with_state {sum(id(p_) in own for p_ in opt_w.state)} "
+          f"of_reference {len(opt_r.state)} zero {model.plan.zero_stage if model.plan else 0}",
+          flush=True)
+    rts = list(model._runtimes.values())
+    print(f"GUESSES {name} rank {rank} guessed {sum(r.guessed_calls for r in rts)} "
+          f"rerun {sum(r.rerun_calls for r in rts)}", flush=True)
     if a.trace:
         files = model.write_trace(f"{a.trace}_{name}")
         if rank == 0:
