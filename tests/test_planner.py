@@ -204,13 +204,13 @@ def test_when_nothing_fits_in_k_blocks_the_planner_tries_finer_ones(
     H100 fits only that way: BENCHMARKS.md.)"""
     from rannc import planner
 
-    tried: list[int] = []
+    tried: list[tuple[int, Any]] = []
     real = planner._plan_graph
 
     def fits_from(k_ok: int) -> Any:
         def attempt(*args: Any, **kwargs: Any) -> rannc.Plan:
             cfg = args[3]
-            tried.append(cfg.blocks)
+            tried.append((cfg.blocks, cfg.zero_stage))
             if cfg.blocks < k_ok:
                 raise PlanInfeasibleError(f"nothing fits in {cfg.blocks} blocks", needed_bytes=1.0)
             return real(*args, **kwargs)
@@ -221,15 +221,20 @@ def test_when_nothing_fits_in_k_blocks_the_planner_tries_finer_ones(
     args = (torch.zeros(8, 64),)
     cluster = rannc.Cluster.homogeneous(SPEC, n=4, per_node=4)
     monkeypatch.setattr(planner, "_plan_graph", fits_from(8))
-    plan = rannc.plan(model, args, cluster=cluster, config=rannc.Config(blocks=2))
-    assert tried == [2, 4, 8] and plan.blocks is not None and plan.blocks >= 8
+    plan = rannc.plan(model, args, cluster=cluster, config=rannc.Config(blocks=2, zero_stage=0))
+    assert tried == [(2, 0), (4, 0), (8, 0)] and plan.blocks is not None and plan.blocks >= 8
     tried.clear()
     monkeypatch.setattr(planner, "_plan_graph", fits_from(1000))
     with pytest.raises(PlanInfeasibleError, match="nothing fits in 8 blocks"):
-        rannc.plan(model, args, cluster=cluster, config=rannc.Config(blocks=2))
-    assert tried == [2, 4, 8]
+        rannc.plan(model, args, cluster=cluster, config=rannc.Config(blocks=2, zero_stage=0))
+    assert tried == [(2, 0), (4, 0), (8, 0)]
     tried.clear()
     n = len(capture(model, args, {}).graph.tasks)  # more than the atomic components
     with pytest.raises(PlanInfeasibleError):
-        rannc.plan(model, args, cluster=cluster, config=rannc.Config(blocks=n))
-    assert tried == [n]  # already at or beyond the components: nothing finer to try
+        rannc.plan(model, args, cluster=cluster, config=rannc.Config(blocks=n, zero_stage=0))
+    assert tried == [(n, 0)]  # already at or beyond the components: nothing finer to try
+    # zero_stage "auto" (the default): at each block count, without ZeRO-1 and then with it
+    tried.clear()
+    monkeypatch.setattr(planner, "_plan_graph", fits_from(4))
+    plan = rannc.plan(model, args, cluster=cluster, config=rannc.Config(blocks=2))
+    assert tried == [(2, 0), (2, 1), (4, 0)] and plan.zero_stage == 0
