@@ -16,6 +16,9 @@ the wrapper as it is (an unmodified ``nn.Module``). Variants, each in fresh ``mp
   ``PipelineStage`` with ``ScheduleGPipe`` / ``Schedule1F1B``, stages cut at the layer
   boundaries of the rannc plan of the same schedule (read from its saved deployment file), the
   same microbatch count;
+* ``rannc gpipe, step-start sync`` / ``rannc 1f1b, step-start sync``: the same runs with
+  rannc's guess of the row layout turned off, so every step waits for the ranks' row counts
+  before it starts (rannc before that guess; compared with the rows above);
 * ``DDP``: ``DistributedDataParallel`` over the whole model, each rank its rows.
 
 All train with AdamW from the same seed on the same global batches. The driver runs the variants
@@ -46,14 +49,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pipeline_memory as pm  # noqa: E402  (its launcher and VmHWM helpers)
 
 ROOT = Path(__file__).resolve().parents[1]
-VARIANTS = ("rannc_auto", "rannc_gpipe", "rannc_1f1b", "pipe_gpipe", "pipe_1f1b", "ddp")
+VARIANTS = ("rannc_auto", "rannc_gpipe", "rannc_1f1b", "rannc_gpipe_sync", "rannc_1f1b_sync",
+            "pipe_gpipe", "pipe_1f1b", "ddp")
 SMOKE_VARIANTS = ("rannc_1f1b", "pipe_1f1b", "ddp")
 NAMES = {"rannc_auto": "rannc auto", "rannc_gpipe": "rannc gpipe", "rannc_1f1b": "rannc 1f1b",
          "pipe_gpipe": "pipelining ScheduleGPipe", "pipe_1f1b": "pipelining Schedule1F1B",
-         "ddp": "DDP"}
+         "ddp": "DDP", "rannc_gpipe_sync": "rannc gpipe, step-start sync",
+         "rannc_1f1b_sync": "rannc 1f1b, step-start sync"}
 # the rannc row each variant is compared with
 COUNTERPART = {"rannc_auto": "rannc_auto", "rannc_gpipe": "rannc_auto", "rannc_1f1b": "rannc_auto",
-               "pipe_gpipe": "rannc_gpipe", "pipe_1f1b": "rannc_1f1b", "ddp": "rannc_auto"}
+               "pipe_gpipe": "rannc_gpipe", "pipe_1f1b": "rannc_1f1b", "ddp": "rannc_auto",
+               "rannc_gpipe_sync": "rannc_gpipe", "rannc_1f1b_sync": "rannc_1f1b"}
 LOSS_RTOL = 1e-3  # float32 sums in another order over a few steps
 
 
@@ -225,6 +231,12 @@ def worker(a: argparse.Namespace) -> None:
     wrapper, layers, loss_fn = build(a.model, a)
     v = a.variant
     layout = ""
+    if v.endswith("_sync"):
+        # rannc as before it ran a call on the last call's row layout: every step waits for
+        # the ranks' row counts before it starts (the old behaviour, side by side)
+        from rannc.pipeline.runtime import PipelineRuntime
+
+        PipelineRuntime.guess_sizes = lambda self, agreement: None  # type: ignore[method-assign]
     if v.startswith("rannc"):
         opt = torch.optim.AdamW(wrapper.parameters(), lr=1e-3)
         opts: dict[str, Any] = dict(save_deployment=True, load_deployment=True,
@@ -340,7 +352,8 @@ def driver(a: argparse.Namespace) -> None:
             for model, n in cases:
                 for v in variants:
                     label = f"{model}_{n}_{v}_{rep}"
-                    src = "rannc_" + v.split("_")[1] if v.startswith("pipe") else v
+                    src = "rannc_" + v.split("_")[1] if v.startswith("pipe") or v.endswith("_sync") \
+                        else v
                     plan_file = tmp / f"plan_{model}_{n}_{src}.json"
                     extra = [f"--plan-file={plan_file}"]
                     if rep == 0 and v in ("rannc_gpipe", "rannc_1f1b"):
