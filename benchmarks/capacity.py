@@ -14,8 +14,12 @@ largest task's working bytes, ``mem_margin`` 0.1):
 * ``rannc``: the planner (``plan_graph``, estimate oracle) with the device's memory; fits when it
   returns a plan.
 * ``DDP``: the same planner forced to one stage replicated on every rank with one microbatch
-  (``partition_num=1, microbatches=1``): every rank holds the whole model, its optimizer state
-  and the activations of its rows (with one microbatch, recomputation frees nothing).
+  (``partition_num=1, microbatches=1, zero_stage=0``): every rank holds the whole model, its
+  optimizer state and the activations of its rows (with one microbatch, recomputation frees
+  nothing). ``DDP + ZeRO-1``: the same with ``zero_stage=1`` (each rank keeps 1/N of the
+  AdamW state, as DeepSpeed's ZeRO stage 1 or ``ZeroRedundancyOptimizer``).
+* ``rannc, ZeRO-1 off``: the planner with ``zero_stage=0`` (``rannc``: the default "auto",
+  which plans ZeRO-1 only when nothing fits without it).
 * ``equal split``: 4 stages, one rank each, cut between encoder layers so that each holds L/4
   of them (embeddings on the first, the heads on the last), no replicas; its memory is
   ``stage_tables`` on those 4 stages, for GPipe (every microbatch in flight) and 1F1B (stage i
@@ -53,7 +57,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pipeline_memory as pm  # noqa: E402  (its launcher and VmHWM helpers)
 
 ROOT = Path(__file__).resolve().parents[1]
-APPROACHES = ("rannc", "DDP", "equal split")
+APPROACHES = ("rannc", "rannc, ZeRO-1 off", "DDP", "DDP + ZeRO-1", "equal split")
+# the planner's options per approach: rannc as a user gets it (zero_stage "auto": ZeRO-1 when
+# nothing fits without it), DDP as one stage on every rank, each with ZeRO-1 forced off or on
+FORCED: dict[str, dict[str, Any]] = {
+    "rannc": {}, "rannc, ZeRO-1 off": dict(zero_stage=0),
+    "DDP": dict(partition_num=1, microbatches=1, zero_stage=0),
+    "DDP + ZeRO-1": dict(partition_num=1, microbatches=1, zero_stage=1)}
 _LAYER = re.compile(r"encoder\.layer\.(\d+)\.")
 
 
@@ -180,18 +190,15 @@ def largest(bert: Bert, approach: str, hidden: int, cluster: Any, limit_gb: floa
 
     def need(L: int) -> float:
         c = bert.get(L, hidden)
-        if approach == "rannc":
-            return need_planner(c, cluster, bert.batch)
-        if approach == "DDP":
-            return need_planner(c, cluster, bert.batch, partition_num=1, microbatches=1)
+        if approach in FORCED:
+            return need_planner(c, cluster, bert.batch, **FORCED[approach])
         return need_equal(c, cluster, bert.batch, L, stages)
 
     def fits(L: int) -> Any:
         c = bert.get(L, hidden)
         if approach == "equal split":
             return need(L) <= cap or None
-        forced = dict(partition_num=1, microbatches=1) if approach == "DDP" else {}
-        return fits_planner(c, cluster, bert.batch, limit_gb, **forced)
+        return fits_planner(c, cluster, bert.batch, limit_gb, **FORCED[approach])
 
     lo, hi = (max(step, p - p % step) for p in probe)
     n_lo, n_hi = need(lo), need(hi)
@@ -237,10 +244,11 @@ def params_of(bert: Bert, layers: int, hidden: int) -> int:
 def describe(plan: Any) -> str:
     if plan is None:
         return "-"
+    zero = ", ZeRO-1" if plan.zero_stage else ""
     reps = [st.replicas for st in plan.stages]
     shape = f"{len(reps)} x {reps[0]}" if len(set(reps)) == 1 else f"replicas {reps}"
     rec = max(st.recompute for st in plan.stages)
-    return f"{shape}, {plan.microbatches} mb, {plan.schedule}, recompute up to {rec:.0%}"
+    return f"{shape}, {plan.microbatches} mb, {plan.schedule}, recompute up to {rec:.0%}{zero}"
 
 
 def model_part(a: argparse.Namespace) -> list[dict[str, Any]]:
@@ -257,7 +265,7 @@ def model_part(a: argparse.Namespace) -> list[dict[str, Any]]:
             L, plan = largest(bert, approach, hidden, cluster, limit_gb, tuple(a.probe), a.max_layers, log)
             print("\n".join(log) + f" -> L{L} ({time.perf_counter() - t0:.0f} s)", flush=True)
             rows.append(dict(hidden=hidden, approach=approach, layers=L, params=params_of(bert, L, hidden),
-                             plan=describe(plan) if approach == "rannc" else ""))
+                             plan=describe(plan) if approach.startswith("rannc") else ""))
     best = {ap: max(r["params"] for r in rows if r["approach"] == ap) for ap in APPROACHES}
     print(f"\n{a.np} x {a.device} ({limit_gb:.2f} GB each, mem_margin 0.1), BertForPreTraining "
           f"vocab {a.vocab}, global batch {a.batch} x {a.seq}, AdamW, estimate oracle\n")
@@ -270,7 +278,8 @@ def model_part(a: argparse.Namespace) -> list[dict[str, Any]]:
                                         f"{r['params'] / 1e6:.1f}", vs, r["plan"] or ""]) + " |")
     print("\n".join(lines))
     print("\nlargest over the grid: " + ", ".join(f"{ap} {best[ap] / 1e6:.0f} M" for ap in APPROACHES)
-          + f"; rannc / DDP {best['rannc'] / max(1, best['DDP']):.2f}x, rannc / equal split "
+          + f"; rannc / DDP {best['rannc'] / max(1, best['DDP']):.2f}x, DDP + ZeRO-1 / DDP "
+          f"{best['DDP + ZeRO-1'] / max(1, best['DDP']):.2f}x, rannc / equal split "
           f"{best['rannc'] / max(1, best['equal split']):.2f}x")
     if a.plot:
         plot(a.plot, rows, a)
@@ -364,7 +373,7 @@ def cpu_part(a: argparse.Namespace) -> None:
                                   tuple(a.cpu_probe), a.max_layers, log)
         print("\n".join(log) + f" -> L{found[approach][0]}", flush=True)
     ddp_need = need_planner(bert.get(found["DDP"][0], a.cpu_hidden), cluster, bert.batch,
-                            partition_num=1, microbatches=1) * 0.9  # the prediction, margin off
+                            **FORCED["DDP"]) * 0.9  # the prediction, margin off
     mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
     if mpiexec is None:
         sys.exit("no mpiexec next to the interpreter or on PATH (pip install mpi4py mpich)")
