@@ -7,8 +7,8 @@ Every model runs in one process (in this pytest process) and on several ranks in
 and under the automatic plan. One mpiexec launch per layout runs all its models in the same
 ranks (start-up is most of a small model's cost); a launch that dies is relaunched with the
 models it did not reach, so one crash names one model. CI runs every model in one process and in
-one multi-rank layout (CI_MODELS); `--full` or CONFORMANCE_FULL=1 runs every model in every
-layout.
+one multi-rank layout (CI_MODELS), and three of them again under ZeRO-1; `--full` or
+CONFORMANCE_FULL=1 runs every model in every layout.
 """
 
 from __future__ import annotations
@@ -51,6 +51,9 @@ LAYOUTS = [
     Layout("4r-pn4-m1", 4, ("--partition-num", "4", "--microbatches", "1"), 8, True),
     Layout("4r-rep22-m2-1f1b", 4, ("--replicas", "2,2", "--microbatches", "2", "--schedule", "1f1b"), 10),
     Layout("4r-rep11-m2-scp", 4, ("--replicas", "1,1", "--microbatches", "2", "--schedule", "scp"), 8),
+    # ZeRO-1: each parameter's optimizer state on one replica, new values broadcast after the step
+    Layout("4r-rep22-m2-1f1b-zero1", 4, ("--replicas", "2,2", "--microbatches", "2", "--schedule",
+                                        "1f1b", "--option=zero_stage=1"), 10),
 ]
 BY_ID = {lay.id: lay for lay in LAYOUTS}
 
@@ -67,6 +70,7 @@ CI_MODELS: dict[str, tuple[str, ...]] = {
     "3r-rep21-m2-gpipe": ("mistral", "qwen2", "gpt2", "roberta", "whisper", "convnext"),
     "3r-rep12-m3-scp": ("phi", "gpt_neox", "albert", "swin", "bloom", "deberta_v2"),
     "2r-auto": ("mixtral", "opt", "qwen3", "electra", "gptj", "timm_vit"),
+    "4r-rep22-m2-1f1b-zero1": ("llama", "t5", "albert"),  # (also in another layout each)
 }
 
 # Known library bugs: (model, where) -> reason; where is a layout id, "1p" (one process),
