@@ -231,8 +231,9 @@ class RaNNCModule(nn.Module):
             self._release_params(rt)
             self._owned = None
             # The runtime of the planned deployment stays: the parameters this rank holds are
-            # its stage's (a derived plan's stages hold a subset of them).
-            self._bound_cache(self._runtimes, pinned=next(iter(self._runtimes)))
+            # its stage's (a derived plan's stages hold a subset of them). (Not the first key:
+            # move_to_end reorders the cache at every call.)
+            self._bound_cache(self._runtimes, pinned=self._planned_key())
         cap = rt.cap
         self._last_rt = rt
         flat = rt.forward(leaves, sizes, agreement)
@@ -310,6 +311,10 @@ class RaNNCModule(nn.Module):
         if cfg.save_deployment and ctx.rank == 0:
             plan.save(cfg.deployment_file)
         return plan
+
+    def _planned_key(self) -> tuple[Any, ...] | None:
+        """The capture key of the planned deployment's runtime in `_runtimes`."""
+        return next((k for k, r in self._runtimes.items() if r is self._planned_rt), None)
 
     def _bound_cache(self, cache: OrderedDict[tuple[Any, ...], Any], pinned: Any) -> None:
         """Keep at most config.max_captures captures, dropping the least recently used (never

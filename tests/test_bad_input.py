@@ -112,9 +112,11 @@ def test_job_still_trains_exactly_after_the_errors_with_a_bounded_capture_cache(
         for r in (0, 1):
             assert re.search(rf"^USABLE {when} rank {r} ok", launch, re.MULTILINE), launch
     assert "DONE rank 0" in launch and "DONE rank 1" in launch
-    # Five sequence lengths, max_captures=2: two runtimes kept, one warning saying to pad.
+    # Five sequence lengths, max_captures=2: two runtimes kept (the planned one among them),
+    # one warning saying to pad.
     for r in (0, 1):
-        assert re.search(rf"^CACHE rank {r} runtimes 2 warnings 1 .*max_captures.*pad inputs to a "
+        assert re.search(rf"^CACHE rank {r} runtimes 2 planned kept True warnings 1 .*max_captures"
+                         ".*pad inputs to a "
                          "few bucket lengths", launch, re.MULTILINE), launch
     # the 2-stage plan in rank 0's file, not a plan of its own or rank 1's stale file
     assert re.findall(r"^LOADED rank \d stages (\d+)", launch, re.MULTILINE) == ["2", "2"], launch

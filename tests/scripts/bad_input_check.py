@@ -124,15 +124,18 @@ def meta_net() -> nn.Module:
 
 def capture_cache_is_bounded(rank: int, n: int) -> None:
     """A sequence length that changes at every call: at most max_captures runtimes are kept
-    (the planned one and the most recent), with one warning saying to pad."""
+    (the planned one, even when it is not the oldest entry, and the most recent), with one
+    warning saying to pad."""
     model = rannc.RaNNCModule(Net(), partition_num=2, profiler="estimate", max_captures=2)
     with warnings.catch_warnings(record=True) as got:
         warnings.simplefilter("always")
-        for length in range(1, 6):
+        # the planned length (1) used again makes it the most recent, not the first, entry
+        for length in (1, 2, 1, 3, 4, 5):
             model(torch.randn(n, length, WIDTH)).backward()
     said = [str(w.message) for w in got if "max_captures" in str(w.message)]
-    say(f"CACHE rank {rank} runtimes {len(model._runtimes)} warnings {len(said)} "
-        f"{' '.join(said[0].split()) if said else ''}")
+    kept = any(rt is model._planned_rt for rt in model._runtimes.values())
+    say(f"CACHE rank {rank} runtimes {len(model._runtimes)} planned kept {kept} warnings "
+        f"{len(said)} {' '.join(said[0].split()) if said else ''}")
 
 
 def edited_plan(src: str, dst: str, edit: Callable[[dict[str, Any]], None], rank: int) -> str:
