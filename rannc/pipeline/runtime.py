@@ -930,11 +930,15 @@ class PipelineRuntime:
         else:
             g = scalar_g[self._loss]
             assert call.stash is not None
+            # The usual loss.backward() brings a gradient of exactly 1: the stashed gradients
+            # are then the gradients (x * 1.0 is x, bit for bit), without a multiply and a new
+            # tensor per parameter and step.
+            unit = bool(g == 1)
             for n, p in self.held.items():
                 st = call.stash.get(n)
                 if st is not None:
-                    p.grad = st * g.to(st.dtype)
-            in_grads = {v: x * g.to(x.dtype) for v, x in call.input_stash.items()}
+                    p.grad = st if unit else st * g.to(st.dtype)
+            in_grads = {v: x if unit else x * g.to(x.dtype) for v, x in call.input_stash.items()}
             if batch_used:
                 self._late_pass(call, grad_of)
                 for v, x in self._receive_input_grads(call).items():
