@@ -46,6 +46,7 @@ from rannc.ownership import parameter_owners
 from rannc.pipeline.runtime import COUNT_KWARG, PipelineFunction, PipelineRuntime
 from rannc.plans import Plan
 from rannc.progress import Progress, progress_for
+from rannc.schedule.spec import require_runs
 
 log = logging.getLogger(__name__)
 
@@ -266,6 +267,7 @@ class RaNNCModule(nn.Module):
         from rannc.profile.estimate import GraphCosts
 
         cfg = self.rannc_config
+        require_runs(cfg.schedule)  # every rank alike, before any of them plans
         source = f"the plan file {cfg.deployment_file}"
         loaded: list[Any] = [None]
         if cfg.load_deployment:
@@ -283,6 +285,7 @@ class RaNNCModule(nn.Module):
             plan = Plan.from_dict(loaded[0])
             plan.check(cap.graph, ctx.world_size, source=source, atomic=atomic,
                        batch_rows=sum(sizes))
+            require_runs(plan.schedule)
             return dataclasses.replace(plan, source=(cap.graph, atomic))
         # Every rank reports its own device (a mixed cluster is planned as such), unless the
         # user described the cluster in a file.

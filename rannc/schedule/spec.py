@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from rannc.schedule.actions import Action, Op, Schedule, ScheduleError
+from rannc.schedule.actions import Action, Op, Schedule, ScheduleError, chain, in_flight
 
 # The schedule every model can run: forwards in forward(), backwards in backward(). Schedules
 # that run eagerly fall back to it when the model does not return one scalar loss.
@@ -280,6 +280,15 @@ register(ScheduleSpec("interleaved_1f1b", _interleaved_one_f_one_b, eager=True,
                       summary="interleaved 1F1B (several stages per rank)", runs=False, chunks=2))
 
 
+def require_runs(name: str) -> None:
+    """A ScheduleError unless the runtime runs schedule `name` (`ScheduleSpec.runs`)."""
+    if name != "auto" and not get_spec(name).runs:
+        can = ", ".join(n for n, sp in SCHEDULES.items() if sp.runs)
+        raise ScheduleError(f"schedule {name!r} is planned and simulated (rannc.plan, `rannc plan`) "
+                            f"but the runtime does not run it yet; train with schedule='auto' or "
+                            f"one of {can}")
+
+
 def make_schedule(name: str, microbatches: int, suppliers: Sequence[Sequence[int]],
                   recompute: Sequence[bool], placement: Sequence[int] | None = None) -> Schedule:
     """Build schedule `name` (a key of `SCHEDULES`) for the stage graph `suppliers`, where
@@ -328,9 +337,6 @@ def default_placement(name: str, n_stages: int) -> tuple[int, ...]:
 def _interleaved_in_flight(S: int, M: int) -> int:
     """The most microbatches any stage of an S-stage chain holds under interleaved 1F1B
     (read off its lines, as the planner's memory model does)."""
-    from rannc.schedule.actions import chain
-    from rannc.schedule.simulate import in_flight
-
     if S % 2:
         return min(S, M)
     return max(n for n, _ in in_flight(make_schedule("interleaved_1f1b", M, chain(S), [False] * S)))
@@ -348,4 +354,5 @@ def _depth_to_end(sup: Sequence[Sequence[int]], s: int) -> int:
 
 
 __all__ = ["FILL_DRAIN", "SCHEDULES", "HeldActivations", "ScheduleSpec", "StageLine",
-           "default_placement", "get_spec", "make_schedule", "register", "registered"]
+           "default_placement", "get_spec", "make_schedule", "register", "registered",
+           "require_runs"]
