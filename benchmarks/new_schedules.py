@@ -96,6 +96,7 @@ def models(smoke: bool = False) -> list[str]:
     rows = ["| model | devices | microbatches | schedule | stages x replicas | predicted s/iter | "
             "vs 1F1B | weight share of backward | max device memory GB |",
             "|---|---|---|---|---|---|---|---|---|"]
+    print("\n".join(rows), flush=True)  # rows print as they come: the full run takes minutes
     clusters = [("V100-32GB", 8)] if smoke else [("V100-32GB", 8), ("V100-32GB", 32), ("H100", 8)]
     for name, model, args, kwargs, batch in _models(smoke):
         cap = capture(model, args, kwargs)
@@ -165,7 +166,7 @@ def main() -> None:
     if a.only in (None, "uniform"):
         print("\n".join(uniform()), flush=True)
     if a.only in (None, "models"):
-        print("\n".join(models(a.smoke)), flush=True)
+        models(a.smoke)
 
 
 if __name__ == "__main__":
