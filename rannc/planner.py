@@ -615,9 +615,12 @@ def _pipeline_layouts(cluster: Cluster, config: Config) -> list[tuple[int, int]]
             out.append((cluster.per_node * n, cluster.nodes // n))
         n *= 2
     if config.partition_num is not None:
-        out = [(D, R) for D, R in out if D >= config.partition_num]
+        # an interleaved schedule forced puts several stages on each device
+        per = get_spec(config.schedule).chunks if config.schedule != "auto" else 1
+        out = [(D, R) for D, R in out if D * per >= config.partition_num]
         if not out:
-            raise ConfigError(f"partition_num {config.partition_num} exceeds the {world} devices")
+            raise ConfigError(f"partition_num {config.partition_num} exceeds the {world} devices"
+                              + (f" ({per} stages each under {config.schedule})" if per > 1 else ""))
     return out
 
 
