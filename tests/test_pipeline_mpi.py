@@ -105,6 +105,13 @@ SCHEDULED = [
     (3, ["--replicas", "2,1", "--microbatches", "2", "--batch", "7", "--schedule", "1f1b"], ALL),
     (4, ["--replicas", "1,3", "--microbatches", "4", "--batch", "10", "--schedule", "scp",
          "--checkpointing", "on"], ALL),
+    # zero-bubble: each backward as B then W, W deferred (stage s by s passes) into the
+    # cool-down, with replicas, partial recomputation (the rebuilt part kept until W), a
+    # GradScaler, and the late pass (kwargs) and the fill-drain fallback (fork_join)
+    (4, ["--replicas", "2,1,1", "--microbatches", "4", "--batch", "10", "--schedule",
+         "zero_bubble", "--recompute-fraction", "0.5", "--grad-scaler"], ALL),
+    (2, ["--partition-num", "2", "--microbatches", "4", "--batch", "8", "--schedule", "zero_bubble",
+         "--loss-scale", "0.5", "--extra-forward"], "bert,gpt2"),
 ]
 
 
