@@ -303,6 +303,27 @@ def test_trace_files_hold_every_rank_and_the_prediction(tmp_path: Path) -> None:
     assert Path(prefix + "_gpt2.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_zero_bubble_runs_weight_gradients_apart(tmp_path: Path) -> None:
+    """Under zero_bubble each rank runs W apart from B, as the schedule orders them: the last
+    stage defers its first W past its second B, and the W passes do a real share of the
+    backward's work (the weight gradients), not nothing."""
+    from rannc.schedule import load_chrome_trace
+
+    prefix = str(tmp_path / "trace")
+    res = run_mpi(SCRIPT, 2, ["--model", "gpt2", "--partition-num", "2", "--microbatches", "4",
+                              "--batch", "8", "--schedule", "zero_bubble", "--steps", "2",
+                              "--trace", prefix])
+    assert "PASS gpt2 rank 1" in res.stdout and "SCHEDULE zero_bubble" in res.stdout
+    events = load_chrome_trace(prefix + "_gpt2.json")
+    for rank, evs in events.items():
+        order = [str(e.action) for e in evs if e.action.op.value in ("B", "W")]
+        assert sorted(order) == sorted(f"{op}{rank}.{m}" for op in "BW" for m in range(4))
+        if rank == 1:  # deferred by one: B1.0 B1.1 W1.0 ...
+            assert order[:3] == ["B1.0", "B1.1", "W1.0"], order
+        secs = {op: sum(e.end - e.start for e in evs if e.action.op.value == op) for op in "BW"}
+        assert secs["W"] > 0.2 * secs["B"], (rank, secs)
+
+
 def test_each_rank_holds_only_its_parameters() -> None:
     """4 stages on 4 ranks: the parameter elements stored over all ranks add up to the model's,
     plus one copy of the word embedding tied between the first and the last stage."""

@@ -117,12 +117,12 @@ class PipelineRuntime:
         self._bn_stages = [t for t, st in enumerate(self.stages)
                            if len(self.plan.stages[t].ranks) > 1 and set(st.tasks) & bn_tasks]
         self.stage = Stage(self.s, self.j, self.stages[self.s], self.rec_part, self.keep_part,
-                           self.routes, self._bn)
+                           self.routes, self._bn, list(self.held.values()))
         self.executor = Executor([self.stage], self.routes, plan, self.schedule, self.grads,
                                  self._summed, rank, world_size, trace)
         # This rank's line of actions (one stage's today; several under interleaved schedules).
-        self.line = self.schedule.actions[self.s]
-        self._forward_line = self.schedule.forward_part(self.s)
+        self.line = self.schedule.actions[self.schedule.lane_of(self.s)]
+        self._forward_line = self.schedule.forward_part(self.schedule.lane_of(self.s))
         self._tags = Tags(self.routes.channels(), plan.microbatches)
         if self.spec is not planned and rank == 0:
             log.info("rannc: schedule %s needs the model to return one floating-point scalar "
@@ -437,8 +437,10 @@ class PipelineRuntime:
         if call.mode == "split":
             self.executor.send_output_grads(call, grad_of)
             rest = self.line[len(self._forward_line):]
-            # the last microbatch's backward makes gradients final: buckets start from there
-            last = [a for a in rest if a.op is Op.B and not call.micro[(a.stage, a.micro)].empty]
+            # the last microbatch's backward (its W where split off) makes gradients final:
+            # buckets start from there
+            final = Op.W if self.schedule.splits_backward(self.s) else Op.B
+            last = [a for a in rest if a.op is final and not call.micro[(a.stage, a.micro)].empty]
             self.executor.run(call, rest, {}, scalar_g, arm=last[-1] if last and self.sync else None)
             in_grads = self.executor.receive_input_grads(call)
         else:
