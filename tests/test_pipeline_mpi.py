@@ -112,6 +112,13 @@ SCHEDULED = [
          "zero_bubble", "--recompute-fraction", "0.5", "--grad-scaler"], ALL),
     (2, ["--partition-num", "2", "--microbatches", "4", "--batch", "8", "--schedule", "zero_bubble",
          "--loss-scale", "0.5", "--extra-forward"], "bert,gpt2"),
+    # interleaved: two stages per rank (s and s + P on the same ranks), replicas per pipeline
+    # position [1, 2], partial recomputation; fork_join falls back to fill-drain over the same
+    # shared ranks, kwargs takes the late pass
+    (3, ["--replicas", "1,2", "--partition-num", "4", "--microbatches", "4", "--batch", "9",
+         "--schedule", "interleaved_1f1b", "--recompute-fraction", "0.5"], ALL),
+    (2, ["--partition-num", "4", "--microbatches", "2", "--batch", "8", "--schedule",
+         "interleaved_1f1b", "--grad-scaler"], "bert,gpt2"),
 ]
 
 

@@ -4,6 +4,7 @@ chooses schedules and per-stage recomputation."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 
@@ -29,7 +30,7 @@ from rannc.schedule import (
     validate,
 )
 from rannc.schedule.predict import plan_costs, predict
-from rannc.schedule.spec import require_runs
+from rannc.schedule.spec import registered, require_runs
 
 pytestmark = pytest.mark.layer("pure")
 
@@ -358,8 +359,11 @@ def test_the_planner_prices_weight_passes_and_plans_interleaved(gpt2: tuple) -> 
         assert sum(st.predicted["memory_bytes"] for st in il.stages
                    if il.placement()[st.index] == d) <= limit
     # auto searches only what the runtime runs; forcing the rest is refused at deployment
-    auto = plan_graph(graph, atomic, cluster, rannc.Config(microbatches=8), batch_size=32)
-    assert get_spec(auto.schedule).runs
-    with pytest.raises(ScheduleError, match="does not run it yet"):
-        require_runs("interleaved_1f1b")
-    require_runs("zero_bubble")
+    slow = dataclasses.replace(get_spec("interleaved_1f1b"), name="planned_only", runs=False)
+    with registered(slow):
+        auto = plan_graph(graph, atomic, cluster, rannc.Config(microbatches=8), batch_size=32)
+        assert auto.schedule != "planned_only"
+        with pytest.raises(ScheduleError, match="does not run it yet"):
+            require_runs("planned_only")
+    for name in SCHEDULES:
+        require_runs(name)

@@ -31,6 +31,8 @@ LAYOUTS = [
     (4, ["--replicas", "1,1", "--schedule", "1f1b"], "gpt2"),
     # zero-bubble on 4 stages: the tied embedding's weight passes on ranks 0 and 3
     (4, ["--partition-num", "4", "--schedule", "zero_bubble"], "bert"),
+    # interleaved: 4 stages on 2 ranks, the tied embedding in stages 0 (rank 0) and 3 (rank 1)
+    (2, ["--partition-num", "4", "--schedule", "interleaved_1f1b"], "bert"),
 ]
 
 
