@@ -345,9 +345,12 @@ def default_placement(name: str, n_stages: int) -> tuple[int, ...]:
 
 def _interleaved_in_flight(S: int, M: int) -> int:
     """The most microbatches any stage of an S-stage chain holds under interleaved 1F1B
-    (read off its lines, as the planner's memory model does)."""
-    if S % 2:
-        return min(S, M)
+    (read off its lines, as the planner's memory model does); where it cannot run (stages not
+    a multiple of 2, or microbatches in an incomplete last round) all M, the most any
+    schedule holds, so a bound asked for there is never too small."""
+    lanes = S // 2
+    if S % 2 or (M > lanes and M % lanes):
+        return M
     return max(n for n, _ in in_flight(make_schedule("interleaved_1f1b", M, chain(S), [False] * S)))
 
 
