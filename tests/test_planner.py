@@ -178,6 +178,7 @@ def test_each_stage_is_budgeted_for_the_microbatches_its_position_holds(
     microbatch (and the first at two) has a plan; budgeting every stage for the first stage's
     two microbatches, as the search did before, finds none."""
     from rannc import planner
+    from rannc.stage_dp import search
 
     monkeypatch.setattr(planner, "_FINER_BLOCKS", 0)  # the budget alone, not finer blocks
     model, kw = _vocab_heavy_bert()
@@ -191,7 +192,7 @@ def test_each_stage_is_budgeted_for_the_microbatches_its_position_holds(
     cfg = rannc.Config(**opts, mem_limit_gb=need * 1.001 / 0.9 / 1e9)  # mem_margin 0.1
     tight = plan_graph(graph, atomic, cluster, cfg, batch_size=32)
     assert [st.predicted["in_flight"] for st in tight.stages] == [2.0, 1.0]
-    monkeypatch.setattr(planner, "_in_flight_by_position", lambda sched, D, m: None)
+    monkeypatch.setattr(search, "in_flight_by_position", lambda sched, D, m: None)
     with pytest.raises(PlanInfeasibleError):
         plan_graph(graph, atomic, cluster, cfg, batch_size=32)
 

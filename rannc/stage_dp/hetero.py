@@ -23,6 +23,7 @@ import numpy as np
 
 from rannc.errors import RaNNCError
 from rannc.profile.estimate import BlockProfile
+from rannc.stage_dp.memory import stage_memory
 from rannc.stage_dp.shares import whale_shares
 from rannc.stage_dp.tables import BlockIO
 
@@ -88,7 +89,6 @@ def hetero_stages(prof: BlockProfile, io: BlockIO, static: np.ndarray, dev: Hete
         work = float(prof.work[lo:r + 1, c].max())
         in0, in1 = io.inputs[0][lo, r], io.inputs[1][lo, r]
         out0, out1 = io.outputs[0][lo, r], io.outputs[1][lo, r]
-        fixed = static[lo, r] + work + in_flight * (in0 + out0) + saved * in0
         comm_row = (in1 + out1) / link_bw
         comm0 = (in0 + out0) / link_bw
         ranks = [order[p] for p in range(i, i + d)]
@@ -96,7 +96,11 @@ def hetero_stages(prof: BlockProfile, io: BlockIO, static: np.ndarray, dev: Hete
         ar = 2.0 * float(io.grad_params[lo, r]) * (d - 1) / d / allreduce_bw
         best: HeteroStage | None = None
         for rc in options:
-            per_row = in_flight * (in1 + out1 + (0.0 if rc else kept)) + saved * in1 + (kept if rc else 0.0)
+            # the memory model is affine in the rows a replica computes: fixed + per_row * rows
+            fixed = stage_memory(float(static[lo, r]), work, in0, out0, 0.0, in_flight=in_flight,
+                                 saved_inputs=saved, recompute=float(rc))
+            per_row = stage_memory(0.0, 0.0, in1, out1, kept, in_flight=in_flight,
+                                   saved_inputs=saved, recompute=float(rc))
             caps = [(dev.memory[x] - fixed) / per_row if per_row > 0 else math.inf for x in ranks]
             try:
                 x = whale_shares(rows, v, caps)

@@ -1,6 +1,6 @@
 """Cost tables for the stage DP: for every run of consecutive blocks l..r and every replica
 count d, the time of one microbatch through that stage and the memory it needs, under the
-memory model of DESIGN.md section 4.
+memory model of DESIGN.md section 4 (`memory.py`, called here on whole arrays at once).
 
 Everything here is arithmetic on numpy arrays: a `BlockProfile` (per block and per-replica
 batch size: forward/backward seconds, activation bytes kept, working bytes) from a cost oracle,
@@ -15,13 +15,19 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from rannc.atomic.components import AtomicPartition
 from rannc.graph.task_graph import TaskGraph, ValueKind
 from rannc.profile.estimate import BlockProfile, _bytes
+from rannc.stage_dp.memory import (
+    MemoryModel,
+    fraction_to_fit,
+    memory_terms,
+    static_memory,
+    with_recompute,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,23 +163,6 @@ def _upto_next(k: int, blk: np.ndarray, use: np.ndarray, lo: np.ndarray,
 
 
 @dataclass(frozen=True, slots=True)
-class MemoryModel:
-    opt_param_factor: float  # optimizer state per parameter element (Adam: 2)
-    limit: float  # bytes a stage may use (device memory after the margin)
-    checkpointing: str  # auto / on / off / stage_aware
-    zero_stage: int = 0  # 1: a stage's optimizer state is spread over its replicas (ZeRO-1)
-
-
-def static_memory(params: Any, grad_params: Any, opt_param_factor: float, ranks: int,
-                  zero_stage: int) -> Any:
-    """Bytes a stage holds whatever the batch: its parameters, their gradients and the
-    optimizer state, which ZeRO-1 spreads over the stage's `ranks` replicas (each keeps about
-    1/ranks of it: `rannc.ownership.spread`). Arrays or floats alike."""
-    opt = opt_param_factor / ranks if zero_stage else opt_param_factor
-    return params + grad_params * (1 + opt)
-
-
-@dataclass(frozen=True, slots=True)
 class StageTables:
     """For one (devices per pipeline, pipeline copies, microbatches): arrays over [l, r, d]."""
 
@@ -242,16 +231,12 @@ def stage_tables(prof: BlockProfile, io: BlockIO, mem: MemoryModel, *, batch_siz
         if mem.zero_stage:  # the owners' new parameters go to the other replicas: an all-gather
             ar = ar * 1.5
         static = static_memory(io.params, io.grad_params, mem.opt_param_factor, ranks, mem.zero_stage)
-        base = static + n_in * (inb + outb) + saved_inputs * inb + work_max[:, :, i]
-        full = base + n_in * kept  # nothing recomputed
-        saved_per_f = (n_in - 1) * kept  # memory one unit of f frees
-        with np.errstate(divide="ignore", invalid="ignore"):
-            need = np.where(full <= mem.limit, 0.0,
-                            np.where(saved_per_f > 0, (full - mem.limit) / saved_per_f, math.inf))
-        f = np.maximum(need, f_min)
+        full, saved_per_f = memory_terms(static, work_max[:, :, i], inb, outb, kept,
+                                         in_flight=n_in, saved_inputs=saved_inputs)
+        f = np.maximum(fraction_to_fit(full, saved_per_f, mem.limit), f_min)
         ok = valid & (f <= f_max)
         f = np.where(ok, f, 0.0)
-        memory = full - f * saved_per_f
+        memory = with_recompute(full, saved_per_f, f)
         fw = fwd + comm / 2
         g = bwd + comm / 2 + f * fwd
         out["fwd"][:, :, d] = np.where(ok, fw, math.inf)
@@ -259,7 +244,7 @@ def stage_tables(prof: BlockProfile, io: BlockIO, mem: MemoryModel, *, batch_siz
         out["allreduce"][:, :, d] = np.where(ok, ar, math.inf)
         out["h"][:, :, d] = np.where(ok, fw + g + ar / microbatches, math.inf)
         out["memory"][:, :, d] = np.where(ok, memory, math.inf)
-        smallest = full - np.where(saved_per_f > 0, f_max * saved_per_f, 0.0)
+        smallest = with_recompute(full, saved_per_f, f_max)
         out["memory_min"][:, :, d] = np.where(valid, smallest, math.inf)
         recompute[:, :, d] = f
         recompute_s[:, :, d] = f * fwd

@@ -1,0 +1,141 @@
+"""Plans on a mixed cluster (devices of different speeds and memories).
+
+Two ways, and the planner keeps the faster (`rannc.planner`):
+- `place`: a plan made for the cluster's weakest device (the homogeneous search) put on the
+  real devices: earlier stages, which hold more microbatches' activations, on the devices with
+  more memory, and each stage's rows split among its replicas by speed within memory (Whale's
+  balancing, `shares.whale_shares`);
+- `mixed_plans`: the mixed-cluster DP (`hetero.py`), one pipeline over all devices, each stage
+  costed on its own devices, for a few microbatch counts and every schedule.
+
+Index conventions: r a rank; s a stage; m microbatches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from rannc.atomic.components import AtomicPartition
+from rannc.config import Config
+from rannc.graph.task_graph import TaskGraph
+from rannc.plans import Plan, StagePlan, StagePrediction, param_names_of
+from rannc.profile.device import Cluster
+from rannc.profile.estimate import BlockProfile
+from rannc.schedule import get_spec
+from rannc.stage_dp.assemble import module_range
+from rannc.stage_dp.hetero import HeteroDevices, hetero_stages
+from rannc.stage_dp.memory import rows_scaled, rows_that_fit
+from rannc.stage_dp.shares import finish_time, whale_shares
+from rannc.stage_dp.tables import BlockIO, batch_per_replica
+
+MIXED_DP_MAX = 16  # devices; the mixed-cluster DP is O(blocks^2 devices^2) in Python
+
+
+def mixed_dp_enabled(cluster: Cluster, config: Config) -> bool:
+    """Whether the planner runs the mixed-cluster DP (extra hetero_dp=False or balance=False
+    turn it off, for benchmarks)."""
+    return (not cluster.is_homogeneous and cluster.size <= MIXED_DP_MAX
+            and bool(config.extra.get("hetero_dp", True))
+            and bool(config.extra.get("balance", True)))
+
+
+def hetero_devices(cluster: Cluster, config: Config) -> HeteroDevices:
+    """Each rank's effective speed and the memory a stage may use on it."""
+    cap = config.mem_limit_gb * 1e9 if config.mem_limit_gb is not None else None
+    return HeteroDevices(speed=[d.flops * d.efficiency for d in cluster.devices],
+                         memory=[(cap if cap is not None else d.memory_bytes) * (1 - config.mem_margin)
+                                 for d in cluster.devices])
+
+
+def mixed_plans(graph: TaskGraph, atomic: AtomicPartition, prof: BlockProfile, io: BlockIO,
+                static: np.ndarray, cluster: Cluster, config: Config, block_of: Sequence[int],
+                batch_size: int, microbatches: Sequence[int], schedules: Sequence[str],
+                late: bool, link_bw: float) -> list[Plan]:
+    """Plans from the mixed-cluster DP (`stage_dp.hetero`), one pipeline over all devices,
+    for each of `microbatches` and each schedule (forced replicas honoured)."""
+    from rannc.schedule.predict import predict
+
+    world = cluster.size
+    dev = hetero_devices(cluster, config)
+    ar_bw = cluster.inter_node_bandwidth if cluster.nodes > 1 else link_bw
+    out = []
+    if config.replicas is not None and sum(config.replicas) != world:
+        return []  # pipeline copies: not in the mixed-cluster DP yet
+    for m in microbatches:
+        if m > batch_size or m > config.max_pipeline and config.microbatches is None:
+            continue
+        if config.microbatches is not None and m != config.microbatches:
+            continue
+        batch_of = [0] + [batch_per_replica(batch_size, 1, m, d) for d in range(1, world + 1)]
+        for sched in schedules:
+            held = get_spec(sched).held(world, m, late)
+            hs = hetero_stages(prof, io, static, dev, rows=batch_size / m, batch_of=batch_of,
+                               in_flight=held.in_flight,
+                               saved=held.saved_inputs, link_bw=link_bw,
+                               allreduce_bw=ar_bw, microbatches=m,
+                               checkpointing=config.checkpointing, stages=config.partition_num,
+                               replicas=config.replicas)
+            if hs is None:
+                continue
+            stages = []
+            for s, h in enumerate(hs):
+                comps = tuple(c for c, b in enumerate(block_of) if h.first_block <= b <= h.last_block)
+                total = sum(h.rows)
+                stages.append(StagePlan(
+                    index=s, components=comps, ranks=h.devices,
+                    shares=tuple(x / total for x in h.rows), recompute=1.0 if h.recompute else 0.0,
+                    param_names=param_names_of(graph, atomic, comps),
+                    predicted=StagePrediction(
+                        forward_s=h.forward_s, backward_s=h.backward_s, recompute_s=h.recompute_s,
+                        allreduce_s=h.allreduce_s, memory_bytes=h.memory_bytes,
+                        microbatch_rows=max(h.rows), first_block=h.first_block,
+                        last_block=h.last_block),
+                    modules=module_range(graph, atomic, comps),
+                    devices=tuple(cluster.devices[r].name for r in h.devices)))
+            plan = Plan(stages=tuple(stages), microbatches=m, world_size=world,
+                        fingerprint=graph.fingerprint(), schedule=sched, batch_size=batch_size,
+                        blocks=max(block_of) + 1, source=(graph, atomic))
+            out.append(dataclasses.replace(plan, predicted_iteration_time=predict(plan).iteration_time))
+    return out
+
+
+def place(plan: Plan, cluster: Cluster, dev: HeteroDevices, static: np.ndarray,
+          balance: bool = True) -> Plan:
+    """Place a plan made for the cluster's weakest device on its real devices: earlier
+    stages (which hold more microbatches' activations) on the devices with more memory, and
+    each stage's rows split among its replicas by speed within memory (`whale_shares`); the
+    predicted stage times and iteration time follow. `balance=False`: equal shares in rank
+    order, what a planner that assumes identical devices would run."""
+    from rannc.schedule.predict import predict
+
+    speed, mem = dev.speed, dev.memory
+    order = dev.order() if balance else list(range(cluster.size))
+    slow = min(speed)
+    stages = []
+    for st in plan.stages:
+        ranks = tuple(order[r] for r in st.ranks)
+        p = st.predicted
+        assert p is not None  # the search predicted every stage
+        rows = p.microbatch_rows  # what the plan gave each replica on the weakest device
+        total = rows * st.replicas
+        fixed = float(static[p.first_block, p.last_block])
+        caps = [rows_that_fit(p.memory_bytes, fixed, rows, mem[r]) for r in ranks]
+        x = whale_shares(total, [speed[r] for r in ranks], caps) if balance else [rows] * len(ranks)
+        factor = finish_time(x, [speed[r] for r in ranks]) / (rows / slow)
+        j = max(range(len(ranks)),
+                key=lambda i: rows_scaled(p.memory_bytes, fixed, rows, x[i]) - mem[ranks[i]])
+        placed = dataclasses.replace(p, forward_s=p.forward_s * factor,
+                                     backward_s=p.backward_s * factor,
+                                     recompute_s=p.recompute_s * factor,
+                                     memory_bytes=rows_scaled(p.memory_bytes, fixed, rows, x[j]))
+        stages.append(dataclasses.replace(st, ranks=ranks, shares=tuple(v / total for v in x),
+                                          predicted=placed,
+                                          devices=tuple(cluster.devices[r].name for r in ranks)))
+    out = dataclasses.replace(plan, stages=tuple(stages))
+    return dataclasses.replace(out, predicted_iteration_time=predict(out).iteration_time)
+
+
+__all__ = ["MIXED_DP_MAX", "hetero_devices", "mixed_dp_enabled", "mixed_plans", "place"]
