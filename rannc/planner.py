@@ -44,7 +44,7 @@ from rannc.profile.oracle import BlockOracle, EstimateOracle
 from rannc.progress import NO_PROGRESS, Progress
 from rannc.schedule import FILL_DRAIN, SCHEDULES
 from rannc.stage_dp.assemble import module_range, to_plan
-from rannc.stage_dp.memory import static_memory
+from rannc.stage_dp.memory import MemoryModel, static_memory
 from rannc.stage_dp.placement import (
     MIXED_DP_MAX,
     hetero_devices,
@@ -216,8 +216,7 @@ def _plan_graph(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, con
             steps=lambda s: progress.iterate("refining stage boundaries", s))
     out = to_plan(graph, atomic, costs, best, plan_of, cluster.size, batch_size, blocks=k)
     if not cluster.is_homogeneous:
-        plan_static = static_memory(plan_io.params, plan_io.grad_params, mem.opt_param_factor, 1, 0)
-        out = _on_mixed_devices(out, graph, atomic, prof, io, static, plan_static, cluster, config,
+        out = _on_mixed_devices(out, graph, atomic, prof, io, static, plan_io, mem, cluster, config,
                                 block_of, batch_size, schedules, late, spec.link_bandwidth, stats)
     return _experimental(out, config)
 
@@ -235,14 +234,15 @@ def _profiled_batches(cluster: Cluster, layouts: Sequence[tuple[int, int]], mbs:
 
 
 def _on_mixed_devices(out: Plan, graph: TaskGraph, atomic: AtomicPartition, prof: BlockProfile,
-                      io: BlockIO, static: np.ndarray, plan_static: np.ndarray, cluster: Cluster,
+                      io: BlockIO, static: np.ndarray, plan_io: BlockIO, mem: MemoryModel,
+                      cluster: Cluster,
                       config: Config, block_of: Sequence[int], batch_size: int,
                       schedules: Sequence[str], late: bool, link_bw: float,
                       stats: PlanStats) -> Plan:
     """The plan made on the weakest device placed on the mixed cluster's devices (extra
     balance=False: equal shares in rank order, for benchmarks), or the mixed-cluster DP's plan
     at about its microbatch count when that is predicted faster."""
-    out = place(out, cluster, hetero_devices(cluster, config), plan_static,
+    out = place(out, cluster, hetero_devices(cluster, config), plan_io, mem,
                 balance=bool(config.extra.get("balance", True)))
     if not mixed_dp_enabled(cluster, config):
         return out

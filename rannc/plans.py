@@ -34,7 +34,9 @@ class StagePrediction:
 
     forward_s: float  # one microbatch's forward, receiving its inputs included
     backward_s: float  # one microbatch's backward, recomputation and sending gradients included
-    allreduce_s: float = 0.0  # the gradient all-reduce over its holders, per iteration
+    # the gradient reduction over its holders that the iteration waits for after the stage's
+    # last backward (per iteration; what overlapping it with that backward leaves)
+    allreduce_s: float = 0.0
     memory_bytes: float = 0.0  # the fullest replica's peak (rannc.stage_dp.memory)
     microbatch_rows: float = 0.0  # rows of each microbatch per replica (the fullest)
     recompute_s: float = 0.0  # the seconds recomputation adds inside backward_s

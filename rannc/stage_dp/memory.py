@@ -7,6 +7,7 @@ written once, and its inputs are explicit arguments (no profile or table objects
 added here reaches all of them.
 
     memory = static                       parameters, gradients, optimizer state (ZeRO-1: a share)
+           + buckets                      the gradient reduction's one bucket beyond the gradients
            + in_flight * (inputs + outputs)   each microbatch alive: what it received and sends on
            + saved_inputs * inputs        eager schedules: stage inputs kept for the late pass
            + work                         the largest single task's live bytes
@@ -39,6 +40,7 @@ class MemoryModel:
     limit: float  # bytes a stage may use (device memory after the margin)
     checkpointing: str  # auto / on / off / stage_aware
     zero_stage: int = 0  # 1: a stage's optimizer state is spread over its replicas (ZeRO-1)
+    bucket_bytes: float = 0.0  # the gradient reduction's bucket (Config.bucket_mb)
 
 
 def static_memory(params: Any, grad_params: Any, opt_param_factor: float, ranks: int,
@@ -50,11 +52,20 @@ def static_memory(params: Any, grad_params: Any, opt_param_factor: float, ranks:
     return params + grad_params * (1 + opt)
 
 
+def bucket_memory(grad_params: Any, reduced: Any, bucket_bytes: float) -> Any:
+    """Bytes the gradient reduction holds beyond the gradients (`rannc.pipeline.grads`): one
+    bucket's flat buffer at a time, never more than the gradients it reduces, on a stage whose
+    gradients are reduced at all (`reduced`: it has replicas, or holds a parameter another stage
+    also reads). An upper bound: a bucket of one parameter is reduced in place. Arrays (with
+    `reduced` an array of booleans) or floats alike."""
+    return np.minimum(grad_params, bucket_bytes) * reduced
+
+
 def memory_terms(static: Any, work: Any, inputs: Any, outputs: Any, kept: Any, *,
                  in_flight: int, saved_inputs: int) -> tuple[Any, Any]:
     """(the stage's memory with nothing recomputed, the bytes one unit of recomputed fraction
-    frees): memory(f) = full - f * per_fraction (`with_recompute`). Inputs, outputs and kept
-    are one microbatch's bytes."""
+    frees): memory(f) = full - f * per_fraction (`with_recompute`). `static` includes the
+    gradient bucket (`bucket_memory`); inputs, outputs and kept are one microbatch's bytes."""
     base = static + in_flight * (inputs + outputs) + saved_inputs * inputs + work
     full = base + in_flight * kept
     return full, (in_flight - 1) * kept
@@ -95,5 +106,5 @@ def rows_that_fit(memory: float, static: float, rows: float, capacity: float) ->
     return (capacity - static) / per_row if per_row > 0 else math.inf
 
 
-__all__ = ["MB", "MemoryModel", "fraction_to_fit", "memory_terms",
+__all__ = ["MB", "MemoryModel", "bucket_memory", "fraction_to_fit", "memory_terms",
            "rows_scaled", "rows_that_fit", "stage_memory", "static_memory", "with_recompute"]

@@ -27,9 +27,16 @@ from rannc.profile.estimate import BlockProfile
 from rannc.schedule import get_spec
 from rannc.stage_dp.assemble import module_range
 from rannc.stage_dp.hetero import HeteroDevices, hetero_stages
-from rannc.stage_dp.memory import rows_scaled, rows_that_fit
+from rannc.stage_dp.memory import (
+    MB,
+    MemoryModel,
+    bucket_memory,
+    rows_scaled,
+    rows_that_fit,
+    static_memory,
+)
 from rannc.stage_dp.shares import finish_time, whale_shares
-from rannc.stage_dp.tables import BlockIO, batch_per_replica
+from rannc.stage_dp.tables import BlockIO, batch_per_replica, reduction_overlaps_backward
 
 MIXED_DP_MAX = 16  # devices; the mixed-cluster DP is O(blocks^2 devices^2) in Python
 
@@ -77,7 +84,8 @@ def mixed_plans(graph: TaskGraph, atomic: AtomicPartition, prof: BlockProfile, i
                                saved=held.saved_inputs, link_bw=link_bw,
                                allreduce_bw=ar_bw, microbatches=m,
                                checkpointing=config.checkpointing, stages=config.partition_num,
-                               replicas=config.replicas)
+                               replicas=config.replicas, bucket_bytes=config.bucket_mb * MB,
+                               overlap=reduction_overlaps_backward(sched))
             if hs is None:
                 continue
             stages = []
@@ -102,16 +110,20 @@ def mixed_plans(graph: TaskGraph, atomic: AtomicPartition, prof: BlockProfile, i
     return out
 
 
-def place(plan: Plan, cluster: Cluster, dev: HeteroDevices, static: np.ndarray,
+def place(plan: Plan, cluster: Cluster, dev: HeteroDevices, io: BlockIO, mem: MemoryModel,
           balance: bool = True) -> Plan:
     """Place a plan made for the cluster's weakest device on its real devices: earlier
     stages (which hold more microbatches' activations) on the devices with more memory, and
     each stage's rows split among its replicas by speed within memory (`whale_shares`); the
-    predicted stage times and iteration time follow. `balance=False`: equal shares in rank
-    order, what a planner that assumes identical devices would run."""
+    predicted stage times and iteration time follow. `io`: the tables of the groups the plan's
+    block indices name; a replica's memory beyond its stage's static part (parameters, their
+    state and the gradient bucket: all of the optimizer state, as the mixed-cluster DP counts
+    it) scales with its rows. `balance=False`: equal shares in rank order, what a planner that
+    assumes identical devices would run."""
     from rannc.schedule.predict import predict
 
-    speed, mem = dev.speed, dev.memory
+    speed, capacity = dev.speed, dev.memory
+    static = static_memory(io.params, io.grad_params, mem.opt_param_factor, 1, 0)
     order = dev.order() if balance else list(range(cluster.size))
     slow = min(speed)
     stages = []
@@ -121,12 +133,14 @@ def place(plan: Plan, cluster: Cluster, dev: HeteroDevices, static: np.ndarray,
         assert p is not None  # the search predicted every stage
         rows = p.microbatch_rows  # what the plan gave each replica on the weakest device
         total = rows * st.replicas
-        fixed = float(static[p.first_block, p.last_block])
-        caps = [rows_that_fit(p.memory_bytes, fixed, rows, mem[r]) for r in ranks]
+        lo, hi = p.first_block, p.last_block
+        fixed = float(static[lo, hi] + bucket_memory(
+            io.grad_params[lo, hi], st.replicas > 1 or io.shared_grad[lo, hi] > 0, mem.bucket_bytes))
+        caps = [rows_that_fit(p.memory_bytes, fixed, rows, capacity[r]) for r in ranks]
         x = whale_shares(total, [speed[r] for r in ranks], caps) if balance else [rows] * len(ranks)
         factor = finish_time(x, [speed[r] for r in ranks]) / (rows / slow)
         j = max(range(len(ranks)),
-                key=lambda i: rows_scaled(p.memory_bytes, fixed, rows, x[i]) - mem[ranks[i]])
+                key=lambda i: rows_scaled(p.memory_bytes, fixed, rows, x[i]) - capacity[ranks[i]])
         placed = dataclasses.replace(p, forward_s=p.forward_s * factor,
                                      backward_s=p.backward_s * factor,
                                      recompute_s=p.recompute_s * factor,

@@ -159,7 +159,8 @@ def refine_boundaries(best: Simulated, block_of: Sequence[int], io: BlockIO,
         # each stage costed with the microbatches it really holds in flight (as
         # `simulate_candidate` does), not the search's common bound: a later 1F1B stage holds
         # fewer and recomputes less
-        tabs = [table(c.devices, c.copies, c.microbatches, n, saved) for n in best.in_flight]
+        tabs = [table(c.devices, c.copies, c.microbatches, n, saved, c.schedule)
+                for n in best.in_flight]
         bounds = min_max_bounds([t.h[:, :, d] for t, d in zip(tabs, c.replicas, strict=True)])
         mine = tuple(points.index(x) for x in cuts)
         if bounds is not None and bounds != mine:

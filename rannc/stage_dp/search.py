@@ -36,12 +36,13 @@ from rannc.profile.device import Cluster, DeviceSpec
 from rannc.profile.estimate import BlockProfile
 from rannc.schedule import StageCosts, chain, get_spec, in_flight, make_schedule, simulate
 from rannc.stage_dp.dp import stage_dp, stage_dp_by_position
-from rannc.stage_dp.memory import MemoryModel
+from rannc.stage_dp.memory import MB, MemoryModel
 from rannc.stage_dp.tables import (
     BlockIO,
     StageTables,
     batch_per_replica,
     gpipe_iteration_time,
+    reduction_overlaps_backward,
     stage_tables,
 )
 
@@ -92,7 +93,7 @@ class Simulated:
 
 class TableCache:
     """Stage tables per (devices per pipeline D, copies R, microbatches m, in-flight bound,
-    saved inputs), built on first use."""
+    saved inputs, whether the schedule overlaps the gradient reduction), built on first use."""
 
     def __init__(self, prof: BlockProfile, io: BlockIO, mem: MemoryModel, cluster: Cluster,
                  batch_size: int, link_bw: float, width: int | None = None,
@@ -101,10 +102,10 @@ class TableCache:
         self.cluster, self.link_bw = cluster, link_bw
         self.width = width  # replica counts beyond it are not tabled
         self.only = only  # the replica counts tabled (None: all up to the width)
-        self.tables: dict[tuple[int, int, int, int, int], StageTables] = {}
+        self.tables: dict[tuple[int, int, int, int, int, bool], StageTables] = {}
 
-    def __call__(self, D: int, R: int, m: int, n_in: int, saved: int) -> StageTables:
-        key = (D, R, m, n_in, saved)
+    def __call__(self, D: int, R: int, m: int, n_in: int, saved: int, sched: str) -> StageTables:
+        key = (D, R, m, n_in, saved, reduction_overlaps_backward(sched))
         if key not in self.tables:
             c = self.cluster
             link = self.link_bw
@@ -114,7 +115,7 @@ class TableCache:
             self.tables[key] = stage_tables(self.prof, self.io, self.mem, batch_size=self.batch_size,
                                             devices=width, copies=R, microbatches=m, link_bw=link,
                                             allreduce_bw=ar_bw, inflight=n_in, saved_inputs=saved,
-                                            only=self.only)
+                                            only=self.only, overlap=key[-1])
         return self.tables[key]
 
 
@@ -126,7 +127,8 @@ def memory_model(cluster: Cluster, config: Config) -> tuple[DeviceSpec, MemoryMo
     limit *= 1.0 - config.mem_margin
     opt = 2.0 if config.opt_param_factor is None else config.opt_param_factor
     return spec, MemoryModel(opt_param_factor=opt, limit=limit, checkpointing=config.checkpointing,
-                             zero_stage=1 if config.zero_stage == 1 else 0)
+                             zero_stage=1 if config.zero_stage == 1 else 0,
+                             bucket_bytes=config.bucket_mb * MB)
 
 
 def late_pass(graph: TaskGraph) -> bool:
@@ -213,7 +215,7 @@ def search(table: TableCache, layouts: Sequence[tuple[int, int]], mbs: Sequence[
                 # counted from the end (1F1B: the j-th from the end holds min(j, m)); the DP
                 # runs over the blocks reversed to know that position.
                 counts = sorted(set(by_pos))
-                tabs = [table(D, R, m, n, saved) for n in counts]
+                tabs = [table(D, R, m, n, saved, sched) for n in counts]
                 table_of = [counts.index(n) for n in by_pos]
                 found += solutions(tabs, table_of, D, R, m, config, sched)
                 if not found:
@@ -224,7 +226,7 @@ def search(table: TableCache, layouts: Sequence[tuple[int, int]], mbs: Sequence[
             # in_flight(S, m), and costed per stage by `simulate_candidate`.
             held = {S: get_spec(sched).held(S, m, late) for S in range(1, D + 1)}
             for n_in in sorted({h.in_flight for h in held.values()}):
-                tab = table(D, R, m, n_in, saved)
+                tab = table(D, R, m, n_in, saved, sched)
                 found += [c for c in solutions([tab], [0] * D, D, R, m, config, sched)
                           if held[len(c.replicas)].in_flight == n_in]
                 if not found:
@@ -358,7 +360,7 @@ def candidate(tabs: Sequence[StageTables], D: int, R: int, m: int, bounds: Seque
     return Candidate(t, D, R, m, tuple(bounds), tuple(reps), tabs[0], sched)
 
 
-def simulate_candidate(c: Candidate, table: Callable[[int, int, int, int, int], StageTables],
+def simulate_candidate(c: Candidate, table: Callable[[int, int, int, int, int, str], StageTables],
                        late: bool) -> Simulated | None:
     """`c` with each stage costed for the microbatches its schedule really holds in flight
     there (the DP may have budgeted a common bound), and its iteration simulated; None when a
@@ -371,7 +373,7 @@ def simulate_candidate(c: Candidate, table: Callable[[int, int, int, int, int], 
     counts = [n for n, _ in in_flight(make_schedule(sched, c.microbatches, chain(S), [False] * S))]
     rows: list[StageCost] = []
     for s, x in enumerate(idx):
-        tab = table(c.devices, c.copies, c.microbatches, counts[s], saved)
+        tab = table(c.devices, c.copies, c.microbatches, counts[s], saved, sched)
         if not math.isfinite(float(tab.h[x])):
             return None
         rows.append(StageCost(recompute=float(tab.recompute[x]), fwd=float(tab.fwd[x]),

@@ -72,7 +72,7 @@ def plan_splits(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, con
         for sched in SCHEDULES if config.schedule == "auto" else [config.schedule]:
             for i, (bounds, replicas) in enumerate(splits):
                 held = get_spec(sched).held(len(replicas), m, late)
-                tab = table(D, R, m, held.in_flight, held.saved_inputs)
+                tab = table(D, R, m, held.in_flight, held.saved_inputs, sched)
                 ref = simulate_candidate(candidate([tab] * len(replicas), D, R, m, bounds, replicas,
                                                    sched), table, late)
                 old = best[i]
