@@ -11,7 +11,8 @@ no device side effects. The steps are the paper's (section III), each in its pha
    each stage within THE memory model (`rannc.stage_dp.memory`); the simulator ranks the best
    few, bubbles and the gradient all-reduce included;
 5. refine: the fastest few move their stage boundaries below block level
-   (`rannc.stage_dp.refine`), kept only where the simulator predicts a faster iteration;
+   (`rannc.stage_dp.refine`), and are split at the model's layer boundaries
+   (`rannc.stage_dp.layers`), kept only where the simulator predicts a faster iteration;
 6. the Plan (`rannc.stage_dp.assemble`), placed on a mixed cluster's real devices
    (`rannc.stage_dp.placement`).
 
@@ -44,6 +45,7 @@ from rannc.profile.oracle import BlockOracle, EstimateOracle
 from rannc.progress import NO_PROGRESS, Progress
 from rannc.schedule import FILL_DRAIN, SCHEDULES
 from rannc.stage_dp.assemble import module_range, to_plan
+from rannc.stage_dp.layers import aligned_best, layer_of
 from rannc.stage_dp.memory import MemoryModel, static_memory
 from rannc.stage_dp.placement import (
     MIXED_DP_MAX,
@@ -52,7 +54,7 @@ from rannc.stage_dp.placement import (
     mixed_plans,
     place,
 )
-from rannc.stage_dp.refine import Tabler, refine_best
+from rannc.stage_dp.refine import REFINED, Tabler, distinct, refine_best, refine_boundaries
 from rannc.stage_dp.search import (
     TableCache,
     infeasible_error,
@@ -134,17 +136,24 @@ def plan_graph(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, conf
     fits only in more, smaller stages (Llama-3-70B on 64 H100: 33 stages of 2 to 3 layers)
     would otherwise be refused although a plan exists."""
     k = config.blocks
-    # zero_stage "auto": ZeRO-1 only when nothing fits without it (its broadcast after each
-    # step costs time; the memory it frees is the replicas' copies of the optimizer state).
-    zeros = [int(config.zero_stage)] if config.zero_stage != "auto" else [0, 1] if cluster.size > 1 \
-        else [0]
+    # zero_stage "auto": without ZeRO-1 first, then with it, which frees the replicas' copies of
+    # the optimizer state but all-gathers the parameters after each step. A plan with replicas
+    # is planned both ways and the faster prediction kept: the memory freed may spare
+    # recomputation or allow fewer stages.
+    auto = config.zero_stage == "auto" and cluster.size > 1
+    zeros = [0, 1] if auto else [int(config.zero_stage) if config.zero_stage != "auto" else 0]
     for attempt in range(_FINER_BLOCKS + 1):
         for z in zeros:
             try:
                 plan = _plan_graph(graph, atomic, cluster, dataclasses.replace(config, zero_stage=z),
                                    batch_size=batch_size, oracle=oracle, costs=costs, stats=stats,
                                    progress=progress)
-                return dataclasses.replace(plan, zero_stage=z)
+                plan = dataclasses.replace(plan, zero_stage=z)
+                if auto and z == 0 and any(st.replicas > 1 for st in plan.stages):
+                    plan = _faster(plan, _zero_1_plan(graph, atomic, cluster, config,
+                                                      batch_size=batch_size, oracle=oracle,
+                                                      costs=costs, stats=stats, progress=progress))
+                return plan
             except PlanInfeasibleError:
                 finer = min(2 * k, len(atomic.components))
                 if z == zeros[-1] and (attempt == _FINER_BLOCKS or finer <= k):
@@ -156,6 +165,28 @@ def plan_graph(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, conf
         k = finer
         config = dataclasses.replace(config, blocks=k)
     raise AssertionError("unreachable")  # the loop returns or raises
+
+
+def _zero_1_plan(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, config: Config, *,
+                 batch_size: int, oracle: BlockOracle | None, costs: GraphCosts | None,
+                 stats: PlanStats | None, progress: Progress) -> Plan | None:
+    """The plan with ZeRO-1 at `config.blocks`, or None when none fits."""
+    try:
+        plan = _plan_graph(graph, atomic, cluster, dataclasses.replace(config, zero_stage=1),
+                           batch_size=batch_size, oracle=oracle, costs=costs, stats=stats,
+                           progress=progress)
+    except PlanInfeasibleError:
+        return None
+    return dataclasses.replace(plan, zero_stage=1)
+
+
+def _faster(plan: Plan, other: Plan | None) -> Plan:
+    """`other` when it is predicted faster (ties to `plan`)."""
+    if other is None or _time(other) >= _time(plan) * (1 - 1e-9):
+        return plan
+    log.info("rannc: ZeRO-1 predicted faster (%.4g s against %.4g s per iteration)",
+             _time(other), _time(plan))
+    return other
 
 
 def _plan_graph(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, config: Config, *,
@@ -208,12 +239,22 @@ def _plan_graph(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, con
         if not sims:  # a candidate's stages hold no more than the bound it was split under
             raise RaNNCError("planner: no candidate survived simulation; please report this")
 
+    refine = bool(config.extra.get("boundary_refinement", True))
     with _timed(stats, "refine"):  # stage boundaries below block level
         tabler = Tabler(graph, atomic, oracle, mem, cluster, batch_size, spec.link_bandwidth, uses)
         best, plan_of, plan_io = refine_best(
-            ranked(sims), block_of, io, comp_time, tabler, late,
-            enabled=bool(config.extra.get("boundary_refinement", True)),
+            ranked(sims), block_of, io, comp_time, tabler, late, enabled=refine,
             steps=lambda s: progress.iterate("refining stage boundaries", s))
+    with _timed(stats, "layers"):  # the best layouts split at the model's layer boundaries
+        layers = layer_of(graph, atomic) if refine and config.extra.get("layer_splits", True) \
+            else None
+        aligned = None if layers is None else aligned_best(
+            distinct(ranked(sims))[:REFINED], layers, comp_time, tabler, late,
+            replicas_forced=config.replicas is not None, stages=config.partition_num)
+        if layers is not None and aligned is not None and aligned.time < best.time * (1 - 1e-9):
+            # and its boundaries moved inside the layers where that is faster still
+            best, plan_of, plan_io = refine_boundaries(
+                aligned, layers, BlockIO.of(graph, atomic, layers, uses), comp_time, tabler, late)
     out = to_plan(graph, atomic, costs, best, plan_of, cluster.size, batch_size, blocks=k)
     if not cluster.is_homogeneous:
         out = _on_mixed_devices(out, graph, atomic, prof, io, static, plan_io, mem, cluster, config,
@@ -311,8 +352,8 @@ def _timed(stats: PlanStats, step: str) -> Iterator[None]:
     t0 = time.perf_counter()
     try:
         yield
-    finally:
-        stats.seconds[step] = time.perf_counter() - t0
+    finally:  # summed over the attempts (finer blocks, ZeRO-1 weighed)
+        stats.seconds[step] = stats.seconds.get(step, 0.0) + time.perf_counter() - t0
 
 
 __all__ = ["BlockOracle", "EstimateOracle", "PlanInfeasibleError", "PlanStats", "form_blocks_for",

@@ -234,8 +234,10 @@ def test_when_nothing_fits_in_k_blocks_the_planner_tries_finer_ones(
     with pytest.raises(PlanInfeasibleError):
         rannc.plan(model, args, cluster=cluster, config=rannc.Config(blocks=n, zero_stage=0))
     assert tried == [(n, 0)]  # already at or beyond the components: nothing finer to try
-    # zero_stage "auto" (the default): at each block count, without ZeRO-1 and then with it
+    # zero_stage "auto" (the default): at each block count, without ZeRO-1 and then with it;
+    # where a plan fits and has replicas, ZeRO-1 too, and the faster is kept
     tried.clear()
     monkeypatch.setattr(planner, "_plan_graph", fits_from(4))
     plan = rannc.plan(model, args, cluster=cluster, config=rannc.Config(blocks=2))
-    assert tried == [(2, 0), (2, 1), (4, 0)] and plan.zero_stage == 0
+    weighed = [(4, 1)] if any(st.replicas > 1 for st in plan.stages) else []
+    assert tried == [(2, 0), (2, 1), (4, 0), *weighed]

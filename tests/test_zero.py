@@ -73,7 +73,7 @@ class _Wide(nn.Module):
         return self.fc(x).relu().sum()
 
 
-def test_auto_plans_zero_1_only_when_nothing_fits_without_it() -> None:
+def test_auto_plans_zero_1_when_nothing_fits_without_it() -> None:
     spec = rannc.DeviceSpec("test-gpu", memory_bytes=16e9, flops=10e12, mem_bandwidth=1e12)
     cluster = rannc.Cluster.homogeneous(spec, n=4, per_node=4)
     with torch.device("meta"):

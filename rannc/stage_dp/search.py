@@ -6,8 +6,8 @@ simulator's verdict on the best few.
   the pipeline R times (`pipeline_layouts`); microbatch counts doubling from min_pipeline
   (`microbatch_counts`); every registered schedule (`rannc.schedule.spec`) or the forced one.
 - For each, the stage tables (`tables.py`, THE memory model in `memory.py`) and the DP
-  (`dp.py`) give one candidate per stage count (`solutions`), ranked by the closed-form
-  fill-drain time (`gpipe_iteration_time`).
+  (`dp.py`) give one candidate per stage count (`solutions`), ranked by a closed form of the
+  simulated time (`iteration_estimate`).
 - The best `SIMULATED` candidates of each schedule are costed stage by stage with the
   microbatches each really holds and simulated (`simulate_candidate`): that is the predicted
   iteration time, bubbles and the gradient all-reduce included. Unlike the paper, which keeps the
@@ -41,7 +41,7 @@ from rannc.stage_dp.tables import (
     BlockIO,
     StageTables,
     batch_per_replica,
-    gpipe_iteration_time,
+    iteration_estimate,
     reduction_overlaps_backward,
     stage_tables,
 )
@@ -354,9 +354,10 @@ def candidate(tabs: Sequence[StageTables], D: int, R: int, m: int, bounds: Seque
               reps: Sequence[int], sched: str) -> Candidate:
     """`tabs`: each stage's table (first to last)."""
     idx = [(bounds[i], bounds[i + 1] - 1, reps[i]) for i in range(len(reps))]
-    t = gpipe_iteration_time([float(tb.fwd[x]) for tb, x in zip(tabs, idx, strict=True)],
-                             [float(tb.bwd[x]) for tb, x in zip(tabs, idx, strict=True)],
-                             [float(tb.allreduce[x]) for tb, x in zip(tabs, idx, strict=True)], m)
+    t = iteration_estimate([float(tb.fwd[x]) for tb, x in zip(tabs, idx, strict=True)],
+                           [float(tb.bwd[x]) for tb, x in zip(tabs, idx, strict=True)],
+                           [float(tb.allreduce[x]) for tb, x in zip(tabs, idx, strict=True)], m,
+                           get_spec(sched).eager)
     return Candidate(t, D, R, m, tuple(bounds), tuple(reps), tabs[0], sched)
 
 

@@ -298,9 +298,31 @@ def exposed_reduction(reduce_s: Any, last_backward_s: Any, grad_bytes: Any, buck
     return np.maximum(reduce_s - last_backward_s, last)
 
 
-def gpipe_iteration_time(fwd: Sequence[float], bwd: Sequence[float], allreduce: Sequence[float],
-                         microbatches: int) -> float:
-    """Fill-drain: the first microbatch crosses every stage, the rest follow at the pace of the
-    slowest stage, in both directions; then the slowest gradient all-reduce."""
-    return (sum(fwd) + (microbatches - 1) * max(fwd) + sum(bwd) + (microbatches - 1) * max(bwd)
-            + max(allreduce))
+def iteration_estimate(fwd: Sequence[float], bwd: Sequence[float], allreduce: Sequence[float],
+                       microbatches: int, eager: bool) -> float:
+    """A closed form of the simulator's iteration time, to rank the DP's candidates before the
+    few best are simulated: each stage's last backward ends at its own time and its gradient
+    reduction (`allreduce`: the part it waits for) starts there, so a late stage's reduction
+    is hidden by the earlier stages' drain, as in the simulator.
+
+    Fill-drain: the forwards end at F = sum(fwd) + (m - 1) max(fwd) (the flow-shop makespan of m
+    identical microbatches), then every stage starts backward from the barrier, and stage s's
+    last backward ends at F + sum(bwd[s:]) + (m - 1) max(bwd[s:]). Eager (1F1B order): the
+    first stage ends last, at sum(f + b) + (m - 1) max(f + b); stage s ends the backwards of the
+    stages before it earlier."""
+    S, m = len(fwd), microbatches
+    out = 0.0
+    if eager:
+        cycle = [f + b for f, b in zip(fwd, bwd, strict=True)]
+        end, drained = sum(cycle) + (m - 1) * max(cycle), 0.0
+        for s in range(S):
+            out = max(out, end - drained + allreduce[s])
+            drained += bwd[s]
+        return out
+    forwards = sum(fwd) + (m - 1) * max(fwd)
+    tail = slowest = 0.0
+    for s in reversed(range(S)):
+        tail += bwd[s]
+        slowest = max(slowest, bwd[s])
+        out = max(out, forwards + tail + (m - 1) * slowest + allreduce[s])
+    return out
