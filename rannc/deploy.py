@@ -39,6 +39,7 @@ from rannc.graph.capture import CapturedModel, capture
 from rannc.ownership import parameter_owners
 from rannc.plans import Plan
 from rannc.progress import Progress
+from rannc.schedule.spec import require_runs
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,7 @@ def deployment_plan(cfg: Config, module: nn.Module, optimizer: torch.optim.Optim
 
     if ctx is None or ctx.world_size == 1:
         return single_process_plan(cap.graph, atomic, sum(sizes))
+    require_runs(cfg.schedule)  # every rank alike, before any of them plans
     loaded = _load_on_rank0(cfg, cap, atomic, ctx, sizes)
     if loaded is not None:
         return loaded
@@ -100,6 +102,7 @@ def _load_on_rank0(cfg: Config, cap: CapturedModel, atomic: AtomicPartition,
         raise validate.rebuild_error(loaded[0])
     plan = Plan.from_dict(loaded[0])
     plan.check(cap.graph, ctx.world_size, source=source, atomic=atomic, batch_rows=sum(sizes))
+    require_runs(plan.schedule)
     return dataclasses.replace(plan, source=(cap.graph, atomic))
 
 

@@ -284,13 +284,13 @@ class RaNNCModule(nn.Module):
         if rt is None or not rt.trace:
             raise RaNNCError("no trace recorded: set config trace=True (or RANNC_TRACE=1) and run "
                              "an iteration (forward and backward) first")
-        mine = (rt.rank, rt.s, rt.iteration_s, rt.events)
+        mine = (rt.rank, ", ".join(map(str, rt.mine)), rt.iteration_s, rt.events)
         every: list[Any] = [None] * rt.world_size
         dist.all_gather_object(every, mine)
         if rt.rank != 0:
             return []
         events = {r: evs for r, _s, _t, evs in every}
-        names = {r: f"rank {r} (stage {s})" for r, s, _t, _e in every}
+        names = {r: f"rank {r} (stage{'s' if ',' in s else ''} {s})" for r, s, _t, _e in every}
         costs = plan_costs(rt.plan) if predicted_from == "plan" else measured_costs(rt.plan, events)
         predicted = simulate(rt.schedule, costs)
         # Each rank's events count from its forward() call, and iteration_s from it to its

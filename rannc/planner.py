@@ -8,8 +8,9 @@ no device side effects. The steps are the paper's (section III), each in its pha
 3. phase 2, blocks: k-way multilevel coarsening (`rannc.coarsen`);
 4. phase 3, the stage DP search (`rannc.stage_dp.search`): for pipelines of n whole nodes and
    microbatch counts doubling from min_pipeline, the DP's best split for every stage count,
-   each stage within THE memory model (`rannc.stage_dp.memory`); the simulator ranks the best
-   few, bubbles and the gradient all-reduce included;
+   each stage within THE memory model (`rannc.stage_dp.memory`), and for an interleaved
+   schedule splits whose devices each run several stages; the simulator ranks the best few,
+   bubbles and the gradient all-reduce included;
 5. refine: the fastest few move their stage boundaries below block level
    (`rannc.stage_dp.refine`), and are split at the model's layer boundaries
    (`rannc.stage_dp.layers`), kept only where the simulator predicts a faster iteration;
@@ -43,7 +44,7 @@ from rannc.profile.device import Cluster
 from rannc.profile.estimate import BlockProfile, GraphCosts
 from rannc.profile.oracle import BlockOracle, EstimateOracle
 from rannc.progress import NO_PROGRESS, Progress
-from rannc.schedule import FILL_DRAIN, SCHEDULES
+from rannc.schedule import FILL_DRAIN
 from rannc.stage_dp.assemble import module_range, to_plan
 from rannc.stage_dp.layers import aligned_best, layer_of
 from rannc.stage_dp.memory import MemoryModel, static_memory
@@ -64,6 +65,7 @@ from rannc.stage_dp.search import (
     pipeline_layouts,
     ranked,
     search,
+    searched_schedules,
     simulate_best,
 )
 from rannc.stage_dp.splits import plan_split, plan_splits
@@ -218,7 +220,7 @@ def _plan_graph(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, con
         prof = oracle.block_profile(block_of, _profiled_batches(cluster, layouts, mbs, batch_size))
 
     with _timed(stats, "stage_dp"):  # phase 3: the search, and the simulator's verdict
-        schedules = list(SCHEDULES) if config.schedule == "auto" else [config.schedule]
+        schedules = searched_schedules(config)
         late = late_pass(graph)
         table = TableCache(prof, io, mem, cluster, batch_size, spec.link_bandwidth)
         found, infeasible = search(table, layouts, mbs, schedules, config, batch_size, late,

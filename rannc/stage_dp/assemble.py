@@ -15,7 +15,7 @@ from rannc.atomic.components import AtomicPartition
 from rannc.graph.task_graph import TaskGraph
 from rannc.plans import Plan, StagePlan, StagePrediction, param_names_of, stage_ranks
 from rannc.profile.estimate import GraphCosts
-from rannc.stage_dp.search import Simulated
+from rannc.stage_dp.search import Simulated, placement
 
 
 def to_plan(graph: TaskGraph, atomic: AtomicPartition, costs: GraphCosts, best: Simulated,
@@ -23,7 +23,9 @@ def to_plan(graph: TaskGraph, atomic: AtomicPartition, costs: GraphCosts, best: 
     """The plan of `best`, whose bounds index the groups of `block_of`; `blocks`: phase 2's
     block count to report (default: those groups')."""
     c = best.cand
-    ranks = stage_ranks(c.replicas, world)
+    lane = placement(c)  # stages sharing a lane (interleaved) share its ranks
+    lane_ranks = stage_ranks(c.replicas[:max(lane) + 1], world)
+    ranks = [lane_ranks[lane[s]] for s in range(len(c.replicas))]
     stages = []
     for s in range(len(c.replicas)):
         lo, hi, d = c.bounds[s], c.bounds[s + 1] - 1, c.replicas[s]
@@ -37,7 +39,7 @@ def to_plan(graph: TaskGraph, atomic: AtomicPartition, costs: GraphCosts, best: 
                 forward_s=best.fwd[s], backward_s=best.bwd[s], allreduce_s=best.allreduce[s],
                 memory_bytes=best.memory[s], microbatch_rows=rows, in_flight=best.in_flight[s],
                 recompute_memory_fraction=best.recompute[s], recompute_s=best.recompute_s[s],
-                first_block=lo, last_block=hi),
+                backward_weight_s=best.wgrad[s], first_block=lo, last_block=hi),
             modules=module_range(graph, atomic, comps)))
     return Plan(stages=tuple(stages), microbatches=c.microbatches, world_size=world,
                 fingerprint=graph.fingerprint(), schedule=c.schedule,

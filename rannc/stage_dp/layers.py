@@ -9,7 +9,8 @@ FLOPs-balanced layer split). So the planner also costs, with its own tables and 
 the splits a layer-wise partitioner would make: the min-max split over layers (its own cost
 table), the compute-balanced one (torchtitan's auto-partition, torchgpipe's balance_by_time) and
 the equal one (torchtitan's default), each with the candidate's replicas and with uniform
-replicas for nearby stage counts dividing the pipeline. The fastest wins, so a plan is never
+replicas for nearby stage counts dividing the pipeline (under an interleaved schedule: lane
+counts, each lane running its v stages). The fastest wins, so a plan is never
 predicted slower than those splits of the same layout.
 
 Layers: the repeated modules of the model, found from the components' module paths: the
@@ -39,6 +40,7 @@ from rannc.stage_dp.search import (
     candidate,
     in_flight_counts,
     min_max_bounds,
+    runnable_lanes,
     simulate_candidate,
 )
 
@@ -106,10 +108,15 @@ def aligned_best(sims: Sequence[Simulated], layers: Sequence[int], comp_time: np
     best: Simulated | None = None
     for sim in sims:
         c = sim.cand
-        S, D = len(c.replicas), sum(c.replicas)
+        # lanes: the device groups (under an interleaved schedule of v chunks each runs v
+        # stages, s, s + lanes, ..., with its replicas)
+        v = get_spec(c.schedule).chunks
+        P, D = len(c.replicas) // v, sum(c.replicas) // v
         layouts = {c.replicas} | (set() if replicas_forced else {
-            (D // s,) * s for s in range(max(1, S // VARIANT_STAGES), VARIANT_STAGES * S + 1)
-            if D % s == 0 and s <= L and (stages is None or s == stages)})
+            (D // p,) * (v * p)
+            for p in range(max(1 if v == 1 else 2, P // VARIANT_STAGES), VARIANT_STAGES * P + 1)
+            if D % p == 0 and v * p <= L and (stages is None or v * p == stages)
+            and runnable_lanes(c.schedule, p, c.microbatches)})
         for reps in sorted(layouts):
             _io, table = tabler(layers, dataclasses.replace(c, replicas=reps))
             saved = get_spec(c.schedule).held(len(reps), c.microbatches, late).saved_inputs

@@ -23,6 +23,7 @@ Index conventions: none; every argument is one stage's (or one array of stages')
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +42,13 @@ class MemoryModel:
     checkpointing: str  # auto / on / off / stage_aware
     zero_stage: int = 0  # 1: a stage's optimizer state is spread over its replicas (ZeRO-1)
     bucket_bytes: float = 0.0  # the gradient reduction's bucket (Config.bucket_mb)
+
+    def sharing(self, stages: int) -> MemoryModel:
+        """The model for one of `stages` stages that share each device (an interleaved
+        schedule's chunks, `ScheduleSpec.chunks`): each planned within 1/stages of the limit,
+        so the device's stages fit together. (Each also counts its own gradient bucket, where
+        the rank's reducer holds one at a time: an over-estimate by the other stages' buckets.)"""
+        return self if stages == 1 else dataclasses.replace(self, limit=self.limit / stages)
 
 
 def static_memory(params: Any, grad_params: Any, opt_param_factor: float, ranks: int,

@@ -78,6 +78,8 @@ def mixed_plans(graph: TaskGraph, atomic: AtomicPartition, prof: BlockProfile, i
             continue
         batch_of = [0] + [batch_per_replica(batch_size, 1, m, d) for d in range(1, world + 1)]
         for sched in schedules:
+            if get_spec(sched).chunks > 1:
+                continue  # the mixed-cluster DP places one stage per device group
             held = get_spec(sched).held(world, m, late)
             hs = hetero_stages(prof, io, static, dev, rows=batch_size / m, batch_of=batch_of,
                                in_flight=held.in_flight,
@@ -119,13 +121,15 @@ def place(plan: Plan, cluster: Cluster, dev: HeteroDevices, io: BlockIO, mem: Me
     block indices name; a replica's memory beyond its stage's static part (parameters, their
     state and the gradient bucket: all of the optimizer state, as the mixed-cluster DP counts
     it) scales with its rows. `balance=False`: equal shares in rank order, what a planner that
-    assumes identical devices would run."""
+    assumes identical devices would run. Under an interleaved schedule a device's stages
+    share it: each is placed within 1/chunks of its memory, as it was planned."""
     from rannc.schedule.predict import predict
 
     speed, capacity = dev.speed, dev.memory
     static = static_memory(io.params, io.grad_params, mem.opt_param_factor, 1, 0)
     order = dev.order() if balance else list(range(cluster.size))
     slow = min(speed)
+    share = get_spec(plan.schedule).chunks  # stages sharing each device
     stages = []
     for st in plan.stages:
         ranks = tuple(order[r] for r in st.ranks)
@@ -136,14 +140,17 @@ def place(plan: Plan, cluster: Cluster, dev: HeteroDevices, io: BlockIO, mem: Me
         lo, hi = p.first_block, p.last_block
         fixed = float(static[lo, hi] + bucket_memory(
             io.grad_params[lo, hi], st.replicas > 1 or io.shared_grad[lo, hi] > 0, mem.bucket_bytes))
-        caps = [rows_that_fit(p.memory_bytes, fixed, rows, capacity[r]) for r in ranks]
+        caps = [rows_that_fit(p.memory_bytes, fixed, rows, capacity[r] / share) for r in ranks]
         x = whale_shares(total, [speed[r] for r in ranks], caps) if balance else [rows] * len(ranks)
         factor = finish_time(x, [speed[r] for r in ranks]) / (rows / slow)
         j = max(range(len(ranks)),
-                key=lambda i: rows_scaled(p.memory_bytes, fixed, rows, x[i]) - capacity[ranks[i]])
+                key=lambda i: rows_scaled(p.memory_bytes, fixed, rows, x[i])
+                - capacity[ranks[i]] / share)
         placed = dataclasses.replace(p, forward_s=p.forward_s * factor,
                                      backward_s=p.backward_s * factor,
                                      recompute_s=p.recompute_s * factor,
+                                     backward_weight_s=None if p.backward_weight_s is None
+                                     else p.backward_weight_s * factor,
                                      memory_bytes=rows_scaled(p.memory_bytes, fixed, rows, x[j]))
         stages.append(dataclasses.replace(st, ranks=ranks, shares=tuple(v / total for v in x),
                                           predicted=placed,

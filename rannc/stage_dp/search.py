@@ -8,6 +8,8 @@ simulator's verdict on the best few.
 - For each, the stage tables (`tables.py`, THE memory model in `memory.py`) and the DP
   (`dp.py`) give one candidate per stage count (`solutions`), ranked by a closed form of the
   simulated time (`iteration_estimate`).
+- Interleaved schedules (several stages per device, `ScheduleSpec.chunks`) get their own
+  candidates (`interleaved`): P lanes of devices, each running v stages s, s + P, ...
 - The best `SIMULATED` candidates of each schedule are costed stage by stage with the
   microbatches each really holds and simulated (`simulate_candidate`): that is the predicted
   iteration time, bubbles and the gradient all-reduce included. Unlike the paper, which keeps the
@@ -34,7 +36,15 @@ from rannc.graph.task_graph import TaskGraph
 from rannc.plans import check_replicas_divide
 from rannc.profile.device import Cluster, DeviceSpec
 from rannc.profile.estimate import BlockProfile
-from rannc.schedule import StageCosts, chain, get_spec, in_flight, make_schedule, simulate
+from rannc.schedule import (
+    SCHEDULES,
+    StageCosts,
+    chain,
+    get_spec,
+    in_flight,
+    make_schedule,
+    simulate,
+)
 from rannc.stage_dp.dp import stage_dp, stage_dp_by_position
 from rannc.stage_dp.memory import MB, MemoryModel
 from rannc.stage_dp.tables import (
@@ -74,6 +84,7 @@ class StageCost:
     allreduce: float
     memory: float
     recompute_s: float
+    wgrad: float  # the weight-gradient seconds within bwd (a zero-bubble schedule's W)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,11 +100,14 @@ class Simulated:
     memory: tuple[float, ...]
     in_flight: tuple[int, ...]
     recompute_s: tuple[float, ...]
+    wgrad: tuple[float, ...]  # the weight-gradient seconds within bwd
 
 
 class TableCache:
     """Stage tables per (devices per pipeline D, copies R, microbatches m, in-flight bound,
-    saved inputs, whether the schedule overlaps the gradient reduction), built on first use."""
+    saved inputs, whether the schedule overlaps the gradient reduction, the stages sharing each
+    device), built on first use. A schedule of v chunks (interleaved) plans each stage within
+    1/v of the memory (`MemoryModel.sharing`), so a device's stages fit together."""
 
     def __init__(self, prof: BlockProfile, io: BlockIO, mem: MemoryModel, cluster: Cluster,
                  batch_size: int, link_bw: float, width: int | None = None,
@@ -102,20 +116,22 @@ class TableCache:
         self.cluster, self.link_bw = cluster, link_bw
         self.width = width  # replica counts beyond it are not tabled
         self.only = only  # the replica counts tabled (None: all up to the width)
-        self.tables: dict[tuple[int, int, int, int, int, bool], StageTables] = {}
+        self.tables: dict[tuple[int, int, int, int, int, bool, int], StageTables] = {}
 
     def __call__(self, D: int, R: int, m: int, n_in: int, saved: int, sched: str) -> StageTables:
-        key = (D, R, m, n_in, saved, reduction_overlaps_backward(sched))
+        chunks = get_spec(sched).chunks
+        key = (D, R, m, n_in, saved, reduction_overlaps_backward(sched), chunks)
         if key not in self.tables:
             c = self.cluster
             link = self.link_bw
             cross_node = R > 1 or D > c.per_node
             ar_bw = c.inter_node_bandwidth if cross_node else link
             width = D if self.width is None else min(D, self.width)
-            self.tables[key] = stage_tables(self.prof, self.io, self.mem, batch_size=self.batch_size,
-                                            devices=width, copies=R, microbatches=m, link_bw=link,
-                                            allreduce_bw=ar_bw, inflight=n_in, saved_inputs=saved,
-                                            only=self.only, overlap=key[-1])
+            self.tables[key] = stage_tables(self.prof, self.io, self.mem.sharing(chunks),
+                                            batch_size=self.batch_size, devices=width, copies=R,
+                                            microbatches=m, link_bw=link, allreduce_bw=ar_bw,
+                                            inflight=n_in, saved_inputs=saved, only=self.only,
+                                            overlap=key[5])
         return self.tables[key]
 
 
@@ -154,10 +170,38 @@ def pipeline_layouts(cluster: Cluster, config: Config) -> list[tuple[int, int]]:
             out.append((cluster.per_node * n, cluster.nodes // n))
         n *= 2
     if config.partition_num is not None:
-        out = [(D, R) for D, R in out if D >= config.partition_num]
+        # an interleaved schedule forced puts several stages on each device
+        per = get_spec(config.schedule).chunks if config.schedule != "auto" else 1
+        out = [(D, R) for D, R in out if D * per >= config.partition_num]
         if not out:
-            raise ConfigError(f"partition_num {config.partition_num} exceeds the {world} devices")
+            raise ConfigError(f"partition_num {config.partition_num} exceeds the {world} devices"
+                              + (f" ({per} stages each under {config.schedule})" if per > 1 else ""))
     return out
+
+
+def searched_schedules(config: Config, one_stage_per_rank: bool = False) -> list[str]:
+    """The schedules searched: the forced one, or under "auto" every registered one the
+    runtime runs (`ScheduleSpec.runs`); `one_stage_per_rank` leaves out interleaved ones, and
+    so does "auto" with a forced partition_num or replicas (which count one stage per rank
+    unless an interleaved schedule is forced with them)."""
+    if config.schedule != "auto":
+        return [config.schedule]
+    forced = config.partition_num is not None or config.replicas is not None
+    return [n for n in SCHEDULES if get_spec(n).runs
+            and not ((one_stage_per_rank or forced) and get_spec(n).chunks > 1)]
+
+
+def placement(c: Candidate) -> tuple[int, ...]:
+    """Each stage's lane (the ranks running it): its own, or under an interleaved schedule
+    of v chunks, s % (stages / v)."""
+    S, v = len(c.replicas), get_spec(c.schedule).chunks
+    return tuple(s % (S // v) for s in range(S)) if v > 1 else tuple(range(S))
+
+
+def runnable_lanes(sched: str, lanes: int, m: int) -> bool:
+    """Whether an interleaved schedule runs m microbatches on `lanes` lanes: a short last
+    round deadlocks (`rannc.schedule.spec`), so m must be at most the lanes or a multiple."""
+    return get_spec(sched).chunks == 1 or m <= lanes or m % lanes == 0
 
 
 def microbatch_counts(config: Config, batch_size: int) -> list[int]:
@@ -209,6 +253,13 @@ def search(table: TableCache, layouts: Sequence[tuple[int, int]], mbs: Sequence[
             continue
         for sched in schedules:
             saved = get_spec(sched).held(D, m, late).saved_inputs
+            if get_spec(sched).chunks > 1:  # several stages per device: its own search
+                virtual = interleaved(table, D, R, m, config, sched, saved)
+                found += virtual
+                if not virtual:
+                    tab = table(D, R, m, get_spec(sched).in_flight(D, m), saved, sched)
+                    infeasible.tried.append(([tab], [0] * D, D, set(range(1, D + 1))))
+                continue
             by_pos = in_flight_by_position(sched, D, m)
             if by_pos is not None:
                 # Each stage is costed with the microbatches it holds, known from its position
@@ -233,6 +284,47 @@ def search(table: TableCache, layouts: Sequence[tuple[int, int]], mbs: Sequence[
                     counts_s = {S for S in range(1, D + 1) if held[S].in_flight == n_in}
                     infeasible.tried.append(([tab], [0] * D, D, counts_s))
     return found, infeasible
+
+
+def interleaved(table: TableCache, D: int, R: int, m: int, config: Config, sched: str,
+                saved: int) -> list[Candidate]:
+    """Candidates of an interleaved schedule of v chunks: P lanes of devices, each running v
+    stages (s, s + P, ...), the stages' replica counts those of their lane. Per lane count P
+    (or the forced partition_num / v), the lanes' replicas are the forced ones, one replica
+    count for every lane, or the stage DP's best P-stage split's; the v * P stage bounds then
+    minimise the slowest stage (each stage planned within 1/v of the device memory, so a
+    device's stages fit together). The simulator ranks them as it ranks the others."""
+    v = get_spec(sched).chunks
+    k = table.io.params.shape[0]
+    if config.partition_num is not None:
+        if config.partition_num % v:
+            return []
+        lanes = [config.partition_num // v]
+    else:
+        lanes = list(range(2, min(D, k // v) + 1))
+    out: list[Candidate] = []
+    for P in lanes:
+        S = v * P
+        if S > k or P > D or not runnable_lanes(sched, P, m):
+            continue
+        tab = table(D, R, m, get_spec(sched).in_flight(S, m), saved, sched)
+        options: set[tuple[int, ...]] = set()
+        if config.replicas is not None:
+            options.add(tuple(config.replicas))
+        else:
+            if D % P == 0:
+                options.add((D // P,) * P)
+            sols = stage_dp(tab.h, D, P)
+            if len(sols) >= P and sols[P - 1].feasible:
+                options.add(tuple(sols[P - 1].replicas))
+        for lane_reps in sorted(options):
+            if len(lane_reps) != P or sum(lane_reps) != D:
+                continue
+            reps = tuple(lane_reps[s % P] for s in range(S))
+            bounds = min_max_bounds([tab.h[:, :, d] for d in reps])
+            if bounds is not None:
+                out.append(candidate([tab] * S, D, R, m, bounds, reps, sched))
+    return out
 
 
 def infeasible_error(infeasible: Infeasible, layouts: Sequence[tuple[int, int]],
@@ -357,7 +449,7 @@ def candidate(tabs: Sequence[StageTables], D: int, R: int, m: int, bounds: Seque
     t = iteration_estimate([float(tb.fwd[x]) for tb, x in zip(tabs, idx, strict=True)],
                            [float(tb.bwd[x]) for tb, x in zip(tabs, idx, strict=True)],
                            [float(tb.allreduce[x]) for tb, x in zip(tabs, idx, strict=True)], m,
-                           get_spec(sched).eager)
+                           get_spec(sched).eager, get_spec(sched).chunks)
     return Candidate(t, D, R, m, tuple(bounds), tuple(reps), tabs[0], sched)
 
 
@@ -370,8 +462,10 @@ def simulate_candidate(c: Candidate, table: Callable[[int, int, int, int, int, s
     sched = c.schedule
     saved = get_spec(sched).held(S, c.microbatches, late).saved_inputs
     idx = [(c.bounds[s], c.bounds[s + 1] - 1, c.replicas[s]) for s in range(S)]
+    place = placement(c)
     # the schedule's own in-flight counts (recomputation does not change them)
-    counts = [n for n, _ in in_flight(make_schedule(sched, c.microbatches, chain(S), [False] * S))]
+    counts = [n for n, _ in in_flight(make_schedule(sched, c.microbatches, chain(S), [False] * S,
+                                                    place))]
     rows: list[StageCost] = []
     for s, x in enumerate(idx):
         tab = table(c.devices, c.copies, c.microbatches, counts[s], saved, sched)
@@ -379,19 +473,22 @@ def simulate_candidate(c: Candidate, table: Callable[[int, int, int, int, int, s
             return None
         rows.append(StageCost(recompute=float(tab.recompute[x]), fwd=float(tab.fwd[x]),
                               bwd=float(tab.bwd[x]), allreduce=float(tab.allreduce[x]),
-                              memory=float(tab.memory[x]), recompute_s=float(tab.recompute_s[x])))
+                              memory=float(tab.memory[x]), recompute_s=float(tab.recompute_s[x]),
+                              wgrad=float(tab.wgrad[x])))
     if not get_spec(sched).recompute_last:  # e.g. scp: its last stage holds one microbatch
         last = rows[-1]
         rows[-1] = dataclasses.replace(last, recompute=0.0, bwd=last.bwd - last.recompute_s,
                                        recompute_s=0.0)
     rc = [r.recompute for r in rows]
-    timeline = simulate(make_schedule(sched, c.microbatches, chain(S), [f > 0 for f in rc]),
+    timeline = simulate(make_schedule(sched, c.microbatches, chain(S), [f > 0 for f in rc], place),
                         StageCosts(fwd=[r.fwd for r in rows], bwd=[r.bwd - r.recompute_s for r in rows],
                                    recompute=[r.recompute_s for r in rows], comm_fwd=[0.0] * S,
-                                   comm_bwd=[0.0] * S, allreduce=[r.allreduce for r in rows]))
+                                   comm_bwd=[0.0] * S, allreduce=[r.allreduce for r in rows],
+                                   wgrad=[r.wgrad for r in rows]))
     return Simulated(c, timeline.iteration_time, tuple(rc), tuple(r.fwd for r in rows),
                      tuple(r.bwd for r in rows), tuple(r.allreduce for r in rows),
-                     tuple(r.memory for r in rows), tuple(counts), tuple(r.recompute_s for r in rows))
+                     tuple(r.memory for r in rows), tuple(counts), tuple(r.recompute_s for r in rows),
+                     tuple(r.wgrad for r in rows))
 
 
 def fmt_bytes(n: float) -> str:
@@ -402,6 +499,7 @@ def fmt_bytes(n: float) -> str:
 
 
 __all__ = ["SIMULATED", "Candidate", "Infeasible", "Simulated", "TableCache", "candidate",
-           "fmt_bytes", "in_flight_by_position", "infeasible_error", "late_pass", "memory_model",
-           "microbatch_counts", "min_max_bounds", "pipeline_layouts", "ranked", "search",
-           "simulate_best", "simulate_candidate", "solutions"]
+           "fmt_bytes", "in_flight_by_position", "infeasible_error", "interleaved", "late_pass",
+           "memory_model", "microbatch_counts", "min_max_bounds", "pipeline_layouts", "placement",
+           "ranked", "runnable_lanes", "search", "searched_schedules", "simulate_best",
+           "simulate_candidate", "solutions"]

@@ -16,7 +16,7 @@ from rannc.plans import Plan
 from rannc.profile.device import Cluster
 from rannc.profile.estimate import GraphCosts
 from rannc.profile.oracle import BlockOracle, EstimateOracle
-from rannc.schedule import SCHEDULES, get_spec
+from rannc.schedule import get_spec
 from rannc.stage_dp.assemble import to_plan
 from rannc.stage_dp.search import (
     Simulated,
@@ -26,6 +26,7 @@ from rannc.stage_dp.search import (
     late_pass,
     memory_model,
     microbatch_counts,
+    searched_schedules,
     simulate_candidate,
 )
 from rannc.stage_dp.tables import BlockIO, batch_per_replica
@@ -69,7 +70,7 @@ def plan_splits(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, con
     best: list[Simulated | None] = [None] * len(splits)
     for m in mbs:  # one microbatch count's tables at a time: they are (blocks^2 x width) each
         table = TableCache(prof, io, mem, cluster, batch_size, spec.link_bandwidth, width=width)
-        for sched in SCHEDULES if config.schedule == "auto" else [config.schedule]:
+        for sched in searched_schedules(config, one_stage_per_rank=True):
             for i, (bounds, replicas) in enumerate(splits):
                 held = get_spec(sched).held(len(replicas), m, late)
                 tab = table(D, R, m, held.in_flight, held.saved_inputs, sched)

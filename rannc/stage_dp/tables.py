@@ -193,6 +193,7 @@ class StageTables:
     memory_min: np.ndarray  # the smaller of the two options' memory (for "needs N GB")
     recompute: np.ndarray  # fraction of kept activation memory recomputed
     recompute_s: np.ndarray  # the seconds that recomputation adds (inside bwd)
+    wgrad: np.ndarray  # the weight-gradient seconds inside bwd (a zero-bubble schedule's W)
     batch: np.ndarray  # (D+1,) rows per replica per microbatch
 
 
@@ -221,11 +222,14 @@ def stage_tables(prof: BlockProfile, io: BlockIO, mem: MemoryModel, *, batch_siz
     out = {n: np.full(shape, math.inf) for n in ("h", "fwd", "bwd", "allreduce", "memory", "memory_min")}
     recompute = np.zeros(shape)
     recompute_s = np.zeros(shape)
+    wgrad = np.zeros(shape)
     batch = np.zeros(devices + 1, dtype=np.int64)
     valid = np.triu(np.ones((k, k), dtype=bool)) & io.cut_ok[:k, None] & io.cut_ok[None, 1:]
     n_in = microbatches if inflight is None else inflight
     zero = np.zeros((1, prof.fwd.shape[1]))
     pre = {n: np.vstack([zero, np.cumsum(getattr(prof, n), axis=0)]) for n in ("fwd", "bwd", "kept")}
+    pre["wgrad"] = np.vstack([zero, np.cumsum(prof.wgrad if prof.wgrad is not None
+                                              else np.zeros_like(prof.fwd), axis=0)])
     work_max = np.zeros((k, k, prof.work.shape[1]))
     for lo in range(k):
         work_max[lo, lo:] = np.maximum.accumulate(prof.work[lo:], axis=0)
@@ -271,7 +275,8 @@ def stage_tables(prof: BlockProfile, io: BlockIO, mem: MemoryModel, *, batch_siz
         out["memory_min"][:, :, d] = np.where(valid, smallest, math.inf)
         recompute[:, :, d] = f
         recompute_s[:, :, d] = f * fwd
-    return StageTables(recompute=recompute, recompute_s=recompute_s, batch=batch, **out)
+        wgrad[:, :, d] = np.where(ok, rng("wgrad"), 0.0)
+    return StageTables(recompute=recompute, recompute_s=recompute_s, wgrad=wgrad, batch=batch, **out)
 
 
 def reduction_overlaps_backward(schedule: str) -> bool:
@@ -299,7 +304,7 @@ def exposed_reduction(reduce_s: Any, last_backward_s: Any, grad_bytes: Any, buck
 
 
 def iteration_estimate(fwd: Sequence[float], bwd: Sequence[float], allreduce: Sequence[float],
-                       microbatches: int, eager: bool) -> float:
+                       microbatches: int, eager: bool, chunks: int = 1) -> float:
     """A closed form of the simulator's iteration time, to rank the DP's candidates before the
     few best are simulated: each stage's last backward ends at its own time and its gradient
     reduction (`allreduce`: the part it waits for) starts there, so a late stage's reduction
@@ -309,9 +314,22 @@ def iteration_estimate(fwd: Sequence[float], bwd: Sequence[float], allreduce: Se
     identical microbatches), then every stage starts backward from the barrier, and stage s's
     last backward ends at F + sum(bwd[s:]) + (m - 1) max(bwd[s:]). Eager (1F1B order): the
     first stage ends last, at sum(f + b) + (m - 1) max(f + b); stage s ends the backwards of the
-    stages before it earlier."""
+    stages before it earlier. Interleaved (`chunks` v > 1 stages per lane, stage s on lane
+    s % (S / v)): each lane as one stage doing its v stages' work, the bubble v times smaller
+    (Megatron's (p - 1) / v): (sum - max) / v + m max over the lanes' cycles."""
     S, m = len(fwd), microbatches
     out = 0.0
+    if chunks > 1:
+        P = S // chunks
+        lane_f = [sum(fwd[s::P]) for s in range(P)]
+        lane_b = [sum(bwd[s::P]) for s in range(P)]
+        lane_ar = [sum(allreduce[s::P]) for s in range(P)]  # one reducer per rank, all its stages
+        cycle = [f + b for f, b in zip(lane_f, lane_b, strict=True)]
+        end, drained = (sum(cycle) - max(cycle)) / chunks + m * max(cycle), 0.0
+        for lane in range(P):
+            out = max(out, end - drained + lane_ar[lane])
+            drained += lane_b[lane] / chunks
+        return out
     if eager:
         cycle = [f + b for f, b in zip(fwd, bwd, strict=True)]
         end, drained = sum(cycle) + (m - 1) * max(cycle), 0.0
