@@ -23,8 +23,9 @@ import numpy as np
 
 from rannc.errors import RaNNCError
 from rannc.profile.estimate import BlockProfile
+from rannc.stage_dp.memory import bucket_memory, stage_memory
 from rannc.stage_dp.shares import whale_shares
-from rannc.stage_dp.tables import BlockIO
+from rannc.stage_dp.tables import BlockIO, exposed_reduction
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,14 +55,16 @@ class HeteroDevices:
 def hetero_stages(prof: BlockProfile, io: BlockIO, static: np.ndarray, dev: HeteroDevices, *,
                   rows: float, batch_of: Sequence[int], in_flight: int, saved: int,
                   link_bw: float, allreduce_bw: float, microbatches: int, checkpointing: str,
-                  stages: int | None = None,
-                  replicas: Sequence[int] | None = None) -> list[HeteroStage] | None:
+                  stages: int | None = None, replicas: Sequence[int] | None = None,
+                  bucket_bytes: float = 0.0, overlap: bool = False) -> list[HeteroStage] | None:
     """The best split of all blocks over all devices (or into exactly `stages` stages, or with
     stage s on exactly `replicas[s]` devices), or None.
 
     `rows`: rows of one microbatch; `batch_of[d]`: the profile batch size to read a stage of d
     replicas at (its per-replica rows with equal shares); `prof`'s times are the weakest
-    device's, scaled here by each device's speed."""
+    device's, scaled here by each device's speed. `bucket_bytes` and `overlap`: the gradient
+    reduction's bucket (memory) and whether it runs during the last backward
+    (`tables.reduction_overlaps_backward`)."""
     k = io.params.shape[0]
     order = dev.order()
     n = len(order)
@@ -88,15 +91,20 @@ def hetero_stages(prof: BlockProfile, io: BlockIO, static: np.ndarray, dev: Hete
         work = float(prof.work[lo:r + 1, c].max())
         in0, in1 = io.inputs[0][lo, r], io.inputs[1][lo, r]
         out0, out1 = io.outputs[0][lo, r], io.outputs[1][lo, r]
-        fixed = static[lo, r] + work + in_flight * (in0 + out0) + saved * in0
         comm_row = (in1 + out1) / link_bw
         comm0 = (in0 + out0) / link_bw
         ranks = [order[p] for p in range(i, i + d)]
         v = [dev.speed[x] for x in ranks]
-        ar = 2.0 * float(io.grad_params[lo, r]) * (d - 1) / d / allreduce_bw
+        grads = float(io.grad_params[lo, r])
+        reduce_s = 2.0 * grads * (d - 1) / d / allreduce_bw
+        bucket = bucket_memory(grads, d > 1 or float(io.shared_grad[lo, r]) > 0, bucket_bytes)
         best: HeteroStage | None = None
         for rc in options:
-            per_row = in_flight * (in1 + out1 + (0.0 if rc else kept)) + saved * in1 + (kept if rc else 0.0)
+            # the memory model is affine in the rows a replica computes: fixed + per_row * rows
+            fixed = stage_memory(float(static[lo, r]) + bucket, work, in0, out0, 0.0,
+                                 in_flight=in_flight, saved_inputs=saved, recompute=float(rc))
+            per_row = stage_memory(0.0, 0.0, in1, out1, kept, in_flight=in_flight,
+                                   saved_inputs=saved, recompute=float(rc))
             caps = [(dev.memory[x] - fixed) / per_row if per_row > 0 else math.inf for x in ranks]
             try:
                 x = whale_shares(rows, v, caps)
@@ -107,6 +115,7 @@ def hetero_stages(prof: BlockProfile, io: BlockIO, static: np.ndarray, dev: Hete
             rec = max(xj * f * slow / vj for xj, vj in pairs) if rc else 0.0
             bw = max(xj * (g * slow / vj + comm_row / 2) for xj, vj in pairs) + comm0 / 2 + rec
             mem = max(fixed + per_row * xj for xj in x)
+            ar = float(exposed_reduction(reduce_s, bw, grads, bucket_bytes, overlap))
             cand = HeteroStage(lo, r, tuple(ranks), tuple(x), fw, bw, rec, ar, mem, rc)
             if best is None or _h(cand, microbatches) < _h(best, microbatches):
                 best = cand
