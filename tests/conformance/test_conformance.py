@@ -13,6 +13,7 @@ CONFORMANCE_FULL=1 runs every model in every layout.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -63,17 +64,17 @@ LAYOUTS = [
 ]
 BY_ID = {lay.id: lay for lay in LAYOUTS}
 
-# TODO(batchnorm-exact): the rannc option that makes BatchNorm exact on the global batch (synced
-# statistics across a stage's replicas, one microbatch where BatchNorm lives), e.g.
-# {"batchnorm": "exact"}, once it lands; BatchNorm models then run in every layout with it.
-BATCHNORM_EXACT_OPTION: dict[str, Any] | None = None
+# The rannc option that makes BatchNorm exact on the global batch (statistics summed over a
+# stage's replicas, one microbatch for the whole plan): BatchNorm models run in every layout with
+# it, their launches apart and with one microbatch (the option refuses more).
+BATCHNORM_EXACT_OPTION: dict[str, Any] | None = {"batchnorm": "sync"}
 
 # CI: every model in one process (test_one_process) and in the one layout listed here.
 CI_MODELS: dict[str, tuple[str, ...]] = {
     "2r-pn2-m1": ("resnet", "mobilenet_v2", "efficientnet", "regnet", "tv_resnet18",
                   "tv_mobilenet_v3", "t5", "vit"),
     "2r-pn2-m4-1f1b": ("llama", "gemma", "bert", "distilbert", "bart", "falcon"),
-    "3r-rep21-m2-gpipe": ("mistral", "qwen2", "gpt2", "roberta", "whisper", "convnext"),
+    "3r-rep21-m2-gpipe": ("mistral", "qwen2", "gpt2", "roberta", "whisper", "convnext", "resnet"),
     "3r-rep12-m3-scp": ("phi", "gpt_neox", "albert", "swin", "bloom", "deberta_v2"),
     "2r-auto": ("mixtral", "opt", "qwen3", "electra", "gptj", "timm_vit"),
     "4r-rep22-m2-1f1b-zero1": ("llama", "t5", "albert"),  # (also in another layout each)
@@ -97,7 +98,7 @@ def full_mode(config: pytest.Config) -> bool:
 
 
 def _runs_in(model: str, lay: Layout) -> bool:
-    """BatchNorm models: only where they are exact (until the exact option exists)."""
+    """BatchNorm models: only where they are exact (with the exact option: everywhere)."""
     return lay.whole_batch_per_stage or not MODELS[model][2] or BATCHNORM_EXACT_OPTION is not None
 
 
@@ -166,12 +167,27 @@ class Launches:
 
     @staticmethod
     def _run(lay: Layout, todo: list[str]) -> tuple[dict[str, dict[str, Any]], str]:
+        if BATCHNORM_EXACT_OPTION is None or lay.whole_batch_per_stage:
+            return Launches._launch(lay, todo, list(lay.args))
+        found, log = Launches._launch(lay, [m for m in todo if not MODELS[m][2]], list(lay.args))
+        bn = [m for m in todo if MODELS[m][2]]
+        if bn:
+            args = list(lay.args)
+            if "--microbatches" in args:
+                args[args.index("--microbatches") + 1] = "1"
+            args += [f"--option={k}={json.dumps(v)}" for k, v in BATCHNORM_EXACT_OPTION.items()]
+            more, more_log = Launches._launch(lay, bn, args)
+            found.update(more)
+            log += more_log
+        return found, log
+
+    @staticmethod
+    def _launch(lay: Layout, todo: list[str],
+                layout_args: list[str]) -> tuple[dict[str, dict[str, Any]], str]:
         found: dict[str, dict[str, Any]] = {}
         log = ""
         while todo:
-            args = [f"{ZOO}:{m}" for m in todo] + list(lay.args) + ["--batch", str(lay.batch)]
-            if BATCHNORM_EXACT_OPTION is not None and not lay.whole_batch_per_stage:
-                args += [f"--option={k}={v!r}" for k, v in BATCHNORM_EXACT_OPTION.items()]
+            args = [f"{ZOO}:{m}" for m in todo] + layout_args + ["--batch", str(lay.batch)]
             res = run_mpi(SCRIPT, lay.ranks, args, check=False,
                           timeout=min(LAUNCH_LIMIT_S, 90 + 45 * len(todo) * lay.ranks))
             log += res.stdout + res.stderr
