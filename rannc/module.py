@@ -263,7 +263,7 @@ class RaNNCModule(nn.Module):
 
         from rannc.planner import make_oracle, plan_graph
         from rannc.profile.device import measure_local_device
-        from rannc.profile.estimate import GraphCosts
+        from rannc.profile.estimate import GraphCosts, runs_fused_kernels
 
         cfg = self.rannc_config
         source = f"the plan file {cfg.deployment_file}"
@@ -296,7 +296,8 @@ class RaNNCModule(nn.Module):
                                      opt_param_factor=optimizer_state_factor(self.optimizer))
             try:
                 cluster = self._cluster(cfg, ctx, reports)
-                costs = GraphCosts.of(cap.graph, atomic)
+                costs = GraphCosts.of(cap.graph, atomic,
+                                      fused=runs_fused_kernels(cluster))
                 oracle = make_oracle(cfg, cap, atomic, self.module, leaves, costs, cluster,
                                      progress=progress)
                 box[0] = plan_graph(cap.graph, atomic, cluster, cfg, batch_size=sum(sizes),

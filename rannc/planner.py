@@ -37,7 +37,7 @@ from rannc.errors import ConfigError, PlanInfeasibleError, RaNNCError
 from rannc.graph.task_graph import TaskGraph, ValueKind
 from rannc.plans import Plan, StagePlan, check_replicas_divide, param_names_of, stage_ranks
 from rannc.profile.device import Cluster, DeviceSpec
-from rannc.profile.estimate import BlockProfile, GraphCosts, _bytes
+from rannc.profile.estimate import BlockProfile, GraphCosts, _bytes, runs_fused_kernels
 from rannc.profile.oracle import BlockOracle, EstimateOracle
 from rannc.progress import NO_PROGRESS, Progress
 from rannc.schedule import (
@@ -137,7 +137,8 @@ def _plan_graph(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, con
     t0 = time.perf_counter()
     spec, mem = _memory_model(cluster, config)
     limit, opt = mem.limit, mem.opt_param_factor
-    costs = costs if costs is not None else GraphCosts.of(graph, atomic)
+    costs = costs if costs is not None else \
+        GraphCosts.of(graph, atomic, fused=runs_fused_kernels(cluster))
     oracle = oracle or EstimateOracle(costs, cluster)
     world = cluster.size
     stats.components = len(atomic.components)
@@ -337,7 +338,8 @@ def plan_splits(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, con
             raise ConfigError(f"replicas {list(replicas)} must be positive and use the {cluster.size} "
                               "devices of a homogeneous cluster")
     spec, mem = _memory_model(cluster, config)
-    costs = costs if costs is not None else GraphCosts.of(graph, atomic)
+    costs = costs if costs is not None else \
+        GraphCosts.of(graph, atomic, fused=runs_fused_kernels(cluster))
     oracle = oracle or EstimateOracle(costs, cluster)
     D, R = cluster.size, 1
     width = max(max(r) for _, r in splits)  # tables only up to the replica counts asked for
@@ -941,7 +943,7 @@ def plan(model: object, args: tuple[object, ...] = (), kwargs: dict[str, object]
         atomic = atomic_components(cap.graph)
     stats.seconds["capture"] = time.perf_counter() - t0
     leaves, layout = flatten_inputs(args, kwargs or {})
-    costs = GraphCosts.of(cap.graph, atomic)
+    costs = GraphCosts.of(cap.graph, atomic, fused=runs_fused_kernels(cluster))
     oracle = make_oracle(cfg, cap, atomic, model, leaves, costs, cluster, progress=progress)
     # capture() has refused inputs without a batched tensor, so layout.batch is set
     return plan_graph(cap.graph, atomic, cluster, cfg, batch_size=layout.batch or 0,
