@@ -175,7 +175,7 @@ def need_equal(c: Captured, cluster: Any, batch: int, layers: int, stages: int) 
                 saved = m if sched != "gpipe" and late else 0
                 tab = stage_tables(prof, io, mem, batch_size=batch, devices=1, copies=1, microbatches=m,
                                    link_bw=spec.link_bandwidth, allreduce_bw=spec.link_bandwidth,
-                                   inflight=n_in, saved_inputs=saved)
+                                   inflight=n_in, saved_inputs=saved, world=stages)
                 worst = max(worst, float(tab.memory_min[i, i, 1]))
             best = min(best, worst)
     return float(best / (1.0 - cfg.mem_margin)) if np.isfinite(best) else math.inf

@@ -82,14 +82,57 @@ def trim() -> None:
         pass
 
 
-def tensor_peak(prof: Any) -> float:
+CATEGORIES = ("parameter", "optimizer_state", "gradient", "input", "activation", "temporary",
+              "autograd_detail", "unknown")
+
+
+def tensor_peak(prof: Any) -> tuple[float, dict[str, float], str]:
     """Peak bytes of live CPU tensors during the profiled step (torch's memory timeline: every
-    allocation and free the profiler saw, by category, summed)."""
+    allocation and free the profiler saw, by category, summed), those bytes by the profiler's
+    category, and the rannc action (`rannc B0.3`) running at the peak."""
+    from torch.profiler._memory_profiler import _CATEGORY_TO_INDEX
+
     with tempfile.TemporaryDirectory() as d, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # deprecated in favour of a CUDA-only API
         prof.export_memory_timeline(str(Path(d, "t.json")), device="cpu")
-        _times, sizes = json.loads(Path(d, "t.json").read_text())
-    return float(max(sum(x) for x in sizes)) if sizes else 0.0
+        times, sizes = json.loads(Path(d, "t.json").read_text())
+    if not sizes:
+        return 0.0, {}, ""
+    i = max(range(len(sizes)), key=lambda j: sum(sizes[j]))
+    names = ["-"] + [c.name.lower() if c is not None else "unknown" for c in _CATEGORY_TO_INDEX]
+    by_cat = {n: float(x) for n, x in zip(names, sizes[i], strict=True) if x}
+    start = prof.profiler.kineto_results.trace_start_ns() / 1e3
+    t = times[i]
+    acts = [e for e in prof.events() if e.name.startswith("rannc ")
+            and start + e.time_range.start <= t <= start + e.time_range.end]
+    at = min(acts, key=lambda e: e.time_range.elapsed_us()).name if acts else ""
+    return float(sum(sizes[i])), by_cat, at
+
+
+def forecast_terms(plan: Any, st: Any, opt_factor: float) -> dict[str, float]:
+    """The memory model's terms for stage `st` of `plan` (bytes), from the estimate on this CPU."""
+    from rannc.profile.estimate import GraphCosts
+    from rannc.schedule import get_spec
+    from rannc.stage_dp.tables import BlockIO
+
+    graph, atomic = plan.source
+    comps = set(st.components)
+    costs = GraphCosts.of(graph, atomic, fused=False)
+    # blocks: 0 the components before the stage (maybe none), 1 the stage, 2 those after
+    io = BlockIO.of(graph, atomic, [0 if c < min(comps) else 1 if c in comps else 2
+                                    for c in range(len(atomic.components))])
+    j = 1
+    b = st.predicted["microbatch_rows"]
+    mask = [c in comps for c in costs.pair_comp]
+    kept = float(((costs.kept[:, 0] + costs.kept[:, 1] * b)[costs.pair_task])[mask].sum())
+    work = float(((costs.work[:, 0] + costs.work[:, 1] * b)[costs.pair_task])[mask].max())
+    n = st.predicted["in_flight"]
+    saved = get_spec(plan.schedule).held(len(plan.stages), plan.microbatches, True).saved_inputs
+    inb = float(io.inputs[0][j, j] + io.inputs[1][j, j] * b)
+    outb = float(io.outputs[0][j, j] + io.outputs[1][j, j] * b)
+    return dict(params=float(io.params[j, j]), grads=float(io.grad_params[j, j]),
+                optimizer=opt_factor * float(io.grad_params[j, j]), kept=n * kept,
+                inputs_outputs=n * (inb + outb), saved_inputs=saved * inb, work=work)
 
 
 def worker(a: argparse.Namespace) -> None:
@@ -126,6 +169,8 @@ def worker(a: argparse.Namespace) -> None:
     model = rannc.RaNNCModule(net, opt, partition_num=world, microbatches=a.microbatches)
     steady_kb = 0
     tensor_peak_b = 0.0
+    peak_by: dict[str, float] = {}
+    peak_at = ""
     live_b = rest_kb = 0
     losses = []
     for step in range(a.steps):
@@ -146,7 +191,7 @@ def worker(a: argparse.Namespace) -> None:
         opt.zero_grad()
         if last:
             prof.__exit__(None, None, None)
-            tensor_peak_b = tensor_peak(prof)
+            tensor_peak_b, peak_by, peak_at = tensor_peak(prof)
             del prof
         if step == 0:
             gc.collect()
@@ -159,7 +204,8 @@ def worker(a: argparse.Namespace) -> None:
                recompute=st.recompute if st else None,
                schedule=plan.schedule if plan is not None else None,
                measured_kb=steady_kb - base_kb, live_b=live_b, tensor_peak_b=tensor_peak_b,
-               rest_kb=rest_kb - base_kb, losses=losses,
+               rest_kb=rest_kb - base_kb, losses=losses, peak_by=peak_by, peak_at=peak_at,
+               terms=forecast_terms(plan, st, factor) if st is not None else {},
                params=sum(p.numel() for p in net.parameters()))
     Path(a.out, f"{a.model}.{world}.{rank}.json").write_text(json.dumps(out))
     if world > 1:
@@ -205,6 +251,18 @@ def driver(a: argparse.Namespace) -> None:
     within = sum(0.87 <= x <= 1.15 for x in ratios)
     print(f"\nmeasured / forecast: {min(ratios):.2f} to {max(ratios):.2f}; "
           f"within 15 %: {within} of {len(ratios)}")
+    if a.breakdown:
+        print("\nThe forecast's terms and the tensor peak by the profiler's category (MiB), and the "
+              "action running at the peak:\n")
+        terms = ["params", "grads", "optimizer", "inputs_outputs", "saved_inputs", "kept", "work"]
+        head = ["model", "stages", "rank", *terms, "|", *CATEGORIES, "at"]
+        print("| " + " | ".join(head) + " |")
+        print("|---" * len(head) + "|")
+        for r in sorted(rows, key=lambda r: (r["model"], r["world"], r["rank"])):
+            t, c = r["terms"], r["peak_by"]
+            print(f"| {r['model']} | {r['world']} | {r['rank']} | "
+                  + " | ".join(f"{t.get(k, 0) / MB:.1f}" for k in terms) + " | | "
+                  + " | ".join(f"{c.get(k, 0) / MB:.1f}" for k in CATEGORIES) + f" | {r['peak_at']} |")
 
 
 def main() -> None:
@@ -221,6 +279,8 @@ def main() -> None:
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--smoke", action="store_true", help="2 layers H64, 1 and 2 stages, 3 steps")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also the forecast's terms against the tensor peak by category")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", choices=MODELS, help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)

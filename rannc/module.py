@@ -35,7 +35,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 from rannc import checkpoint as ckpt
 from rannc import clip as rclip
 from rannc import dist as rdist
-from rannc import health, validate
+from rannc import health, hostmem, validate
 from rannc.atomic.components import AtomicPartition, atomic_components
 from rannc.config import Config
 from rannc.derive import derive_plan
@@ -171,6 +171,8 @@ class RaNNCModule(nn.Module):
             self._bound_cache(self._deployments, pinned=None)
             if first:
                 _seed_at_deployment(self.rannc_config)
+                device = next((p.device for p in self.module.parameters()), torch.device("cpu"))
+                hostmem.apply(self.rannc_config.host_malloc, device.type)
         else:
             self._deployments.move_to_end(key)
         values = run_chain(dep.modules, dep.stages, dep.captured.bind(self.module, leaves))
@@ -227,6 +229,7 @@ class RaNNCModule(nn.Module):
             rt.sync = self._sync
             if not self._runtimes:
                 _seed_at_deployment(self.rannc_config)
+                hostmem.apply(self.rannc_config.host_malloc, ctx.device.type)
             self._runtimes[key] = rt
             self._release_params(rt)
             self._owned = None

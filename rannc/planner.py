@@ -35,6 +35,7 @@ from rannc.coarsen.blocks import CoarsenProblem, form_blocks
 from rannc.config import Config
 from rannc.errors import ConfigError, PlanInfeasibleError, RaNNCError
 from rannc.graph.task_graph import TaskGraph, ValueKind
+from rannc.hostmem import rank_overhead
 from rannc.plans import Plan, StagePlan, check_replicas_divide, param_names_of, stage_ranks
 from rannc.profile.device import Cluster, DeviceSpec
 from rannc.profile.estimate import BlockProfile, GraphCosts, _bytes, runs_fused_kernels
@@ -135,7 +136,7 @@ def _plan_graph(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, con
     config = _batchnorm_config(graph, config)
     stats = stats if stats is not None else PlanStats()
     t0 = time.perf_counter()
-    spec, mem = _memory_model(cluster, config)
+    spec, mem = _memory_model(cluster, config, len(graph.tasks))
     limit, opt = mem.limit, mem.opt_param_factor
     costs = costs if costs is not None else \
         GraphCosts.of(graph, atomic, fused=runs_fused_kernels(cluster))
@@ -337,7 +338,7 @@ def plan_splits(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, con
         if sum(replicas) != cluster.size or min(replicas) < 1 or not cluster.is_homogeneous:
             raise ConfigError(f"replicas {list(replicas)} must be positive and use the {cluster.size} "
                               "devices of a homogeneous cluster")
-    spec, mem = _memory_model(cluster, config)
+    spec, mem = _memory_model(cluster, config, len(graph.tasks))
     costs = costs if costs is not None else \
         GraphCosts.of(graph, atomic, fused=runs_fused_kernels(cluster))
     oracle = oracle or EstimateOracle(costs, cluster)
@@ -372,7 +373,7 @@ def plan_split(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, conf
     (out,) = plan_splits(graph, atomic, cluster, config, batch_size=batch_size, block_of=block_of,
                          splits=[(bounds, replicas)], oracle=oracle, costs=costs)
     if out is None:
-        _, mem = _memory_model(cluster, config)
+        _, mem = _memory_model(cluster, config, len(graph.tasks))
         raise PlanInfeasibleError(
             f"the split {list(bounds)} with replicas {list(replicas)} fits no microbatch count "
             f"within {fmt_bytes(mem.limit)} per device ({cluster.slowest.name}); use more "
@@ -434,19 +435,21 @@ class _TableCache:
             self.tables[key] = stage_tables(self.prof, self.io, self.mem, batch_size=self.batch_size,
                                             devices=width, copies=R, microbatches=m, link_bw=link,
                                             allreduce_bw=ar_bw, inflight=n_in, saved_inputs=saved,
-                                            only=self.only)
+                                            only=self.only, world=D * R)
         return self.tables[key]
 
 
-def _memory_model(cluster: Cluster, config: Config) -> tuple[DeviceSpec, MemoryModel]:
+def _memory_model(cluster: Cluster, config: Config, tasks: int = 0) -> tuple[DeviceSpec, MemoryModel]:
     """The device every stage is planned on (the smallest memory, then the slowest) and the
-    memory model on it."""
+    memory model on it, for a graph of `tasks` tasks (a CPU rank holds it in the memory it
+    trains in: `rannc.hostmem.rank_overhead`)."""
     spec = min(cluster.devices, key=lambda d: (d.memory_bytes, d.flops))  # conservative
     limit = spec.memory_bytes if config.mem_limit_gb is None else config.mem_limit_gb * 1e9
     limit *= 1.0 - config.mem_margin
     opt = 2.0 if config.opt_param_factor is None else config.opt_param_factor
     return spec, MemoryModel(opt_param_factor=opt, limit=limit, checkpointing=config.checkpointing,
-                             zero_stage=1 if config.zero_stage == 1 else 0)
+                             zero_stage=1 if config.zero_stage == 1 else 0,
+                             overhead=rank_overhead([d.name for d in cluster.devices], tasks))
 
 
 def _late_pass(graph: TaskGraph) -> bool:

@@ -183,7 +183,7 @@ class BlockProfile:
 def runs_fused_kernels(cluster: Cluster) -> bool:
     """Whether every device of `cluster` runs fused attention and dropout kernels: not a CPU
     (`rannc.profile.saved`)."""
-    return not any(d.name.endswith("cpu") for d in cluster.devices)
+    return not any(d.name.endswith("cpu") for d in cluster.devices)  # (rannc.hostmem.is_host)
 
 
 def _shape(v: Value, batch: int) -> list[int]:

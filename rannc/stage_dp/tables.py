@@ -33,6 +33,12 @@ class BlockIO:
     params: np.ndarray  # (k, k): bytes of the parameters and buffers it holds, each once
     grad_params: np.ndarray  # (k, k): bytes of the trainable parameters among them
     cut_ok: np.ndarray  # (k+1,): a stage may start or end at this block boundary
+    # (2, k, k): bytes per microbatch of the model's batch outputs (logits) a stage computes:
+    # the runtime holds every microbatch's until the call returns them (None: none)
+    returned: np.ndarray | None = None
+    # (2,): bytes of every batch output the model returns (c0 + c1 * rows): each rank
+    # assembles its own rows of them at the end of a call
+    returned_all: np.ndarray | None = None
 
     @classmethod
     def of(cls, graph: TaskGraph, atomic: AtomicPartition, block_of: Sequence[int],
@@ -133,8 +139,16 @@ class ValueUses:
         def total(d: np.ndarray) -> np.ndarray:
             return np.cumsum(np.cumsum(d, axis=-2), axis=-1)[..., :k, :k]
 
+        # batch outputs the model returns: every stage l <= p <= r computing one holds them
+        ret = np.flatnonzero((p_act >= 0) & self.act_output & self.act_rows)
+        d_ret = np.zeros((2, k + 1, k + 1))
+        for i in range(2):  # the rectangle rows 0..p, columns p..k-1
+            np.add.at(d_ret[i], (np.zeros_like(p_act[ret]), p_act[ret]), self.act_bytes[ret, i])
+            np.add.at(d_ret[i], (p_act[ret] + 1, p_act[ret]), -self.act_bytes[ret, i])
+        every = self.act_bytes[np.flatnonzero(self.act_output & self.act_rows)].sum(axis=0)
         par = total(d_par)
-        return BlockIO(total(d_in), total(d_out), par[0], par[1], cut_ok)
+        return BlockIO(total(d_in), total(d_out), par[0], par[1], cut_ok, total(d_ret),
+                       np.asarray(every, dtype=np.float64).reshape(2))
 
 
 def _upto_next(k: int, blk: np.ndarray, use: np.ndarray, lo: np.ndarray,
@@ -162,6 +176,7 @@ class MemoryModel:
     limit: float  # bytes a stage may use (device memory after the margin)
     checkpointing: str  # auto / on / off / stage_aware
     zero_stage: int = 0  # 1: a stage's optimizer state is spread over its replicas (ZeRO-1)
+    overhead: float = 0.0  # bytes each rank needs beyond its tensors (host memory on a CPU)
 
 
 def static_memory(params: Any, grad_params: Any, opt_param_factor: float, ranks: int,
@@ -171,6 +186,38 @@ def static_memory(params: Any, grad_params: Any, opt_param_factor: float, ranks:
     1/ranks of it: `rannc.ownership.spread`). Arrays or floats alike."""
     opt = opt_param_factor / ranks if zero_stage else opt_param_factor
     return params + grad_params * (1 + opt)
+
+
+@dataclass(frozen=True, slots=True)
+class Returned:
+    """What the model's batch outputs (logits) add to a stage's memory, arrays over [l, r]."""
+
+    held: np.ndarray  # while microbatches run: the earlier microbatches' outputs, kept to return
+    at_return: np.ndarray  # when the call returns: every microbatch's, and this rank's rows
+    mine: np.ndarray  # of those, this rank's rows (assembled: received, then concatenated)
+
+
+def local_rows(batch_size: int, copies: int, devices: int) -> int:
+    """Rows of the global batch one rank feeds (and gets back as outputs)."""
+    return math.ceil(batch_size / max(copies * devices, 1))
+
+
+def returned_memory(io: BlockIO, rows: int, microbatches: int, in_flight: int,
+                    local: int) -> Returned:
+    """The runtime sends each microbatch's rows of a batch output to the ranks that fed them
+    and keeps the tensors until the call returns, so a stage computing one holds all
+    `microbatches` of them (the in-flight ones are among its outputs already). At the end every
+    rank assembles its own `local` rows: received pieces, then their concatenation (a computing
+    stage holds its pieces already)."""
+    k = io.params.shape[0]
+    if io.returned is None or io.returned_all is None:
+        z = np.zeros((k, k))
+        return Returned(z, z, z)
+    per_mb = io.returned[0] + io.returned[1] * rows
+    mine = float(io.returned_all[0] + io.returned_all[1] * local)
+    held = max(microbatches - in_flight, 0) * per_mb
+    assembled = np.where(per_mb > 0, mine, 2 * mine)
+    return Returned(held, microbatches * per_mb + assembled, assembled)
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,17 +243,20 @@ def batch_per_replica(batch_size: int, copies: int, microbatches: int, d: int) -
 def stage_tables(prof: BlockProfile, io: BlockIO, mem: MemoryModel, *, batch_size: int,
                  devices: int, copies: int, microbatches: int, link_bw: float, allreduce_bw: float,
                  inflight: int | None = None, saved_inputs: int = 0,
-                 only: Collection[int] | None = None) -> StageTables:
+                 only: Collection[int] | None = None, world: int | None = None) -> StageTables:
     """`inflight`: microbatches whose activations a stage holds at once (fill-drain: all of
     them; 1F1B: at most the stages from it to the end); `saved_inputs`: microbatches whose stage
     inputs are kept besides (eager schedules keep them for a late backward pass); `only`: the
     replica counts to table (None: 1..devices); the others stay infeasible, and the profile
-    needs columns only for theirs.
+    needs columns only for theirs; `world`: the ranks feeding the global batch (default
+    `devices * copies`; the tables may be narrower than the pipeline).
 
     Recomputation is a fraction f of a stage's kept activations dropped in forward and rebuilt
     before backward (Merak's stage-aware recomputation, by memory rather than by layer): the
     smallest f that fits, so a stage keeps all it can afford. f costs f * forward seconds more;
-    memory = static + inflight * (inputs + outputs + (1 - f) * kept) + f * kept + working."""
+    memory = static + overhead + inflight * (inputs + outputs + (1 - f) * kept) + f * kept +
+    working + the batch outputs held to be returned (`returned_memory`), or, if larger, what the
+    stage holds when the call returns (recomputation frees none of it)."""
     k = io.params.shape[0]
     shape = (k, k, devices + 1)
     out = {n: np.full(shape, math.inf) for n in ("h", "fwd", "bwd", "allreduce", "memory", "memory_min")}
@@ -215,6 +265,8 @@ def stage_tables(prof: BlockProfile, io: BlockIO, mem: MemoryModel, *, batch_siz
     batch = np.zeros(devices + 1, dtype=np.int64)
     valid = np.triu(np.ones((k, k), dtype=bool)) & io.cut_ok[:k, None] & io.cut_ok[None, 1:]
     n_in = microbatches if inflight is None else inflight
+    local = local_rows(batch_size, 1, world) if world is not None else \
+        local_rows(batch_size, copies, devices)
     zero = np.zeros((1, prof.fwd.shape[1]))
     pre = {n: np.vstack([zero, np.cumsum(getattr(prof, n), axis=0)]) for n in ("fwd", "bwd", "kept")}
     work_max = np.zeros((k, k, prof.work.shape[1]))
@@ -242,16 +294,22 @@ def stage_tables(prof: BlockProfile, io: BlockIO, mem: MemoryModel, *, batch_siz
         if mem.zero_stage:  # the owners' new parameters go to the other replicas: an all-gather
             ar = ar * 1.5
         static = static_memory(io.params, io.grad_params, mem.opt_param_factor, ranks, mem.zero_stage)
-        base = static + n_in * (inb + outb) + saved_inputs * inb + work_max[:, :, i]
+        static = static + mem.overhead
+        ret = returned_memory(io, b, microbatches, n_in, local)
+        base = static + n_in * (inb + outb) + saved_inputs * inb + work_max[:, :, i] + ret.held
         full = base + n_in * kept  # nothing recomputed
         saved_per_f = (n_in - 1) * kept  # memory one unit of f frees
+        # when the call returns: every microbatch's outputs and this rank's rows assembled,
+        # the activations freed (an eager schedule's backward ran) or all alive (fill-drain)
+        at_return = static + saved_inputs * inb + ret.at_return + \
+            (n_in * (inb + outb + kept) - ret.at_return + ret.mine if n_in >= microbatches else 0.0)
         with np.errstate(divide="ignore", invalid="ignore"):
             need = np.where(full <= mem.limit, 0.0,
                             np.where(saved_per_f > 0, (full - mem.limit) / saved_per_f, math.inf))
         f = np.maximum(need, f_min)
-        ok = valid & (f <= f_max)
+        ok = valid & (f <= f_max) & (at_return <= mem.limit)
         f = np.where(ok, f, 0.0)
-        memory = full - f * saved_per_f
+        memory = np.maximum(full - f * saved_per_f, at_return)
         fw = fwd + comm / 2
         g = bwd + comm / 2 + f * fwd
         out["fwd"][:, :, d] = np.where(ok, fw, math.inf)
@@ -259,7 +317,7 @@ def stage_tables(prof: BlockProfile, io: BlockIO, mem: MemoryModel, *, batch_siz
         out["allreduce"][:, :, d] = np.where(ok, ar, math.inf)
         out["h"][:, :, d] = np.where(ok, fw + g + ar / microbatches, math.inf)
         out["memory"][:, :, d] = np.where(ok, memory, math.inf)
-        smallest = full - np.where(saved_per_f > 0, f_max * saved_per_f, 0.0)
+        smallest = np.maximum(full - np.where(saved_per_f > 0, f_max * saved_per_f, 0.0), at_return)
         out["memory_min"][:, :, d] = np.where(valid, smallest, math.inf)
         recompute[:, :, d] = f
         recompute_s[:, :, d] = f * fwd

@@ -1,0 +1,91 @@
+"""Host memory of a rank that trains on the CPU: glibc's allocator, and the memory a rank needs
+beyond its tensors.
+
+On a CPU the device memory the planner budgets is the process's resident memory, and glibc's
+malloc keeps freed blocks resident: its mmap threshold starts at 128 KiB and rises to the size
+of every mapped block freed (up to 32 MiB), so after the first step activations come from the
+heap, and the heap's freed holes stay resident. Measured with `benchmarks/memory_forecast.py`
+(BERT and GPT-2, 1 to 4 stages): the resident peak was 1.27x to 1.57x the peak of live tensors,
+which is what the memory model forecasts. `Config.host_malloc="release"` fixes the threshold at
+128 KiB (`mallopt(M_MMAP_THRESHOLD)`), which also turns the rise off: every block from 128 KiB up
+is its own mapping, unmapped when freed, and the resident peak follows the live tensors. The
+price is a fresh, zero-filled page for every such allocation (BENCHMARKS.md has the step time
+side by side). It is process-wide and stays set; a CUDA device, whose tensors the caching
+allocator holds, and a C library other than glibc are left alone.
+
+What a rank holds besides tensors on a CPU is a per-rank `overhead` in the memory model
+(`rannc.stage_dp.tables.MemoryModel.overhead`, `rank_overhead`): the captured graph, which every
+rank holds whole (counted per task), and what the first training step leaves resident in any
+PyTorch process (the math libraries' buffers, the small-block heap; a constant). Both were
+measured on this project's CPU host, not at start-up: the resident growth of `capture` is 20 to
+23 KiB per task (BERT and GPT-2 of 2 and 8 layers), and resident memory after `malloc_trim`
+exceeds the live tensors by 16 to 22 MiB on every rank of `benchmarks/memory_forecast.py`
+(BERT and GPT-2, 1 to 4 stages; 11 to 16 MiB of it besides the graph). On a GPU this memory is
+the host's, not the device's, and the overhead is 0.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
+RELEASE_THRESHOLD = 128 * 1024  # bytes: blocks from this size up are mapped on their own
+_set = False
+
+
+def release_freed_memory() -> bool:
+    """Fix glibc's mmap threshold at `RELEASE_THRESHOLD` (once per process); False where the C
+    library is not glibc or refuses."""
+    global _set
+    if _set:
+        return True
+    try:
+        ok = ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, RELEASE_THRESHOLD) == 1
+    except (OSError, AttributeError):  # not glibc (musl, macOS)
+        return False
+    _set = ok
+    if ok:
+        log.info("rannc: glibc returns freed blocks of %d KiB and more at once (host_malloc "
+                 "'release'), so resident memory follows the tensors", RELEASE_THRESHOLD // 1024)
+    return ok
+
+
+def apply(choice: str, device_type: str) -> bool:
+    """Apply `Config.host_malloc` for a rank training on `device_type`; whether it released."""
+    if choice == "release" or (choice == "auto" and device_type == "cpu"):
+        return release_freed_memory()
+    return False
+
+
+RANK_BYTES = 16 * 2**20  # what a first training step leaves resident beyond tensors
+TASK_BYTES = 24 * 2**10  # the captured graph, per task
+
+
+def is_host(device_name: str) -> bool:
+    """Whether a `DeviceSpec` name is a CPU's (`measure_local_device` names it "local-cpu")."""
+    return device_name.endswith("cpu")
+
+
+def rank_overhead(device_names: list[str], tasks: int) -> float:
+    """Bytes every rank needs beyond its tensors, in the memory the planner budgets: on CPU
+    devices the graph of `tasks` tasks and the per-process constant; on GPUs none."""
+    return float(RANK_BYTES + TASK_BYTES * tasks) if any(map(is_host, device_names)) else 0.0
+
+
+def resident_bytes() -> int:
+    """This process's resident set (Linux; 0 elsewhere)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+__all__ = ["RANK_BYTES", "RELEASE_THRESHOLD", "TASK_BYTES", "apply", "is_host", "rank_overhead",
+           "release_freed_memory", "resident_bytes"]
