@@ -111,9 +111,10 @@ def tensor_peak(prof: Any) -> tuple[float, dict[str, float], str]:
 
 def forecast_terms(plan: Any, st: Any, opt_factor: float) -> dict[str, float]:
     """The memory model's terms for stage `st` of `plan` (bytes), from the estimate on this CPU."""
+    from rannc.hostmem import rank_overhead
     from rannc.profile.estimate import GraphCosts
     from rannc.schedule import get_spec
-    from rannc.stage_dp.tables import BlockIO
+    from rannc.stage_dp.tables import BlockIO, local_rows, returned_memory
 
     graph, atomic = plan.source
     comps = set(st.components)
@@ -130,9 +131,13 @@ def forecast_terms(plan: Any, st: Any, opt_factor: float) -> dict[str, float]:
     saved = get_spec(plan.schedule).held(len(plan.stages), plan.microbatches, True).saved_inputs
     inb = float(io.inputs[0][j, j] + io.inputs[1][j, j] * b)
     outb = float(io.outputs[0][j, j] + io.outputs[1][j, j] * b)
+    ret = returned_memory(io, int(b), plan.microbatches, int(n),
+                          local_rows(plan.batch_size, 1, plan.world_size))
     return dict(params=float(io.params[j, j]), grads=float(io.grad_params[j, j]),
                 optimizer=opt_factor * float(io.grad_params[j, j]), kept=n * kept,
-                inputs_outputs=n * (inb + outb), saved_inputs=saved * inb, work=work)
+                inputs_outputs=n * (inb + outb), saved_inputs=saved * inb, work=work,
+                returned_held=float(ret.held[j, j]), at_return=float(ret.at_return[j, j]),
+                overhead=rank_overhead(["local-cpu"], len(graph.tasks)))
 
 
 def worker(a: argparse.Namespace) -> None:
@@ -166,7 +171,9 @@ def worker(a: argparse.Namespace) -> None:
     base_kb = pm.status_kb("VmRSS")
     net = build(a.model, a)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
-    model = rannc.RaNNCModule(net, opt, partition_num=world, microbatches=a.microbatches)
+    model = rannc.RaNNCModule(net, opt, partition_num=world // a.replicas, microbatches=a.microbatches,
+                              replicas=[a.replicas] * (world // a.replicas) if a.replicas > 1 else None,
+                              checkpointing=a.checkpointing, host_malloc=a.host_malloc)
     steady_kb = 0
     tensor_peak_b = 0.0
     peak_by: dict[str, float] = {}
@@ -199,6 +206,7 @@ def worker(a: argparse.Namespace) -> None:
     plan = model.plan if world > 1 else one
     st = plan.stage_of_rank(rank) if plan is not None else None
     out = dict(model=a.model, world=world, rank=rank, stage=st.index if st else 0,
+               layout=f"{len(plan.stages) if plan is not None else 1} x {a.replicas}",
                forecast_b=st.predicted.get("memory_bytes") if st else None,
                in_flight=st.predicted.get("in_flight") if st else None,
                recompute=st.recompute if st else None,
@@ -219,22 +227,25 @@ def driver(a: argparse.Namespace) -> None:
     common = [f"--{k}={v}" for k, v in (("layers", a.layers), ("hidden", a.hidden), ("heads", a.heads),
                                         ("vocab", a.vocab), ("batch", a.batch), ("seq", a.seq),
                                         ("steps", a.steps), ("microbatches", a.microbatches),
-                                        ("out", out))]
+                                        ("out", out), ("replicas", a.replicas),
+                                        ("checkpointing", a.checkpointing),
+                                        ("host-malloc", a.host_malloc))]
     try:
         for model in a.models:
             for s in a.stages:
                 cmd = [*me, "--worker", "--model", model, *common]
-                if s > 1:
+                if s * a.replicas > 1:
                     if mpiexec is None:
                         sys.exit("no mpiexec next to the interpreter or on PATH (pip install mpi4py mpich)")
-                    cmd = [mpiexec, "-n", str(s), *cmd]
+                    cmd = [mpiexec, "-n", str(s * a.replicas), *cmd]
                 pm.launch(cmd, a.timeout)
         rows = [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
     finally:
         shutil.rmtree(out, ignore_errors=True)
     print(f"\nL{a.layers} H{a.hidden} A{a.heads} vocab {a.vocab}, global batch {a.batch} x {a.seq}, "
-          f"{a.microbatches} microbatches, AdamW, {a.steps} steps\n")
-    head = ["model", "stages", "rank", "schedule, in flight, recompute", "forecast MiB",
+          f"{a.microbatches} microbatches, AdamW, {a.steps} steps, checkpointing {a.checkpointing}, "
+          f"host_malloc {a.host_malloc}\n")
+    head = ["model", "stages x replicas", "rank", "schedule, in flight, recompute", "forecast MiB",
             "measured peak MiB", "measured / forecast", "tensor peak MiB", "tensors / forecast",
             "live tensors at rest MiB", "RSS at rest (trimmed) MiB", "loss, last step"]
     print("| " + " | ".join(head) + " |")
@@ -244,7 +255,7 @@ def driver(a: argparse.Namespace) -> None:
         f = r["forecast_b"] or float("nan")
         ratio = r["measured_kb"] * 1024 / f
         ratios.append(ratio)
-        print(f"| {r['model']} | {r['world']} | {r['rank']} | {r['schedule']}, {r['in_flight']:.0f}, "
+        print(f"| {r['model']} | {r['layout']} | {r['rank']} | {r['schedule']}, {r['in_flight']:.0f}, "
               f"{r['recompute']:.2f} | {f / MB:.1f} | {r['measured_kb'] / 1024:.1f} | {ratio:.2f} | "
               f"{r['tensor_peak_b'] / MB:.1f} | {r['tensor_peak_b'] / f:.2f} | "
               f"{r['live_b'] / MB:.1f} | {r['rest_kb'] / 1024:.1f} | {r['losses'][-1]:.5f} |")
@@ -254,13 +265,14 @@ def driver(a: argparse.Namespace) -> None:
     if a.breakdown:
         print("\nThe forecast's terms and the tensor peak by the profiler's category (MiB), and the "
               "action running at the peak:\n")
-        terms = ["params", "grads", "optimizer", "inputs_outputs", "saved_inputs", "kept", "work"]
-        head = ["model", "stages", "rank", *terms, "|", *CATEGORIES, "at"]
+        terms = ["params", "grads", "optimizer", "inputs_outputs", "saved_inputs", "kept", "work",
+                 "returned_held", "at_return", "overhead"]
+        head = ["model", "stages x replicas", "rank", *terms, "|", *CATEGORIES, "at"]
         print("| " + " | ".join(head) + " |")
         print("|---" * len(head) + "|")
         for r in sorted(rows, key=lambda r: (r["model"], r["world"], r["rank"])):
             t, c = r["terms"], r["peak_by"]
-            print(f"| {r['model']} | {r['world']} | {r['rank']} | "
+            print(f"| {r['model']} | {r['layout']} | {r['rank']} | "
                   + " | ".join(f"{t.get(k, 0) / MB:.1f}" for k in terms) + " | | "
                   + " | ".join(f"{c.get(k, 0) / MB:.1f}" for k in CATEGORIES) + f" | {r['peak_at']} |")
 
@@ -269,6 +281,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     p.add_argument("--stages", nargs="+", type=int, default=[1, 2, 4])
+    p.add_argument("--replicas", type=int, default=1, help="replicas of every stage (ranks: stages x this)")
+    p.add_argument("--checkpointing", default="auto", choices=("auto", "on", "off"))
+    p.add_argument("--host-malloc", default="auto", choices=("auto", "release", "keep"),
+                   help="Config.host_malloc of every rank")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--heads", type=int, default=4)

@@ -98,3 +98,19 @@ def test_a_stage_whose_outputs_do_not_fit_at_return_is_infeasible() -> None:
     prof, io = two_blocks()
     assert math.isinf(head(io))
     assert head(two_blocks(returned=False)[1]) == pytest.approx(4 * MiB + 2 * (17 + 5) * MiB + 32 * MiB)
+
+
+def test_an_eager_schedule_returns_with_its_activations_freed() -> None:
+    """1F1B's first stage may hold every microbatch at once (M <= stages), but its backward ran
+    inside the call: when the outputs arrive its activations are gone. It keeps its stage
+    inputs for the late pass (saved_inputs = M), which is how the tables tell it from
+    fill-drain."""
+    prof, io = two_blocks()
+    mem = MemoryModel(opt_param_factor=2.0, limit=1e12, checkpointing="off")
+    eager = stage_tables(prof, io, mem, batch_size=8, devices=1, copies=2, microbatches=4,
+                         link_bw=1e9, allreduce_bw=1e9, inflight=4, saved_inputs=4)
+    static, rows = 4 * MiB, local_rows(8, 2, 1)
+    running = static + 4 * (1 + 10) * MiB + 1 * MiB  # outputs, kept and work of 4 microbatches
+    assert eager.memory[0, 0, 1] == pytest.approx(max(running, static + 2 * rows * LOGITS))
+    fill_drain = memory(io, prof, inflight=4, m=4)[0, 0]
+    assert fill_drain == pytest.approx(static + 4 * (1 + 10) * MiB + 2 * rows * LOGITS)

@@ -299,10 +299,15 @@ def stage_tables(prof: BlockProfile, io: BlockIO, mem: MemoryModel, *, batch_siz
         base = static + n_in * (inb + outb) + saved_inputs * inb + work_max[:, :, i] + ret.held
         full = base + n_in * kept  # nothing recomputed
         saved_per_f = (n_in - 1) * kept  # memory one unit of f frees
-        # when the call returns: every microbatch's outputs and this rank's rows assembled,
-        # the activations freed (an eager schedule's backward ran) or all alive (fill-drain)
+        # When the call returns: every microbatch's outputs and this rank's rows assembled,
+        # with the activations freed (an eager schedule ran its backward inside the call) or all
+        # alive (fill-drain's forward() returns before its backward). Only fill-drain holds every
+        # microbatch without keeping stage inputs for the late pass: an eager schedule holding
+        # them all keeps them (saved_inputs = M) whenever the model returns a batch output, and
+        # without one nothing is assembled at return, so the two are not confused where it counts.
+        fill_drain = n_in >= microbatches and saved_inputs == 0
         at_return = static + saved_inputs * inb + ret.at_return + \
-            (n_in * (inb + outb + kept) - ret.at_return + ret.mine if n_in >= microbatches else 0.0)
+            (n_in * (inb + outb + kept) - ret.at_return + ret.mine if fill_drain else 0.0)
         with np.errstate(divide="ignore", invalid="ignore"):
             need = np.where(full <= mem.limit, 0.0,
                             np.where(saved_per_f > 0, (full - mem.limit) / saved_per_f, math.inf))
