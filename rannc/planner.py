@@ -169,7 +169,7 @@ def _plan_graph(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, con
     stats.seconds["profile"] = time.perf_counter() - t2
 
     t3 = time.perf_counter()
-    schedules = list(SCHEDULES) if config.schedule == "auto" else [config.schedule]
+    schedules = _schedules(config)
     late = _late_pass(graph)
     table = _TableCache(prof, io, mem, cluster, batch_size, spec.link_bandwidth)
 
@@ -183,6 +183,15 @@ def _plan_graph(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, con
             continue
         for sched in schedules:
             saved = get_spec(sched).held(D, m, late).saved_inputs
+            if get_spec(sched).chunks > 1:  # several stages per rank: its own search
+                virtual = _interleaved(table, D, R, m, config, sched, saved)
+                stats.candidates += len(virtual)
+                found += virtual
+                if not virtual:
+                    tab = table(D, R, m, get_spec(sched).in_flight(D, m), saved,
+                                get_spec(sched).chunks)
+                    infeasible.append(([tab], [0] * D, D, set(range(1, D + 1))))
+                continue
             by_pos = _in_flight_by_position(sched, D, m)
             if by_pos is not None:
                 # Each stage is costed with the microbatches it holds, known from its position
@@ -352,7 +361,7 @@ def plan_splits(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, con
     best: list[_Refined | None] = [None] * len(splits)
     for m in mbs:  # one microbatch count's tables at a time: they are (blocks^2 x width) each
         table = _TableCache(prof, io, mem, cluster, batch_size, spec.link_bandwidth, width=width)
-        for sched in SCHEDULES if config.schedule == "auto" else [config.schedule]:
+        for sched in _schedules(config, one_stage_per_rank=True):
             for i, (bounds, replicas) in enumerate(splits):
                 held = get_spec(sched).held(len(replicas), m, late)
                 tab = table(D, R, m, held.in_flight, held.saved_inputs)
@@ -397,6 +406,7 @@ class _Refined:
     memory: tuple[float, ...]
     in_flight: tuple[int, ...]
     recompute_s: tuple[float, ...]
+    wgrad: tuple[float, ...] = ()  # the weight-gradient seconds within bwd (zero-bubble's W)
 
 
 @dataclass(frozen=True, slots=True)
@@ -409,6 +419,7 @@ class _StageCost:
     allreduce: float
     memory: float
     recompute_s: float
+    wgrad: float
 
 
 class _TableCache:
@@ -422,17 +433,20 @@ class _TableCache:
         self.cluster, self.link_bw = cluster, link_bw
         self.width = width  # replica counts beyond it are not tabled
         self.only = only  # the replica counts tabled (None: all up to the width)
-        self.tables: dict[tuple[int, int, int, int, int], StageTables] = {}
+        self.tables: dict[tuple[int, int, int, int, int, int], StageTables] = {}
 
-    def __call__(self, D: int, R: int, m: int, n_in: int, saved: int) -> StageTables:
-        key = (D, R, m, n_in, saved)
+    def __call__(self, D: int, R: int, m: int, n_in: int, saved: int, share: int = 1) -> StageTables:
+        """`share`: stages sharing each device (an interleaved schedule's chunks), each planned
+        within 1/share of its memory, so the device's stages fit together."""
+        key = (D, R, m, n_in, saved, share)
         if key not in self.tables:
+            mem = self.mem if share == 1 else dataclasses.replace(self.mem, limit=self.mem.limit / share)
             c = self.cluster
             link = self.link_bw
             cross_node = R > 1 or D > c.per_node
             ar_bw = c.inter_node_bandwidth if cross_node else link
             width = D if self.width is None else min(D, self.width)
-            self.tables[key] = stage_tables(self.prof, self.io, self.mem, batch_size=self.batch_size,
+            self.tables[key] = stage_tables(self.prof, self.io, mem, batch_size=self.batch_size,
                                             devices=width, copies=R, microbatches=m, link_bw=link,
                                             allreduce_bw=ar_bw, inflight=n_in, saved_inputs=saved,
                                             only=self.only, world=D * R)
@@ -465,28 +479,34 @@ def _refine(c: _Candidate, table: Any, late: bool) -> _Refined | None:
     sched = c.schedule
     saved = get_spec(sched).held(S, c.microbatches, late).saved_inputs
     idx = [(c.bounds[s], c.bounds[s + 1] - 1, c.replicas[s]) for s in range(S)]
+    place = _placement(c)
     # the schedule's own in-flight counts (recomputation does not change them)
-    counts = [n for n, _ in in_flight(make_schedule(sched, c.microbatches, chain(S), [False] * S))]
+    counts = [n for n, _ in in_flight(make_schedule(sched, c.microbatches, chain(S), [False] * S,
+                                                    place))]
+    share = get_spec(sched).chunks
     rows: list[_StageCost] = []
     for s, x in enumerate(idx):
-        tab = table(c.devices, c.copies, c.microbatches, counts[s], saved)
+        tab = table(c.devices, c.copies, c.microbatches, counts[s], saved, share)
         if not math.isfinite(float(tab.h[x])):
             return None
         rows.append(_StageCost(recompute=float(tab.recompute[x]), fwd=float(tab.fwd[x]),
                                bwd=float(tab.bwd[x]), allreduce=float(tab.allreduce[x]),
-                               memory=float(tab.memory[x]), recompute_s=float(tab.recompute_s[x])))
+                               memory=float(tab.memory[x]), recompute_s=float(tab.recompute_s[x]),
+                               wgrad=float(tab.wgrad[x])))
     if not get_spec(sched).recompute_last:  # e.g. scp: its last stage holds one microbatch
         last = rows[-1]
         rows[-1] = dataclasses.replace(last, recompute=0.0, bwd=last.bwd - last.recompute_s,
                                        recompute_s=0.0)
     rc = [r.recompute for r in rows]
-    timeline = simulate(make_schedule(sched, c.microbatches, chain(S), [f > 0 for f in rc]),
+    timeline = simulate(make_schedule(sched, c.microbatches, chain(S), [f > 0 for f in rc], place),
                         StageCosts(fwd=[r.fwd for r in rows], bwd=[r.bwd - r.recompute_s for r in rows],
                                    recompute=[r.recompute_s for r in rows], comm_fwd=[0.0] * S,
-                                   comm_bwd=[0.0] * S, allreduce=[r.allreduce for r in rows]))
+                                   comm_bwd=[0.0] * S, allreduce=[r.allreduce for r in rows],
+                                   wgrad=[r.wgrad for r in rows]))
     return _Refined(c, timeline.iteration_time, tuple(rc), tuple(r.fwd for r in rows),
                     tuple(r.bwd for r in rows), tuple(r.allreduce for r in rows),
-                    tuple(r.memory for r in rows), tuple(counts), tuple(r.recompute_s for r in rows))
+                    tuple(r.memory for r in rows), tuple(counts), tuple(r.recompute_s for r in rows),
+                    tuple(r.wgrad for r in rows))
 
 
 _BOUNDARY_REFINED = 4  # plans, the fastest at block level, whose boundaries are refined
@@ -556,7 +576,8 @@ def _refine_boundaries(best: _Refined, block_of: Sequence[int], io: BlockIO, com
         seg_io, table = tabler(seg_of, c)
         # each stage costed with the microbatches it really holds in flight (as `_refine` does),
         # not the search's common bound: a later 1F1B stage holds fewer and recomputes less
-        tabs = [table(c.devices, c.copies, c.microbatches, n, saved) for n in best.in_flight]
+        tabs = [table(c.devices, c.copies, c.microbatches, n, saved, get_spec(c.schedule).chunks)
+                for n in best.in_flight]
         bounds = _min_max_bounds([t.h[:, :, d] for t, d in zip(tabs, c.replicas, strict=True)])
         mine = tuple(points.index(x) for x in cuts)
         if bounds is not None and bounds != mine:
@@ -628,6 +649,62 @@ def _microbatch_counts(config: Config, batch_size: int) -> list[int]:
         out.append(m)
         m *= 2
     return out or [1]
+
+
+def _schedules(config: Config, one_stage_per_rank: bool = False) -> list[str]:
+    """The schedules searched: the forced one, or under "auto" every registered one the
+    runtime runs (`ScheduleSpec.runs`); `one_stage_per_rank` leaves out interleaved ones."""
+    names = [n for n in SCHEDULES if get_spec(n).runs] if config.schedule == "auto" \
+        else [config.schedule]
+    return [n for n in names if not (one_stage_per_rank and get_spec(n).chunks > 1)]
+
+
+def _placement(c: _Candidate) -> tuple[int, ...]:
+    """Each stage's lane (the ranks running it): its own, or under an interleaved schedule
+    of v chunks, s % (stages / v)."""
+    S, v = len(c.replicas), get_spec(c.schedule).chunks
+    return tuple(s % (S // v) for s in range(S)) if v > 1 else tuple(range(S))
+
+
+def _interleaved(table: _TableCache, D: int, R: int, m: int, config: Config, sched: str,
+                 saved: int) -> list[_Candidate]:
+    """Candidates of an interleaved schedule of v chunks: P lanes of devices, each running v
+    stages (s, s + P, ...), the stages' replica counts those of their lane. Per lane count P
+    (or the forced partition_num / v), the lanes' replicas are the forced ones, one replica
+    count for every lane, or the stage DP's best P-stage split's; the v * P stage bounds then
+    minimise the slowest stage (each stage planned within 1/v of the device memory, so a
+    device's stages fit together). The simulator ranks them as it ranks the others."""
+    v = get_spec(sched).chunks
+    k = table.io.params.shape[0]
+    if config.partition_num is not None:
+        if config.partition_num % v:
+            return []
+        lanes = [config.partition_num // v]
+    else:
+        lanes = list(range(2, min(D, k // v) + 1))
+    out: list[_Candidate] = []
+    for P in lanes:
+        S = v * P
+        if S > k or P > D or (m > P and m % P):
+            continue  # a short last round deadlocks (rannc.schedule.spec)
+        tab = table(D, R, m, get_spec(sched).in_flight(S, m), saved, v)
+        options: set[tuple[int, ...]] = set()
+        if config.replicas is not None:
+            options.add(tuple(config.replicas))
+        else:
+            if D % P == 0:
+                options.add((D // P,) * P)
+            sols = stage_dp(tab.h, D, P)
+            if len(sols) >= P and sols[P - 1].feasible:
+                options.add(tuple(sols[P - 1].replicas))
+        for lane_reps in sorted(options):
+            if len(lane_reps) != P or sum(lane_reps) != D:
+                continue
+            reps = tuple(lane_reps[s % P] for s in range(S))
+            bounds = _min_max_bounds([tab.h[:, :, d] for d in reps])
+            if bounds is not None:
+                out.append(_candidate([tab] * S, D, R, m, bounds, reps, sched))
+    return out
 
 
 def _in_flight_by_position(sched: str, D: int, m: int) -> tuple[int, ...] | None:
@@ -730,7 +807,9 @@ def _to_plan(graph: TaskGraph, atomic: AtomicPartition, costs: GraphCosts, best:
     """The plan of `best`, whose bounds index the groups of `block_of`; `blocks`: phase 2's
     block count to report (default: those groups')."""
     c = best.cand
-    ranks = stage_ranks(c.replicas, world)
+    place = _placement(c)
+    lane_ranks = stage_ranks(c.replicas[:max(place) + 1], world)
+    ranks = [lane_ranks[place[s]] for s in range(len(c.replicas))]  # stages sharing a lane
     stages = []
     for s in range(len(c.replicas)):
         lo, hi, d = c.bounds[s], c.bounds[s + 1] - 1, c.replicas[s]
@@ -744,7 +823,7 @@ def _to_plan(graph: TaskGraph, atomic: AtomicPartition, costs: GraphCosts, best:
                        "allreduce_s": best.allreduce[s], "memory_bytes": best.memory[s],
                        "microbatch_rows": rows, "in_flight": float(best.in_flight[s]),
                        "recompute_memory_fraction": best.recompute[s],
-                       "recompute_s": best.recompute_s[s],
+                       "recompute_s": best.recompute_s[s], "backward_weight_s": best.wgrad[s],
                        "first_block": float(lo), "last_block": float(hi)},
             modules=_module_range(graph, atomic, comps)))
     return Plan(stages=tuple(stages), microbatches=c.microbatches, world_size=world,
@@ -779,6 +858,8 @@ def _hetero_search(graph: TaskGraph, atomic: AtomicPartition, costs: GraphCosts,
             continue
         batch_of = [0] + [batch_per_replica(batch_size, 1, m, d) for d in range(1, world + 1)]
         for sched in schedules:
+            if get_spec(sched).chunks > 1:
+                continue  # the mixed-cluster DP places one stage per device group
             held = get_spec(sched).held(world, m, late)
             hs = hetero_stages(prof, io, static, dev, rows=batch_size / m, batch_of=batch_of,
                                in_flight=held.in_flight,

@@ -102,6 +102,13 @@ class Plan:
             raise RaNNCError(f"no stage of this plan holds parameter {name!r}")
         return ranks[0]
 
+    def placement(self) -> tuple[int, ...]:
+        """Per stage: its lane, the position of its ranks among the stages' distinct sets of
+        ranks in stage order. Stage s's own (s) but under an interleaved schedule, whose
+        stages s, s + P, ... run on the same ranks."""
+        seen: dict[tuple[int, ...], int] = {}
+        return tuple(seen.setdefault(st.ranks, len(seen)) for st in self.stages)
+
     def stage_of_rank(self, rank: int) -> StagePlan:
         for st in self.stages:
             if rank in st.ranks:

@@ -49,13 +49,16 @@ FIFO = ScheduleSpec("fifo", _fifo_fill_drain, eager=False, recompute_last=False,
 @pytest.mark.parametrize(("name", "S", "M"), list(itertools.product(SCHEDULES, [1, 2, 4], [1, 3, 8])))
 def test_the_in_flight_bound_is_what_the_lines_hold(name: str, S: int, M: int) -> None:
     spec = get_spec(name)
+    if spec.chunks > 1 and (S % spec.chunks or M > S // spec.chunks and M % (S // spec.chunks)):
+        return  # refused (tests/test_schedule.py)
     held = [n for n, _ in in_flight(make_schedule(name, M, chain(S), [False] * S))]
     assert max(held) == spec.in_flight(S, M)
 
 
 def test_recompute_last_comes_from_the_spec() -> None:
     for name, spec in SCHEDULES.items():
-        sched = make_schedule(name, 4, chain(3), [True] * 3)
+        S = 3 * spec.chunks
+        sched = make_schedule(name, 4 if spec.chunks == 1 else 3, chain(S), [True] * S)
         last_recomputes = any(a.op is Op.R for a in sched.actions[-1])
         assert last_recomputes == spec.recompute_last, name
 

@@ -7,9 +7,11 @@ on the `meta` device costs nothing to estimate. Time on a `DeviceSpec` is
 `max(flops / (peak * efficiency), bytes / (bandwidth * efficiency)) + launch overhead`, the
 peak being the fp16/bf16 tensor-core one for tasks whose outputs are half precision (autocast);
 backward is counted as twice the forward (grad of input and grad of weight) for differentiable
-tasks. Memory kept for backward is what autograd saves (`rannc.profile.saved`: per op, the
-inputs or outputs its gradient reads, each storage once); a task's working memory is the larger
-of its forward's (inputs and outputs) and its backward's (gradients and temporaries).
+tasks, half of it the weight gradient's (`wgrad`, what zero-bubble schedules run as a separate W
+pass) where the task reads a trainable parameter, none of it elsewhere. Memory kept for
+backward is what autograd saves (`rannc.profile.saved`: per op, the inputs or outputs its
+gradient reads, each storage once); a task's working memory is the larger of its forward's
+(inputs and outputs) and its backward's (gradients and temporaries).
 
 Index conventions: t indexes graph tasks, c atomic components, j blocks, i batch sizes.
 """
@@ -70,6 +72,7 @@ class GraphCosts:
     work: np.ndarray  # (T, 2): bytes live while the task's forward or backward runs
     is_kernel: np.ndarray  # (T,) bool: launches a kernel (not a view)
     has_grad: np.ndarray  # (T,) bool: produces a floating activation (runs in backward)
+    has_weight: np.ndarray  # (T,) bool: reads a trainable parameter (a weight gradient)
     half: np.ndarray  # (T,) bool: computes in fp16/bf16 (autocast), at the tensor-core peak
     pair_task: np.ndarray  # (P,) task of each (component, task) holding; cloned tasks repeat
     pair_comp: np.ndarray  # (P,) its component
@@ -88,6 +91,7 @@ class GraphCosts:
         work = np.zeros((T, 2))
         is_kernel = np.zeros(T, dtype=bool)
         has_grad = np.zeros(T, dtype=bool)
+        has_weight = np.zeros(T, dtype=bool)
         half = np.zeros(T, dtype=bool)
         vbytes = {name: _bytes(v) for name, v in graph.values.items()}
         for t, task in enumerate(graph.tasks):
@@ -104,6 +108,7 @@ class GraphCosts:
             half[t] = any(v.dtype in _HALF_DTYPES for v in outs)
             act_out = [v for v in outs if v.kind is ValueKind.ACTIVATION and v.dtype in FLOAT_DTYPES]
             has_grad[t] = bool(act_out)
+            has_weight[t] = any(v.kind is ValueKind.PARAM and v.dtype in FLOAT_DTYPES for v in ins)
         kept, bwd_work = saved(graph, fused=fused)
         work = np.maximum(work, bwd_work)
         pairs = [(t, c.index) for c in atomic.components for t in c.tasks]
@@ -117,7 +122,7 @@ class GraphCosts:
                         seen.add(vname)
                         comp_params[c.index] += vbytes[vname][0] + vbytes[vname][1]
         return cls(flops=flops, moved=moved, kept=kept, work=work, is_kernel=is_kernel,
-                   has_grad=has_grad, half=half,
+                   has_grad=has_grad, has_weight=has_weight, half=half,
                    pair_task=np.array([p[0] for p in pairs], dtype=np.int64),
                    pair_comp=np.array([p[1] for p in pairs], dtype=np.int64),
                    comp_params=comp_params, n_components=len(atomic.components))
@@ -135,6 +140,11 @@ class GraphCosts:
         fwd = np.maximum(f / peak, m / bw) + spec.op_overhead * self.is_kernel
         bwd = 2 * fwd * self.has_grad
         return fwd, bwd
+
+    def task_wgrad(self, fwd: np.ndarray) -> np.ndarray:
+        """The weight-gradient seconds inside each task's backward, given its forward seconds:
+        half of the backward (dW, beside dX) where it reads a trainable parameter."""
+        return fwd * (self.has_grad & self.has_weight)
 
     # -- per component / block ------------------------------------------------------------------
     def component_time(self, spec: DeviceSpec, batch: float) -> np.ndarray:
@@ -154,16 +164,17 @@ class GraphCosts:
         blk = np.asarray(block_of, dtype=np.int64)[self.pair_comp]
         nb = int(blk.max()) + 1 if len(blk) else 0
         shape = (nb, len(batch_sizes))
-        fwd, bwd, kept, work = (np.zeros(shape) for _ in range(4))
+        fwd, bwd, wgrad, kept, work = (np.zeros(shape) for _ in range(5))
         for i, b in enumerate(batch_sizes):
             f, g = self.task_times(spec, b)
             fwd[:, i] = np.bincount(blk, weights=f[self.pair_task], minlength=nb)
             bwd[:, i] = np.bincount(blk, weights=g[self.pair_task], minlength=nb)
+            wgrad[:, i] = np.bincount(blk, weights=self.task_wgrad(f)[self.pair_task], minlength=nb)
             k = self.kept[:, 0] + self.kept[:, 1] * b
             kept[:, i] = np.bincount(blk, weights=k[self.pair_task], minlength=nb)
             w = self.work[:, 0] + self.work[:, 1] * b
             np.maximum.at(work[:, i], blk, w[self.pair_task])
-        return BlockProfile(tuple(batch_sizes), fwd, bwd, kept, work)
+        return BlockProfile(tuple(batch_sizes), fwd, bwd, kept, work, wgrad)
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +186,7 @@ class BlockProfile:
     bwd: np.ndarray  # without recomputation
     kept: np.ndarray  # activation bytes kept for backward by one microbatch
     work: np.ndarray  # the largest single task's live bytes
+    wgrad: np.ndarray | None = None  # the weight-gradient seconds within bwd (None: unknown)
 
     def column(self, batch: int) -> int:
         return self.batch_sizes.index(batch)

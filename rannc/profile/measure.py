@@ -236,7 +236,12 @@ class MeasureOracle(BlockOracle):
                         out[n][j, i] = x
         if todo:
             self._measure_all(groups, keys, batch_sizes, todo, out, est, what)
-        return BlockProfile(batch_sizes, out["fwd"], out["bwd"], out["kept"], out["work"])
+        # The weight-gradient share of each measured backward: the estimate's share (timing
+        # dW apart from dX would need each block's backward run twice more).
+        share = np.divide(est.wgrad, est.bwd, out=np.zeros_like(est.bwd),
+                          where=est.bwd > 0) if est.wgrad is not None else np.zeros_like(est.bwd)
+        wgrad = np.multiply(out["bwd"], share, out=np.zeros_like(share), where=share > 0)
+        return BlockProfile(batch_sizes, out["fwd"], out["bwd"], out["kept"], out["work"], wgrad)
 
     def _measure_all(self, groups: list[list[int]], keys: list[str], batch_sizes: tuple[int, ...],
                      todo: list[tuple[int, int]], out: dict[str, np.ndarray], est: BlockProfile,

@@ -5,12 +5,20 @@ action is one of
 
     F   forward of microbatch m           B   backward of microbatch m
     R   recompute microbatch m's forward  (activations dropped in F are rebuilt before B)
+    W   the weight-gradient part of m's backward, split off B and run later
     RF  receive m's stage inputs          SF  send m's stage outputs on
     RB  receive m's output gradients      SB  send m's input gradients back
 
-written `<op><stage>.<microbatch>` ("F1.3", "RB0.2"). A schedule's text form is a header line
-and one line per stage; `Schedule.parse(str(s)) == s`. Sends never block (the runtime uses
-isend); receives block until every matching send has happened, which is what `simulate` models.
+written `<op><stage>.<microbatch>` ("F1.3", "RB0.2"). Where a stage's line has W actions, its B
+computes the stage inputs' gradients only (what SB sends back) and W the parameters' gradients
+(zero-bubble schedules, Qi et al. 2023: W fills the waits); without them B does both.
+
+Each line belongs to a *lane*: the ranks running it. One stage per lane is the usual case; an
+interleaved schedule places several stages on each lane (`Schedule.placement`: stage s runs on
+lane placement[s]), and the lane's line holds their actions in the order it runs them. A
+schedule's text form is a header line and one line per lane; `Schedule.parse(str(s)) == s`.
+Sends never block (the runtime uses isend); receives block until every matching send has
+happened, which is what `simulate` models.
 
 The generators in `rannc.schedule.spec` build the schedules rannc runs: fill-drain (GPipe),
 1F1B (PipeDream-flush order) and Merak's shifted critical path ("scp": 1F1B whose recomputation
@@ -21,7 +29,7 @@ uniform stages: 53 vs 39 time units), so it is left out (BENCHMARKS.md).
 `suppliers[t]` lists the stages stage t receives activations from (a skip connection makes it
 more than t - 1).
 
-Index conventions: s, t stages; m microbatches.
+Index conventions: s, t stages; m microbatches; d lanes.
 """
 
 from __future__ import annotations
@@ -37,14 +45,16 @@ class Op(Enum):
     F = "F"
     B = "B"
     R = "R"
+    W = "W"
     RF = "RF"
     SF = "SF"
     RB = "RB"
     SB = "SB"
 
 
-COMPUTE = (Op.F, Op.B, Op.R)
-_ACTION = re.compile(r"^(RF|SF|RB|SB|F|B|R)(\d+)\.(\d+)$")
+COMPUTE = (Op.F, Op.B, Op.R, Op.W)
+BACKWARD_SIDE = (Op.B, Op.R, Op.W, Op.RB, Op.SB)  # what fill-drain leaves for backward()
+_ACTION = re.compile(r"^(RF|SF|RB|SB|F|B|R|W)(\d+)\.(\d+)$")
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -69,53 +79,76 @@ class Schedule:
     name: str
     microbatches: int
     suppliers: tuple[tuple[int, ...], ...]  # per stage: the stages it receives activations from
-    actions: tuple[tuple[Action, ...], ...]  # per stage, in execution order
+    actions: tuple[tuple[Action, ...], ...]  # per lane, in execution order
+    placement: tuple[int, ...] = ()  # per stage: its lane (empty: stage s on lane s)
 
     @property
     def stages(self) -> int:
+        return len(self.suppliers)
+
+    @property
+    def lanes(self) -> int:
         return len(self.actions)
+
+    def lane_of(self, s: int) -> int:
+        return self.placement[s] if self.placement else s
+
+    def stages_on(self, d: int) -> list[int]:
+        """The stages lane d runs, first to last."""
+        return [s for s in range(self.stages) if self.lane_of(s) == d]
+
+    def splits_backward(self, s: int) -> bool:
+        """Whether stage s runs its backward as B (input gradients) then W (weight gradients)."""
+        return any(a.op is Op.W and a.stage == s for a in self.actions[self.lane_of(s)])
 
     def consumers(self, s: int) -> list[int]:
         return [t for t, sup in enumerate(self.suppliers) if s in sup]
 
     def __str__(self) -> str:
         edges = ",".join(f"{s}>{t}" for t, sup in enumerate(self.suppliers) for s in sup)
+        lanes = f" lanes={','.join(map(str, self.placement))}" if self.placement else ""
         lines = [f"schedule {self.name} stages={self.stages} microbatches={self.microbatches} "
-                 f"edges={edges or '-'}"]
-        for s, acts in enumerate(self.actions):
-            lines.append(f"{s}: " + " ".join(str(a) for a in acts))
+                 f"edges={edges or '-'}{lanes}"]
+        for d, acts in enumerate(self.actions):
+            lines.append(f"{d}: " + " ".join(str(a) for a in acts))
         return "\n".join(lines)
 
     @classmethod
     def parse(cls, text: str) -> Schedule:
         lines = [ln for ln in text.strip().splitlines() if ln.strip()]
-        head = re.match(r"^schedule (\S+) stages=(\d+) microbatches=(\d+) edges=(\S+)$",
-                        lines[0].strip()) if lines else None
+        head = re.match(r"^schedule (\S+) stages=(\d+) microbatches=(\d+) edges=(\S+)"
+                        r"(?: lanes=([\d,]+))?$", lines[0].strip()) if lines else None
         if head is None:
             raise ScheduleError("a schedule's first line must read "
-                                "'schedule NAME stages=S microbatches=M edges=0>1,...'")
+                                "'schedule NAME stages=S microbatches=M edges=0>1,...' "
+                                "(and ' lanes=0,1,0,1' where stages share lanes)")
         n_stages = int(head.group(2))
         sup: list[list[int]] = [[] for _ in range(n_stages)]
         if head.group(4) != "-":
             for e in head.group(4).split(","):
                 s, t = (int(x) for x in e.split(">"))
                 sup[t].append(s)
-        if len(lines) != n_stages + 1:
-            raise ScheduleError(f"schedule names {n_stages} stages but has {len(lines) - 1} lines")
+        placement = tuple(int(x) for x in head.group(5).split(",")) if head.group(5) else ()
+        if placement and len(placement) != n_stages:
+            raise ScheduleError(f"lanes= gives {len(placement)} stages' lanes for {n_stages} stages")
+        n_lanes = max(placement) + 1 if placement else n_stages
+        if len(lines) != n_lanes + 1:
+            raise ScheduleError(f"schedule names {n_lanes} lanes but has {len(lines) - 1} lines")
         acts = []
-        for s, ln in enumerate(lines[1:]):
+        for d, ln in enumerate(lines[1:]):
             label, _, body = ln.partition(":")
-            if label.strip() != str(s):
-                raise ScheduleError(f"line {s + 2} should start with '{s}:', got {ln[:20]!r}")
+            if label.strip() != str(d):
+                raise ScheduleError(f"line {d + 2} should start with '{d}:', got {ln[:20]!r}")
             acts.append(tuple(Action.parse(t) for t in body.split()))
-        return cls(head.group(1), int(head.group(3)), tuple(tuple(x) for x in sup), tuple(acts))
+        return cls(head.group(1), int(head.group(3)), tuple(tuple(x) for x in sup), tuple(acts),
+                   placement)
 
-    def forward_part(self, s: int) -> tuple[Action, ...]:
-        """Stage s's actions before its first backward-side action (what fill-drain runs in
+    def forward_part(self, d: int) -> tuple[Action, ...]:
+        """Lane d's actions before its first backward-side action (what fill-drain runs in
         `forward()`; the rest waits for `backward()`)."""
-        acts = self.actions[s]
+        acts = self.actions[d]
         for i, a in enumerate(acts):
-            if a.op in (Op.B, Op.R, Op.RB, Op.SB):
+            if a.op in BACKWARD_SIDE:
                 return acts[:i]
         return acts
 
@@ -128,35 +161,45 @@ def chain(n_stages: int) -> tuple[tuple[int, ...], ...]:
 def validate(sched: Schedule) -> None:
     """Raise ScheduleError unless every stage runs F and B of every microbatch once, in an
     order whose data are there: RF before F before SF; R (if any) after F and before B; RB
-    before B before SB; receives and sends exactly where the stage has suppliers/consumers.
+    before B before SB; W (if any: then for every microbatch) after B; receives and sends
+    exactly where the stage has suppliers/consumers; every action on its stage's lane.
     Cross-stage order (deadlocks) is checked by `simulate`."""
     M = sched.microbatches
-    for s, acts in enumerate(sched.actions):
-        has_sup, has_cons = bool(sched.suppliers[s]), bool(sched.consumers(s))
-        pos: dict[tuple[Op, int], int] = {}
+    S = sched.stages
+    if sched.placement and (len(sched.placement) != S
+                            or sorted(set(sched.placement)) != list(range(sched.lanes))):
+        raise ScheduleError(f"placement {list(sched.placement)} must give each of the {S} stages "
+                            f"one of the lanes 0..{sched.lanes - 1}, each lane at least one stage")
+    pos: list[dict[tuple[Op, int], int]] = [{} for _ in range(S)]
+    for d, acts in enumerate(sched.actions):
         for i, a in enumerate(acts):
-            if a.stage != s:
-                raise ScheduleError(f"stage {s}'s line holds {a}, an action of stage {a.stage}")
+            if not 0 <= a.stage < S or sched.lane_of(a.stage) != d:
+                raise ScheduleError(f"lane {d}'s line holds {a}, an action of stage {a.stage}, "
+                                    "which runs on another lane")
             if not 0 <= a.micro < M:
                 raise ScheduleError(f"{a}: microbatch {a.micro} is outside 0..{M - 1}")
-            if (a.op, a.micro) in pos:
-                raise ScheduleError(f"{a} appears twice on stage {s}")
-            pos[(a.op, a.micro)] = i
+            if (a.op, a.micro) in pos[a.stage]:
+                raise ScheduleError(f"{a} appears twice on stage {a.stage}")
+            pos[a.stage][(a.op, a.micro)] = i
+    for s in range(S):
+        has_sup, has_cons = bool(sched.suppliers[s]), bool(sched.consumers(s))
+        split = any(op is Op.W for op, _ in pos[s])
         for m in range(M):
             need = {Op.F: True, Op.B: True, Op.RF: has_sup, Op.SB: has_sup, Op.SF: has_cons,
-                    Op.RB: has_cons}
+                    Op.RB: has_cons, Op.W: split}
             for op, required in need.items():
-                if required and (op, m) not in pos:
+                if required and (op, m) not in pos[s]:
                     raise ScheduleError(f"stage {s} never runs {Action(s, m, op)}")
-                if not required and (op, m) in pos:
+                if not required and (op, m) in pos[s]:
                     why = "no suppliers" if op in (Op.RF, Op.SB) else "no consumers"
                     raise ScheduleError(f"stage {s} has {why}, but runs {Action(s, m, op)}")
             order = [(Op.RF, Op.F), (Op.F, Op.SF), (Op.F, Op.B), (Op.F, Op.R), (Op.R, Op.B),
-                     (Op.RB, Op.B), (Op.B, Op.SB)]
+                     (Op.RB, Op.B), (Op.B, Op.SB), (Op.B, Op.W)]
             for first, then in order:
-                if (first, m) in pos and (then, m) in pos and pos[(first, m)] > pos[(then, m)]:
+                if (first, m) in pos[s] and (then, m) in pos[s] \
+                        and pos[s][(first, m)] > pos[s][(then, m)]:
                     raise ScheduleError(f"stage {s} runs {Action(s, m, then)} before "
                                         f"{Action(s, m, first)}")
 
 
-__all__ = ["COMPUTE", "Action", "Op", "Schedule", "ScheduleError", "chain", "validate"]
+__all__ = ["BACKWARD_SIDE", "COMPUTE", "Action", "Op", "Schedule", "ScheduleError", "chain", "validate"]

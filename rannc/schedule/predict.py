@@ -16,7 +16,7 @@ def plan_schedule(plan: Plan, suppliers: Sequence[Sequence[int]] | None = None) 
     """The schedule `plan` runs (stage graph `suppliers`; default a chain)."""
     sup = chain(len(plan.stages)) if suppliers is None else suppliers
     return make_schedule(plan.schedule, plan.microbatches, sup,
-                         [st.recomputed_components > 0 for st in plan.stages])
+                         [st.recomputed_components > 0 for st in plan.stages], plan.placement())
 
 
 def plan_costs(plan: Plan) -> StageCosts:
@@ -31,7 +31,8 @@ def plan_costs(plan: Plan) -> StageCosts:
     return StageCosts(fwd=[x["forward_s"] for x in p],
                       bwd=[x["backward_s"] - r for x, r in zip(p, rec, strict=True)],
                       recompute=rec, comm_fwd=zero, comm_bwd=zero,
-                      allreduce=[x.get("allreduce_s", 0.0) for x in p])
+                      allreduce=[x.get("allreduce_s", 0.0) for x in p],
+                      wgrad=[x.get("backward_weight_s", 0.0) for x in p])
 
 
 def measured_costs(plan: Plan, events: Mapping[int, Sequence[Event]]) -> StageCosts:
@@ -42,7 +43,7 @@ def measured_costs(plan: Plan, events: Mapping[int, Sequence[Event]]) -> StageCo
     dur: dict[tuple[int, Op], list[float]] = {}
     for evs in events.values():
         for e in evs:
-            if e.action.op in (Op.F, Op.B, Op.R):
+            if e.action.op in (Op.F, Op.B, Op.R, Op.W):
                 dur.setdefault((e.action.stage, e.action.op), []).append(e.end - e.start)
 
     def mean(s: int, op: Op) -> float:
@@ -50,9 +51,11 @@ def measured_costs(plan: Plan, events: Mapping[int, Sequence[Event]]) -> StageCo
         return statistics.fmean(xs) if xs else 0.0
 
     zero = [0.0] * n
-    return StageCosts(fwd=[mean(s, Op.F) for s in range(n)], bwd=[mean(s, Op.B) for s in range(n)],
+    # where W ran apart, the backward is B + W and W its weight share
+    return StageCosts(fwd=[mean(s, Op.F) for s in range(n)],
+                      bwd=[mean(s, Op.B) + mean(s, Op.W) for s in range(n)],
                       recompute=[mean(s, Op.R) for s in range(n)], comm_fwd=zero, comm_bwd=zero,
-                      allreduce=zero)
+                      allreduce=zero, wgrad=[mean(s, Op.W) for s in range(n)])
 
 
 def predict(plan: Plan, costs: StageCosts | None = None,

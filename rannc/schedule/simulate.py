@@ -1,9 +1,12 @@
 """Predict a schedule's iteration time from per-stage costs, without running a model.
 
-Each stage is one sequential worker running its line of actions. F, B and R take the stage's
-forward, backward and recompute seconds; a send takes no worker time and its data reach the
-receiver `comm` seconds later; a receive waits until every matching send has arrived (the
-runtime's isend / blocking recv). After its last action a stage all-reduces its gradients.
+Each lane (the ranks running one line: one stage, or several under an interleaved schedule) is
+one sequential worker running its line of actions. F, B and R take the stage's forward,
+backward and recompute seconds; where the stage's backward is split, B takes the backward less
+its weight-gradient share `wgrad` and W that share; a send takes no worker time and its data
+reach the receiver `comm` seconds later; a receive waits until every matching send has arrived
+(the runtime's isend / blocking recv). After its last action a lane all-reduces its stages'
+gradients.
 When no worker can move and some still have actions left, the schedule deadlocks, and
 `simulate` names each stuck stage and what it waits for.
 
@@ -35,13 +38,18 @@ class StageCosts:
     comm_fwd: Sequence[float]
     comm_bwd: Sequence[float]
     allreduce: Sequence[float]
+    wgrad: Sequence[float] = ()  # the weight-gradient share of bwd (W); empty: none known
 
     @classmethod
     def uniform(cls, stages: int, fwd: float = 1.0, bwd: float = 2.0, recompute: float = 0.0,
-                comm: float = 0.0, allreduce: float = 0.0) -> StageCosts:
+                comm: float = 0.0, allreduce: float = 0.0, wgrad: float = 0.0) -> StageCosts:
         z = [0.0] * stages
         return cls([fwd] * stages, [bwd] * stages, [recompute] * stages, [comm] * stages,
-                   [comm] * stages, [allreduce] * stages if allreduce else z)
+                   [comm] * stages, [allreduce] * stages if allreduce else z, [wgrad] * stages)
+
+    def weight(self, s: int) -> float:
+        """Seconds of stage s's backward that compute weight gradients (0 when unknown)."""
+        return float(self.wgrad[s]) if self.wgrad else 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,18 +62,18 @@ class Event:
 @dataclass(frozen=True, slots=True)
 class Timeline:
     schedule: Schedule
-    events: tuple[tuple[Event, ...], ...]  # per stage
-    iteration_time: float  # to the end of the slowest stage's all-reduce
-    allreduce: tuple[float, ...]
+    events: tuple[tuple[Event, ...], ...]  # per lane (one stage per lane but interleaved)
+    iteration_time: float  # to the end of the slowest lane's all-reduce
+    allreduce: tuple[float, ...]  # per lane
 
     @property
     def busy(self) -> list[float]:
-        """Compute seconds per stage."""
+        """Compute seconds per lane."""
         return [sum(e.end - e.start for e in evs if e.action.op in COMPUTE) for evs in self.events]
 
     @property
     def bubble_ratio(self) -> float:
-        """Idle compute time over busy compute time, over all stages, up to the last action
+        """Idle compute time over busy compute time, over all lanes, up to the last action
         (the all-reduce excluded): (S - 1) / M for uniform 1F1B without recomputation."""
         span = max((evs[-1].end for evs in self.events if evs), default=0.0)
         busy = sum(self.busy)
@@ -73,54 +81,57 @@ class Timeline:
 
 
 def simulate(sched: Schedule, costs: StageCosts) -> Timeline:
-    S = sched.stages
+    S, L = sched.stages, sched.lanes
     consumers = [sched.consumers(s) for s in range(S)]
     sent: dict[tuple[Op, int, int], float] = {}  # (SF|SB, stage, micro) -> time sent
-    clock = [0.0] * S
-    nxt = [0] * S
-    events: list[list[Event]] = [[] for _ in range(S)]
-    dur = {Op.F: costs.fwd, Op.B: costs.bwd, Op.R: costs.recompute}
+    clock = [0.0] * L
+    nxt = [0] * L
+    events: list[list[Event]] = [[] for _ in range(L)]
+    split = [sched.splits_backward(s) for s in range(S)]
+    dur = {Op.F: list(costs.fwd), Op.R: list(costs.recompute),
+           Op.B: [costs.bwd[s] - (costs.weight(s) if split[s] else 0.0) for s in range(S)],
+           Op.W: [costs.weight(s) for s in range(S)]}
     remaining = sum(len(a) for a in sched.actions)
     # Fill-drain returns from forward() between its two halves: the outputs are gathered and
     # every rank meets in the loss gradient's all-reduce before any backward starts.
     spec = SCHEDULES.get(sched.name)  # a parsed schedule may have a name of its own: no barrier
-    split = [len(sched.forward_part(s)) if spec is not None and not spec.eager else -1
-             for s in range(S)]
+    halves = [len(sched.forward_part(d)) if spec is not None and not spec.eager else -1
+              for d in range(L)]
     fwd_end: dict[int, float] = {}
     while remaining:
         moved = False
-        for s in range(S):
-            acts = sched.actions[s]
-            while nxt[s] < len(acts):
-                a = acts[nxt[s]]
-                if nxt[s] == split[s]:
-                    fwd_end[s] = clock[s]
-                    if len(fwd_end) < S:
+        for d in range(L):
+            acts = sched.actions[d]
+            while nxt[d] < len(acts):
+                a = acts[nxt[d]]
+                if nxt[d] == halves[d]:
+                    fwd_end[d] = clock[d]
+                    if len(fwd_end) < L:
                         break
-                    clock[s] = max(clock[s], max(fwd_end.values()))
-                t0 = clock[s]
+                    clock[d] = max(clock[d], max(fwd_end.values()))
+                t0 = clock[d]
                 if a.op in dur:
-                    t1 = t0 + dur[a.op][s]
+                    t1 = t0 + dur[a.op][a.stage]
                 elif a.op in (Op.SF, Op.SB):
-                    sent[(a.op, s, a.micro)] = t0
+                    sent[(a.op, a.stage, a.micro)] = t0
                     t1 = t0
                 else:
-                    ready = _arrival(a, sched.suppliers[s] if a.op is Op.RF else consumers[s],
-                                     sent, costs)
+                    peers = sched.suppliers[a.stage] if a.op is Op.RF else consumers[a.stage]
+                    ready = _arrival(a, peers, sent, costs)
                     if ready is None:
                         break
                     t1 = max(t0, ready)
-                events[s].append(Event(a, t0, t1))
-                clock[s] = t1
-                nxt[s] += 1
+                events[d].append(Event(a, t0, t1))
+                clock[d] = t1
+                nxt[d] += 1
                 remaining -= 1
                 moved = True
         if not moved:
-            stuck = [f"stage {s} waits at {sched.actions[s][nxt[s]]}" for s in range(S)
-                     if nxt[s] < len(sched.actions[s])]
+            stuck = [f"{'stage' if not sched.placement else 'lane'} {d} waits at "
+                     f"{sched.actions[d][nxt[d]]}" for d in range(L) if nxt[d] < len(sched.actions[d])]
             raise ScheduleError(f"schedule {sched.name} deadlocks: " + "; ".join(stuck))
-    ar = tuple(float(x) for x in costs.allreduce)
-    total = max((clock[s] + ar[s] for s in range(S)), default=0.0)
+    ar = tuple(float(sum(costs.allreduce[s] for s in sched.stages_on(d))) for d in range(L))
+    total = max((clock[d] + ar[d] for d in range(L)), default=0.0)
     return Timeline(sched, tuple(tuple(e) for e in events), total, ar)
 
 
@@ -140,9 +151,13 @@ def _arrival(a: Action, peers: Sequence[int], sent: dict[tuple[Op, int, int], fl
 def in_flight(sched: Schedule) -> list[tuple[int, int]]:
     """Per stage: (the most microbatches whose forward ran and backward has not, the most
     whose recomputed activations are alive at once). Memory = static + first * (what a
-    microbatch keeps through its backward) + second * (what recomputation rebuilds)."""
+    microbatch keeps through its backward) + second * (what recomputation rebuilds). Where the
+    backward is split, a microbatch's activations stay until its W (the weight gradients read
+    the layers' inputs; the runtime keeps the autograd graph until then)."""
     out = []
-    for acts in sched.actions:
+    for s in range(sched.stages):
+        acts = [a for a in sched.actions[sched.lane_of(s)] if a.stage == s]
+        done = Op.W if sched.splits_backward(s) else Op.B
         live = peak = rec = rec_peak = 0
         rebuilt = {a.micro for a in acts if a.op is Op.R}
         for a in acts:
@@ -152,7 +167,7 @@ def in_flight(sched: Schedule) -> list[tuple[int, int]]:
             elif a.op is Op.R:
                 rec += 1
                 rec_peak = max(rec_peak, rec)
-            elif a.op is Op.B:
+            elif a.op is done:
                 live -= 1
                 if a.micro in rebuilt:
                     rec -= 1

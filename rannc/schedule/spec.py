@@ -25,38 +25,67 @@ FILL_DRAIN = "gpipe"
 
 @dataclass(frozen=True, slots=True)
 class StageLine:
-    """What a generator knows about the stage whose line it builds, and the action groups
-    every schedule is made of."""
+    """What a generator knows about the lane whose line it builds (one stage, or under an
+    interleaved schedule several: `stages_here`), and the action groups every schedule is
+    made of. The group helpers take the stage they are for (default: `stage`)."""
 
-    stage: int
+    stage: int  # the first stage on this lane
     microbatches: int
     suppliers: tuple[tuple[int, ...], ...]  # per stage: the stages it receives activations from
     recompute: bool  # this stage drops activations in F and rebuilds them (R) before B
+    placement: tuple[int, ...] = ()  # per stage: its lane (empty: one stage per lane)
+    recomputes: tuple[bool, ...] = ()  # per stage (empty: `recompute` for this lane's stage)
 
     @property
     def depth(self) -> int:
         """Longest chain of consumers after this stage (the last stage: 0)."""
         return _depth_to_end(self.suppliers, self.stage)
 
-    def forward(self, m: int) -> list[Action]:
+    @property
+    def max_depth(self) -> int:
+        """The longest chain of consumers after any stage (a chain of S stages: S - 1)."""
+        return max(_depth_to_end(self.suppliers, t) for t in range(len(self.suppliers)))
+
+    @property
+    def lane(self) -> int:
+        return self.placement[self.stage] if self.placement else self.stage
+
+    @property
+    def lanes(self) -> int:
+        return max(self.placement) + 1 if self.placement else len(self.suppliers)
+
+    @property
+    def stages_here(self) -> list[int]:
+        """The stages this lane runs, first to last."""
+        if not self.placement:
+            return [self.stage]
+        return [t for t, d in enumerate(self.placement) if d == self.lane]
+
+    def forward(self, m: int, s: int | None = None) -> list[Action]:
         """RF (with suppliers), F, SF (with consumers) of microbatch m."""
-        s = self.stage
+        s = self.stage if s is None else s
         out = [Action(s, m, Op.RF)] if self.suppliers[s] else []
         out.append(Action(s, m, Op.F))
-        return out + ([Action(s, m, Op.SF)] if self._has_consumers else [])
+        return out + ([Action(s, m, Op.SF)] if self._has_consumers(s) else [])
 
-    def backward(self, m: int, early_recompute: bool = False) -> list[Action]:
+    def backward(self, m: int, early_recompute: bool = False, s: int | None = None) -> list[Action]:
         """RB, R (when recomputing; before RB if `early_recompute`), B, SB of microbatch m."""
-        s = self.stage
-        recv = [Action(s, m, Op.RB)] if self._has_consumers else []
-        r = [Action(s, m, Op.R)] if self.recompute else []
+        s = self.stage if s is None else s
+        recv = [Action(s, m, Op.RB)] if self._has_consumers(s) else []
+        r = [Action(s, m, Op.R)] if self._recomputes(s) else []
         out = r + recv if early_recompute else recv + r
         out.append(Action(s, m, Op.B))
         return out + ([Action(s, m, Op.SB)] if self.suppliers[s] else [])
 
-    @property
-    def _has_consumers(self) -> bool:
-        return any(self.stage in x for x in self.suppliers)
+    def weight(self, m: int, s: int | None = None) -> list[Action]:
+        """W of microbatch m: the weight gradients, split off its B."""
+        return [Action(self.stage if s is None else s, m, Op.W)]
+
+    def _has_consumers(self, s: int) -> bool:
+        return any(s in x for x in self.suppliers)
+
+    def _recomputes(self, s: int) -> bool:
+        return self.recomputes[s] if self.recomputes else self.recompute
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +117,13 @@ class ScheduleSpec:
     the bound the planner's stage DP is run under before per-stage refinement."""
     summary: str = ""
     """One line for Config's help."""
+    runs: bool = True
+    """Whether the runtime runs it: `schedule="auto"` searches only these; one that does not is
+    still planned and simulated when forced (`rannc.plan`, the `rannc plan` command)."""
+    chunks: int = 1
+    """Stages per lane (the ranks of one pipeline position) by default: 1, or more for an
+    interleaved schedule, whose stage s runs on lane s % (stages / chunks). A plan says its own
+    placement (`Plan.placement`); this is what `make_schedule` assumes without one."""
 
     def held(self, stages: int, microbatches: int, late: bool) -> HeldActivations:
         """The planner's memory model for this schedule's activations: the in-flight bound,
@@ -126,6 +162,69 @@ def _one_f_one_b(line: StageLine, early_recompute: bool = False) -> list[Action]
 
 def _shifted_critical_path(line: StageLine) -> list[Action]:
     return _one_f_one_b(line, early_recompute=True)
+
+
+def _zero_bubble_h1(line: StageLine) -> list[Action]:
+    """ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", section 3): 1F1B's order with
+    each backward split into B (input gradients, sent back at once) and W (weight gradients),
+    the W of stage s deferred by its distance from the first stage, so the chain of B
+    passes that ends the iteration runs without the W passes on it and the later stages fill
+    their cool-down waits with the deferred W. Stage s then holds at most the first stage's
+    1F1B count of microbatches (theirs until its W), which is 1F1B's peak memory."""
+    M = line.microbatches
+    warm = min(line.depth, M)
+    lag = line.max_depth - line.depth  # W passes deferred (torch's num_1f1b_microbatches: rank)
+    acts: list[Action] = []
+    for m in range(warm):
+        acts += line.forward(m)
+    for i in range(M):
+        if warm + i < M:
+            acts += line.forward(warm + i)
+        acts += line.backward(i)
+        if i >= lag:
+            acts += line.weight(i - lag)
+    for i in range(max(0, M - lag), M):
+        acts += line.weight(i)
+    return acts
+
+
+def _interleaved_one_f_one_b(line: StageLine) -> list[Action]:
+    """Interleaved 1F1B (Narayanan et al. 2021, Megatron-LM's virtual pipeline stages): lane d
+    of P runs stages d, d + P, ... (v chunks), microbatches in rounds of P: each round's
+    forwards go through chunk 0, then chunk 1, ..., and its backwards through the chunks in
+    reverse; after (v - 1) rounds' worth plus 2 (P - 1 - d) warm-up forwards, one forward and
+    one backward alternate. The bubble is 1F1B's divided by v; the warm-up holds more
+    microbatches than 1F1B's first stage does (v stages' worth, each 1/v of the model)."""
+    M, P = line.microbatches, line.lanes
+    here = line.stages_here
+    v, d = len(here), line.lane
+    if M > P and M % P:
+        # a short last round leaves the chunks' order without the slack the warm-up assumes
+        # (the simulator finds it deadlocking, e.g. 4 lanes x 3 chunks, 5 microbatches)
+        raise ScheduleError(f"interleaved_1f1b runs microbatches in rounds of its {P} lanes, so "
+                            f"it needs fewer than {P} microbatches or a multiple of {P}, got {M}; "
+                            f"use microbatches={M + P - M % P} or another schedule")
+    rnd = min(P, M)  # microbatches per round
+
+    def order(reverse: bool) -> list[tuple[int, int]]:  # (stage, microbatch) in run order
+        out = []
+        for r0 in range(0, M, rnd):
+            mics = range(r0, min(r0 + rnd, M))
+            for c in (reversed(range(v)) if reverse else range(v)):
+                out += [(here[c], m) for m in mics]
+        return out
+
+    fwd, bwd = order(False), order(True)
+    warm = min(len(fwd), (v - 1) * rnd + 2 * (P - 1 - d))
+    acts: list[Action] = []
+    for s, m in fwd[:warm]:
+        acts += line.forward(m, s)
+    for i, (s, m) in enumerate(bwd):
+        if warm + i < len(fwd):
+            fs, fm = fwd[warm + i]
+            acts += line.forward(fm, fs)
+        acts += line.backward(m, s=s)
+    return acts
 
 
 SCHEDULES: dict[str, ScheduleSpec] = {}
@@ -169,13 +268,24 @@ register(ScheduleSpec("1f1b", _one_f_one_b, eager=True, recompute_last=True,
 # gradient, so it fills that wait, and none on the last stage.
 register(ScheduleSpec("scp", _shifted_critical_path, eager=True, recompute_last=False,
                       in_flight=lambda S, M: min(S, M), summary="Merak's shifted critical path"))
+# ZB-H1: backward split into input gradients (B) and weight gradients (W), W deferred into the
+# cool-down; every stage holds up to the first stage's count (its microbatches wait for W).
+register(ScheduleSpec("zero_bubble", _zero_bubble_h1, eager=True, recompute_last=True,
+                      in_flight=lambda S, M: min(S, M),
+                      summary="zero-bubble ZB-H1 (backward split into input and weight passes)"))
+# Interleaved 1F1B: planned and simulated when forced; the runtime does not run several stages
+# per rank yet, so "auto" leaves it out (runs=False).
+register(ScheduleSpec("interleaved_1f1b", _interleaved_one_f_one_b, eager=True,
+                      recompute_last=True, in_flight=lambda S, M: _interleaved_in_flight(S, M),
+                      summary="interleaved 1F1B (several stages per rank)", runs=False, chunks=2))
 
 
 def make_schedule(name: str, microbatches: int, suppliers: Sequence[Sequence[int]],
-                  recompute: Sequence[bool]) -> Schedule:
+                  recompute: Sequence[bool], placement: Sequence[int] | None = None) -> Schedule:
     """Build schedule `name` (a key of `SCHEDULES`) for the stage graph `suppliers`, where
     `recompute[s]` says the plan has stage s drop activations in forward and recompute them
-    (the schedule may decline, see `ScheduleSpec.recompute_last`)."""
+    (the schedule may decline, see `ScheduleSpec.recompute_last`); `placement[s]`: the lane
+    running stage s (default `default_placement`)."""
     spec = get_spec(name)
     sup = tuple(tuple(sorted(x)) for x in suppliers)
     n = len(sup)
@@ -183,10 +293,47 @@ def make_schedule(name: str, microbatches: int, suppliers: Sequence[Sequence[int
         raise ScheduleError(f"recompute has {len(recompute)} entries for {n} stages")
     if microbatches < 1:
         raise ScheduleError(f"microbatches must be at least 1, got {microbatches}")
-    lines = tuple(tuple(spec.generate(StageLine(s, microbatches, sup,
-                                                spec.recomputes(s, n, recompute[s]))))
-                  for s in range(n))
-    return Schedule(name, microbatches, sup, lines)
+    place = default_placement(name, n) if placement is None else tuple(placement)
+    if len(place) != n or sorted(set(place)) != list(range(max(place, default=-1) + 1)):
+        raise ScheduleError(f"placement {list(place)} must give each of the {n} stages a lane, "
+                            "the lanes numbered 0, 1, ... without gaps")
+    lanes = max(place, default=-1) + 1
+    if spec.chunks == 1 and lanes != n:
+        raise ScheduleError(f"schedule {name!r} runs one stage per lane, but the placement "
+                            f"{list(place)} puts {n} stages on {lanes} lanes; use an interleaved "
+                            "schedule for several stages per rank")
+    rc = tuple(spec.recomputes(s, n, recompute[s]) for s in range(n))
+    firsts = [place.index(d) for d in range(lanes)]
+    keep = place if lanes != n or any(d != s for s, d in enumerate(place)) else ()
+    lines = tuple(tuple(spec.generate(StageLine(s, microbatches, sup, rc[s], keep, rc)))
+                  for s in firsts)
+    return Schedule(name, microbatches, sup, lines, keep)
+
+
+def default_placement(name: str, n_stages: int) -> tuple[int, ...]:
+    """Stage s's lane when a schedule is built without a placement: s, or for a schedule of
+    `chunks` stages per lane, s % (n_stages / chunks) (a ScheduleError where that does not
+    divide)."""
+    c = get_spec(name).chunks
+    if c == 1:
+        return tuple(range(n_stages))
+    if n_stages % c:
+        raise ScheduleError(f"schedule {name!r} puts {c} stages on each lane, so it needs a "
+                            f"multiple of {c} stages, got {n_stages}; use partition_num "
+                            f"{n_stages + c - n_stages % c} or another schedule")
+    lanes = n_stages // c
+    return tuple(s % lanes for s in range(n_stages))
+
+
+def _interleaved_in_flight(S: int, M: int) -> int:
+    """The most microbatches any stage of an S-stage chain holds under interleaved 1F1B
+    (read off its lines, as the planner's memory model does)."""
+    from rannc.schedule.actions import chain
+    from rannc.schedule.simulate import in_flight
+
+    if S % 2:
+        return min(S, M)
+    return max(n for n, _ in in_flight(make_schedule("interleaved_1f1b", M, chain(S), [False] * S)))
 
 
 def _depth_to_end(sup: Sequence[Sequence[int]], s: int) -> int:
@@ -200,5 +347,5 @@ def _depth_to_end(sup: Sequence[Sequence[int]], s: int) -> int:
     return depth[s]
 
 
-__all__ = ["FILL_DRAIN", "SCHEDULES", "HeldActivations", "ScheduleSpec", "StageLine", "get_spec",
-           "make_schedule", "register", "registered"]
+__all__ = ["FILL_DRAIN", "SCHEDULES", "HeldActivations", "ScheduleSpec", "StageLine",
+           "default_placement", "get_spec", "make_schedule", "register", "registered"]

@@ -31,8 +31,8 @@ if TYPE_CHECKING:
 _US = 1e6  # trace files count microseconds
 _MS = 1e3  # the chart counts milliseconds
 
-_CATEGORY = {Op.F: "forward", Op.B: "backward", Op.R: "recompute", Op.SF: "send", Op.SB: "send",
-             Op.RF: "recv", Op.RB: "recv"}
+_CATEGORY = {Op.F: "forward", Op.B: "backward", Op.R: "recompute", Op.W: "weight gradients",
+             Op.SF: "send", Op.SB: "send", Op.RF: "recv", Op.RB: "recv"}
 
 
 # --- Chrome / Perfetto trace -------------------------------------------------------------------
@@ -122,6 +122,7 @@ _STYLE: dict[str, dict[str, Any]] = {
     "forward": {"facecolor": "#0072B2"},
     "backward": {"facecolor": "#E69F00"},
     "recompute": {"facecolor": "#009E73"},
+    "weight gradients": {"facecolor": "#D55E00"},  # W: split off B (zero-bubble schedules)
     "send": {"facecolor": "#56B4E9"},  # measured isend calls (queueing the transfer)
     "recv wait": {"facecolor": "#DDDDDD", "hatch": "////", "edgecolor": "#999999"},
     "all-reduce": {"facecolor": "#CC79A7"},
@@ -153,7 +154,9 @@ def timeline_png(path: str | os.PathLike[str], *, measured: Mapping[int, Sequenc
     `predicted` is `simulate`'s result, one lane per stage. With both,
     they are drawn one above the other on the same time axis. Forward, backward and
     recompute are coloured bars (numbered by microbatch where wide enough), receive waits
-    thin hatched grey bars, a predicted all-reduce a bar after the stage's last action.
+    thin hatched grey bars, a predicted all-reduce a bar after the stage's last action. Where
+    a lane runs several stages (interleaved schedules), the bars of its later stages are
+    hatched, so each chunk's microbatches read apart.
     """
     if measured is None and predicted is None:
         raise TraceError("timeline_png needs something to draw: pass measured=<rank -> events> "
@@ -164,8 +167,10 @@ def timeline_png(path: str | os.PathLike[str], *, measured: Mapping[int, Sequenc
     if measured is not None:
         panels.append(measured_panel(measured, measured_iteration))
     if predicted is not None:
-        lanes: list[_Lane] = [(f"stage {s}", evs, predicted.allreduce[s], "all-reduce")
-                 for s, evs in enumerate(predicted.events)]
+        sched = predicted.schedule
+        lanes: list[_Lane] = [(_predicted_lane_name(sched.stages_on(d)), evs,
+                               predicted.allreduce[d], "all-reduce")
+                              for d, evs in enumerate(predicted.events)]
         panels.append((f"predicted (simulator): iteration {_fmt_ms(predicted.iteration_time)}",
                        lanes))
 
@@ -234,22 +239,25 @@ def _draw_panel(ax: Axes, lanes: Sequence[_Lane], min_label_ms: float) -> set[st
     n = len(lanes)
     for i, (_, evs, tail, tail_kind) in enumerate(lanes):
         y = n - 1 - i  # first lane on top
-        bars: dict[str, list[tuple[float, float]]] = {}
+        bars: dict[tuple[str, bool], list[tuple[float, float]]] = {}
+        first = min((e.action.stage for e in evs), default=0)
         for e in evs:
             width = (e.end - e.start) * _MS
             if width <= 0:
                 continue  # sends and receives that did not wait take no time
             kind = "recv wait" if e.action.op in (Op.RF, Op.RB) else _CATEGORY[e.action.op]
-            bars.setdefault(kind, []).append((e.start * _MS, width))
+            bars.setdefault((kind, e.action.stage != first), []).append((e.start * _MS, width))
             if kind not in ("recv wait", "send") and width >= min_label_ms:
                 ax.text(e.start * _MS + width / 2, y, str(e.action.micro), ha="center",
                         va="center", fontsize=7, color="white", clip_on=True)
         if tail > 0:
             last = max((e.end for e in evs), default=0.0)
-            bars[tail_kind] = [(last * _MS, tail * _MS)]
-        for kind, spans in bars.items():
+            bars[(tail_kind, False)] = [(last * _MS, tail * _MS)]
+        for (kind, later), spans in bars.items():
             h = _WAIT_H if kind == "recv wait" else _BAR_H
             style = {"edgecolor": "white", "linewidth": 0.5, **_STYLE[kind]}
+            if later and kind != "recv wait":
+                style["hatch"] = "///"
             ax.broken_barh(spans, (y - h / 2, h), **style)
             kinds.add(kind)
     ax.set_yticks(range(n), [lane[0] for lane in reversed(lanes)], fontsize=9)
@@ -258,6 +266,12 @@ def _draw_panel(ax: Axes, lanes: Sequence[_Lane], min_label_ms: float) -> set[st
     ax.set_axisbelow(True)
     ax.tick_params(axis="x", labelbottom=True)  # sharex hides it on the upper panel
     return kinds
+
+
+def _predicted_lane_name(stages: Sequence[int]) -> str:
+    if len(stages) == 1:
+        return f"stage {stages[0]}"
+    return "stages " + ", ".join(map(str, stages))
 
 
 def _fmt_ms(seconds: float) -> str:

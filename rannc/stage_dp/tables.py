@@ -232,6 +232,7 @@ class StageTables:
     memory_min: np.ndarray  # the smaller of the two options' memory (for "needs N GB")
     recompute: np.ndarray  # fraction of kept activation memory recomputed
     recompute_s: np.ndarray  # the seconds that recomputation adds (inside bwd)
+    wgrad: np.ndarray  # the weight-gradient seconds inside bwd (a zero-bubble schedule's W)
     batch: np.ndarray  # (D+1,) rows per replica per microbatch
 
 
@@ -262,6 +263,7 @@ def stage_tables(prof: BlockProfile, io: BlockIO, mem: MemoryModel, *, batch_siz
     out = {n: np.full(shape, math.inf) for n in ("h", "fwd", "bwd", "allreduce", "memory", "memory_min")}
     recompute = np.zeros(shape)
     recompute_s = np.zeros(shape)
+    wgrad = np.zeros(shape)
     batch = np.zeros(devices + 1, dtype=np.int64)
     valid = np.triu(np.ones((k, k), dtype=bool)) & io.cut_ok[:k, None] & io.cut_ok[None, 1:]
     n_in = microbatches if inflight is None else inflight
@@ -269,6 +271,8 @@ def stage_tables(prof: BlockProfile, io: BlockIO, mem: MemoryModel, *, batch_siz
         local_rows(batch_size, copies, devices)
     zero = np.zeros((1, prof.fwd.shape[1]))
     pre = {n: np.vstack([zero, np.cumsum(getattr(prof, n), axis=0)]) for n in ("fwd", "bwd", "kept")}
+    pre["wgrad"] = np.vstack([zero, np.cumsum(prof.wgrad if prof.wgrad is not None
+                                              else np.zeros_like(prof.fwd), axis=0)])
     work_max = np.zeros((k, k, prof.work.shape[1]))
     for lo in range(k):
         work_max[lo, lo:] = np.maximum.accumulate(prof.work[lo:], axis=0)
@@ -326,7 +330,8 @@ def stage_tables(prof: BlockProfile, io: BlockIO, mem: MemoryModel, *, batch_siz
         out["memory_min"][:, :, d] = np.where(valid, smallest, math.inf)
         recompute[:, :, d] = f
         recompute_s[:, :, d] = f * fwd
-    return StageTables(recompute=recompute, recompute_s=recompute_s, batch=batch, **out)
+        wgrad[:, :, d] = np.where(ok, rng("wgrad"), 0.0)
+    return StageTables(recompute=recompute, recompute_s=recompute_s, wgrad=wgrad, batch=batch, **out)
 
 
 def gpipe_iteration_time(fwd: Sequence[float], bwd: Sequence[float], allreduce: Sequence[float],

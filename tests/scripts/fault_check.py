@@ -24,7 +24,7 @@ from torch import nn
 
 import rannc
 from rannc import dist as rdist
-from rannc.pipeline.runtime import PipelineRuntime
+from rannc.pipeline.stage import Stage
 
 
 def main() -> None:
@@ -65,13 +65,13 @@ def main() -> None:
 
     # Faults go where rannc does the work: the stage modules run from the captured graph, so
     # hooks on the user's modules would never fire.
-    fwd, bwd = PipelineRuntime._forward_micro, PipelineRuntime._backward_micro
+    fwd, bwd = Stage.forward, Stage.backward
 
-    def forward_micro(self: PipelineRuntime, *args: object) -> None:
+    def forward_micro(self: Stage, *args: object) -> None:
         fault("forward")
         fwd(self, *args)  # type: ignore[arg-type]
 
-    def backward_micro(self: PipelineRuntime, *args: object) -> None:
+    def backward_micro(self: Stage, *args: object) -> None:
         fault("backward")
         bwd(self, *args)  # type: ignore[arg-type]
 
@@ -88,8 +88,8 @@ def main() -> None:
         fault("checkpoint")
         return write_data(self, *args)  # type: ignore[arg-type]
 
-    PipelineRuntime._forward_micro = forward_micro  # type: ignore[method-assign]
-    PipelineRuntime._backward_micro = backward_micro  # type: ignore[method-assign]
+    Stage.forward = forward_micro  # type: ignore[method-assign]
+    Stage.backward = backward_micro  # type: ignore[method-assign]
     dist.all_reduce = grad_all_reduce  # type: ignore[assignment]
     dcp.FileSystemWriter.write_data = write_shard  # type: ignore[method-assign]
 

@@ -1,0 +1,310 @@
+"""Walks a rank's line of schedule actions for one call.
+
+An action names its stage (`F1.3`: forward of stage 1, microbatch 3), so a line may hold the
+actions of several stages this rank holds (interleaved schedules): everything per microbatch
+is kept per (stage, microbatch), and each action goes to its own `Stage`. Receiving an
+action's inputs and sending its results is done here, from the routes (which stage or rank
+each value comes from and goes to) and the call's row layout (which rows each replica holds),
+through the call's `Transport`; the computation is the stage's.
+
+Model outputs: a batch output's rows go back to the ranks owning them; a scalar output (a loss)
+is summed here, piece by piece, with each (microbatch, replica) piece weighted by its share of
+the global value (`piece_weight`), and the runtime all-reduces the sums.
+
+Index conventions: s, t stages; m microbatches; r ranks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rannc.graph.task_graph import eval_dim
+from rannc.pipeline.grads import GradReducer
+from rannc.pipeline.routes import OWNERS, Routes
+from rannc.pipeline.rows import Range, RowLayout, intersect
+from rannc.pipeline.stage import Micro, Stage
+from rannc.pipeline.transport import Key, Kind, Transport
+from rannc.plans import Plan
+from rannc.schedule import Action, Event, Op, Schedule
+
+
+@dataclass
+class Call:
+    """One call of the model on this rank: its layout, inputs, messages and per-(stage,
+    microbatch) state."""
+
+    layout: RowLayout
+    env: dict[str, Any]  # the call's bound inputs (and parameters), by value name
+    mode: str  # "forward" (no grad), "split" (fill-drain: backward() runs the rest), "eager"
+    transport: Transport
+    micro: dict[tuple[int, int], Micro]  # (stage, microbatch) -> its state
+    grad_inputs: frozenset[str] = frozenset()  # model inputs whose rows get gradients back
+    used: set[str] = field(default_factory=set)  # batch outputs some rank back-propagates from
+    stash: dict[str, torch.Tensor] | None = None  # eager: gradients for a unit loss gradient
+    input_stash: dict[str, torch.Tensor] = field(default_factory=dict)  # eager: likewise
+    t0: float = 0.0
+
+
+class Executor:
+    """Runs the actions of the `stages` this rank holds (one replica each)."""
+
+    def __init__(self, stages: Sequence[Stage], routes: Routes, plan: Plan, schedule: Schedule,
+                 grads: GradReducer, summed: set[str], rank: int, world_size: int,
+                 trace: bool = False) -> None:
+        self.stages: dict[int, Stage] = {st.index: st for st in stages}
+        self.routes, self.plan, self.schedule, self.grads = routes, plan, schedule, grads
+        self.summed = summed  # scalar outputs whose pieces add up (`piece_weight`)
+        self.rank, self.world_size = rank, world_size
+        self._has_consumers = {s: bool(schedule.consumers(s)) for s in self.stages}
+        self._keeps_inputs = routes.has_batch_grad_outputs()
+        self.trace = trace
+        self.events: list[Event] = []  # the last call's actions, when tracing
+
+    def new_micro(self, layout: RowLayout) -> dict[tuple[int, int], Micro]:
+        return {(s, m): Micro(layout.rows[s][m][st.replica])
+                for s, st in self.stages.items() for m in range(self.plan.microbatches)}
+
+    def replicas(self, t: int, m: int, layout: RowLayout) -> list[tuple[int, Range]]:
+        """(rank, rows) of each replica of stage t in microbatch m."""
+        return list(zip(self.plan.stages[t].ranks, layout.rows[t][m], strict=True))
+
+    # -- the line ------------------------------------------------------------------------------
+    def run(self, call: Call, acts: Sequence[Action], scalars: dict[str, torch.Tensor],
+            scalar_g: dict[str, torch.Tensor] | None = None, arm: Action | None = None) -> None:
+        """Run `acts`; `arm`: the action before which the gradient reducer is armed."""
+        for a in acts:
+            mic = call.micro[(a.stage, a.micro)]
+            if mic.empty:
+                continue
+            if a == arm:
+                self.grads.arm()
+            t0 = time.perf_counter() if self.trace else 0.0
+            # A named range per action (F0.3: forward of stage 0, microbatch 3) in torch.profiler traces.
+            with torch.profiler.record_function(f"rannc {a}"):
+                self._run_action(call, a, mic, scalars, scalar_g)
+            if self.trace:
+                self.events.append(Event(a, t0 - call.t0, time.perf_counter() - call.t0))
+            call.transport.poll()  # the held-back transfers go as soon as they can
+
+    def _run_action(self, call: Call, a: Action, mic: Micro, scalars: dict[str, torch.Tensor],
+                    scalar_g: dict[str, torch.Tensor] | None) -> None:
+        st = self.stages[a.stage]
+        if a.op is Op.RF:
+            self._receive_inputs(call, st, a.micro)
+        elif a.op is Op.F:
+            if mic.ins is None:  # the first stage: only model inputs, received here
+                self._receive_inputs(call, st, a.micro)
+            st.forward(mic, call.mode != "forward", call.mode == "eager" and self._keeps_inputs)
+            if not self._has_consumers[a.stage]:  # no SF action: model outputs leave right away
+                self._send_outputs(call, st, a.micro, scalars)
+        elif a.op is Op.SF:
+            self._send_outputs(call, st, a.micro, scalars)
+        elif a.op is Op.RB:
+            mic.out_grads = [self._output_grad(call, st, v, a.micro, scalar_g) for v in st.outputs]
+        elif a.op is Op.R:
+            st.recompute(mic)
+        elif a.op is Op.B:
+            if mic.out_grads is None:  # a stage without consumers: only model-output grads
+                mic.out_grads = [self._output_grad(call, st, v, a.micro, scalar_g)
+                                 for v in st.outputs]
+            st.backward(mic, call.grad_inputs)
+            # model inputs' gradients go back to their owners now: a stage reading only
+            # model inputs has no SB action
+            self._send_input_grads(call, st, a.micro, model_inputs=True)
+        elif a.op is Op.SB:
+            self._send_input_grads(call, st, a.micro)
+
+    # -- forward -------------------------------------------------------------------------------
+    def send_inputs(self, call: Call) -> None:
+        """My input rows, every microbatch, straight to the stages that read them."""
+        mine = call.layout.owned[self.rank]
+        for v in self.routes.graph.inputs:
+            if not self.routes.moves(v):
+                continue
+            for t in self.routes.consumers(v, OWNERS):
+                for m in range(self.plan.microbatches):
+                    call.transport.send_rows(call.env[v], Key(v, m, Kind.FWD, t), mine,
+                                             self.replicas(t, m, call.layout))
+
+    def _receive_inputs(self, call: Call, st: Stage, m: int) -> None:
+        mic = call.micro[(st.index, m)]
+        ins = [self._stage_input(call, st, v, m, mic.rows) for v in st.inputs]
+        mic.ins = st.as_leaves(ins, call.grad_inputs) if call.mode != "forward" else ins
+
+    def _stage_input(self, call: Call, st: Stage, v: str, m: int, rows: Range) -> Any:
+        val = self.routes.graph.values[v]
+        if val.dtype == "sym_int":
+            return eval_dim(val.sym_expr or "batch", rows[1] - rows[0])
+        if not self.routes.moves(v):
+            return call.env[v]
+        g = self.routes.supplier(v, st.index)
+        src = self._owners(call) if g == OWNERS else self.replicas(g, m, call.layout)
+        return call.transport.recv_rows(Key(v, m, Kind.FWD, st.index), rows, src)
+
+    def _send_outputs(self, call: Call, st: Stage, m: int, scalars: dict[str, torch.Tensor]) -> None:
+        mic = call.micro[(st.index, m)]
+        assert mic.outs is not None
+        for v, o in zip(st.outputs, mic.outs, strict=True):
+            self._send_output(call, st.index, v, o, m, mic.rows, scalars)
+        mic.outs = None
+
+    def _send_output(self, call: Call, s: int, v: str, o: Any, m: int, rows: Range,
+                     scalars: dict[str, torch.Tensor]) -> None:
+        layout = call.layout
+        if self.routes.moves(v):
+            for t in self.routes.consumers(v, s):
+                call.transport.send_rows(o, Key(v, m, Kind.FWD, t), rows, self.replicas(t, m, layout))
+        if self.routes.out_stage.get(v) != s:
+            return
+        if v in scalars:
+            scalars[v] += o.detach().to(torch.float64) * self.piece_weight(v, rows, layout)
+        else:
+            call.transport.send_rows(o, Key(v, m, Kind.OUT, s), rows, self._owners(call))
+
+    def piece_weight(self, v: str, rows: Range, layout: RowLayout) -> float:
+        """The weight of one (microbatch, replica) piece of scalar output v in its global value:
+        1 (a sum) where v is divided by the global `num_items_in_batch`, each piece being
+        sum / global count; else the piece's share of the rows (a row-weighted mean)."""
+        return 1.0 if v in self.summed else (rows[1] - rows[0]) / layout.n_rows
+
+    def receive_outputs(self, call: Call, scalars: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's rows of every batch model output, from the stages computing them."""
+        layout = call.layout
+        mine = layout.owned[self.rank]
+        out: dict[str, torch.Tensor] = {}
+        for v, s in self.routes.out_stage.items():
+            if v in scalars:
+                continue
+            pieces = []
+            for m in range(self.plan.microbatches):
+                part = intersect(mine, layout.micro[m])
+                if part is not None:
+                    pieces.append(call.transport.recv_rows(Key(v, m, Kind.OUT, s), part,
+                                                           self.replicas(s, m, layout)))
+            out[v] = _cat(pieces, self._dim(v)) if pieces else call.transport.empty(v, 0)
+        return out
+
+    # -- backward ------------------------------------------------------------------------------
+    def _output_grad(self, call: Call, st: Stage, v: str, m: int,
+                     scalar_g: dict[str, torch.Tensor] | None) -> torch.Tensor | None:
+        """The gradient of stage output v for microbatch m: the sum over the stages reading it,
+        plus, for a model output, the seed (scalar_g None: an eager pass, seeded with a unit
+        loss gradient and nothing from batch outputs)."""
+        val = self.routes.graph.values[v]
+        if not self.routes.is_float(v):
+            return None
+        s, rows = st.index, call.micro[(st.index, m)].rows
+        total: torch.Tensor | None = None
+        if self.routes.moves(v):
+            for t in self.routes.consumers(v, s):
+                if (v, t) not in self.routes.grad_edges:
+                    continue
+                g = call.transport.recv_rows(Key(v, m, Kind.GRAD, t), rows,
+                                             self.replicas(t, m, call.layout))
+                total = g if total is None else total + g
+        if self.routes.out_stage.get(v) == s:
+            if val.batch_dim is None:
+                seed = torch.ones((), dtype=torch.float64) if scalar_g is None else scalar_g[v]
+                w = self.piece_weight(v, rows, call.layout)
+                g = (seed * w).to(getattr(torch, val.dtype)).reshape(())
+            elif scalar_g is None or v not in call.used:
+                return total
+            else:
+                g = call.transport.recv_rows(Key(v, m, Kind.OUT_GRAD, s), rows, self._owners(call))
+            total = g if total is None else total + g
+        return total
+
+    def _send_input_grads(self, call: Call, st: Stage, m: int, model_inputs: bool = False) -> None:
+        """Stage input gradients back to their senders: a model input's to the ranks owning
+        those rows. With `model_inputs`, only those (the rest wait for the SB action)."""
+        mic = call.micro[(st.index, m)]
+        if mic.in_grads is None:
+            return
+        for i, (v, g) in enumerate(zip(st.inputs, mic.in_grads, strict=True)):
+            if g is None:
+                continue
+            src = self.routes.supplier(v, st.index)
+            if model_inputs and src != OWNERS:
+                continue
+            dests = self._owners(call) if src == OWNERS else self.replicas(src, m, call.layout)
+            call.transport.send_rows(g, Key(v, m, Kind.GRAD, st.index), mic.rows, dests)
+            mic.in_grads[i] = None
+        if not model_inputs:
+            mic.in_grads = None
+
+    def receive_input_grads(self, call: Call) -> dict[str, torch.Tensor]:
+        """The gradients of this rank's rows of the model inputs that require grad: the pieces
+        every (microbatch, replica) of every stage reading them sent back, in row order, summed
+        over the stages."""
+        layout = call.layout
+        mine = layout.owned[self.rank]
+        out: dict[str, torch.Tensor] = {}
+        for v in sorted(call.grad_inputs):
+            for t in self.routes.consumers(v, OWNERS):
+                if (v, t) not in self.routes.input_edges:
+                    continue
+                pieces = []
+                for m in range(self.plan.microbatches):
+                    part = intersect(mine, layout.micro[m])
+                    if part is not None:
+                        pieces.append(call.transport.recv_rows(Key(v, m, Kind.GRAD, t), part,
+                                                               self.replicas(t, m, layout)))
+                g = _cat(pieces, self._dim(v)) if pieces else call.transport.empty(v, 0)
+                out[v] = g if v not in out else out[v] + g
+        return out
+
+    def send_output_grads(self, call: Call, grad_of: Mapping[str, torch.Tensor | None]) -> None:
+        """My rows of each batch output's gradient (scaled 1/W, as DDP) to their producers."""
+        layout = call.layout
+        mine = layout.owned[self.rank]
+        w = float(self.world_size)
+        for v, s in self.routes.out_stage.items():
+            if v not in call.used:
+                continue
+            gv = grad_of.get(v)
+            if gv is None:
+                gv = call.transport.empty(v, mine[1] - mine[0]).zero_()
+            for m in range(self.plan.microbatches):
+                call.transport.send_rows(gv / w, Key(v, m, Kind.OUT_GRAD, s), mine,
+                                         self.replicas(s, m, layout))
+
+    def late_pass(self, call: Call, grad_of: Mapping[str, torch.Tensor | None]) -> None:
+        """Eager schedules ran backward from the loss alone; when a batch output (logits, say)
+        also got a gradient, its contribution goes through a fill-drain backward that
+        recomputes each microbatch from its saved stage inputs (gradients add)."""
+        self.send_output_grads(call, grad_of)
+        zero = {v: torch.zeros((), dtype=torch.float64) for v in self.routes.scalar_outputs()}
+        for st, m in self._backward_order():
+            mic = call.micro[(st.index, m)]
+            if mic.empty:
+                continue
+            mic.out_grads = [self._output_grad(call, st, v, m, zero) for v in st.outputs]
+            st.late_backward(mic, call.grad_inputs)
+            self._send_input_grads(call, st, m)
+
+    def _backward_order(self) -> Iterator[tuple[Stage, int]]:
+        """Fill-drain's backward order over this rank's stages: the last stage first, the last
+        microbatch first."""
+        for s in sorted(self.stages, reverse=True):
+            for m in reversed(range(self.plan.microbatches)):
+                yield self.stages[s], m
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _owners(self, call: Call) -> list[tuple[int, Range]]:
+        """(rank, rows) of the ranks owning the call's rows: every rank's local batch."""
+        return list(enumerate(call.layout.owned))
+
+    def _dim(self, v: str) -> int:
+        return self.routes.graph.values[v].batch_dim or 0
+
+
+def _cat(pieces: Sequence[torch.Tensor], d: int) -> torch.Tensor:
+    return torch.cat(list(pieces), d)
+
+
+__all__ = ["Call", "Executor"]

@@ -1,0 +1,231 @@
+"""Forward, recomputation and backward of one microbatch of one stage.
+
+A stage runs as two fx modules built from the captured graph: a *recomputed* prefix, run
+without autograd in forward and again with it just before the backward (its RNG replayed, so
+dropout draws the same masks), and a *kept* suffix whose activations autograd keeps. Either
+part may be absent (no recomputation: only a kept part; the whole stage recomputed: only a
+recomputed part). The recomputed part's float outputs feed the kept part through detached
+leaves (`Micro.links`), so the kept part's backward stops there and the recomputed part's
+backward continues from their gradients.
+
+What one microbatch's actions pass to each other lives in `Micro`; where its inputs come from
+and where its outputs and input gradients go is the executor's business, so a rank can hold
+several `Stage`s (interleaved schedules). The backward here is input and weight gradients in
+one autograd pass; a schedule splitting them (zero-bubble's B and W) would add a pass that
+computes the stage inputs' gradients alone (`torch.autograd.grad` on the kept graph) and one
+that accumulates the parameters' from the same saved graph.
+
+Index conventions: m microbatches; v value names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from rannc.atomic.components import AtomicPartition
+from rannc.graph.capture import CapturedModel
+from rannc.graph.extract import StageGraph, build_stage_module, split_graph
+from rannc.pipeline import batchnorm as bnorm
+from rannc.pipeline.routes import Routes
+from rannc.pipeline.rows import Range
+
+
+@dataclass
+class Micro:
+    """One microbatch of one stage on this replica: what its actions pass to each other."""
+
+    rows: Range
+    ins: list[Any] | None = None  # stage inputs (float activations as leaves when training)
+    rng: torch.Tensor | None = None  # RNG state before the forward ran
+    saved: list[Any] | None = None  # eager schedules: the stage inputs, for a late pass
+    outs: list[Any] | None = None  # stage outputs, to send (SF)
+    kept: list[Any] | None = None  # outputs of the kept part, with their autograd graph
+    links: dict[str, torch.Tensor] = field(default_factory=dict)  # recomputed part -> kept part
+    rec: list[Any] | None = None  # outputs of the recomputed part, rebuilt with a graph (R)
+    out_grads: list[torch.Tensor | None] | None = None  # per stage output (RB)
+    in_grads: list[Any] | None = None  # per stage input (B), to send (SB)
+
+    @property
+    def empty(self) -> bool:
+        return self.rows[0] == self.rows[1]
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """The recomputed prefix or the kept suffix of a stage."""
+
+    graph: StageGraph
+    module: Any
+
+
+def build_parts(captured: CapturedModel, atomic: AtomicPartition, stages: Sequence[StageGraph],
+                groups: Sequence[Sequence[int]], s: int, n_rec: int,
+                wrap: Callable[[fx.GraphModule], Any] | None) -> tuple[Part | None, Part | None]:
+    """Split stage s into the prefix of its first `n_rec` components, whose activations are
+    dropped in forward and rebuilt before backward, and the suffix that keeps them."""
+    comps = list(groups[s])
+
+    def part(st: StageGraph) -> Part:
+        gm = build_stage_module(captured.gm, captured.graph, st)
+        return Part(st, gm if wrap is None else wrap(gm))
+
+    if n_rec in (0, len(comps)):
+        whole = part(stages[s])
+        return (whole, None) if n_rec else (None, whole)
+    cut = [*groups[:s], comps[:n_rec], comps[n_rec:], *groups[s + 1:]]
+    sub = split_graph(captured.graph, atomic, cut)
+    return part(sub[s]), part(sub[s + 1])
+
+
+class Stage:
+    """Stage `index` as held by this rank (replica `replica` of it)."""
+
+    def __init__(self, index: int, replica: int, graph: StageGraph, rec_part: Part | None,
+                 keep_part: Part | None, routes: Routes, bn: bnorm.BatchNormState) -> None:
+        self.index, self.replica, self.graph = index, replica, graph
+        self.rec_part, self.keep_part = rec_part, keep_part
+        self.routes, self._bn = routes, bn
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        return self.graph.inputs
+
+    @property
+    def outputs(self) -> tuple[str, ...]:
+        return self.graph.outputs
+
+    def modules(self) -> list[Any]:
+        return [p.module for p in (self.rec_part, self.keep_part) if p is not None]
+
+    # -- inputs --------------------------------------------------------------------------------
+    def wants_grad(self, v: str, grad_inputs: frozenset[str]) -> bool:
+        """Whether this stage computes stage input v's gradient in a call whose model inputs
+        `grad_inputs` require grad."""
+        return self.routes.is_activation(v) or (
+            v in grad_inputs and (v, self.index) in self.routes.input_edges)
+
+    def as_leaves(self, ins: Sequence[Any], grad_inputs: frozenset[str]) -> list[Any]:
+        """The received inputs of a call with gradients: those whose gradient this stage
+        computes as autograd leaves."""
+        return [_leaf(x) if self.wants_grad(v, grad_inputs) else x
+                for v, x in zip(self.inputs, ins, strict=True)]
+
+    # -- forward -------------------------------------------------------------------------------
+    def forward(self, mic: Micro, grad: bool, keep_inputs: bool) -> None:
+        """Microbatch `mic`'s forward from its inputs (`mic.ins`) to its outputs (`mic.outs`);
+        with `keep_inputs`, the inputs stay for a late pass."""
+        assert mic.ins is not None
+        env = dict(zip(self.inputs, mic.ins, strict=True))
+        mic.rng = torch.get_rng_state()
+        if keep_inputs:
+            mic.saved = list(mic.ins)
+        self._bn.accumulate = True  # BatchNorm statistics count in this first forward only
+        try:
+            self._forward_parts(mic, env, grad)
+        finally:
+            self._bn.accumulate = False
+        mic.outs = [env[v] for v in self.outputs]
+        if not grad:
+            mic.ins = None
+
+    def _forward_parts(self, mic: Micro, env: dict[str, Any], grad: bool) -> None:
+        if self.rec_part is not None:
+            with torch.no_grad():
+                outs = self.rec_part.module(*[env[v] for v in self.rec_part.graph.inputs])
+            for v, o in zip(self.rec_part.graph.outputs, outs, strict=True):
+                if grad and isinstance(o, torch.Tensor) and o.is_floating_point():
+                    o = o.detach().requires_grad_(True)
+                    mic.links[v] = o
+                env[v] = o
+        if self.keep_part is not None:
+            with torch.set_grad_enabled(grad):
+                outs = self.keep_part.module(*[env[v] for v in self.keep_part.graph.inputs])
+            env.update(zip(self.keep_part.graph.outputs, outs, strict=True))
+            mic.kept = list(outs) if grad else None
+
+    def recompute(self, mic: Micro) -> None:
+        """Rebuild the recomputed part's activations, replaying its dropout; buffers get
+        copies so BatchNorm statistics update once per microbatch, as without recomputation."""
+        part = self.rec_part
+        assert part is not None and mic.ins is not None and mic.rng is not None
+        env = dict(zip(self.inputs, mic.ins, strict=True))
+        ins = [env[v].clone() if self.routes.is_buffer(v) else env[v] for v in part.graph.inputs]
+        with torch.random.fork_rng(devices=[]), torch.enable_grad():
+            torch.set_rng_state(mic.rng)
+            mic.rec = list(part.module(*ins))
+
+    # -- backward ------------------------------------------------------------------------------
+    def backward(self, mic: Micro, grad_inputs: frozenset[str]) -> None:
+        """Backward from the output gradients (`mic.out_grads`) through the kept part, then the
+        recomputed part, into the stage inputs (`mic.in_grads`) and the parameters."""
+        assert mic.out_grads is not None and mic.ins is not None
+        grad_of = dict(zip(self.outputs, mic.out_grads, strict=True))
+        if self.keep_part is not None and mic.kept is not None:
+            _backward(mic.kept, [grad_of.get(v) for v in self.keep_part.graph.outputs])
+        if self.rec_part is not None:
+            if mic.rec is None:
+                self.recompute(mic)
+            assert mic.rec is not None
+            gs = []
+            for v in self.rec_part.graph.outputs:
+                g, link = grad_of.get(v), mic.links.get(v)
+                if link is not None and link.grad is not None:
+                    g = link.grad if g is None else g + link.grad
+                gs.append(g)
+            _backward(mic.rec, gs)
+        mic.in_grads = self.input_grads(mic.ins, grad_inputs)
+        mic.ins = mic.kept = mic.rec = mic.out_grads = None
+        mic.links = {}
+
+    def late_backward(self, mic: Micro, grad_inputs: frozenset[str]) -> None:
+        """An eager schedule's late pass: forward again from the saved inputs (RNG replayed)
+        with autograd, and backward from `mic.out_grads` (gradients add to the eager pass's)."""
+        assert mic.saved is not None and mic.rng is not None and mic.out_grads is not None
+        ins = [x.detach().clone() if self.routes.is_buffer(v) else
+               x.detach().requires_grad_(True) if self.wants_grad(v, grad_inputs) else x
+               for v, x in zip(self.inputs, mic.saved, strict=True)]
+        env = dict(zip(self.inputs, ins, strict=True))
+        with torch.random.fork_rng(devices=[]), torch.enable_grad():
+            torch.set_rng_state(mic.rng)
+            for part in (self.rec_part, self.keep_part):
+                if part is not None:
+                    outs = part.module(*[env[v] for v in part.graph.inputs])
+                    env.update(zip(part.graph.outputs, outs, strict=True))
+        _backward([env[v] for v in self.outputs], mic.out_grads)
+        mic.in_grads = self.input_grads(ins, grad_inputs)
+        mic.saved = mic.out_grads = None
+
+    def input_grads(self, ins: Sequence[Any], grad_inputs: frozenset[str]) -> list[Any]:
+        """Per stage input: its gradient (zeros if none reached it) where the sender waits for
+        one (`Routes.sends_grad_back`), else None."""
+        return [(x.grad if x.grad is not None else torch.zeros_like(x))
+                if self.routes.sends_grad_back(v, self.index, grad_inputs)
+                and isinstance(x, torch.Tensor) else None
+                for v, x in zip(self.inputs, ins, strict=True)]
+
+
+def _leaf(x: Any) -> Any:
+    if isinstance(x, torch.Tensor) and x.is_floating_point() and not isinstance(x, nn.Parameter):
+        if x.grad_fn is None and not x.requires_grad:
+            return x.detach().requires_grad_(True)
+    return x
+
+
+def _backward(outs: Sequence[Any], grads: Sequence[torch.Tensor | None]) -> None:
+    """Backward from the outputs that have both a graph and a gradient."""
+    ts, gs = [], []
+    for o, g in zip(outs, grads, strict=True):
+        if g is not None and isinstance(o, torch.Tensor) and o.requires_grad:
+            ts.append(o)
+            gs.append(g)
+    if ts:
+        torch.autograd.backward(ts, gs)
+
+
+__all__ = ["Micro", "Part", "Stage", "build_parts"]

@@ -1,0 +1,209 @@
+"""The pipeline's routes (where each value goes) and the transport's message keys, without a
+process group: a captured model with a skip connection and a dead branch cut into three stages,
+the tags of every key a deployment can use, and the row pieces a rank sends itself."""
+
+from __future__ import annotations
+
+import copy
+import functools
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rannc.atomic.components import atomic_components
+from rannc.errors import RaNNCError
+from rannc.graph.capture import capture
+from rannc.graph.extract import split_graph
+from rannc.graph.task_graph import Value, ValueKind
+from rannc.pipeline import transport as tp
+from rannc.pipeline.routes import OWNERS, Routes
+from rannc.pipeline.transport import MAX_TAG, Channel, Guess, Key, Kind, LayoutChanged, Tags, Transport
+
+pytestmark = pytest.mark.layer("pure")
+
+
+class Skip(nn.Module):
+    """Three linear layers, the first's output also added before the third (a skip connection
+    over the middle), a branch no output uses, and the logits returned beside the loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2, self.l3 = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 3)
+        self.dead = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a = torch.relu(self.l1(x))
+        b = torch.relu(self.l2(a))
+        self.dead(b)  # computed, read by nothing
+        logits = self.l3(a + b)
+        return F.cross_entropy(logits, y), logits
+
+
+@functools.cache
+def routes(n_stages: int = 3) -> Routes:
+    torch.manual_seed(0)
+    model = Skip()
+    cap = capture(copy.deepcopy(model), (torch.randn(6, 4), torch.randint(0, 3, (6,))), {})
+    atomic = atomic_components(cap.graph)
+    n = len(atomic.components)
+    bounds = [round(i * n / n_stages) for i in range(n_stages + 1)]
+    groups = [list(range(bounds[i], bounds[i + 1])) for i in range(n_stages)]
+    return Routes(cap.graph, split_graph(cap.graph, atomic, groups))
+
+
+def test_every_moved_input_has_one_supplier_that_computes_it() -> None:
+    r = routes()
+    g = r.graph
+    assert len(r.stages) == 3
+    for t, st in enumerate(r.stages):
+        for v in st.inputs:
+            if not r.moves(v):
+                assert g.values[v].kind not in (ValueKind.INPUT, ValueKind.ACTIVATION) \
+                    or g.values[v].batch_dim is None
+                continue
+            s = r.supplier(v, t)
+            if g.values[v].kind is ValueKind.INPUT:
+                assert s == OWNERS
+            else:
+                assert 0 <= s < t and v in r.stages[s].outputs
+            assert t in r.consumers(v, s)
+    # consumers is exactly the inverse of supplier
+    pairs = {(v, t) for t, st in enumerate(r.stages) for v in st.inputs if r.moves(v)}
+    for v, t in pairs:
+        assert r.consumers(v, r.supplier(v, t)).count(t) == 1
+
+
+def test_the_skip_connection_reaches_the_last_stage_from_the_first() -> None:
+    r = routes()
+    # some value of stage 0 is read by stage 2 directly (a + b: a comes from stage 0)
+    assert 0 in r.stage_suppliers()[2] or 1 in r.stage_suppliers()[2]
+    assert r.stage_suppliers()[0] == []
+    for t, sup in enumerate(r.stage_suppliers()):
+        assert all(s < t for s in sup)
+
+
+def test_outputs_and_gradient_edges() -> None:
+    r = routes()
+    g = r.graph
+    loss, logits = (v for v in g.outputs if v is not None)
+    assert r.out_stage[loss] == r.out_stage[logits] == 2
+    assert r.scalar_outputs() == [loss]
+    assert r.one_scalar_loss() and r.has_batch_grad_outputs()
+    # gradients come back only along float values, activations and model inputs apart
+    for v, t in r.grad_edges | r.input_edges:
+        assert r.is_float(v) and r.moves(v) and v in r.stages[t].inputs
+    assert all(r.is_activation(v) for v, _t in r.grad_edges)
+    assert all(g.values[v].kind is ValueKind.INPUT for v, _t in r.input_edges)
+    # the labels are integers: never a gradient edge
+    labels = [v for v in g.inputs if not r.is_float(v)]
+    assert labels and not any(v in labels for v, _t in r.grad_edges | r.input_edges)
+    # a model input sends its gradient back only in calls where it requires grad
+    for v, t in r.input_edges:
+        assert not r.sends_grad_back(v, t, frozenset())
+        assert r.sends_grad_back(v, t, frozenset({v}))
+
+
+def test_channels_cover_every_route_once() -> None:
+    r = routes()
+    ch = r.channels()
+    assert len(ch) == len(set(ch))
+    for t, st in enumerate(r.stages):
+        for v in st.inputs:
+            if r.moves(v):
+                assert Channel(v, Kind.FWD, t) in ch
+    for v, t in r.grad_edges | r.input_edges:
+        assert Channel(v, Kind.GRAD, t) in ch
+    logits = [v for v in r.out_stage if r.graph.values[v].batch_dim is not None]
+    for v in logits:
+        assert Channel(v, Kind.OUT, 2) in ch and Channel(v, Kind.OUT_GRAD, 2) in ch
+
+
+def test_tags_are_distinct_for_distinct_keys() -> None:
+    r = routes()
+    M = 5
+    tags = Tags(r.channels(), M)
+    keys = [Key(c.value, m, c.kind, c.stage) for c in r.channels() for m in range(M)]
+    got = [tags(k) for k in keys]
+    assert len(set(got)) == len(keys)
+    assert all(0 <= x <= MAX_TAG for x in got)
+    with pytest.raises(KeyError):
+        tags(Key(keys[0].value, M, keys[0].kind, keys[0].stage))  # no such microbatch
+
+
+def test_one_value_read_by_two_stages_of_one_rank_gets_two_tags() -> None:
+    """Interleaved schedules put non-adjacent stages on one rank: a value two of them read
+    travels twice between the same two ranks, and the tags must tell the copies apart (the
+    old value-microbatch-kind tag gave both the same)."""
+    chans = [Channel("x", Kind.FWD, 1), Channel("x", Kind.FWD, 3), Channel("x", Kind.GRAD, 1)]
+    tags = Tags(chans, 4)
+    assert tags(Key("x", 2, Kind.FWD, 1)) != tags(Key("x", 2, Kind.FWD, 3))
+    assert tags(Key("x", 2, Kind.FWD, 1)) != tags(Key("x", 2, Kind.GRAD, 1))
+
+
+def test_too_many_keys_are_refused_with_the_numbers() -> None:
+    chans = [Channel(f"v{i}", Kind.FWD, 0) for i in range(1000)]
+    with pytest.raises(RaNNCError, match="1000 channels"):
+        Tags(chans, 2**22)
+
+
+def _values() -> dict[str, Value]:
+    # x: rows in dim 0; s: two tensor rows per sample in dim 1 (batch_scale 2)
+    return {"x": Value("x", ValueKind.ACTIVATION, ("batch", 3), "float32", batch_dim=0),
+            "s": Value("s", ValueKind.ACTIVATION, (5, "2*batch"), "float32", batch_dim=1,
+                       batch_scale=2)}
+
+
+def test_pieces_sent_to_this_rank_come_back_as_the_rows_asked_for() -> None:
+    tags = Tags([Channel("x", Kind.FWD, 1), Channel("s", Kind.FWD, 1)], 2)
+    t = Transport(0, tags, _values(), torch.device("cpu"))
+    x = torch.arange(18.0).reshape(6, 3)  # rows 4..9 of the global batch
+    # this rank holds rows 4..9 and asks for rows 6..8; the rest would go to rank 0 too but
+    # another key
+    t.send_rows(x, Key("x", 1, Kind.FWD, 1), (4, 10), [(0, (6, 8))])
+    got = t.recv_rows(Key("x", 1, Kind.FWD, 1), (6, 8), [(0, (0, 8))])
+    assert torch.equal(got, x[2:4])
+    s = torch.arange(40.0).reshape(5, 8)  # 4 samples x 2 rows in dim 1: samples 0..3
+    t.send_rows(s, Key("s", 0, Kind.FWD, 1), (0, 4), [(0, (1, 3))])
+    assert torch.equal(t.recv_rows(Key("s", 0, Kind.FWD, 1), (1, 3), [(0, (0, 4))]), s[:, 2:6])
+    assert t.empty("s", 3).shape == (5, 6)
+
+
+class _Agreement:
+    def __init__(self, sizes: list[int]) -> None:
+        self.sizes = sizes
+
+    def ready(self) -> bool:
+        return False
+
+    def resolve(self) -> list[int]:
+        return self.sizes
+
+
+def test_a_guessed_call_holds_its_sends_back_until_the_agreement(monkeypatch: Any) -> None:
+    sent: list[tuple[int, int]] = []
+    monkeypatch.setattr(tp.dist, "isend", lambda x, dst, tag: sent.append((dst, tag)))
+    tags = Tags([Channel("x", Kind.FWD, 1)], 2)
+    checked: list[bool] = []
+    t = Transport(0, tags, _values(), torch.device("cpu"),
+                  Guess(_Agreement([4, 4]), [4, 4], [lambda: checked.append(True)]))  # type: ignore[arg-type]
+    t.send(torch.zeros(2, 3), 1, Key("x", 1, Kind.FWD, 1))
+    t.poll()  # not ready: still held
+    assert sent == [] and checked == []
+    t.settle()
+    assert sent == [(1, tags(Key("x", 1, Kind.FWD, 1)))] and checked == [True]
+    t.send(torch.zeros(2, 3), 1, Key("x", 0, Kind.FWD, 1))  # settled: goes at once
+    assert len(sent) == 2
+
+
+def test_a_wrong_guess_sends_nothing_and_says_the_new_sizes(monkeypatch: Any) -> None:
+    sent: list[int] = []
+    monkeypatch.setattr(tp.dist, "isend", lambda x, dst, tag: sent.append(dst))
+    t = Transport(0, Tags([Channel("x", Kind.FWD, 1)], 1), _values(), torch.device("cpu"),
+                  Guess(_Agreement([4, 3]), [4, 4]))  # type: ignore[arg-type]
+    t.send(torch.zeros(2, 3), 1, Key("x", 0, Kind.FWD, 1))
+    with pytest.raises(LayoutChanged) as e:
+        t.settle()
+    assert e.value.sizes == [4, 3] and sent == []
