@@ -11,7 +11,9 @@ defaults. Each repeat trains the model of `benchmarks/memory_forecast.py` (`Bert
 (`partition_num=S`, 4 microbatches, AdamW) for `--steps` steps, in fresh processes; the two
 settings alternate (release, keep, release, keep, ...), and each pair gives one ratio. Per run:
 the median step time over steps 2 to the last (rank 0's wall clock around model(), backward()
-and step(); the pipeline is synchronous, so every rank's is alike), and each rank's resident
+and step(); the pipeline is synchronous, so every rank's is alike) and rank 0's CPU time per
+step (user and system, all its threads: what the page faults cost, whatever else the host
+runs), and each rank's resident
 peak over those steps (`VmHWM` reset after step 1, minus `VmRSS` before the model was built).
 """
 
@@ -58,17 +60,18 @@ def worker(a: argparse.Namespace) -> None:
     opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
     model = rannc.RaNNCModule(net, opt, partition_num=world, microbatches=a.microbatches,
                               host_malloc=a.host_malloc)
-    times = []
+    times, cpu = [], []
     for step in range(a.steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         model(**batch).loss.backward()
         opt.step()
         opt.zero_grad()
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
         if step == 0:
             gc.collect()
             pm.reset_peak()
-    out = dict(rank=rank, step_s=statistics.median(times[1:]),
+    out = dict(rank=rank, step_s=statistics.median(times[1:]), cpu_s=statistics.median(cpu[1:]),
                peak_kb=pm.status_kb("VmHWM") - base_kb)
     Path(a.out, f"{a.host_malloc}.{a.repeat}.{rank}.json").write_text(json.dumps(out))
     if world > 1:
@@ -96,21 +99,24 @@ def driver(a: argparse.Namespace) -> None:
     finally:
         shutil.rmtree(out, ignore_errors=True)
 
-    def step(m: str, i: int) -> float:
-        return next(r["step_s"] for r in runs[(m, i)] if r["rank"] == 0)
+    def step(m: str, i: int, key: str = "step_s") -> float:
+        return next(r[key] for r in runs[(m, i)] if r["rank"] == 0)
 
     print(f"\n{a.model} L{a.layers} H{a.hidden} vocab {a.vocab}, global batch {a.batch} x {a.seq}, "
           f"{a.stages} stage(s), {a.microbatches} microbatches, {a.steps} steps, {a.repeats} pairs\n")
-    print("| host_malloc | step s (median of runs) | resident peak per rank MiB (median of runs) |")
-    print("|---|---|---|")
+    print("| host_malloc | step s (median of runs) | rank 0's CPU s per step (user + system) | "
+          "resident peak per rank MiB (median of runs) |")
+    print("|---|---|---|---|")
     for m in modes:
         peaks = [statistics.median(next(r["peak_kb"] for r in runs[(m, i)] if r["rank"] == k)
                                    for i in range(a.repeats)) / 1024 for k in range(a.stages)]
         print(f"| {m} | {statistics.median(step(m, i) for i in range(a.repeats)):.3f} | "
+              f"{statistics.median(step(m, i, 'cpu_s') for i in range(a.repeats)):.3f} | "
               + ", ".join(f"{p:.0f}" for p in peaks) + " |")
-    ratios = [step("release", i) / step("keep", i) for i in range(a.repeats)]
-    print(f"\nstep time release / keep, pair by pair: {', '.join(f'{x:.3f}' for x in ratios)}; "
-          f"median {statistics.median(ratios):.3f}")
+    for key, what in (("step_s", "step time"), ("cpu_s", "CPU time")):
+        ratios = [step("release", i, key) / step("keep", i, key) for i in range(a.repeats)]
+        print(f"\n{what} release / keep, pair by pair: {', '.join(f'{x:.3f}' for x in ratios)}; "
+              f"median {statistics.median(ratios):.3f}")
 
 
 def main() -> None:

@@ -107,11 +107,13 @@ class Config:
     """How glibc's allocator treats freed tensor memory where ranks train on the CPU (whose
     memory the planner budgets as the device's): "release" fixes its mmap threshold at 128 KiB,
     so every tensor from that size up is mapped on its own and returned when freed, and a
-    rank's resident peak follows its live tensors, which is what the planner forecasts; "keep"
+    rank's resident peak follows its live tensors, which is what the planner forecasts, at the
+    cost of a fresh zero-filled page per allocation (slower steps: BENCHMARKS.md); "keep"
     leaves glibc's defaults, which keep freed blocks resident (a resident peak up to 1.6x the
-    forecast: raise mem_margin) and save the page faults of fresh mappings (BENCHMARKS.md has
-    both, side by side); "auto": "release" on a CPU device. Process-wide and set at
-    deployment; a CUDA device or a C library other than glibc is left alone (rannc.hostmem)."""
+    forecast); "auto": "release" on a CPU rank whose stage's forecast times 1.75 exceeds the
+    memory it may use (mem_limit_gb, else the device's, less mem_margin), else "keep".
+    Process-wide and set at deployment; a CUDA device or a C library other than glibc is left
+    alone (rannc.hostmem)."""
     opt_param_factor: float | None = _f(None, lo=0)
     """Optimizer state per parameter element, >= 0 (None: read from the optimizer, Adam = 2)."""
     schedule: str = _f("auto", choices=_schedules)

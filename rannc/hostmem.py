@@ -9,9 +9,13 @@ heap, and the heap's freed holes stay resident. Measured with `benchmarks/memory
 which is what the memory model forecasts. `Config.host_malloc="release"` fixes the threshold at
 128 KiB (`mallopt(M_MMAP_THRESHOLD)`), which also turns the rise off: every block from 128 KiB up
 is its own mapping, unmapped when freed, and the resident peak follows the live tensors. The
-price is a fresh, zero-filled page for every such allocation (BENCHMARKS.md has the step time
-side by side). It is process-wide and stays set; a CUDA device, whose tensors the caching
-allocator holds, and a C library other than glibc are left alone.
+price is a fresh, zero-filled page for every such allocation: measured, 2 s more kernel time
+per 12 microbatches of a 4-layer BERT in one process, and 1.8x the step time of BERT on 2 CPU
+ranks of a loaded 2-core host (BENCHMARKS.md). So "auto" releases only where a rank's forecast
+times glibc's retention (`KEEP_RETENTION`) would exceed the memory it may use; elsewhere the
+resident peak may exceed the forecast but not the memory. It is process-wide and stays set; a
+CUDA device, whose tensors the caching allocator holds, and a C library other than glibc are
+left alone.
 
 What a rank holds besides tensors on a CPU is a per-rank `overhead` in the memory model
 (`rannc.stage_dp.tables.MemoryModel.overhead`, `rank_overhead`): the captured graph, which every
@@ -54,9 +58,25 @@ def release_freed_memory() -> bool:
     return ok
 
 
-def apply(choice: str, device_type: str) -> bool:
-    """Apply `Config.host_malloc` for a rank training on `device_type`; whether it released."""
-    if choice == "release" or (choice == "auto" and device_type == "cpu"):
+# The resident peak over the peak of live tensors under glibc's defaults: up to 1.57x on the
+# ranks of benchmarks/memory_forecast.py (BERT and GPT-2, 1 to 4 stages); with some room.
+KEEP_RETENTION = 1.75
+
+
+def needs_release(forecast: float | None, memory: float) -> bool:
+    """Whether a CPU rank whose stage is forecast `forecast` bytes could outgrow `memory` bytes
+    under glibc's defaults (None: no forecast, as in one process, which plans nothing)."""
+    return forecast is not None and forecast * KEEP_RETENTION > memory
+
+
+def apply(choice: str, device_type: str, forecast: float | None = None,
+          memory: float = float("inf")) -> bool:
+    """Apply `Config.host_malloc` for a rank training on `device_type`, whose stage the plan
+    forecasts `forecast` bytes of `memory`; whether it released. "auto" releases on a CPU only
+    where the memory is tight enough for glibc's retention to matter (`needs_release`): the
+    release costs step time (BENCHMARKS.md)."""
+    if choice == "release" or (choice == "auto" and device_type == "cpu"
+                               and needs_release(forecast, memory)):
         return release_freed_memory()
     return False
 
@@ -87,5 +107,5 @@ def resident_bytes() -> int:
     return 0
 
 
-__all__ = ["RANK_BYTES", "RELEASE_THRESHOLD", "TASK_BYTES", "apply", "is_host", "rank_overhead",
-           "release_freed_memory", "resident_bytes"]
+__all__ = ["KEEP_RETENTION", "RANK_BYTES", "RELEASE_THRESHOLD", "TASK_BYTES", "apply", "is_host",
+           "needs_release", "rank_overhead", "release_freed_memory", "resident_bytes"]

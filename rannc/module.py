@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import sys
 import warnings
@@ -44,7 +45,7 @@ from rannc.graph.capture import CapturedModel, capture, flatten_inputs
 from rannc.graph.extract import StageGraph, build_stage_module, run_chain, split_graph
 from rannc.ownership import parameter_owners
 from rannc.pipeline.runtime import COUNT_KWARG, PipelineFunction, PipelineRuntime
-from rannc.plans import Plan
+from rannc.plans import Plan, StagePlan
 from rannc.progress import Progress, progress_for
 
 log = logging.getLogger(__name__)
@@ -171,8 +172,9 @@ class RaNNCModule(nn.Module):
             self._bound_cache(self._deployments, pinned=None)
             if first:
                 _seed_at_deployment(self.rannc_config)
-                device = next((p.device for p in self.module.parameters()), torch.device("cpu"))
-                hostmem.apply(self.rannc_config.host_malloc, device.type)
+                _host_malloc(self.rannc_config,
+                             next((p.device for p in self.module.parameters()), torch.device("cpu")),
+                             None)
         else:
             self._deployments.move_to_end(key)
         values = run_chain(dep.modules, dep.stages, dep.captured.bind(self.module, leaves))
@@ -229,7 +231,7 @@ class RaNNCModule(nn.Module):
             rt.sync = self._sync
             if not self._runtimes:
                 _seed_at_deployment(self.rannc_config)
-                hostmem.apply(self.rannc_config.host_malloc, ctx.device.type)
+                _host_malloc(self.rannc_config, ctx.device, plan.stage_of_rank(ctx.rank))
             self._runtimes[key] = rt
             self._release_params(rt)
             self._owned = None
@@ -876,6 +878,20 @@ def _group_state_factor(name: str, group: Mapping[str, Any]) -> float:
     if name == "LBFGS":  # flat direction and gradient, and history_size pairs of updates
         return 2.0 + 2.0 * float(group.get("history_size", 100))
     return 2.0  # NAdam, RAdam, Adamax, Adadelta, Rprop (two tensors each) and unknown ones
+
+
+def _host_malloc(cfg: Config, device: torch.device, stage: StagePlan | None) -> None:
+    """`Config.host_malloc` at deployment, for this rank's stage of the plan (None in one
+    process, which plans nothing): "auto" releases where the stage's forecast is close enough
+    to the memory the rank may use (`mem_limit_gb`, else the device's) for glibc's retention
+    to matter."""
+    forecast = stage.predicted.get("memory_bytes") if stage is not None else None
+    memory = cfg.mem_limit_gb * 1e9 if cfg.mem_limit_gb is not None else math.inf
+    if forecast is not None and cfg.mem_limit_gb is None and device.type == "cpu":
+        from rannc.profile.device import measure_local_device
+
+        memory = measure_local_device().memory_bytes
+    hostmem.apply(cfg.host_malloc, device.type, forecast, memory * (1 - cfg.mem_margin))
 
 
 def _return_freed_heap() -> None:

@@ -223,7 +223,8 @@ def _plan_graph(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, con
     mixed_dp = (not cluster.is_homogeneous and cluster.size <= _HETERO_DP_MAX
                 and bool(config.extra.get("hetero_dp", True))
                 and bool(config.extra.get("balance", True)))
-    static = static_memory(io.params, io.grad_params, opt, 1, 0)  # (mixed devices: all state)
+    # (mixed devices: all state)
+    static = static_memory(io.params, io.grad_params, opt, 1, 0) + mem.overhead
     if not found and mixed_dp:
         # The DP above plans every stage within the smallest device's memory; on a mixed
         # cluster the mixed-cluster DP may still fit, with each stage on its own devices.
@@ -292,7 +293,7 @@ def _plan_graph(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, con
         # extra balance=False: equal shares in rank order, what a planner that assumes identical
         # devices would run (benchmarks compare against it)
         balance = bool(config.extra.get("balance", True))
-        plan_static = static_memory(plan_io.params, plan_io.grad_params, opt, 1, 0)
+        plan_static = static_memory(plan_io.params, plan_io.grad_params, opt, 1, 0) + mem.overhead
         out = _heterogeneous(out, cluster, _hetero_devices(cluster, config), plan_static,
                              balance=balance)
         if mixed_dp:

@@ -45,14 +45,20 @@ def test_release_returns_freed_tensors_to_the_system() -> None:
     assert _returned_mib("keep") <= 4
 
 
-def test_apply_releases_on_a_cpu_device_only_unless_told() -> None:
+def test_auto_releases_on_a_cpu_rank_whose_memory_is_tight() -> None:
+    """"auto" releases on a CPU where the forecast times glibc's retention exceeds the memory
+    (the release costs step time); "release" always, "keep" never."""
     calls: list[bool] = []
     real = hostmem.release_freed_memory
     try:
         hostmem.release_freed_memory = lambda: calls.append(True) or True  # type: ignore[assignment]
-        assert not hostmem.apply("auto", "cuda") and not hostmem.apply("keep", "cpu")
+        tight, roomy = 0.7e9, 0.5e9  # forecasts of a 1 GB rank: 1.75x is over, and under
+        assert not hostmem.apply("auto", "cuda", tight, 1e9)
+        assert not hostmem.apply("keep", "cpu", tight, 1e9)
+        assert not hostmem.apply("auto", "cpu", roomy, 1e9)
+        assert not hostmem.apply("auto", "cpu", None, 1e9)  # one process: no forecast
         assert calls == []
-        assert hostmem.apply("auto", "cpu") and hostmem.apply("release", "cuda")
+        assert hostmem.apply("auto", "cpu", tight, 1e9) and hostmem.apply("release", "cuda")
         assert calls == [True, True]
     finally:
         hostmem.release_freed_memory = real  # type: ignore[assignment]

@@ -88,7 +88,11 @@ def hetero_stages(prof: BlockProfile, io: BlockIO, static: np.ndarray, dev: Hete
         work = float(prof.work[lo:r + 1, c].max())
         in0, in1 = io.inputs[0][lo, r], io.inputs[1][lo, r]
         out0, out1 = io.outputs[0][lo, r], io.outputs[1][lo, r]
-        fixed = static[lo, r] + work + in_flight * (in0 + out0) + saved * in0
+        # the model's batch outputs this stage computes, held for every microbatch until the
+        # call returns (`tables.returned_memory`; its end-of-call term is not modelled here)
+        held = max(microbatches - in_flight, 0)
+        ret0, ret1 = (0.0, 0.0) if io.returned is None else (io.returned[0][lo, r], io.returned[1][lo, r])
+        fixed = static[lo, r] + work + in_flight * (in0 + out0) + saved * in0 + held * ret0
         comm_row = (in1 + out1) / link_bw
         comm0 = (in0 + out0) / link_bw
         ranks = [order[p] for p in range(i, i + d)]
@@ -96,7 +100,8 @@ def hetero_stages(prof: BlockProfile, io: BlockIO, static: np.ndarray, dev: Hete
         ar = 2.0 * float(io.grad_params[lo, r]) * (d - 1) / d / allreduce_bw
         best: HeteroStage | None = None
         for rc in options:
-            per_row = in_flight * (in1 + out1 + (0.0 if rc else kept)) + saved * in1 + (kept if rc else 0.0)
+            per_row = in_flight * (in1 + out1 + (0.0 if rc else kept)) + saved * in1 + \
+                (kept if rc else 0.0) + held * ret1
             caps = [(dev.memory[x] - fixed) / per_row if per_row > 0 else math.inf for x in ranks]
             try:
                 x = whale_shares(rows, v, caps)
