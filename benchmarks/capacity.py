@@ -442,7 +442,8 @@ def main() -> None:
     if a.smoke:
         a.np, a.hidden, a.batch, a.seq, a.vocab, a.probe, a.max_layers = 2, [64], 8, 16, 512, [2, 4], 12
         a.mem_gb = 0.006
-        a.cpu_limit_gb, a.cpu_hidden, a.cpu_batch, a.cpu_seq, a.cpu_vocab = 0.006, 64, 8, 16, 512
+        # (a CPU rank's forecast holds its overhead beyond tensors: about 20 MB, rannc.hostmem)
+        a.cpu_limit_gb, a.cpu_hidden, a.cpu_batch, a.cpu_seq, a.cpu_vocab = 0.03, 64, 8, 16, 512
         a.cpu_probe, a.steps = [2, 4], 2
     if not a.skip_model:
         model_part(a)
