@@ -173,7 +173,8 @@ def worker(a: argparse.Namespace) -> None:
     opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
     model = rannc.RaNNCModule(net, opt, partition_num=world // a.replicas, microbatches=a.microbatches,
                               replicas=[a.replicas] * (world // a.replicas) if a.replicas > 1 else None,
-                              checkpointing=a.checkpointing, host_malloc=a.host_malloc)
+                              checkpointing=a.checkpointing, host_malloc=a.host_malloc,
+                              schedule=a.schedule)
     steady_kb = 0
     tensor_peak_b = 0.0
     peak_by: dict[str, float] = {}
@@ -229,7 +230,7 @@ def driver(a: argparse.Namespace) -> None:
                                         ("steps", a.steps), ("microbatches", a.microbatches),
                                         ("out", out), ("replicas", a.replicas),
                                         ("checkpointing", a.checkpointing),
-                                        ("host-malloc", a.host_malloc))]
+                                        ("host-malloc", a.host_malloc), ("schedule", a.schedule))]
     try:
         for model in a.models:
             for s in a.stages:
@@ -244,7 +245,7 @@ def driver(a: argparse.Namespace) -> None:
         shutil.rmtree(out, ignore_errors=True)
     print(f"\nL{a.layers} H{a.hidden} A{a.heads} vocab {a.vocab}, global batch {a.batch} x {a.seq}, "
           f"{a.microbatches} microbatches, AdamW, {a.steps} steps, checkpointing {a.checkpointing}, "
-          f"host_malloc {a.host_malloc}\n")
+          f"host_malloc {a.host_malloc}, schedule {a.schedule}\n")
     head = ["model", "stages x replicas", "rank", "schedule, in flight, recompute", "forecast MiB",
             "measured peak MiB", "measured / forecast", "tensor peak MiB", "tensors / forecast",
             "live tensors at rest MiB", "RSS at rest (trimmed) MiB", "loss, last step"]
@@ -283,6 +284,7 @@ def main() -> None:
     p.add_argument("--stages", nargs="+", type=int, default=[1, 2, 4])
     p.add_argument("--replicas", type=int, default=1, help="replicas of every stage (ranks: stages x this)")
     p.add_argument("--checkpointing", default="auto", choices=("auto", "on", "off"))
+    p.add_argument("--schedule", default="auto", help="Config.schedule of the pipelined runs")
     p.add_argument("--host-malloc", default="auto", choices=("auto", "release", "keep"),
                    help="Config.host_malloc of every rank")
     p.add_argument("--layers", type=int, default=8)
