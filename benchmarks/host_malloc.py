@@ -3,7 +3,8 @@
     PYTHONPATH=. .venv/bin/python benchmarks/host_malloc.py                # the table in BENCHMARKS.md
     PYTHONPATH=. .venv/bin/python benchmarks/host_malloc.py --smoke        # seconds
 
-"release" (the default on a CPU) fixes glibc's mmap threshold at 128 KiB, so every tensor from
+"release" fixes glibc's mmap threshold at 128 KiB ("auto", the default, does so only on a CPU
+rank whose forecast is near its memory), so every tensor from
 that size up is its own mapping, returned when freed: the resident peak follows the live
 tensors, at the price of fresh zero-filled pages for those allocations. "keep" leaves glibc's
 defaults. Each repeat trains the model of `benchmarks/memory_forecast.py` (`BertForMaskedLM` or

@@ -112,8 +112,9 @@ class Config:
     leaves glibc's defaults, which keep freed blocks resident (a resident peak up to 1.6x the
     forecast); "auto": "release" on a CPU rank whose stage's forecast times 1.75 exceeds the
     memory it may use (mem_limit_gb, else the device's, less mem_margin), else "keep".
-    Process-wide and set at deployment; a CUDA device or a C library other than glibc is left
-    alone (rannc.hostmem)."""
+    Process-wide (the user's own allocations follow it too), set at deployment and logged once
+    at INFO when it acts; a CUDA device or a C library other than glibc is left alone
+    (rannc.hostmem)."""
     opt_param_factor: float | None = _f(None, lo=0)
     """Optimizer state per parameter element, >= 0 (None: read from the optimizer, Adam = 2)."""
     schedule: str = _f("auto", choices=_schedules)

@@ -41,21 +41,29 @@ RELEASE_THRESHOLD = 128 * 1024  # bytes: blocks from this size up are mapped on 
 _set = False
 
 
-def release_freed_memory() -> bool:
-    """Fix glibc's mmap threshold at `RELEASE_THRESHOLD` (once per process); False where the C
-    library is not glibc or refuses."""
+def _mallopt_threshold() -> bool:
+    """`mallopt(M_MMAP_THRESHOLD, RELEASE_THRESHOLD)`; False where the C library is not glibc
+    or refuses."""
+    try:
+        return bool(ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, RELEASE_THRESHOLD) == 1)
+    except (OSError, AttributeError):  # not glibc (musl, macOS)
+        return False
+
+
+def release_freed_memory(why: str = "host_malloc 'release'") -> bool:
+    """Fix glibc's mmap threshold at `RELEASE_THRESHOLD` (once per process, logged once at
+    INFO with `why`: it changes an allocator setting of the whole process, the user's own
+    code's included); False where the C library is not glibc or refuses."""
     global _set
     if _set:
         return True
-    try:
-        ok = ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, RELEASE_THRESHOLD) == 1
-    except (OSError, AttributeError):  # not glibc (musl, macOS)
-        return False
-    _set = ok
-    if ok:
-        log.info("rannc: glibc returns freed blocks of %d KiB and more at once (host_malloc "
-                 "'release'), so resident memory follows the tensors", RELEASE_THRESHOLD // 1024)
-    return ok
+    _set = _mallopt_threshold()
+    if _set:
+        log.info("rannc: glibc's mmap threshold fixed at %d KiB for this process (%s): freed "
+                 "blocks of that size and more return to the system at once, so resident memory "
+                 "follows the tensors; steps may be slower (set host_malloc='keep' to leave "
+                 "glibc's defaults)", RELEASE_THRESHOLD // 1024, why)
+    return _set
 
 
 # The resident peak over the peak of live tensors under glibc's defaults: up to 1.57x on the
@@ -75,9 +83,14 @@ def apply(choice: str, device_type: str, forecast: float | None = None,
     forecasts `forecast` bytes of `memory`; whether it released. "auto" releases on a CPU only
     where the memory is tight enough for glibc's retention to matter (`needs_release`): the
     release costs step time (BENCHMARKS.md)."""
-    if choice == "release" or (choice == "auto" and device_type == "cpu"
-                               and needs_release(forecast, memory)):
+    if choice == "release":
         return release_freed_memory()
+    if choice == "auto" and device_type == "cpu" and forecast is not None \
+            and needs_release(forecast, memory):
+        return release_freed_memory(
+            f"host_malloc 'auto': this rank's stage is forecast {forecast / 2**20:.0f} MiB, and "
+            f"{KEEP_RETENTION}x that, glibc's retention, exceeds the {memory / 2**20:.0f} MiB "
+            "it may use")
     return False
 
 

@@ -3,11 +3,14 @@ memory at once, and the per-rank overhead the memory model adds on CPU devices o
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 import textwrap
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 import rannc
 from rannc import hostmem
@@ -45,23 +48,52 @@ def test_release_returns_freed_tensors_to_the_system() -> None:
     assert _returned_mib("keep") <= 4
 
 
-def test_auto_releases_on_a_cpu_rank_whose_memory_is_tight() -> None:
+def test_auto_releases_on_a_cpu_rank_whose_memory_is_tight(monkeypatch: pytest.MonkeyPatch) -> None:
     """"auto" releases on a CPU where the forecast times glibc's retention exceeds the memory
     (the release costs step time); "release" always, "keep" never."""
-    calls: list[bool] = []
-    real = hostmem.release_freed_memory
-    try:
-        hostmem.release_freed_memory = lambda: calls.append(True) or True  # type: ignore[assignment]
-        tight, roomy = 0.7e9, 0.5e9  # forecasts of a 1 GB rank: 1.75x is over, and under
-        assert not hostmem.apply("auto", "cuda", tight, 1e9)
-        assert not hostmem.apply("keep", "cpu", tight, 1e9)
-        assert not hostmem.apply("auto", "cpu", roomy, 1e9)
-        assert not hostmem.apply("auto", "cpu", None, 1e9)  # one process: no forecast
-        assert calls == []
-        assert hostmem.apply("auto", "cpu", tight, 1e9) and hostmem.apply("release", "cuda")
-        assert calls == [True, True]
-    finally:
-        hostmem.release_freed_memory = real  # type: ignore[assignment]
+    calls: list[str] = []
+    monkeypatch.setattr(hostmem, "release_freed_memory",
+                        lambda why="": calls.append(why) or True)
+    tight, roomy = 0.7e9, 0.5e9  # forecasts of a 1 GB rank: 1.75x is over, and under
+    assert not hostmem.apply("auto", "cuda", tight, 1e9)
+    assert not hostmem.apply("keep", "cpu", tight, 1e9)
+    assert not hostmem.apply("auto", "cpu", roomy, 1e9)
+    assert not hostmem.apply("auto", "cpu", None, 1e9)  # one process: no forecast
+    assert calls == []
+    assert hostmem.apply("auto", "cpu", tight, 1e9) and hostmem.apply("release", "cuda")
+    assert len(calls) == 2 and "forecast 668 MiB" in calls[0] and "954 MiB" in calls[0]
+
+
+def test_the_release_is_logged_once_with_its_reason(monkeypatch: pytest.MonkeyPatch,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """A process-wide allocator setting is not changed silently: one INFO line naming the
+    reason and the way back ("keep"), however many deployments apply it."""
+    set_calls: list[int] = []
+    monkeypatch.setattr(hostmem, "_set", False)
+    monkeypatch.setattr(hostmem, "_mallopt_threshold", lambda: set_calls.append(1) or True)
+    with caplog.at_level(logging.INFO, logger="rannc.hostmem"):
+        assert hostmem.apply("auto", "cpu", 0.7e9, 1e9)
+        assert hostmem.apply("auto", "cpu", 0.7e9, 1e9)
+        assert hostmem.apply("release", "cpu")
+    assert set_calls == [1]
+    (rec,) = [r for r in caplog.records if r.name == "rannc.hostmem"]
+    assert "host_malloc 'auto'" in rec.getMessage() and "host_malloc='keep'" in rec.getMessage()
+
+
+def test_deployment_applies_host_malloc_against_the_rank_s_memory(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`RaNNCModule` passes the rank's stage forecast and the memory it may use (mem_limit_gb
+    less mem_margin) to "auto"; one process (no plan) releases only when told to."""
+    from rannc import module as rmodule
+
+    got: list[tuple[str, str, float | None, float]] = []
+    monkeypatch.setattr(hostmem, "apply", lambda *a: got.append(a) or False)
+    stage = SimpleNamespace(predicted={"memory_bytes": 0.6e9})
+    cfg = rannc.Config(mem_limit_gb=1.0, mem_margin=0.1)
+    rmodule._host_malloc(cfg, torch.device("cpu"), stage)  # type: ignore[arg-type]
+    rmodule._host_malloc(rannc.Config(host_malloc="release"), torch.device("cpu"), None)
+    assert got[0] == ("auto", "cpu", 0.6e9, pytest.approx(0.9e9))
+    assert got[1][:3] == ("release", "cpu", None)
 
 
 def test_the_rank_overhead_counts_on_cpu_devices_only() -> None:
