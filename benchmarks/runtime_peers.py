@@ -50,16 +50,28 @@ import pipeline_memory as pm  # noqa: E402  (its launcher and VmHWM helpers)
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("rannc_auto", "rannc_gpipe", "rannc_1f1b", "rannc_gpipe_sync", "rannc_1f1b_sync",
-            "pipe_gpipe", "pipe_1f1b", "ddp")
+            "pipe_gpipe", "pipe_1f1b", "ddp", "rannc_zb", "pipe_zb", "pipe_i1f1b", "pipe_zbv")
+# zero-bubble and interleaved (issue 19): rannc's zero_bubble (ZB-H1) on one stage per rank;
+# pipelining's ScheduleInterleavedZeroBubble on the same stages, and its ScheduleInterleaved1F1B
+# and ScheduleZBVZeroBubble on two stages per rank, cut where rannc's interleaved_1f1b plan cuts
+# (rannc plans that schedule but does not run it yet)
+NEW_VARIANTS = ("rannc_1f1b", "rannc_zb", "pipe_1f1b", "pipe_zb", "pipe_i1f1b", "pipe_zbv")
+SCHEDULE = {"gpipe": "gpipe", "1f1b": "1f1b", "zb": "zero_bubble", "i1f1b": "interleaved_1f1b",
+            "zbv": "interleaved_1f1b"}  # variant suffix -> the rannc schedule its stages come from
 SMOKE_VARIANTS = ("rannc_1f1b", "pipe_1f1b", "ddp")
 NAMES = {"rannc_auto": "rannc auto", "rannc_gpipe": "rannc gpipe", "rannc_1f1b": "rannc 1f1b",
          "pipe_gpipe": "pipelining ScheduleGPipe", "pipe_1f1b": "pipelining Schedule1F1B",
          "ddp": "DDP", "rannc_gpipe_sync": "rannc gpipe, step-start sync",
-         "rannc_1f1b_sync": "rannc 1f1b, step-start sync"}
+         "rannc_1f1b_sync": "rannc 1f1b, step-start sync", "rannc_zb": "rannc zero_bubble",
+         "pipe_zb": "pipelining ScheduleInterleavedZeroBubble",
+         "pipe_i1f1b": "pipelining ScheduleInterleaved1F1B (2 stages per rank)",
+         "pipe_zbv": "pipelining ScheduleZBVZeroBubble (2 stages per rank)"}
 # the rannc row each variant is compared with
 COUNTERPART = {"rannc_auto": "rannc_auto", "rannc_gpipe": "rannc_auto", "rannc_1f1b": "rannc_auto",
                "pipe_gpipe": "rannc_gpipe", "pipe_1f1b": "rannc_1f1b", "ddp": "rannc_auto",
-               "rannc_gpipe_sync": "rannc_gpipe", "rannc_1f1b_sync": "rannc_1f1b"}
+               "rannc_gpipe_sync": "rannc_gpipe", "rannc_1f1b_sync": "rannc_1f1b",
+               "rannc_zb": "rannc_1f1b", "pipe_zb": "rannc_zb", "pipe_i1f1b": "rannc_zb",
+               "pipe_zbv": "rannc_zb"}
 LOSS_RTOL = 1e-3  # float32 sums in another order over a few steps
 
 
@@ -166,10 +178,11 @@ def stage_bounds(plan_file: Path, n_layers: int) -> tuple[list[int], bool]:
     return starts + [n_layers], whole
 
 
-def aligned_plan(name: str, a: argparse.Namespace, n: int, schedule: str, path: Path) -> str:
-    """rannc's plan for one stage per rank with this schedule, its cuts moved to the nearest
-    layer boundary (saved to `path` for the rannc run to load), so that pipelining can run the
-    very same stages; returns a note of what was moved."""
+def aligned_plan(name: str, a: argparse.Namespace, n: int, schedule: str, path: Path,
+                 stages: int = 0) -> str:
+    """rannc's plan for one stage per rank with this schedule (or `stages` stages), its cuts
+    moved to the nearest layer boundary (saved to `path` for the rannc run to load), so that
+    pipelining can run the very same stages; returns a note of what was moved."""
     import dataclasses
 
     import rannc
@@ -181,7 +194,7 @@ def aligned_plan(name: str, a: argparse.Namespace, n: int, schedule: str, path: 
     wrapper, _, _ = build(name, a)
     (x, y), = batches(name, a, 1)
     cluster = rannc.Cluster.homogeneous(measure_local_device(), n=n, per_node=n)
-    cfg = rannc.Config(partition_num=n, microbatches=a.microbatches, checkpointing="off",
+    cfg = rannc.Config(partition_num=stages or n, microbatches=a.microbatches, checkpointing="off",
                        schedule=schedule)
     plan = rannc.plan(wrapper, (x, y), cluster=cluster, config=cfg)
     graph = capture(wrapper, (x, y), {}).graph
@@ -243,7 +256,7 @@ def worker(a: argparse.Namespace) -> None:
                                     deployment_file=a.plan_file)
         if v != "rannc_auto":
             opts.update(partition_num=world, microbatches=a.microbatches, checkpointing="off",
-                        schedule=v.split("_")[1])
+                        schedule=SCHEDULE[v.split("_")[1]])
         model = rannc.RaNNCModule(wrapper, opt, **opts)
 
         def step(x: Any, y: Any) -> float:
@@ -268,32 +281,43 @@ def worker(a: argparse.Namespace) -> None:
             dist.all_reduce(out)
             return float(out.item())
     else:
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        from torch.distributed import pipelining as pp
 
         starts = [int(s) for s in a.bounds.split(",")]
-        mine = torch.nn.Sequential(*layers[starts[rank]:starts[rank + 1]])
+        S = len(starts) - 1
+        # the stages this rank holds: its own, or two (interleaved: r and r + P; V: r, 2P-1-r)
+        idx = [rank] if S == world else [rank, rank + world] if v == "pipe_i1f1b" \
+            else [rank, S - 1 - rank]
+        mods = [torch.nn.Sequential(*layers[starts[i]:starts[i + 1]]) for i in idx]
         del wrapper, layers
-        opt = torch.optim.AdamW(mine.parameters(), lr=1e-3)
-        stage = PipelineStage(mine, rank, world, torch.device("cpu"))
-        kind = ScheduleGPipe if v == "pipe_gpipe" else Schedule1F1B
-        sched = kind(stage, n_microbatches=a.microbatches, loss_fn=loss_fn)
-        layout = f"{world} x 1"
+        opt = torch.optim.AdamW([p for m in mods for p in m.parameters()], lr=1e-3)
+        stages = [pp.PipelineStage(m, i, S, torch.device("cpu")) for m, i in zip(mods, idx, strict=True)]
+        kind = {"pipe_gpipe": pp.ScheduleGPipe, "pipe_1f1b": pp.Schedule1F1B,
+                "pipe_zb": pp.ScheduleInterleavedZeroBubble, "pipe_i1f1b": pp.ScheduleInterleaved1F1B,
+                "pipe_zbv": pp.ScheduleZBVZeroBubble}[v]
+        multi = v in ("pipe_zb", "pipe_i1f1b", "pipe_zbv")
+        sched = kind(stages if multi else stages[0], n_microbatches=a.microbatches, loss_fn=loss_fn)
+        layout = f"{world} x 1" if S == world else f"{S} stages on {world} ranks"
+        first, last = 0 in idx, S - 1 in idx
+        last_rank = (S - 1) % world if v == "pipe_i1f1b" else 0 if v == "pipe_zbv" else world - 1
 
         def step(x: Any, y: Any) -> float:
             losses: list[torch.Tensor] = []
             if a.size_sync:  # rannc's start of a step: every rank's row count, gathered
                 rows = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
                 dist.all_gather(rows, torch.tensor([hi - lo]))
-            if rank == 0:
+            if first and last:
+                sched.step(x, target=y, losses=losses)
+            elif first:
                 sched.step(x)
-            elif rank == world - 1:
+            elif last:
                 sched.step(target=y, losses=losses)
             else:
                 sched.step()
             opt.step()
             opt.zero_grad()
             out = torch.stack(losses).mean() if losses else torch.zeros(())
-            dist.broadcast(out, src=world - 1)
+            dist.broadcast(out, src=last_rank)
             return float(out.item())
 
     losses = [step(x, y) for x, y in data[:a.warmup]]
@@ -318,7 +342,7 @@ def worker(a: argparse.Namespace) -> None:
     elif v == "ddp":
         mbs, sched_name = 1, "-"
     else:
-        mbs, sched_name = a.microbatches, v.split("_")[1]
+        mbs, sched_name = a.microbatches, NAMES[v].split()[1]
     out = dict(variant=v, rank=rank, world=world, elapsed=elapsed,
                samples_s=a.batch * a.steps / elapsed, peak_mb=peak_kb / 1024, layout=layout,
                microbatches=mbs, schedule=sched_name, losses=losses)
@@ -354,11 +378,15 @@ def driver(a: argparse.Namespace) -> None:
                     label = f"{model}_{n}_{v}_{rep}"
                     src = "rannc_" + v.split("_")[1] if v.startswith("pipe") or v.endswith("_sync") \
                         else v
+                    src = "rannc_i1f1b" if src == "rannc_zbv" else src  # the same 2P stages
                     plan_file = tmp / f"plan_{model}_{n}_{src}.json"
                     extra = [f"--plan-file={plan_file}"]
-                    if rep == 0 and v in ("rannc_gpipe", "rannc_1f1b"):
+                    made = v in ("rannc_gpipe", "rannc_1f1b", "rannc_zb") or src == "rannc_i1f1b"
+                    if rep == 0 and made and not plan_file.exists():
                         ns = argparse.Namespace(**{**vars(a), "batch": a.batch_of[model]})
-                        note = aligned_plan(model, ns, n, v.split("_")[1], plan_file)
+                        two = src == "rannc_i1f1b"
+                        note = aligned_plan(model, ns, n, SCHEDULE[src.split("_")[1]], plan_file,
+                                            stages=2 * n if two else 0)
                         print(f"  {model} x{n} {v}: {note}", flush=True)
                         if not note.startswith("rannc's"):
                             moved.add((model, n, v))
@@ -454,8 +482,11 @@ def main() -> None:
     p.add_argument("--models", nargs="+", default=["bert", "resnet"], choices=["bert", "resnet"])
     p.add_argument("--ranks", nargs="+", type=int, default=[2, 4])
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS,
-                   help="a subset (a pipelining variant needs its rannc one)")
+    p.add_argument("--variants", nargs="+", default=[v for v in VARIANTS if v not in NEW_VARIANTS
+                                                      or v in ("rannc_1f1b", "pipe_1f1b")],
+                   choices=VARIANTS, help="a subset (a pipelining variant needs its rannc one)")
+    p.add_argument("--new-schedules", action="store_true",
+                   help=f"the zero-bubble and interleaved comparison: variants {' '.join(NEW_VARIANTS)}")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--microbatches", type=int, default=4)
@@ -487,6 +518,8 @@ def main() -> None:
         a.models, a.ranks, a.repeats, a.steps, a.warmup = ["bert"], [2], 1, 2, 1
         a.vocab, a.hidden, a.layers, a.heads, a.seq, a.microbatches = 128, 32, 2, 2, 16, 2
         a.batch = a.batch or 8
+    if a.new_schedules:
+        a.variants = list(NEW_VARIANTS)
     a.batch_of = {"bert": a.batch or 16, "resnet": a.batch or 32}
     driver(a)
 

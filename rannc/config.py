@@ -122,7 +122,7 @@ class Config:
     rannc.schedule.SCHEDULES: gpipe (fill-drain), 1f1b, scp (Merak's shifted critical path),
     zero_bubble (ZB-H1: each backward split into an input-gradient and a weight-gradient pass,
     the latter deferred into the pipeline's idle time), or interleaved_1f1b (two stages per
-    rank, s and s + partition_num / 2; planned and simulated, not yet run, so auto skips it)."""
+    rank: s and s + partition_num / 2 on the same ranks, replicas given per rank of a pipeline)."""
     checkpointing: str = _f("auto", choices=_CHECKPOINTING)
     """Recomputation (activation checkpointing) in backward: "auto" (the planner chooses, per
     stage, the fraction of the stage to recompute that fits its memory), "on" (every stage

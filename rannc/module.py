@@ -47,6 +47,7 @@ from rannc.ownership import parameter_owners
 from rannc.pipeline.runtime import COUNT_KWARG, PipelineFunction, PipelineRuntime
 from rannc.plans import Plan, StagePlan
 from rannc.progress import Progress, progress_for
+from rannc.schedule.spec import require_runs
 
 log = logging.getLogger(__name__)
 
@@ -271,6 +272,7 @@ class RaNNCModule(nn.Module):
         from rannc.profile.estimate import GraphCosts, runs_fused_kernels
 
         cfg = self.rannc_config
+        require_runs(cfg.schedule)  # every rank alike, before any of them plans
         source = f"the plan file {cfg.deployment_file}"
         loaded: list[Any] = [None]
         if cfg.load_deployment:
@@ -288,6 +290,7 @@ class RaNNCModule(nn.Module):
             plan = Plan.from_dict(loaded[0])
             plan.check(cap.graph, ctx.world_size, source=source, atomic=atomic,
                        batch_rows=sum(sizes))
+            require_runs(plan.schedule)
             return dataclasses.replace(plan, source=(cap.graph, atomic))
         # Every rank reports its own device (a mixed cluster is planned as such), unless the
         # user described the cluster in a file.
@@ -374,13 +377,13 @@ class RaNNCModule(nn.Module):
         if rt is None or not rt.trace:
             raise RaNNCError("no trace recorded: set config trace=True (or RANNC_TRACE=1) and run "
                              "an iteration (forward and backward) first")
-        mine = (rt.rank, rt.s, rt.iteration_s, rt.events)
+        mine = (rt.rank, ", ".join(map(str, rt.mine)), rt.iteration_s, rt.events)
         every: list[Any] = [None] * rt.world_size
         dist.all_gather_object(every, mine)
         if rt.rank != 0:
             return []
         events = {r: evs for r, _s, _t, evs in every}
-        names = {r: f"rank {r} (stage {s})" for r, s, _t, _e in every}
+        names = {r: f"rank {r} (stage{'s' if ',' in s else ''} {s})" for r, s, _t, _e in every}
         costs = plan_costs(rt.plan) if predicted_from == "plan" else measured_costs(rt.plan, events)
         predicted = simulate(rt.schedule, costs)
         # Each rank's events count from its forward() call, and iteration_s from it to its

@@ -621,9 +621,12 @@ def _pipeline_layouts(cluster: Cluster, config: Config) -> list[tuple[int, int]]
             out.append((cluster.per_node * n, cluster.nodes // n))
         n *= 2
     if config.partition_num is not None:
-        out = [(D, R) for D, R in out if D >= config.partition_num]
+        # an interleaved schedule forced puts several stages on each device
+        per = get_spec(config.schedule).chunks if config.schedule != "auto" else 1
+        out = [(D, R) for D, R in out if D * per >= config.partition_num]
         if not out:
-            raise ConfigError(f"partition_num {config.partition_num} exceeds the {world} devices")
+            raise ConfigError(f"partition_num {config.partition_num} exceeds the {world} devices"
+                              + (f" ({per} stages each under {config.schedule})" if per > 1 else ""))
     return out
 
 
@@ -654,10 +657,14 @@ def _microbatch_counts(config: Config, batch_size: int) -> list[int]:
 
 def _schedules(config: Config, one_stage_per_rank: bool = False) -> list[str]:
     """The schedules searched: the forced one, or under "auto" every registered one the
-    runtime runs (`ScheduleSpec.runs`); `one_stage_per_rank` leaves out interleaved ones."""
-    names = [n for n in SCHEDULES if get_spec(n).runs] if config.schedule == "auto" \
-        else [config.schedule]
-    return [n for n in names if not (one_stage_per_rank and get_spec(n).chunks > 1)]
+    runtime runs (`ScheduleSpec.runs`); `one_stage_per_rank` leaves out interleaved ones, and
+    so does "auto" with a forced partition_num or replicas (which count one stage per rank
+    unless an interleaved schedule is forced with them)."""
+    if config.schedule != "auto":
+        return [config.schedule]
+    forced = config.partition_num is not None or config.replicas is not None
+    return [n for n in SCHEDULES if get_spec(n).runs
+            and not ((one_stage_per_rank or forced) and get_spec(n).chunks > 1)]
 
 
 def _placement(c: _Candidate) -> tuple[int, ...]:

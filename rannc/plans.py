@@ -109,6 +109,14 @@ class Plan:
         seen: dict[tuple[int, ...], int] = {}
         return tuple(seen.setdefault(st.ranks, len(seen)) for st in self.stages)
 
+    def stages_of_rank(self, rank: int) -> list[StagePlan]:
+        """The stages `rank` holds a replica of: one, or under an interleaved schedule several
+        (stages s, s + P, ...), first to last."""
+        out = [st for st in self.stages if rank in st.ranks]
+        if not out:
+            raise RaNNCError(f"rank {rank} has no stage in this plan (world size {self.world_size})")
+        return out
+
     def stage_of_rank(self, rank: int) -> StagePlan:
         for st in self.stages:
             if rank in st.ranks:
@@ -256,6 +264,7 @@ def plan_problem(plan: Plan, graph: TaskGraph, atomic: AtomicPartition,
     if not plan.stages:
         return "it has no stages"
     n_comp = len(atomic.components)
+    shared = SCHEDULES[plan.schedule].chunks > 1  # interleaved: stages s, s + P on the same ranks
     seen_rank: dict[int, int] = {}
     stage_of: dict[int, int] = {}
     for s, st in enumerate(plan.stages):
@@ -275,9 +284,11 @@ def plan_problem(plan: Plan, graph: TaskGraph, atomic: AtomicPartition,
         for r in st.ranks:
             if not isinstance(r, int) or not 0 <= r < plan.world_size:
                 return f"stage {s} names rank {r!r}, not one of 0..{plan.world_size - 1}"
-            if r in seen_rank:
-                return f"rank {r} is in two stages ({seen_rank[r]} and {s})"
-            seen_rank[r] = s
+            if r in seen_rank and not (shared and plan.stages[seen_rank[r]].ranks == st.ranks):
+                return f"rank {r} is in two stages ({seen_rank[r]} and {s})" + (
+                    " whose ranks differ (stages sharing ranks must share all of them)"
+                    if shared else "")
+            seen_rank.setdefault(r, s)
         for c in st.components:
             if not isinstance(c, int) or not 0 <= c < n_comp:
                 return (f"stage {s} lists atomic component {c!r}, but this model has {n_comp} "

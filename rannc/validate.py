@@ -318,19 +318,27 @@ def check_devices(sig: CallSignature, device: torch.device) -> None:
 
 def check_config(config: Config, world_size: int) -> None:
     """What `Config` cannot check alone: the forced sizes against the number of ranks. Every
-    rank runs it before its first collective, with the same config, so all raise or none."""
+    rank runs it before its first collective, with the same config, so all raise or none. An
+    interleaved schedule of v chunks puts v stages on each rank: its `replicas` are per rank
+    of a pipeline (stages s and s + P share them) and `partition_num` counts every stage."""
+    from rannc.schedule.spec import get_spec
+
+    per = get_spec(config.schedule).chunks if config.schedule != "auto" else 1
+    each = f" ({per} per rank under {config.schedule})" if per > 1 else " (one stage per rank)"
     if config.replicas is not None:
         check_replicas_divide(config.replicas, world_size)
-        if config.partition_num is not None and config.partition_num != len(config.replicas):
+        if config.partition_num is not None and config.partition_num != per * len(config.replicas):
             raise ConfigError(
                 f"partition_num={config.partition_num} but replicas={config.replicas} lists "
-                f"{len(config.replicas)} stages. Fix: give one replica count per stage, or "
-                "drop partition_num.")
-    if config.partition_num is not None and config.partition_num > world_size:
+                f"{len(config.replicas)} {'ranks per pipeline' if per > 1 else 'stages'}{each}. "
+                "Fix: give one replica count per "
+                f"{'pipeline position' if per > 1 else 'stage'}, or drop partition_num.")
+    if config.partition_num is not None and config.partition_num > per * world_size:
         raise ConfigError(
-            f"partition_num={config.partition_num} stages need at least that many ranks but "
-            f"{world_size} run (one stage per rank). Fix: launch at least "
-            f"{config.partition_num} ranks or lower partition_num.")
+            f"partition_num={config.partition_num} stages need at least "
+            f"{'that many' if per == 1 else -(-config.partition_num // per)} ranks but "
+            f"{world_size} run{each}. Fix: launch at least "
+            f"{-(-config.partition_num // per)} ranks or lower partition_num.")
 
 
 def check_capturable(model: torch.nn.Module, leaves: Sequence[Any], sizes: Sequence[int],

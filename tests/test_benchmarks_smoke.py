@@ -31,6 +31,13 @@ def test_schedules_benchmark(part: str) -> None:
     assert rows, out
 
 
+def test_new_schedules_benchmark() -> None:
+    out = run("benchmarks/new_schedules.py")
+    got = [(r[3], r[6]) for r in rows(out, "| BERT-Large")]
+    assert [g[0] for g in got] == ["1f1b", "zero_bubble", "interleaved_1f1b"], out
+    assert len(rows(out, "| 4 |")) == 9, out  # uniform: 3 schedules x 3 microbatch counts
+
+
 def test_hetero_benchmark() -> None:
     out = run("benchmarks/hetero.py")
     assert out.count("x |") == 4, out

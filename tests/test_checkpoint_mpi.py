@@ -95,6 +95,18 @@ def test_checkpoint_from_4_ranks_loads_on_2(loaded: subprocess.CompletedProcess[
         assert _passed(loaded.stdout, "load", model) == ["0", "1"], loaded.stdout
 
 
+def test_interleaved_checkpoint_loads_on_one_stage_per_rank(tmp_path: Path) -> None:
+    """Interleaved 1F1B, 4 stages on 2 ranks (each rank two non-adjacent stages): state dict,
+    optimizer state and checkpoint as in the save phase; new processes on 2 stages of one rank
+    each resume from it and continue exactly as the interleaved run did."""
+    save = run_mpi(SCRIPT, 2, ["--phase", "save", "--dir", str(tmp_path), "--layout",
+                               "gpt2=1,1/2/interleaved_1f1b/4"])
+    assert _passed(save.stdout, "save", "gpt2") == ["0", "1"], save.stdout
+    assert "interleaved_1f1b" in save.stderr, save.stderr  # (the plan table rank 0 prints)
+    res = run_mpi(SCRIPT, 2, ["--phase", "resume", "--dir", str(tmp_path), "--layout", "gpt2=1,1/2"])
+    assert _passed(res.stdout, "resume", "gpt2") == ["0", "1"], res.stdout
+
+
 @pytest.mark.layer("single_process")
 def test_single_process(tmp_path: Path) -> None:
     res = run_python(SCRIPT, ["--phase", "single", "--dir", str(tmp_path), "--layout", "gpt2"])

@@ -105,6 +105,20 @@ SCHEDULED = [
     (3, ["--replicas", "2,1", "--microbatches", "2", "--batch", "7", "--schedule", "1f1b"], ALL),
     (4, ["--replicas", "1,3", "--microbatches", "4", "--batch", "10", "--schedule", "scp",
          "--checkpointing", "on"], ALL),
+    # zero-bubble: each backward as B then W, W deferred (stage s by s passes) into the
+    # cool-down, with replicas, partial recomputation (the rebuilt part kept until W), a
+    # GradScaler, and the late pass (kwargs) and the fill-drain fallback (fork_join)
+    (4, ["--replicas", "2,1,1", "--microbatches", "4", "--batch", "10", "--schedule",
+         "zero_bubble", "--recompute-fraction", "0.5", "--grad-scaler"], ALL),
+    (2, ["--partition-num", "2", "--microbatches", "4", "--batch", "8", "--schedule", "zero_bubble",
+         "--loss-scale", "0.5", "--extra-forward"], "bert,gpt2"),
+    # interleaved: two stages per rank (s and s + P on the same ranks), replicas per pipeline
+    # position [1, 2], partial recomputation; fork_join falls back to fill-drain over the same
+    # shared ranks, kwargs takes the late pass
+    (3, ["--replicas", "1,2", "--partition-num", "4", "--microbatches", "4", "--batch", "9",
+         "--schedule", "interleaved_1f1b", "--recompute-fraction", "0.5"], ALL),
+    (2, ["--partition-num", "4", "--microbatches", "2", "--batch", "8", "--schedule",
+         "interleaved_1f1b", "--grad-scaler"], "bert,gpt2"),
 ]
 
 
@@ -294,6 +308,27 @@ def test_trace_files_hold_every_rank_and_the_prediction(tmp_path: Path) -> None:
         assert all(e.end >= e.start for e in evs)
     assert any(e.action.op.value == "R" for e in events[0])  # stage 0 recomputes
     assert Path(prefix + "_gpt2.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_zero_bubble_runs_weight_gradients_apart(tmp_path: Path) -> None:
+    """Under zero_bubble each rank runs W apart from B, as the schedule orders them: the last
+    stage defers its first W past its second B, and the W passes do a real share of the
+    backward's work (the weight gradients), not nothing."""
+    from rannc.schedule import load_chrome_trace
+
+    prefix = str(tmp_path / "trace")
+    res = run_mpi(SCRIPT, 2, ["--model", "gpt2", "--partition-num", "2", "--microbatches", "4",
+                              "--batch", "8", "--schedule", "zero_bubble", "--steps", "2",
+                              "--trace", prefix])
+    assert "PASS gpt2 rank 1" in res.stdout and "SCHEDULE zero_bubble" in res.stdout
+    events = load_chrome_trace(prefix + "_gpt2.json")
+    for rank, evs in events.items():
+        order = [str(e.action) for e in evs if e.action.op.value in ("B", "W")]
+        assert sorted(order) == sorted(f"{op}{rank}.{m}" for op in "BW" for m in range(4))
+        if rank == 1:  # deferred by one: B1.0 B1.1 W1.0 ...
+            assert order[:3] == ["B1.0", "B1.1", "W1.0"], order
+        secs = {op: sum(e.end - e.start for e in evs if e.action.op.value == op) for op in "BW"}
+        assert secs["W"] > 0.2 * secs["B"], (rank, secs)
 
 
 def test_each_rank_holds_only_its_parameters() -> None:

@@ -4,6 +4,7 @@ chooses schedules and per-stage recomputation."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 
@@ -29,6 +30,7 @@ from rannc.schedule import (
     validate,
 )
 from rannc.schedule.predict import plan_costs, predict
+from rannc.schedule.spec import registered, require_runs
 
 pytestmark = pytest.mark.layer("pure")
 
@@ -174,7 +176,8 @@ def test_auto_picks_the_fastest_schedule_and_forcing_is_honoured(gpt2: tuple) ->
         times[name] = p.predicted_iteration_time
     auto = plan_graph(graph, atomic, cluster, rannc.Config(partition_num=4, microbatches=8),
                       batch_size=32)
-    runnable = [t for name, t in times.items() if get_spec(name).runs]
+    # (a forced partition_num counts one stage per rank: auto leaves interleaved out then)
+    runnable = [t for name, t in times.items() if get_spec(name).runs and get_spec(name).chunks == 1]
     assert auto.predicted_iteration_time == pytest.approx(min(runnable))
 
 
@@ -326,3 +329,42 @@ def test_lanes_in_the_text_form_and_the_validator() -> None:
         validate(moved)
     with pytest.raises(ScheduleError, match="2 lanes but has 1 lines"):
         Schedule.parse("\n".join(text.splitlines()[:2]))
+
+
+def test_the_planner_prices_weight_passes_and_plans_interleaved(gpt2: tuple) -> None:
+    graph, atomic = gpt2
+    cluster = rannc.Cluster.homogeneous(SPEC, n=4, per_node=4)
+    cfg = dict(partition_num=4, microbatches=8, checkpointing="off")
+    one = plan_graph(graph, atomic, cluster, rannc.Config(schedule="1f1b", **cfg), batch_size=32)
+    zb = plan_graph(graph, atomic, cluster, rannc.Config(schedule="zero_bubble", **cfg),
+                    batch_size=32)
+    # the estimate oracle gives every stage a weight-gradient share of its backward ...
+    share = [st.predicted["backward_weight_s"] / st.predicted["backward_s"] for st in zb.stages]
+    assert all(0 < x < 1 for x in share)
+    # ... which ZB-H1 moves off the critical path: faster than 1F1B on the same split, every
+    # stage holding what 1F1B's first stage holds
+    assert plan_costs(zb).wgrad == [st.predicted["backward_weight_s"] for st in zb.stages]
+    assert zb.predicted_iteration_time < one.predicted_iteration_time
+    assert [st.predicted["in_flight"] for st in zb.stages] == [4.0] * 4
+    assert [st.predicted["in_flight"] for st in one.stages] == [4.0, 3.0, 2.0, 1.0]
+    # interleaved: 4 stages on 2 lanes of 2 replicas each, stages s and s + 2 on the
+    # same ranks with the same replicas, each rank's two stages within its memory together
+    il = plan_graph(graph, atomic, cluster, rannc.Config(schedule="interleaved_1f1b", **cfg),
+                    batch_size=32)
+    assert il.schedule == "interleaved_1f1b" and il.placement() == (0, 1, 0, 1)
+    assert il.stages[0].ranks == il.stages[2].ranks and il.stages[1].ranks == il.stages[3].ranks
+    assert predict(il).schedule.lanes == 2
+    assert il.predicted_iteration_time == pytest.approx(predict(il).iteration_time)
+    limit = SPEC.memory_bytes * 0.9
+    for d in range(2):
+        assert sum(st.predicted["memory_bytes"] for st in il.stages
+                   if il.placement()[st.index] == d) <= limit
+    # auto searches only what the runtime runs; forcing the rest is refused at deployment
+    slow = dataclasses.replace(get_spec("interleaved_1f1b"), name="planned_only", runs=False)
+    with registered(slow):
+        auto = plan_graph(graph, atomic, cluster, rannc.Config(microbatches=8), batch_size=32)
+        assert auto.schedule != "planned_only"
+        with pytest.raises(ScheduleError, match="does not run it yet"):
+            require_runs("planned_only")
+    for name in SCHEDULES:
+        require_runs(name)

@@ -23,12 +23,16 @@ pytestmark = pytest.mark.layer("multi_rank")
 SCRIPT = TESTS / "scripts" / "train_ops_check.py"
 
 # (ranks, arguments, models): BERT on 4 stages, so its tied word embedding lives on ranks 0 and
-# 3, with the default schedule; 2 stages x 2 replicas under fill-drain; the whole 2-stage
-# pipeline replicated (R = 2) under 1F1B.
+# 3, with the default schedule and under zero-bubble; 2 stages x 2 replicas under fill-drain; the
+# whole 2-stage pipeline replicated (R = 2) under 1F1B.
 LAYOUTS = [
     (4, ["--partition-num", "4"], "bert"),
     (4, ["--replicas", "2,2", "--schedule", "gpipe"], "bert"),
     (4, ["--replicas", "1,1", "--schedule", "1f1b"], "gpt2"),
+    # zero-bubble on 4 stages: the tied embedding's weight passes on ranks 0 and 3
+    (4, ["--partition-num", "4", "--schedule", "zero_bubble"], "bert"),
+    # interleaved: 4 stages on 2 ranks, the tied embedding in stages 0 (rank 0) and 3 (rank 1)
+    (2, ["--partition-num", "4", "--schedule", "interleaved_1f1b"], "bert"),
 ]
 
 

@@ -61,6 +61,7 @@ class Executor:
         self.summed = summed  # scalar outputs whose pieces add up (`piece_weight`)
         self.rank, self.world_size = rank, world_size
         self._has_consumers = {s: bool(schedule.consumers(s)) for s in self.stages}
+        self._split = {s: schedule.splits_backward(s) for s in self.stages}  # B and W apart
         self._keeps_inputs = routes.has_batch_grad_outputs()
         self.trace = trace
         self.events: list[Event] = []  # the last call's actions, when tracing
@@ -112,12 +113,17 @@ class Executor:
             if mic.out_grads is None:  # a stage without consumers: only model-output grads
                 mic.out_grads = [self._output_grad(call, st, v, a.micro, scalar_g)
                                  for v in st.outputs]
-            st.backward(mic, call.grad_inputs)
+            if self._split[a.stage]:  # B now, W (the weight gradients) later
+                st.backward_input(mic, call.grad_inputs)
+            else:
+                st.backward(mic, call.grad_inputs)
             # model inputs' gradients go back to their owners now: a stage reading only
             # model inputs has no SB action
             self._send_input_grads(call, st, a.micro, model_inputs=True)
         elif a.op is Op.SB:
             self._send_input_grads(call, st, a.micro)
+        elif a.op is Op.W:
+            st.backward_weight(mic)
 
     # -- forward -------------------------------------------------------------------------------
     def send_inputs(self, call: Call) -> None:

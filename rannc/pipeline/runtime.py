@@ -59,7 +59,7 @@ from rannc.pipeline.executor import Call, Executor
 from rannc.pipeline.grads import GradReducer, ParamGroup, share_overflow
 from rannc.pipeline.routes import Routes
 from rannc.pipeline.rows import RowLayout
-from rannc.pipeline.stage import Stage, build_parts
+from rannc.pipeline.stage import Part, Stage, build_parts
 from rannc.pipeline.transport import Guess, LayoutChanged, Tags, Transport
 from rannc.plans import Plan
 from rannc.schedule import FILL_DRAIN, Event, Op, Schedule, ScheduleError, get_spec, make_schedule, validate
@@ -88,7 +88,10 @@ class PipelineRuntime:
         groups = [list(s.components) for s in plan.stages]
         self.stages: list[StageGraph] = split_graph(self.graph, atomic, groups)
         check_buffer_writes_stay_in_one_stage(self.graph, self.stages)
-        self.s = plan.stage_of_rank(rank).index
+        # the stages this rank holds a replica of: one, or under an interleaved schedule
+        # several (s, s + P, ...: the same ranks, so the same replica index j in each)
+        self.mine = [st.index for st in plan.stages_of_rank(rank)]
+        self.s = self.mine[0]
         self.j = plan.stages[self.s].ranks.index(rank)
         self.routes = Routes(self.graph, self.stages)
         self._summed = self._summed_outputs()
@@ -105,24 +108,28 @@ class PipelineRuntime:
         # the schedule run: an eager one falls back to fill-drain without one scalar loss
         self.spec = planned if not planned.eager or self.routes.one_scalar_loss() else get_spec(FILL_DRAIN)
         self.schedule = self._schedule(self.spec.name)
-        n_rec = plan.stages[self.s].recomputed_components
-        if not self.spec.recomputes(self.s, len(self.stages), True):
-            n_rec = 0  # e.g. scp's last stage holds one microbatch at a time: nothing to save
-        self.rec_part, self.keep_part = build_parts(captured, atomic, self.stages, groups, self.s,
-                                                    n_rec, wrap_stage)
+        self.parts: dict[int, tuple[Part | None, Part | None]] = {}
+        for s in self.mine:
+            n_rec = plan.stages[s].recomputed_components
+            if not self.spec.recomputes(s, len(self.stages), True):
+                n_rec = 0  # e.g. scp's last stage holds one microbatch at a time: nothing to save
+            self.parts[s] = build_parts(captured, atomic, self.stages, groups, s, n_rec, wrap_stage)
+        self.rec_part, self.keep_part = self.parts[self.s]  # the first stage's
         self.grads = GradReducer(self.held, param_groups, self.routes.first_use(),
                                  int(bucket_mb * 2**20), self._accumulations())
         self._bn = self._batch_norm(batchnorm)
         bn_tasks = set(bnorm.training_batch_norms(self.cap.gm, self.graph))
         self._bn_stages = [t for t, st in enumerate(self.stages)
                            if len(self.plan.stages[t].ranks) > 1 and set(st.tasks) & bn_tasks]
-        self.stage = Stage(self.s, self.j, self.stages[self.s], self.rec_part, self.keep_part,
-                           self.routes, self._bn)
-        self.executor = Executor([self.stage], self.routes, plan, self.schedule, self.grads,
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        self.stage_runs = [Stage(s, self.j, self.stages[s], *self.parts[s], self.routes, self._bn,
+                                 [params[n] for n in plan.stages[s].param_names]) for s in self.mine]
+        self.stage = self.stage_runs[0]
+        self.executor = Executor(self.stage_runs, self.routes, plan, self.schedule, self.grads,
                                  self._summed, rank, world_size, trace)
         # This rank's line of actions (one stage's today; several under interleaved schedules).
-        self.line = self.schedule.actions[self.s]
-        self._forward_line = self.schedule.forward_part(self.s)
+        self.line = self.schedule.actions[self.schedule.lane_of(self.s)]
+        self._forward_line = self.schedule.forward_part(self.schedule.lane_of(self.s))
         self._tags = Tags(self.routes.channels(), plan.microbatches)
         if self.spec is not planned and rank == 0:
             log.info("rannc: schedule %s needs the model to return one floating-point scalar "
@@ -169,11 +176,10 @@ class PipelineRuntime:
         for t in sorted(where):  # every rank creates every group, in the same order
             ranks = list(self.plan.stages[t].ranks)
             group = dist.new_group(ranks) if len(ranks) > 1 else None
-            if t == self.s:
+            if t in self.mine and state.group is None:  # (stages sharing ranks: the same ranks)
                 state.group = group
-        for part in (self.rec_part, self.keep_part):
-            if part is not None:
-                bnorm.install(part.module, self.graph, state)
+        for part in self._all_parts():
+            bnorm.install(part.module, self.graph, state)
         paths = sorted({self.graph.tasks[i].module_path or self.graph.tasks[i].name for i in tasks})
         reps = {t: len(self.plan.stages[t].ranks) for t in sorted(where)}
         if state.mode == "sync" and self.plan.microbatches > 1:
@@ -212,7 +218,8 @@ class PipelineRuntime:
     def _schedule(self, name: str) -> Schedule:
         rc = [st.recomputed_components > 0 for st in self.plan.stages]
         try:
-            sched = make_schedule(name, self.plan.microbatches, self.routes.stage_suppliers(), rc)
+            sched = make_schedule(name, self.plan.microbatches, self.routes.stage_suppliers(), rc,
+                                  self.plan.placement())
         except ScheduleError as e:
             raise RaNNCError(f"plan schedule {name!r}: {e}") from e
         validate(sched)
@@ -232,16 +239,18 @@ class PipelineRuntime:
     # -- parameters ------------------------------------------------------------------------------
     def _held_params(self) -> dict[str, nn.Parameter]:
         params = dict(self.model.named_parameters(remove_duplicate=False))
-        return {n: params[n] for n in self.plan.stages[self.s].param_names}
+        return {n: params[n] for s in self.mine for n in self.plan.stages[s].param_names}
+
+    def _all_parts(self) -> list[Part]:
+        """The recomputed and kept parts of every stage this rank holds."""
+        return [p for s in self.mine for p in self.parts[s] if p is not None]
 
     def _accumulations(self) -> dict[int, int]:
         """Per held parameter (by id): how many backward passes of one microbatch accumulate
-        into it here, one per part (recomputed, kept) reading it."""
+        into it here, one per part (recomputed, kept) of each stage held reading it."""
         params = dict(self.model.named_parameters(remove_duplicate=False))
         out: dict[int, int] = {}
-        for part in (self.rec_part, self.keep_part):
-            if part is None:
-                continue
+        for part in self._all_parts():
             ids = {id(params[val.target]) for v in part.graph.inputs
                    for val in [self.graph.values[v]]
                    if val.kind is ValueKind.PARAM and val.target in params}
@@ -437,8 +446,10 @@ class PipelineRuntime:
         if call.mode == "split":
             self.executor.send_output_grads(call, grad_of)
             rest = self.line[len(self._forward_line):]
-            # the last microbatch's backward makes gradients final: buckets start from there
-            last = [a for a in rest if a.op is Op.B and not call.micro[(a.stage, a.micro)].empty]
+            # the last microbatch's backward (its W where split off) makes gradients final:
+            # buckets start from there
+            final = Op.W if any(self.schedule.splits_backward(s) for s in self.mine) else Op.B
+            last = [a for a in rest if a.op is final and not call.micro[(a.stage, a.micro)].empty]
             self.executor.run(call, rest, {}, scalar_g, arm=last[-1] if last and self.sync else None)
             in_grads = self.executor.receive_input_grads(call)
         else:

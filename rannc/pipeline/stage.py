@@ -10,10 +10,10 @@ backward continues from their gradients.
 
 What one microbatch's actions pass to each other lives in `Micro`; where its inputs come from
 and where its outputs and input gradients go is the executor's business, so a rank can hold
-several `Stage`s (interleaved schedules). The backward here is input and weight gradients in
-one autograd pass; a schedule splitting them (zero-bubble's B and W) would add a pass that
-computes the stage inputs' gradients alone (`torch.autograd.grad` on the kept graph) and one
-that accumulates the parameters' from the same saved graph.
+several `Stage`s (interleaved schedules). `backward` computes input and weight gradients in one
+autograd pass; a zero-bubble schedule splits it into `backward_input` (B: the stage inputs'
+gradients, which the previous stage waits for) and `backward_weight` (W: the parameters', run
+later in an idle slot), from the same autograd graphs (`rannc.pipeline.split_backward`).
 
 Index conventions: m microbatches; v value names.
 """
@@ -34,6 +34,7 @@ from rannc.graph.extract import StageGraph, build_stage_module, split_graph
 from rannc.pipeline import batchnorm as bnorm
 from rannc.pipeline.routes import Routes
 from rannc.pipeline.rows import Range
+from rannc.pipeline.split_backward import WeightPass, backward_input
 
 
 @dataclass
@@ -50,6 +51,7 @@ class Micro:
     rec: list[Any] | None = None  # outputs of the recomputed part, rebuilt with a graph (R)
     out_grads: list[torch.Tensor | None] | None = None  # per stage output (RB)
     in_grads: list[Any] | None = None  # per stage input (B), to send (SB)
+    weight: list[WeightPass] | None = None  # split backward: what B left for W, per part
 
     @property
     def empty(self) -> bool:
@@ -87,10 +89,13 @@ class Stage:
     """Stage `index` as held by this rank (replica `replica` of it)."""
 
     def __init__(self, index: int, replica: int, graph: StageGraph, rec_part: Part | None,
-                 keep_part: Part | None, routes: Routes, bn: bnorm.BatchNormState) -> None:
+                 keep_part: Part | None, routes: Routes, bn: bnorm.BatchNormState,
+                 weights: Sequence[nn.Parameter] = ()) -> None:
+        """`weights`: the parameters this stage holds (what a split backward's W computes)."""
         self.index, self.replica, self.graph = index, replica, graph
         self.rec_part, self.keep_part = rec_part, keep_part
         self.routes, self._bn = routes, bn
+        self.weights = list({id(p): p for p in weights}.values())
 
     @property
     def inputs(self) -> tuple[str, ...]:
@@ -182,6 +187,43 @@ class Stage:
         mic.in_grads = self.input_grads(mic.ins, grad_inputs)
         mic.ins = mic.kept = mic.rec = mic.out_grads = None
         mic.links = {}
+
+    def backward_input(self, mic: Micro, grad_inputs: frozenset[str]) -> None:
+        """B of a split backward (zero-bubble schedules): as `backward`, but into the stage
+        inputs alone (`mic.in_grads`, sent back at once); the parameters' gradients wait in
+        `mic.weight` for `backward_weight`, the autograd graphs kept until then
+        (`rannc.pipeline.split_backward`). One W pass per part, so a parameter read by both
+        parts accumulates twice per microbatch, as in `backward` (the reducer counts that)."""
+        assert mic.out_grads is not None and mic.ins is not None
+        grad_of = dict(zip(self.outputs, mic.out_grads, strict=True))
+        leaves = [x for x in mic.ins if isinstance(x, torch.Tensor) and x.requires_grad
+                  and x.grad_fn is None and not isinstance(x, nn.Parameter)]
+        passes = []
+        if self.keep_part is not None and mic.kept is not None:
+            passes.append(backward_input(mic.kept, [grad_of.get(v) for v in self.keep_part.graph.outputs],
+                                         leaves + list(mic.links.values()), self.weights))
+        if self.rec_part is not None:
+            if mic.rec is None:
+                self.recompute(mic)
+            assert mic.rec is not None
+            gs = []
+            for v in self.rec_part.graph.outputs:
+                g, link = grad_of.get(v), mic.links.get(v)
+                if link is not None and link.grad is not None:
+                    g = link.grad if g is None else g + link.grad
+                gs.append(g)
+            passes.append(backward_input(mic.rec, gs, leaves, self.weights))
+        mic.in_grads = self.input_grads(mic.ins, grad_inputs)
+        mic.weight = passes
+        mic.ins = mic.kept = mic.rec = mic.out_grads = None
+        mic.links = {}
+
+    def backward_weight(self, mic: Micro) -> None:
+        """W of a split backward: the parameters' gradients of microbatch `mic`, accumulated
+        into `.grad` (post-accumulate-grad hooks fire as after `backward`); frees its graph."""
+        for wp in mic.weight or ():
+            wp.run()
+        mic.weight = None
 
     def late_backward(self, mic: Micro, grad_inputs: frozenset[str]) -> None:
         """An eager schedule's late pass: forward again from the saved inputs (RNG replayed)

@@ -202,4 +202,32 @@ def validate(sched: Schedule) -> None:
                                         f"{Action(s, m, first)}")
 
 
-__all__ = ["BACKWARD_SIDE", "COMPUTE", "Action", "Op", "Schedule", "ScheduleError", "chain", "validate"]
+def in_flight(sched: Schedule) -> list[tuple[int, int]]:
+    """Per stage: (the most microbatches whose forward ran and backward has not, the most
+    whose recomputed activations are alive at once). Memory = static + first * (what a
+    microbatch keeps through its backward) + second * (what recomputation rebuilds). Where the
+    backward is split, a microbatch's activations stay until its W (the weight gradients read
+    the layers' inputs; the runtime keeps the autograd graph until then)."""
+    out = []
+    for s in range(sched.stages):
+        acts = [a for a in sched.actions[sched.lane_of(s)] if a.stage == s]
+        done = Op.W if sched.splits_backward(s) else Op.B
+        live = peak = rec = rec_peak = 0
+        rebuilt = {a.micro for a in acts if a.op is Op.R}
+        for a in acts:
+            if a.op is Op.F:
+                live += 1
+                peak = max(peak, live)
+            elif a.op is Op.R:
+                rec += 1
+                rec_peak = max(rec_peak, rec)
+            elif a.op is done:
+                live -= 1
+                if a.micro in rebuilt:
+                    rec -= 1
+        out.append((peak, rec_peak))
+    return out
+
+
+__all__ = ["BACKWARD_SIDE", "COMPUTE", "Action", "Op", "Schedule", "ScheduleError", "chain", "in_flight",
+           "validate"]

@@ -14,8 +14,8 @@ A schedule that does not run eagerly (fill-drain, "gpipe"; `ScheduleSpec.eager`)
 barrier between its forward and backward halves, as the runtime does (forward() returns, and
 backward() starts with an all-reduce).
 
-Also here: the peak number of microbatches each stage holds activations for, which is what
-the memory model multiplies, and the bubble ratio.
+Also here (defined with the IR): the peak number of microbatches each stage holds activations
+for, which is what the memory model multiplies, and the bubble ratio.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from rannc.schedule.actions import COMPUTE, Action, Op, Schedule, ScheduleError
+from rannc.schedule.actions import COMPUTE, Action, Op, Schedule, ScheduleError, in_flight
 from rannc.schedule.spec import SCHEDULES
 
 
@@ -146,33 +146,6 @@ def _arrival(a: Action, peers: Sequence[int], sent: dict[tuple[Op, int, int], fl
         lag = costs.comm_fwd[a.stage] if a.op is Op.RF else costs.comm_bwd[a.stage]
         latest = max(latest, t + lag)
     return latest
-
-
-def in_flight(sched: Schedule) -> list[tuple[int, int]]:
-    """Per stage: (the most microbatches whose forward ran and backward has not, the most
-    whose recomputed activations are alive at once). Memory = static + first * (what a
-    microbatch keeps through its backward) + second * (what recomputation rebuilds). Where the
-    backward is split, a microbatch's activations stay until its W (the weight gradients read
-    the layers' inputs; the runtime keeps the autograd graph until then)."""
-    out = []
-    for s in range(sched.stages):
-        acts = [a for a in sched.actions[sched.lane_of(s)] if a.stage == s]
-        done = Op.W if sched.splits_backward(s) else Op.B
-        live = peak = rec = rec_peak = 0
-        rebuilt = {a.micro for a in acts if a.op is Op.R}
-        for a in acts:
-            if a.op is Op.F:
-                live += 1
-                peak = max(peak, live)
-            elif a.op is Op.R:
-                rec += 1
-                rec_peak = max(rec_peak, rec)
-            elif a.op is done:
-                live -= 1
-                if a.micro in rebuilt:
-                    rec -= 1
-        out.append((peak, rec_peak))
-    return out
 
 
 __all__ = ["Event", "StageCosts", "Timeline", "in_flight", "simulate"]

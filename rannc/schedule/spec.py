@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from rannc.schedule.actions import Action, Op, Schedule, ScheduleError
+from rannc.schedule.actions import Action, Op, Schedule, ScheduleError, chain, in_flight
 
 # The schedule every model can run: forwards in forward(), backwards in backward(). Schedules
 # that run eagerly fall back to it when the model does not return one scalar loss.
@@ -120,6 +120,9 @@ class ScheduleSpec:
     runs: bool = True
     """Whether the runtime runs it: `schedule="auto"` searches only these; one that does not is
     still planned and simulated when forced (`rannc.plan`, the `rannc plan` command)."""
+    shared_lanes: bool = False
+    """Whether its generator builds lines of several stages per lane (interleaved schedules,
+    and fill-drain, which an interleaved plan falls back to without one scalar loss)."""
     chunks: int = 1
     """Stages per lane (the ranks of one pipeline position) by default: 1, or more for an
     interleaved schedule, whose stage s runs on lane s % (stages / chunks). A plan says its own
@@ -138,11 +141,17 @@ class ScheduleSpec:
 
 
 def _fill_drain(line: StageLine) -> list[Action]:
+    """Every forward, then every backward in reverse; a lane of several stages (an
+    interleaved plan run without one scalar loss) runs its stages' forwards first to last and
+    their backwards last to first, which the data flow between lanes allows."""
     acts: list[Action] = []
-    for m in range(line.microbatches):
-        acts += line.forward(m)
-    for m in reversed(range(line.microbatches)):
-        acts += line.backward(m)
+    here = line.stages_here
+    for s in here:
+        for m in range(line.microbatches):
+            acts += line.forward(m, s)
+    for s in reversed(here):
+        for m in reversed(range(line.microbatches)):
+            acts += line.backward(m, s=s)
     return acts
 
 
@@ -261,7 +270,7 @@ def get_spec(name: str) -> ScheduleSpec:
 
 
 register(ScheduleSpec(FILL_DRAIN, _fill_drain, eager=False, recompute_last=True,
-                      in_flight=lambda S, M: M, summary="fill-drain (GPipe)"))
+                      in_flight=lambda S, M: M, summary="fill-drain (GPipe)", shared_lanes=True))
 register(ScheduleSpec("1f1b", _one_f_one_b, eager=True, recompute_last=True,
                       in_flight=lambda S, M: min(S, M), summary="1F1B (PipeDream-flush order)"))
 # Merak's shifted critical path: 1F1B whose recomputation runs before the stage waits for the
@@ -273,11 +282,20 @@ register(ScheduleSpec("scp", _shifted_critical_path, eager=True, recompute_last=
 register(ScheduleSpec("zero_bubble", _zero_bubble_h1, eager=True, recompute_last=True,
                       in_flight=lambda S, M: min(S, M),
                       summary="zero-bubble ZB-H1 (backward split into input and weight passes)"))
-# Interleaved 1F1B: planned and simulated when forced; the runtime does not run several stages
-# per rank yet, so "auto" leaves it out (runs=False).
+# Interleaved 1F1B: stage s on lane s % P (the ranks of pipeline position s % P).
 register(ScheduleSpec("interleaved_1f1b", _interleaved_one_f_one_b, eager=True,
                       recompute_last=True, in_flight=lambda S, M: _interleaved_in_flight(S, M),
-                      summary="interleaved 1F1B (several stages per rank)", runs=False, chunks=2))
+                      summary="interleaved 1F1B (several stages per rank)", shared_lanes=True,
+                      chunks=2))
+
+
+def require_runs(name: str) -> None:
+    """A ScheduleError unless the runtime runs schedule `name` (`ScheduleSpec.runs`)."""
+    if name != "auto" and not get_spec(name).runs:
+        can = ", ".join(n for n, sp in SCHEDULES.items() if sp.runs)
+        raise ScheduleError(f"schedule {name!r} is planned and simulated (rannc.plan, `rannc plan`) "
+                            f"but the runtime does not run it yet; train with schedule='auto' or "
+                            f"one of {can}")
 
 
 def make_schedule(name: str, microbatches: int, suppliers: Sequence[Sequence[int]],
@@ -298,7 +316,7 @@ def make_schedule(name: str, microbatches: int, suppliers: Sequence[Sequence[int
         raise ScheduleError(f"placement {list(place)} must give each of the {n} stages a lane, "
                             "the lanes numbered 0, 1, ... without gaps")
     lanes = max(place, default=-1) + 1
-    if spec.chunks == 1 and lanes != n:
+    if not spec.shared_lanes and lanes != n:
         raise ScheduleError(f"schedule {name!r} runs one stage per lane, but the placement "
                             f"{list(place)} puts {n} stages on {lanes} lanes; use an interleaved "
                             "schedule for several stages per rank")
@@ -327,12 +345,12 @@ def default_placement(name: str, n_stages: int) -> tuple[int, ...]:
 
 def _interleaved_in_flight(S: int, M: int) -> int:
     """The most microbatches any stage of an S-stage chain holds under interleaved 1F1B
-    (read off its lines, as the planner's memory model does)."""
-    from rannc.schedule.actions import chain
-    from rannc.schedule.simulate import in_flight
-
-    if S % 2:
-        return min(S, M)
+    (read off its lines, as the planner's memory model does); where it cannot run (stages not
+    a multiple of 2, or microbatches in an incomplete last round) all M, the most any
+    schedule holds, so a bound asked for there is never too small."""
+    lanes = S // 2
+    if S % 2 or (M > lanes and M % lanes):
+        return M
     return max(n for n, _ in in_flight(make_schedule("interleaved_1f1b", M, chain(S), [False] * S)))
 
 
@@ -348,4 +366,5 @@ def _depth_to_end(sup: Sequence[Sequence[int]], s: int) -> int:
 
 
 __all__ = ["FILL_DRAIN", "SCHEDULES", "HeldActivations", "ScheduleSpec", "StageLine",
-           "default_placement", "get_spec", "make_schedule", "register", "registered"]
+           "default_placement", "get_spec", "make_schedule", "register", "registered",
+           "require_runs"]

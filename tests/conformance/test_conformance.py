@@ -54,6 +54,12 @@ LAYOUTS = [
     # ZeRO-1: each parameter's optimizer state on one replica, new values broadcast after the step
     Layout("4r-rep22-m2-1f1b-zero1", 4, ("--replicas", "2,2", "--microbatches", "2", "--schedule",
                                         "1f1b", "--option=zero_stage=1"), 10),
+    # zero-bubble: backward split into input- and weight-gradient passes, 3 stages, replicas
+    Layout("4r-rep211-m4-zb", 4, ("--replicas", "2,1,1", "--microbatches", "4", "--schedule",
+                                 "zero_bubble"), 10),
+    # interleaved: 4 stages on 3 ranks, stages s and s + 2 sharing ranks (replicas [1, 2])
+    Layout("3r-rep12-pn4-m4-il", 3, ("--replicas", "1,2", "--partition-num", "4", "--microbatches",
+                                    "4", "--schedule", "interleaved_1f1b"), 9),
 ]
 BY_ID = {lay.id: lay for lay in LAYOUTS}
 
@@ -71,6 +77,8 @@ CI_MODELS: dict[str, tuple[str, ...]] = {
     "3r-rep12-m3-scp": ("phi", "gpt_neox", "albert", "swin", "bloom", "deberta_v2"),
     "2r-auto": ("mixtral", "opt", "qwen3", "electra", "gptj", "timm_vit"),
     "4r-rep22-m2-1f1b-zero1": ("llama", "t5", "albert"),  # (also in another layout each)
+    "4r-rep211-m4-zb": ("gpt2", "bert"),  # (also in another layout each)
+    "3r-rep12-pn4-m4-il": ("llama", "t5"),  # (also in another layout each)
 }
 
 # Known library bugs: (model, where) -> reason; where is a layout id, "1p" (one process),

@@ -74,10 +74,12 @@ class Run:
         self.mine = (lo, lo + sizes[rank])
         self.ref = copy.deepcopy(case.model)
         opts: dict[str, Any] = {"schedule": "gpipe", "checkpointing": "off", "profiler": "estimate"}
-        if layout:
-            reps, micro = layout.split("/")
+        if layout:  # REPLICAS/MICROBATCHES[/SCHEDULE/PARTITION_NUM]
+            reps, micro, *sched = layout.split("/")
             opts["replicas"] = [int(x) for x in reps.split(",")]
             opts["microbatches"] = int(micro)
+            if sched:
+                opts["schedule"], opts["partition_num"] = sched[0], int(sched[1])
         self.opt = torch.optim.AdamW(case.model.parameters(), lr=1e-2, eps=1e-4)
         self.ref_opt = torch.optim.AdamW(self.ref.parameters(), lr=1e-2, eps=1e-4)
         self.model = rannc.RaNNCModule(case.model, self.opt, **opts)
@@ -349,7 +351,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--phase", required=True, choices=[*sorted(PHASES), "exact", "rank0-only"])
     p.add_argument("--dir", required=True)
-    p.add_argument("--layout", action="append", default=[], help="NAME=REPLICAS/MICROBATCHES")
+    p.add_argument("--layout", action="append", default=[],
+                   help="NAME=REPLICAS/MICROBATCHES[/SCHEDULE/PARTITION_NUM]")
     p.add_argument("--crash", action="store_true", help="resume: then die inside a save")
     p.add_argument("--resume", action="store_true", help="exact: resume from the checkpoint")
     p.add_argument("--then", choices=("step", "exit"), default="step", help="rank0-only")

@@ -1,0 +1,173 @@
+"""Zero-bubble (ZB-H1) and interleaved 1F1B against 1F1B (issue 19, item 4).
+
+    PYTHONPATH=. .venv/bin/python benchmarks/new_schedules.py                # predicted
+    PYTHONPATH=. .venv/bin/python benchmarks/new_schedules.py --only uniform
+    PYTHONPATH=. .venv/bin/python benchmarks/new_schedules.py --pictures     # docs/ timelines
+
+* ``uniform``: the simulator on 4 uniform stages (T_F = T_B = T_W = 1: a backward twice the
+  forward, half of it weight gradients), 8, 16 and 32 microbatches; interleaved as 4 ranks of 2
+  stages, each half as long.
+* ``models``: BERT-Large (24 x 1024, batch 256 x 128) and a GPT (GPT-2 24 x 1024, batch 64 x 512)
+  planned with the estimate oracle for 8 and 32 V100-32GB and 8 H100 (8 per node): 4 pipeline
+  positions (ranks per pipeline copy) forced, 8 and 16 microbatches; per schedule the
+  planner's best plan (1f1b and zero_bubble: 4 stages; interleaved_1f1b: 8 stages, 2 per rank),
+  its predicted iteration time, its ratio to 1F1B's, and the largest predicted memory of one
+  device (an interleaved rank holds two stages: their sum).
+* ``--pictures``: the predicted timeline of each new schedule (4 stages, 8 microbatches,
+  uniform) as docs/timeline_uniform_<schedule>.png and .json (Chrome trace).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "examples" / "models")]
+
+NEW = ("zero_bubble", "interleaved_1f1b")
+
+
+def _uniform_schedule(name: str, M: int, lanes: int = 4) -> tuple[Any, Any]:
+    """(schedule, costs) on `lanes` ranks of uniform work: T_F = 1, T_B = 2 (W = 1 of it); an
+    interleaved schedule's 2 stages per rank each half of that."""
+    from rannc.schedule import StageCosts, chain, make_schedule
+
+    v = 2 if name == "interleaved_1f1b" else 1
+    S = lanes * v
+    sched = make_schedule(name, M, chain(S), [False] * S, [s % lanes for s in range(S)])
+    return sched, StageCosts.uniform(S, 1.0 / v, 2.0 / v, wgrad=1.0 / v)
+
+
+def uniform() -> list[str]:
+    from rannc.schedule import in_flight, simulate
+
+    rows = ["| stages (ranks) | microbatches | schedule | iteration (T_F units) | bubble ratio | "
+            "vs 1F1B | most microbatches a rank holds (in 1F1B stages' worth) |",
+            "|---|---|---|---|---|---|---|"]
+    for M in (8, 16, 32):
+        base = None
+        for name in ("1f1b", *NEW):
+            sched, costs = _uniform_schedule(name, M)
+            tl = simulate(sched, costs)
+            base = base or tl.iteration_time
+            held = in_flight(sched)
+            v = sched.stages // sched.lanes
+            worth = max(sum(held[s][0] for s in sched.stages_on(d)) / v for d in range(sched.lanes))
+            rows.append(f"| 4 | {M} | {name} | {tl.iteration_time:.2f} | {tl.bubble_ratio:.3f} | "
+                        f"{base / tl.iteration_time:.3f}x | {worth:g} |")
+    return rows
+
+
+def _models(smoke: bool) -> list[tuple[str, Any, tuple[Any, ...], dict[str, Any], int]]:
+    import torch
+    from bert_factory import bert
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with torch.device("meta"):
+        if smoke:
+            b, bkw = bert(4, 64, 32, seq=16, vocab=128)
+            g = GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=64, n_head=2, n_positions=32,
+                                           vocab_size=128, use_cache=False))
+            ids = torch.zeros(32, 32, dtype=torch.long)
+            sizes = (32, 32)
+        else:
+            b, bkw = bert(24, 1024, 256)
+            g = GPT2LMHeadModel(GPT2Config(n_layer=24, n_embd=1024, n_head=16, n_positions=512,
+                                           use_cache=False))
+            ids = torch.zeros(64, 512, dtype=torch.long)
+            sizes = (256, 64)
+    return [("BERT-Large", b, (), bkw, sizes[0]),
+            ("GPT-2 24x1024", g, (), {"input_ids": ids, "labels": ids, "use_cache": False}, sizes[1])]
+
+
+def models(smoke: bool = False) -> list[str]:
+    import rannc
+    from rannc.atomic.components import atomic_components
+    from rannc.graph.capture import capture
+    from rannc.planner import plan_graph
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    rows = ["| model | devices | microbatches | schedule | stages x replicas | predicted s/iter | "
+            "vs 1F1B | weight share of backward | max device memory GB |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    print("\n".join(rows), flush=True)  # rows print as they come: the full run takes minutes
+    clusters = [("V100-32GB", 8)] if smoke else [("V100-32GB", 8), ("V100-32GB", 32), ("H100", 8)]
+    for name, model, args, kwargs, batch in _models(smoke):
+        cap = capture(model, args, kwargs)
+        atomic = atomic_components(cap.graph)
+        for dev, n in clusters:
+            cluster = rannc.Cluster.homogeneous(dev, n=n, per_node=8)
+            # 4 pipeline positions: the whole cluster in one pipeline copy on 8 devices is
+            # 4 stages x 2 replicas; on 32, 4 copies of that (replicas forced per position)
+            reps = [2, 2, 2, 2]
+            for M in (8,) if smoke else (8, 16):
+                base = None
+                for sched in ("1f1b", *NEW):
+                    stages = 8 if sched == "interleaved_1f1b" else 4
+                    cfg = rannc.Config(schedule=sched, partition_num=stages, microbatches=M,
+                                       replicas=reps)
+                    try:
+                        p = plan_graph(cap.graph, atomic, cluster, cfg, batch_size=batch)
+                    except rannc.RaNNCError as e:
+                        rows.append(f"| {name} | {n} x {dev} | {M} | {sched} | {e} |||||")
+                        continue
+                    t = p.predicted_iteration_time or 0.0
+                    base = base or t
+                    lanes: dict[tuple[int, ...], float] = {}
+                    for st in p.stages:
+                        lanes[st.ranks] = lanes.get(st.ranks, 0.0) + st.predicted["memory_bytes"]
+                    share = sum(st.predicted.get("backward_weight_s", 0.0) for st in p.stages) / \
+                        sum(st.predicted["backward_s"] for st in p.stages)
+                    lay = f"{len(p.stages)} x {p.stages[0].replicas}"
+                    rows.append(f"| {name} | {n} x {dev} | {M} | {sched} | {lay} | {t:.3f} | "
+                                f"{base / t:.3f}x | {share:.2f} | {max(lanes.values()) / 1e9:.1f} |")
+                    print(rows[-1], flush=True)
+    return rows
+
+
+def pictures() -> None:
+    from rannc.schedule import chrome_trace, simulate, timeline_png
+
+    what = {"zero_bubble": "B 1 ms + W 1 ms", "interleaved_1f1b": "2 stages per rank, half each"}
+    for name in NEW:
+        sched, costs = _uniform_schedule(name, 8)
+        tl = simulate(sched, costs)
+        # the simulator's units as milliseconds: T_F = 1 ms
+        scaled = tl.__class__(tl.schedule, tuple(tuple(e.__class__(e.action, e.start / 1e3,
+                                                                   e.end / 1e3) for e in evs)
+                                                 for evs in tl.events),
+                              tl.iteration_time / 1e3, tl.allreduce)
+        base = ROOT / "docs" / f"timeline_uniform_{name}"
+        chrome_trace(dict(enumerate(scaled.events)), f"{base}.json", label="rank")
+        one, one_costs = _uniform_schedule("1f1b", 8)
+        ref = simulate(one, one_costs).iteration_time
+        timeline_png(f"{base}.png", predicted=scaled,
+                     title=f"{name}: 4 ranks, 8 microbatches; per rank and microbatch forward 1 ms, "
+                           f"backward 2 ms ({what[name]}); 1F1B: {ref:.0f} ms")
+        print(f"wrote {base}.png and .json")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--only", choices=("uniform", "models"), default=None)
+    p.add_argument("--pictures", action="store_true")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes, to check the script runs")
+    a = p.parse_args()
+    print(f"machine: {os.cpu_count()} cores; {time.strftime('%Y-%m-%d')}")
+    if a.pictures:
+        pictures()
+        return
+    if a.only in (None, "uniform"):
+        print("\n".join(uniform()), flush=True)
+    if a.only in (None, "models"):
+        models(a.smoke)
+
+
+if __name__ == "__main__":
+    main()
