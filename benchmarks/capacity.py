@@ -146,8 +146,10 @@ def need_equal(c: Captured, cluster: Any, batch: int, layers: int, stages: int) 
     import numpy as np
 
     import rannc
-    from rannc.planner import EstimateOracle, _microbatch_counts, param_names_of
-    from rannc.stage_dp.tables import BlockIO, MemoryModel, batch_per_replica, stage_tables
+    from rannc.planner import EstimateOracle, param_names_of
+    from rannc.stage_dp.memory import MemoryModel
+    from rannc.stage_dp.search import microbatch_counts
+    from rannc.stage_dp.tables import BlockIO, batch_per_replica, stage_tables
 
     cfg = rannc.Config()
     block_of, s = [], 0
@@ -166,7 +168,7 @@ def need_equal(c: Captured, cluster: Any, batch: int, layers: int, stages: int) 
     spec = cluster.devices[0]
     oracle = EstimateOracle(c.costs, cluster)
     best = math.inf
-    for m in _microbatch_counts(cfg, batch):
+    for m in microbatch_counts(cfg, batch):
         prof = oracle.block_profile(block_of, [batch_per_replica(batch, 1, m, 1)])
         for sched in ("gpipe", "1f1b"):
             worst = 0.0

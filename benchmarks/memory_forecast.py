@@ -111,10 +111,10 @@ def tensor_peak(prof: Any) -> tuple[float, dict[str, float], str]:
 
 def forecast_terms(plan: Any, st: Any, opt_factor: float) -> dict[str, float]:
     """The memory model's terms for stage `st` of `plan` (bytes), from the estimate on this CPU."""
-    from rannc.hostmem import rank_overhead
     from rannc.profile.estimate import GraphCosts
     from rannc.schedule import get_spec
-    from rannc.stage_dp.tables import BlockIO, local_rows, returned_memory
+    from rannc.stage_dp.memory import local_rows, rank_overhead, returned_memory
+    from rannc.stage_dp.tables import BlockIO
 
     graph, atomic = plan.source
     comps = set(st.components)
@@ -131,8 +131,8 @@ def forecast_terms(plan: Any, st: Any, opt_factor: float) -> dict[str, float]:
     saved = get_spec(plan.schedule).held(len(plan.stages), plan.microbatches, True).saved_inputs
     inb = float(io.inputs[0][j, j] + io.inputs[1][j, j] * b)
     outb = float(io.outputs[0][j, j] + io.outputs[1][j, j] * b)
-    ret = returned_memory(io, int(b), plan.microbatches, int(n),
-                          local_rows(plan.batch_size, 1, plan.world_size))
+    ret = returned_memory(*io.returned_bytes(int(b), local_rows(plan.batch_size, 1, plan.world_size)),
+                          plan.microbatches, int(n))
     return dict(params=float(io.params[j, j]), grads=float(io.grad_params[j, j]),
                 optimizer=opt_factor * float(io.grad_params[j, j]), kept=n * kept,
                 inputs_outputs=n * (inb + outb), saved_inputs=saved * inb, work=work,

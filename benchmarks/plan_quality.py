@@ -335,7 +335,8 @@ def one(name: str, kind: str, a: tuple[int, ...], device: str, worlds: Sequence[
         try:
             p = plan_graph(g, at, cluster, cfg, batch_size=batch, costs=costs)
             row["rannc"] = {"time": p.predicted_iteration_time, "m": p.microbatches,
-                            "schedule": p.schedule, "replicas": [st.replicas for st in p.stages]}
+                            "schedule": p.schedule, "replicas": [st.replicas for st in p.stages],
+                            "zero": p.zero_stage}
         except rannc.PlanInfeasibleError as e:
             row["rannc"] = {"status": f"no plan fits ({e.needed_bytes / 1e9:.0f} GB needed)"}
         comp_t = costs.component_time(spec, max(1, batch // W))
@@ -381,7 +382,8 @@ def cell(r: dict[str, Any]) -> str:
     reps = r["replicas"]
     stages = f"{len(reps)} stage{'' if len(reps) == 1 else 's'}"
     shape = f"{stages} x {reps[0]}" if len(set(reps)) == 1 else f"replicas {reps}"
-    return f"{r['time']:.4g} ({shape}, m={r['m']}, {r['schedule']})"
+    zero = ", ZeRO-1" if r.get("zero") else ""
+    return f"{r['time']:.4g} ({shape}, m={r['m']}, {r['schedule']}{zero})"
 
 
 def table(results: list[dict[str, Any]], W: int) -> list[str]:

@@ -19,7 +19,7 @@ from rannc.errors import (
 )
 from rannc.module import RaNNCModule
 from rannc.planner import PlanInfeasibleError, plan
-from rannc.plans import Plan, StagePlan
+from rannc.plans import Plan, StagePlan, StagePrediction
 from rannc.profile.device import KNOWN_DEVICES, Cluster, DeviceSpec
 
 __all__ = [
@@ -38,6 +38,7 @@ __all__ = [
     "RaNNCError",
     "RaNNCModule",
     "StagePlan",
+    "StagePrediction",
     "barrier",
     "get_rank",
     "get_world_size",

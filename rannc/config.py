@@ -166,14 +166,17 @@ class Config:
     """ZeRO stage of the optimizer state: 0 (every replica of a stage keeps the state of all
     the stage's parameters, as DDP), 1 (ZeRO-1: each parameter's state lives on one replica,
     which steps it and sends the new values to the others after the step; Adam's 8 bytes per
-    parameter divide by the replicas), or "auto" (0, unless no plan fits in memory without
-    ZeRO-1). Gradients, clipping and `zero_grad()` are unchanged: every replica's `.grad` holds
-    the full reduced gradient."""
+    parameter divide by the replicas), or "auto" (the planner plans without ZeRO-1 and, where
+    the plan has replicas or nothing fits, with it, and keeps the faster predicted plan: the
+    memory it frees can spare recomputation, the all-gather after the step costs time).
+    Gradients, clipping and `zero_grad()` are unchanged: every replica's `.grad` holds the full
+    reduced gradient."""
     bucket_mb: float = _f(25.0, lo=0, open_lo=True)
     """Size in MB (2^20 bytes), > 0, of the buckets gradients are all-reduced in over the ranks
     holding them (rannc.pipeline.grads): each bucket starts as soon as its gradients are final
     in the last microbatch's backward, overlapping the rest. The reduction holds at most one
-    bucket beyond the gradients. Smaller: more, shorter collectives that start earlier."""
+    bucket beyond the gradients, which the planner's memory model counts on every stage whose
+    gradients are reduced. Smaller: more, shorter collectives that start earlier."""
     trace: bool = _f(False)
     """Record each rank's pipeline actions with their times, for `RaNNCModule.write_trace`
     (a Perfetto trace and a timeline PNG beside the simulator's prediction)."""

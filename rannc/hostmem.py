@@ -18,7 +18,7 @@ CUDA device, whose tensors the caching allocator holds, and a C library other th
 left alone.
 
 What a rank holds besides tensors on a CPU is a per-rank `overhead` in the memory model
-(`rannc.stage_dp.tables.MemoryModel.overhead`, `rank_overhead`): the captured graph, which every
+(`rannc.stage_dp.memory.rank_overhead`, `MemoryModel.overhead`): the captured graph, which every
 rank holds whole (counted per task), and what the first training step leaves resident in any
 PyTorch process (the math libraries' buffers, the small-block heap; a constant). Both were
 measured on this project's CPU host, not at start-up: the resident growth of `capture` is 20 to
@@ -94,19 +94,9 @@ def apply(choice: str, device_type: str, forecast: float | None = None,
     return False
 
 
-RANK_BYTES = 16 * 2**20  # what a first training step leaves resident beyond tensors
-TASK_BYTES = 24 * 2**10  # the captured graph, per task
-
-
 def is_host(device_name: str) -> bool:
     """Whether a `DeviceSpec` name is a CPU's (`measure_local_device` names it "local-cpu")."""
     return device_name.endswith("cpu")
-
-
-def rank_overhead(device_names: list[str], tasks: int) -> float:
-    """Bytes every rank needs beyond its tensors, in the memory the planner budgets: on CPU
-    devices the graph of `tasks` tasks and the per-process constant; on GPUs none."""
-    return float(RANK_BYTES + TASK_BYTES * tasks) if any(map(is_host, device_names)) else 0.0
 
 
 def resident_bytes() -> int:
@@ -120,5 +110,5 @@ def resident_bytes() -> int:
     return 0
 
 
-__all__ = ["KEEP_RETENTION", "RANK_BYTES", "RELEASE_THRESHOLD", "TASK_BYTES", "apply", "is_host",
-           "needs_release", "rank_overhead", "release_freed_memory", "resident_bytes"]
+__all__ = ["KEEP_RETENTION", "RELEASE_THRESHOLD", "apply", "is_host", "needs_release",
+           "release_freed_memory", "resident_bytes"]

@@ -15,16 +15,13 @@ names and BatchNorm statistics keep their meaning.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
-import math
 import os
 import sys
 import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -36,30 +33,19 @@ from torch.nn.modules.module import _IncompatibleKeys
 from rannc import checkpoint as ckpt
 from rannc import clip as rclip
 from rannc import dist as rdist
-from rannc import health, hostmem, validate
-from rannc.atomic.components import AtomicPartition, atomic_components
+from rannc import health, validate
 from rannc.config import Config
+from rannc.deploy import Holdings, OneProcess, capture_signature, deployment_plan, host_malloc
+from rannc.deploy import optimizer_state_factor as optimizer_state_factor  # (its old home)
 from rannc.derive import derive_plan
-from rannc.errors import ConfigError, RaNNCError
-from rannc.graph.capture import CapturedModel, capture, flatten_inputs
-from rannc.graph.extract import StageGraph, build_stage_module, run_chain, split_graph
-from rannc.ownership import parameter_owners
+from rannc.errors import RaNNCError
+from rannc.graph.capture import flatten_inputs
+from rannc.graph.extract import run_chain
 from rannc.pipeline.runtime import COUNT_KWARG, PipelineFunction, PipelineRuntime
-from rannc.plans import Plan, StagePlan
-from rannc.progress import Progress, progress_for
-from rannc.schedule.spec import require_runs
+from rannc.plans import Plan
+from rannc.progress import NO_PROGRESS, progress_for
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Deployment:
-    """One captured signature, ready to run."""
-
-    captured: CapturedModel
-    atomic: AtomicPartition
-    stages: list[StageGraph]
-    modules: list[Any]  # fx.GraphModule, or its torch.compile'd wrapper (Config.compile)
 
 
 class RaNNCModule(nn.Module):
@@ -110,22 +96,19 @@ class RaNNCModule(nn.Module):
             rdist.init_process_group(self.rannc_config.timeout_s)
         self.training = model.training
         # Captures by input signature, least recently used first; at most config.max_captures.
-        self._deployments: OrderedDict[tuple[Any, ...], _Deployment] = OrderedDict()
+        self._deployments: OrderedDict[tuple[Any, ...], OneProcess] = OrderedDict()
         self._sync = True
         self._plan: Plan | None = None
         self._runtimes: OrderedDict[tuple[Any, ...], PipelineRuntime] = OrderedDict()
         self._warned_recapture = False
         self._calls = 0  # forward() calls: the "step" a failure report names
         self._last_rt: PipelineRuntime | None = None
-        self._released: dict[str, torch.Size] = {}  # parameters this rank freed: their shapes
-        self._placeholder: nn.Parameter | None = None
         self._owned: list[nn.Parameter] | None = None  # the parameters this rank counts in norms
         rclip.register(self)  # torch.nn.utils.clip_grad_norm_ recognises model.parameters()
-        self._opt_groups: list[list[str]] | None = None  # param names per group, before pruning
-        # rannc.ownership of the planned deployment (first name -> owning rank), and its runtime
-        self._owners: dict[str, int] | None = None
-        self._planned_rt: PipelineRuntime | None = None
-        self._set_aside: list[tuple[nn.Parameter, torch.Tensor | None]] = []  # ZeRO-1, in a step
+        me = weakref.ref(self)
+        # What this rank holds once deployed (released parameters, pruned optimizer groups,
+        # ZeRO-1's step hooks) and the planned deployment's runtime (`rannc.deploy`).
+        self._held = Holdings(step=lambda: m._calls if (m := me()) is not None else 0)
 
     module: nn.Module  # the wrapped model (as `DistributedDataParallel.module`)
 
@@ -164,18 +147,24 @@ class RaNNCModule(nn.Module):
         if dep is None:
             first = not self._deployments
             validate.check_capturable(self.module, leaves, [layout.batch or 0], first)
-            dep = self._deploy(args, kwargs, first=first)
+            cap, atomic = capture_signature(self.module, args, kwargs,
+                                            progress_for(self.rannc_config.progress, 0))
+            if not first:
+                log.info("rannc: new input signature; captured again (%s)", cap.graph.summary())
+            log.info("rannc: captured %s, %d atomic components, in %.2f s", cap.graph.summary(),
+                     len(atomic.components), cap.seconds)
+            dep = OneProcess.of(cap, atomic, _compile_stage if self.rannc_config.compile else None)
             if first:
-                from rannc.planner import single_process_plan
-
-                self._plan = single_process_plan(dep.captured.graph, dep.atomic, layout.batch or 0)
+                self._plan = deployment_plan(self.rannc_config, self.module, self.optimizer, cap,
+                                             atomic, None, leaves, [layout.batch or 0],
+                                             NO_PROGRESS)
             self._deployments[key] = dep
             self._bound_cache(self._deployments, pinned=None)
             if first:
                 _seed_at_deployment(self.rannc_config)
-                _host_malloc(self.rannc_config,
-                             next((p.device for p in self.module.parameters()), torch.device("cpu")),
-                             None)
+                host_malloc(self.rannc_config,
+                            next((p.device for p in self.module.parameters()), torch.device("cpu")),
+                            None)
         else:
             self._deployments.move_to_end(key)
         values = run_chain(dep.modules, dep.stages, dep.captured.bind(self.module, leaves))
@@ -206,13 +195,12 @@ class RaNNCModule(nn.Module):
         else:
             validate.check_capturable(self.module, leaves, sizes, self._plan is None)
             progress = progress_for(self.rannc_config.progress, ctx.rank)
-            with self._shaped_params(), progress.phase("capture"):
-                cap = capture(self.module, args, kwargs)
+            with self._held.shaped_params(self.module):
+                cap, atomic = capture_signature(self.module, args, kwargs, progress)
             validate.agree_on_graph(cap.graph.fingerprint(), sizes, ctx.device)
-            with progress.phase("atomic components"):
-                atomic = atomic_components(cap.graph)
             if self._plan is None:
-                plan = self._make_plan(cap, atomic, ctx, leaves, sizes, progress)
+                plan = deployment_plan(self.rannc_config, self.module, self.optimizer, cap, atomic,
+                                       ctx, leaves, sizes, progress)
                 if ctx.rank == 0:
                     _show_plan(plan)
                 self._plan = plan
@@ -232,9 +220,9 @@ class RaNNCModule(nn.Module):
             rt.sync = self._sync
             if not self._runtimes:
                 _seed_at_deployment(self.rannc_config)
-                _host_malloc(self.rannc_config, ctx.device, plan.stage_of_rank(ctx.rank))
+                host_malloc(self.rannc_config, ctx.device, plan.stage_of_rank(ctx.rank))
             self._runtimes[key] = rt
-            self._release_params(rt)
+            self._held.release(self.module, self.optimizer, self._runtimes.values(), rt)
             self._owned = None
             # The runtime of the planned deployment stays: the parameters this rank holds are
             # its stage's (a derived plan's stages hold a subset of them). (Not the first key:
@@ -257,73 +245,9 @@ class RaNNCModule(nn.Module):
                 flat[i] = o
         return pytree.tree_unflatten(flat, cap.out_spec)
 
-    def _make_plan(self, cap: CapturedModel, atomic: AtomicPartition, ctx: rdist.DistContext,
-                   leaves: list[Any], sizes: list[int], progress: Progress) -> Plan:
-        """Load the saved plan, or plan on rank 0 for this world, and broadcast it (one plan for
-        all ranks even though each measures its own device).
-
-        Only rank 0 reads a saved plan: on several nodes the file may exist on rank 0's disk
-        alone, or an older copy on another node's, and ranks that each read their own would
-        wait for different plans."""
-        import torch.distributed as dist
-
-        from rannc.planner import make_oracle, plan_graph
-        from rannc.profile.device import measure_local_device
-        from rannc.profile.estimate import GraphCosts, runs_fused_kernels
-
-        cfg = self.rannc_config
-        require_runs(cfg.schedule)  # every rank alike, before any of them plans
-        source = f"the plan file {cfg.deployment_file}"
-        loaded: list[Any] = [None]
-        if cfg.load_deployment:
-            if ctx.rank == 0 and os.path.exists(cfg.deployment_file):
-                try:
-                    loaded[0] = Plan.load(cfg.deployment_file).to_dict()
-                except Exception as e:  # noqa: BLE001 - every rank raises it, none waits
-                    loaded[0] = {"error": f"{type(e).__name__}: {e}. Fix: delete the file, or "
-                                          "load_deployment=False to plan again",
-                                 "type": type(e).__name__, "where": f"reading {source}"}
-            dist.broadcast_object_list(loaded, src=0)
-        if loaded[0] is not None:
-            if "error" in loaded[0]:
-                raise validate.rebuild_error(loaded[0])
-            plan = Plan.from_dict(loaded[0])
-            plan.check(cap.graph, ctx.world_size, source=source, atomic=atomic,
-                       batch_rows=sum(sizes))
-            require_runs(plan.schedule)
-            return dataclasses.replace(plan, source=(cap.graph, atomic))
-        # Every rank reports its own device (a mixed cluster is planned as such), unless the
-        # user described the cluster in a file.
-        reports: list[Any] = [None] * ctx.world_size
-        mine = None if cfg.cluster_file else dataclasses.asdict(measure_local_device())
-        dist.all_gather_object(reports, mine)
-        box: list[Any] = [None]
-        if ctx.rank == 0:
-            if cfg.opt_param_factor is None and self.optimizer is not None:
-                cfg = Config.resolve(cfg, environ={},
-                                     opt_param_factor=optimizer_state_factor(self.optimizer))
-            try:
-                cluster = self._cluster(cfg, ctx, reports)
-                costs = GraphCosts.of(cap.graph, atomic,
-                                      fused=runs_fused_kernels(cluster))
-                oracle = make_oracle(cfg, cap, atomic, self.module, leaves, costs, cluster,
-                                     progress=progress)
-                box[0] = plan_graph(cap.graph, atomic, cluster, cfg, batch_size=sum(sizes),
-                                    oracle=oracle, costs=costs, progress=progress).to_dict()
-            except RaNNCError as e:  # every rank raises it, none waits for a plan
-                box[0] = {"error": str(e), "type": type(e).__name__,
-                          "needed_bytes": getattr(e, "needed_bytes", None)}
-        dist.broadcast_object_list(box, src=0)
-        if "error" in box[0]:
-            raise validate.rebuild_error(box[0])
-        plan = dataclasses.replace(Plan.from_dict(box[0]), source=(cap.graph, atomic))
-        if cfg.save_deployment and ctx.rank == 0:
-            plan.save(cfg.deployment_file)
-        return plan
-
     def _planned_key(self) -> tuple[Any, ...] | None:
         """The capture key of the planned deployment's runtime in `_runtimes`."""
-        return next((k for k, r in self._runtimes.items() if r is self._planned_rt), None)
+        return next((k for k, r in self._runtimes.items() if r is self._held.runtime), None)
 
     def _bound_cache(self, cache: OrderedDict[tuple[Any, ...], Any], pinned: Any) -> None:
         """Keep at most config.max_captures captures, dropping the least recently used (never
@@ -345,19 +269,6 @@ class RaNNCModule(nn.Module):
                 break
             if key != pinned:
                 del cache[key]
-
-    @staticmethod
-    def _cluster(cfg: Config, ctx: rdist.DistContext, reports: list[Any]) -> Any:
-        from rannc.profile.device import Cluster, DeviceSpec
-
-        if not cfg.cluster_file:
-            return Cluster.from_reports([DeviceSpec(**d) for d in reports],
-                                        per_node=ctx.local_world_size)
-        cluster = Cluster.load(cfg.cluster_file)
-        if cluster.size != ctx.world_size:
-            raise ConfigError(f"the cluster file {cfg.cluster_file} describes {cluster.size} "
-                              f"devices but {ctx.world_size} ranks run; describe one per rank")
-        return cluster
 
     def write_trace(self, path: str, *, predicted_from: str = "plan") -> list[str]:
         """Write the last iteration's per-rank events (recorded with `config.trace`) as a
@@ -396,125 +307,6 @@ class RaNNCModule(nn.Module):
                      title=f"schedule {rt.schedule.name}, {len(rt.plan.stages)} stages, "
                            f"{rt.plan.microbatches} microbatches")
         return [path + ".json", path + ".png"]
-
-    def _release_params(self, rt: PipelineRuntime) -> None:
-        """Free the parameters this rank does not hold and stop the optimizer stepping them.
-
-        A parameter that no stage reads stays on every rank (state_dict() still has it)."""
-        if self._owners is None:  # the planned deployment, before anything is released
-            self._owners = parameter_owners(self.module, rt.plan, rt.rank)
-            self._planned_rt = rt
-            rt.owners = self._owners
-            if rt.plan.zero_stage and self.optimizer is not None:
-                self._zero_hooks(self.optimizer)
-        held = self._held_ids() or set()  # over every deployed signature
-        params = dict(self.module.named_parameters(remove_duplicate=False))
-        read = {id(params[n]) for r in self._runtimes.values() for n in r.plan.holders()}
-        released = []
-        for n, p in params.items():
-            if id(p) in read and id(p) not in held and p.numel():
-                self._released[n] = p.shape
-                released.append(p)
-                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-                p.grad = None
-        if self.optimizer is not None:
-            if self._opt_groups is None:  # the names before pruning, for optimizer_state_dict()
-                self._opt_groups = ckpt.group_names(self.module, self.optimizer)
-            for p in released + (rt.not_stepped() if rt is self._planned_rt else []):
-                self.optimizer.state.pop(p, None)  # (ZeRO-1: state another holder keeps)
-            for group in self.optimizer.param_groups:
-                keep = [id(p) not in read or id(p) in held for p in group["params"]]
-                group["params"] = [p for p, k in zip(group["params"], keep, strict=True) if k]
-                if "param_names" in group:
-                    group["param_names"] = [n for n, k in zip(group["param_names"], keep, strict=True)
-                                            if k]
-            if not any(g["params"] for g in self.optimizer.param_groups):
-                # A rank holding no parameters still runs the user's optimizer step; a GradScaler
-                # needs a gradient to check there. The stand-in has gradient 0 (inf when another
-                # rank overflowed), so stepping it changes nothing that matters.
-                if self._placeholder is None:
-                    self._placeholder = nn.Parameter(torch.zeros(1, device=rt.device))
-                self.optimizer.param_groups[0]["params"] = [self._placeholder]
-        for r in self._runtimes.values():
-            r.placeholder = self._placeholder
-            r.owners = self._owners
-        if released:
-            _return_freed_heap()
-
-    def _zero_hooks(self, optimizer: torch.optim.Optimizer) -> None:
-        """ZeRO-1 on the user's own optimizer: for its step, the gradients of the parameters
-        other holders own are set aside (torch's optimizers skip a parameter without a
-        gradient, so this rank neither updates them nor makes state for them); after it they
-        come back, and each owner sends its parameters' new values to their other holders.
-        Outside the step nothing differs: every held parameter's `.grad` is the full reduced
-        gradient, `zero_grad()`, GradScaler's `unscale_` and clipping see every parameter."""
-        me = weakref.ref(self)
-
-        def before(opt: Any, args: Any, kwargs: Any) -> None:
-            m = me()
-            if m is not None and m._planned_rt is not None:
-                m._set_aside = [(p, p.grad) for p in m._planned_rt.not_stepped()]
-                for p, _g in m._set_aside:
-                    p.grad = None
-
-        def after(opt: Any, args: Any, kwargs: Any) -> None:
-            m = me()
-            if m is not None and m._planned_rt is not None:
-                for p, g in m._set_aside:
-                    p.grad = g
-                m._set_aside = []
-                with health.phase("ZeRO-1 parameter broadcast", m._calls):
-                    m._planned_rt.share_stepped_params()
-
-        optimizer.register_step_pre_hook(before)
-        optimizer.register_step_post_hook(after)
-
-    @contextlib.contextmanager
-    def _without_placeholder(self) -> Iterator[None]:
-        """The optimizer without the stand-in parameter, for state dicts by parameter name."""
-        ph = self._placeholder
-        groups = self.optimizer.param_groups if self.optimizer is not None else []
-        had = ph is not None and bool(groups) and any(p is ph for p in groups[0]["params"])
-        if had:
-            groups[0]["params"] = [p for p in groups[0]["params"] if p is not ph]
-        try:
-            yield
-        finally:
-            if had:
-                groups[0]["params"].append(ph)
-
-    @contextlib.contextmanager
-    def _shaped_params(self) -> Iterator[None]:
-        """Released parameters get their shapes back (uninitialised, never read: torch.export
-        traces with fake tensors; on CPU untouched pages cost no memory) while a new input
-        signature is captured."""
-        params = dict(self.module.named_parameters(remove_duplicate=False))
-        for n, shape in self._released.items():
-            p = params[n]
-            p.data = torch.empty(shape, dtype=p.dtype, device=p.device)
-        try:
-            yield
-        finally:
-            for n in self._released:
-                p = params[n]
-                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-
-    def _deploy(self, args: tuple[Any, ...], kwargs: dict[str, Any], first: bool) -> _Deployment:
-        progress = progress_for(self.rannc_config.progress, 0)
-        with progress.phase("capture"):
-            cap = capture(self.module, args, kwargs)
-        with progress.phase("atomic components"):
-            atomic = atomic_components(cap.graph)
-        if not first:
-            log.info("rannc: new input signature; captured again (%s)", cap.graph.summary())
-        groups = [list(range(len(atomic.components)))]
-        stages = split_graph(cap.graph, atomic, groups)
-        modules: list[Any] = [build_stage_module(cap.gm, cap.graph, s) for s in stages]
-        if self.rannc_config.compile:
-            modules = [_compile_stage(m) for m in modules]
-        log.info("rannc: captured %s, %d atomic components, in %.2f s",
-                 cap.graph.summary(), len(atomic.components), cap.seconds)
-        return _Deployment(cap, atomic, stages, modules)
 
     # -- what a training script touches ------------------------------------
     def train(self, mode: bool = True) -> RaNNCModule:
@@ -599,26 +391,19 @@ class RaNNCModule(nn.Module):
         parameters that rank holds, by index into its pruned param groups.
         """
         opt = self._need_optimizer()
-        groups = self._opt_groups or ckpt.group_names(self.module, opt)
+        groups = self._held.opt_groups or ckpt.group_names(self.module, opt)
         if self._last_rt is not None:
             validate.agree_on_collective("optimizer_state_dict()", self._last_rt.device)
-        with self._without_placeholder():
+        with self._held.without_placeholder(self.optimizer):
             return ckpt.gather_optimizer_state(self.module, opt, self._last_rt, groups, rank0_only)
 
     def load_optimizer_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load an `optimizer_state_dict()` (by parameter names) on every rank: each rank takes
         the state of the parameters it holds, and every group's hyper-parameters. Not a
         collective; every rank needs the whole dict. Works before and after the first call."""
-        with self._without_placeholder():
+        with self._held.without_placeholder(self.optimizer):
             ckpt.load_optimizer_state(self.module, self._need_optimizer(), state_dict,
-                                      only=self._stepped_names())
-
-    def _stepped_names(self) -> set[str] | None:
-        """ZeRO-1: the parameters this rank's optimizer steps (None: every one it holds)."""
-        rt = self._planned_rt
-        if rt is None or not rt.plan.zero_stage or self._owners is None:
-            return None
-        return {n for n, r in self._owners.items() if r == rt.rank}
+                                      only=self._held.stepped_names())
 
     def _need_optimizer(self) -> torch.optim.Optimizer:
         if self.optimizer is None:
@@ -646,8 +431,8 @@ class RaNNCModule(nn.Module):
         rdist.init_process_group(self.rannc_config.timeout_s)
         groups = None
         if self.optimizer is not None:
-            groups = self._opt_groups or ckpt.group_names(self.module, self.optimizer)
-        with self._without_placeholder(), health.phase("checkpoint write"):
+            groups = self._held.opt_groups or ckpt.group_names(self.module, self.optimizer)
+        with self._held.without_placeholder(self.optimizer), health.phase("checkpoint write"):
             ckpt.save_checkpoint(self.module, self.optimizer, self._last_rt, groups, path, stateful)
 
     def load_checkpoint(self, path: str | os.PathLike[str], *, strict: bool = True,
@@ -666,7 +451,7 @@ class RaNNCModule(nn.Module):
         # rank that is elsewhere (or gone) within seconds ("call load_checkpoint on every rank"); a
         # digest all-gather first would meet a departed rank's closed socket instead.
         rdist.init_process_group(self.rannc_config.timeout_s)
-        with self._without_placeholder(), health.phase("checkpoint read"):
+        with self._held.without_placeholder(self.optimizer), health.phase("checkpoint read"):
             return ckpt.load_checkpoint(self.module, self.optimizer, self._last_rt, path, strict,
                                         stateful)
 
@@ -858,56 +643,3 @@ def _autocast_state() -> tuple[Any, ...]:
         on = torch.is_autocast_enabled(dev)
         out.append((dev, on, torch.get_autocast_dtype(dev) if on else None))
     return tuple(out)
-
-
-def optimizer_state_factor(optimizer: torch.optim.Optimizer) -> float:
-    """Optimizer state elements per parameter element (DESIGN.md's memory model): the most any
-    param group needs. Counted from torch's optimizers' state after a step (torch 2.13)."""
-    groups = optimizer.param_groups or [{}]
-    return max(_group_state_factor(type(optimizer).__name__, g) for g in groups)
-
-
-def _group_state_factor(name: str, group: Mapping[str, Any]) -> float:
-    if name == "SGD":
-        return 1.0 if group.get("momentum", 0) else 0.0  # momentum_buffer
-    if name in ("Adam", "AdamW"):
-        return 3.0 if group.get("amsgrad") else 2.0  # exp_avg, exp_avg_sq (+ max_exp_avg_sq)
-    if name in ("Adagrad", "ASGD"):
-        return 1.0  # state_sum; ax
-    if name == "RMSprop":  # square_avg (+ momentum_buffer) (+ grad_avg)
-        return 1.0 + (1.0 if group.get("momentum", 0) else 0.0) + (1.0 if group.get("centered") else 0.0)
-    if name == "Adafactor":
-        return 0.0  # factored second moment: one row and one column per matrix
-    if name == "LBFGS":  # flat direction and gradient, and history_size pairs of updates
-        return 2.0 + 2.0 * float(group.get("history_size", 100))
-    return 2.0  # NAdam, RAdam, Adamax, Adadelta, Rprop (two tensors each) and unknown ones
-
-
-def _host_malloc(cfg: Config, device: torch.device, stage: StagePlan | None) -> None:
-    """`Config.host_malloc` at deployment, for this rank's stage of the plan (None in one
-    process, which plans nothing): "auto" releases where the stage's forecast is close enough
-    to the memory the rank may use (`mem_limit_gb`, else the device's) for glibc's retention
-    to matter."""
-    forecast = stage.predicted.get("memory_bytes") if stage is not None else None
-    memory = cfg.mem_limit_gb * 1e9 if cfg.mem_limit_gb is not None else math.inf
-    if forecast is not None and cfg.mem_limit_gb is None and device.type == "cpu":
-        from rannc.profile.device import measure_local_device
-
-        memory = measure_local_device().memory_bytes
-    hostmem.apply(cfg.host_malloc, device.type, forecast, memory * (1 - cfg.mem_margin))
-
-
-def _return_freed_heap() -> None:
-    """Give the heap pages of the released parameters back to the OS (glibc only).
-
-    Every rank builds the whole model before keeping its stages' parameters. glibc keeps the
-    freed ~1 MB parameter blocks in its heap, so a CPU rank's resident memory stayed near the
-    whole model's: a 40-layer H256 BERT built at +136 MiB was still at +128 MiB after three
-    quarters of its parameters were released, and at +37 MiB after malloc_trim. CUDA tensors
-    are unaffected (the caching allocator owns them); elsewhere this does nothing."""
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
-        pass

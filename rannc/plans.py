@@ -18,14 +18,85 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any, ClassVar
 
 from rannc.atomic.components import AtomicPartition
 from rannc.errors import ConfigError, PlanMismatchError, RaNNCError
 from rannc.graph.task_graph import TaskGraph, ValueKind
 
 PLAN_FORMAT = 1
+
+
+@dataclass(frozen=True, slots=True)
+class StagePrediction:
+    """The planner's cost predictions for one stage, on the device of its fullest replica."""
+
+    forward_s: float  # one microbatch's forward, receiving its inputs included
+    backward_s: float  # one microbatch's backward, recomputation and sending gradients included
+    # the gradient reduction over its holders that the iteration waits for after the stage's
+    # last backward (per iteration; what overlapping it with that backward leaves)
+    allreduce_s: float = 0.0
+    memory_bytes: float = 0.0  # the fullest replica's peak (rannc.stage_dp.memory)
+    microbatch_rows: float = 0.0  # rows of each microbatch per replica (the fullest)
+    recompute_s: float = 0.0  # the seconds recomputation adds inside backward_s
+    # the weight-gradient seconds inside backward_s (what a zero-bubble schedule runs as W;
+    # None: not predicted, as in plans made before zero-bubble schedules, taken as 0)
+    backward_weight_s: float | None = None
+    first_block: int = 0  # the blocks it was planned as (phase 2's, or finer after refinement)
+    last_block: int = 0
+    in_flight: int | None = None  # microbatches whose activations it holds at once
+    recompute_memory_fraction: float | None = None  # of its kept activations, recomputed
+
+    _INTS: ClassVar[frozenset[str]] = frozenset({"first_block", "last_block", "in_flight"})
+
+    def to_dict(self) -> dict[str, float]:
+        """As a plan file stores it: the known fields (block indices as integers)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if getattr(self, f.name) is not None}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], where: str = "a stage") -> StagePrediction:
+        """From a plan file, including one written when this was a dict of floats (block
+        indices as 3.0); a key or value it does not know is a PlanMismatchError."""
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise PlanMismatchError(
+                f"{where}'s predictions hold {unknown}, which this version of rannc does not "
+                f"know (it knows {sorted(names)}); plan again, or delete the plan file")
+        missing = sorted({"forward_s", "backward_s"} - set(d))
+        if missing:
+            raise PlanMismatchError(f"{where}'s predictions lack {missing}; plan again, or "
+                                    "delete the plan file")
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            if v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, int | float) or \
+                    (k in cls._INTS and float(v) != int(v)):
+                raise PlanMismatchError(f"{where}'s prediction {k}={v!r} is not a number of the "
+                                        "right kind; plan again, or delete the plan file")
+            out[k] = int(v) if k in cls._INTS else float(v)
+        return cls(**out)
+
+    # The spelling of plans made when predictions were a dict (`st.predicted["memory_bytes"]`).
+    def __getitem__(self, key: str) -> float:
+        v = getattr(self, key, None) if key in self._names() else None
+        if v is None:
+            raise KeyError(key)
+        return float(v)
+
+    def get(self, key: str, default: float | None = None) -> float | None:
+        v = getattr(self, key) if key in self._names() else None
+        return default if v is None else float(v)
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, str) and key in self._names() and getattr(self, key) is not None
+
+    @classmethod
+    def _names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +112,7 @@ class StagePlan:
     shares: tuple[float, ...]  # per replica: its share of each microbatch's rows (sum 1)
     recompute: float  # fraction of its components (a prefix) recomputed in backward: 0 none, 1 all
     param_names: tuple[str, ...] = ()  # parameters this stage holds (original names)
-    predicted: dict[str, float] = field(default_factory=dict)  # cost estimates, when known
+    predicted: StagePrediction | None = None  # the planner's cost estimates, when known
     modules: str = ""  # the user's modules it covers, "first .. last"
     devices: tuple[str, ...] = ()  # per replica, its device's name (when the cluster is mixed)
 
@@ -144,10 +215,10 @@ class Plan:
                 str(st.index),
                 f"{st.components[0]}-{st.components[-1]}" if st.components else "-",
                 str(len(st.param_names)),
-                f"{int(p['microbatch_rows'])}" if "microbatch_rows" in p else "-",
-                _fmt_s(p["forward_s"]) if "forward_s" in p else "-",
-                _fmt_s(p["backward_s"]) if "backward_s" in p else "-",
-                f"{p['memory_bytes'] / 1e9:.2f} GB" if "memory_bytes" in p else "-",
+                f"{int(p.microbatch_rows)}" if p is not None else "-",
+                _fmt_s(p.forward_s) if p is not None else "-",
+                _fmt_s(p.backward_s) if p is not None else "-",
+                f"{p.memory_bytes / 1e9:.2f} GB" if p is not None else "-",
                 _fmt_recompute(st.recompute),
                 _fmt_stage_ranks(st),
                 st.modules or "-"))
@@ -156,6 +227,8 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(replace(self, source=None))
         del d["source"]
+        for st, sd in zip(self.stages, d["stages"], strict=True):
+            sd["predicted"] = {} if st.predicted is None else st.predicted.to_dict()
         d["format"] = PLAN_FORMAT
         return d
 
@@ -184,9 +257,11 @@ class Plan:
         stages = tuple(
             StagePlan(index=s["index"], components=tuple(s["components"]), ranks=tuple(s["ranks"]),
                       shares=tuple(s["shares"]), recompute=float(s["recompute"]),
-                      param_names=tuple(s["param_names"]), predicted=dict(s["predicted"]),
+                      param_names=tuple(s["param_names"]),
+                      predicted=StagePrediction.from_dict(s["predicted"], f"stage {i}")
+                      if s.get("predicted") else None,
                       modules=s.get("modules", ""), devices=tuple(s.get("devices", ())))
-            for s in d["stages"]
+            for i, s in enumerate(d["stages"])
         )
         return cls(stages=stages, microbatches=d["microbatches"], world_size=d["world_size"],
                    fingerprint=d["fingerprint"], schedule=d["schedule"],

@@ -149,7 +149,7 @@ def render_api() -> str:
 def _order(name: str) -> tuple[int, str]:
     """Entry points first, then configuration and planning, then errors."""
     first = ["RaNNCModule", "Config", "init", "get_rank", "get_world_size", "barrier",
-             "latest_checkpoint", "plan", "Plan", "StagePlan", "Cluster", "DeviceSpec",
+             "latest_checkpoint", "plan", "Plan", "StagePlan", "StagePrediction", "Cluster", "DeviceSpec",
              "KNOWN_DEVICES"]
     return (first.index(name), "") if name in first else (len(first), name)
 

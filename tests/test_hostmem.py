@@ -15,6 +15,8 @@ import torch
 import rannc
 from rannc import hostmem
 from rannc.errors import ConfigError
+from rannc.plans import StagePrediction
+from rannc.stage_dp import memory
 
 pytestmark = pytest.mark.layer("pure")
 
@@ -84,22 +86,23 @@ def test_deployment_applies_host_malloc_against_the_rank_s_memory(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """`RaNNCModule` passes the rank's stage forecast and the memory it may use (mem_limit_gb
     less mem_margin) to "auto"; one process (no plan) releases only when told to."""
-    from rannc import module as rmodule
+    from rannc import deploy
 
     got: list[tuple[str, str, float | None, float]] = []
     monkeypatch.setattr(hostmem, "apply", lambda *a: got.append(a) or False)
-    stage = SimpleNamespace(predicted={"memory_bytes": 0.6e9})
+    stage = SimpleNamespace(predicted=StagePrediction(forward_s=0.0, backward_s=0.0,
+                                                      memory_bytes=0.6e9))
     cfg = rannc.Config(mem_limit_gb=1.0, mem_margin=0.1)
-    rmodule._host_malloc(cfg, torch.device("cpu"), stage)  # type: ignore[arg-type]
-    rmodule._host_malloc(rannc.Config(host_malloc="release"), torch.device("cpu"), None)
+    deploy.host_malloc(cfg, torch.device("cpu"), stage)  # type: ignore[arg-type]
+    deploy.host_malloc(rannc.Config(host_malloc="release"), torch.device("cpu"), None)
     assert got[0] == ("auto", "cpu", 0.6e9, pytest.approx(0.9e9))
     assert got[1][:3] == ("release", "cpu", None)
 
 
 def test_the_rank_overhead_counts_on_cpu_devices_only() -> None:
-    assert hostmem.rank_overhead(["local-cpu", "local-cpu"], 100) == \
-        hostmem.RANK_BYTES + 100 * hostmem.TASK_BYTES
-    assert hostmem.rank_overhead(["H100", "H100"], 100) == 0.0
+    assert memory.rank_overhead(["local-cpu", "local-cpu"], 100) == \
+        memory.RANK_BYTES + 100 * memory.TASK_BYTES
+    assert memory.rank_overhead(["H100", "H100"], 100) == 0.0
 
 
 def test_host_malloc_is_validated() -> None:

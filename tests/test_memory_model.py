@@ -1,17 +1,185 @@
-"""The terms of the memory model (DESIGN.md section 4) beyond parameters and activations: the
-model's batch outputs the runtime keeps until a call returns, and the per-rank overhead."""
+"""THE memory model (rannc.stage_dp.memory): the stage tables (numpy arrays over every block
+range), the mixed-cluster DP (scalars, affine in a replica's rows) and the placement on mixed
+devices all compute a stage's bytes through it, and agree on the same stage; the gradient
+bucket it counts, and the part of the gradient reduction the cost model counts; the terms
+beyond parameters and activations: the model's batch outputs the runtime keeps until a call
+returns, and the per-rank overhead."""
 
 from __future__ import annotations
 
+import logging
 import math
 
 import numpy as np
 import pytest
+from model_zoo import make_case
 
-from rannc.profile.estimate import BlockProfile
-from rannc.stage_dp.tables import BlockIO, MemoryModel, local_rows, returned_memory, stage_tables
+import rannc
+from rannc.atomic.components import atomic_components
+from rannc.graph.capture import capture
+from rannc.profile.estimate import BlockProfile, GraphCosts
+from rannc.stage_dp.hetero import HeteroDevices, hetero_stages
+from rannc.stage_dp.memory import (
+    MemoryModel,
+    Returned,
+    bucket_memory,
+    local_rows,
+    returned_memory,
+    rows_scaled,
+    rows_that_fit,
+    stage_peak,
+    static_memory,
+)
+from rannc.stage_dp.tables import (
+    BlockIO,
+    exposed_reduction,
+    reduction_overlaps_backward,
+    stage_tables,
+)
 
 pytestmark = pytest.mark.layer("pure")
+
+logging.getLogger("transformers").setLevel(logging.ERROR)
+
+SPEC = rannc.DeviceSpec("test", 16e9, 10e12, 1e12)
+BATCH, M = 16, 2  # global rows, microbatches
+
+
+@pytest.fixture(scope="module")
+def gpt2() -> tuple[BlockIO, object, int]:
+    case = make_case("gpt2", batch=BATCH)
+    g = capture(case.model, case.args, case.kwargs).graph
+    atomic = atomic_components(g)
+    n = len(atomic.components)
+    block_of = [c * 6 // n for c in range(n)]  # 6 blocks in component order
+    io = BlockIO.of(g, atomic, block_of)
+    return io, GraphCosts.of(g, atomic), len(set(block_of))
+
+
+@pytest.mark.parametrize("checkpointing", ["off", "on"])
+@pytest.mark.parametrize("in_flight,saved", [(1, 0), (2, 0), (2, 2), (4, 1)])
+def test_tables_hetero_dp_and_the_model_agree_on_a_stage(
+        gpt2: tuple[BlockIO, GraphCosts, int], checkpointing: str, in_flight: int, saved: int) -> None:
+    io, costs, k = gpt2
+    d = 2  # replicas of the stage, each computing BATCH / (M * d) rows of a microbatch
+    rows = BATCH // (M * d)
+    prof = costs.block_profile(SPEC, [c * k // len(costs.comp_params)
+                                      for c in range(len(costs.comp_params))], [rows])
+    mem = MemoryModel(opt_param_factor=2.0, limit=1e30, checkpointing=checkpointing)
+    tab = stage_tables(prof, io, mem, batch_size=BATCH, devices=d, copies=1, microbatches=M,
+                       link_bw=1e10, allreduce_bw=1e10, inflight=in_flight, saved_inputs=saved,
+                       only={d})
+    static = static_memory(io.params, io.grad_params, 2.0, d, 0)
+    f = 1.0 if checkpointing == "on" else 0.0
+    # one stage over every block, as the mixed-cluster DP sees it on d equal devices
+    hs = hetero_stages(prof, io, static_memory(io.params, io.grad_params, 2.0, 1, 0),
+                       HeteroDevices(speed=[1.0] * d, memory=[1e30] * d), rows=BATCH / M,
+                       batch_of=[0] + [BATCH // (M * j) for j in range(1, d + 1)],
+                       in_flight=in_flight, saved=saved, link_bw=1e10, allreduce_bw=1e10,
+                       microbatches=M, checkpointing=checkpointing, stages=1, replicas=[d])
+    assert hs is not None and len(hs) == 1 and hs[0].rows == (rows, rows)
+    # GPT-2 returns its logits: the stage computing them holds them until the call returns,
+    # and every rank assembles its own rows of them then (`returned_memory`)
+    per_mb, mine = io.returned_bytes(rows, local_rows(BATCH, 1, d))
+    assert per_mb[k - 1, k - 1] > 0 and per_mb[0, 0] == 0
+
+    def returned(lo: int, hi: int) -> Returned:
+        return returned_memory(float(per_mb[lo, hi]), mine, M, in_flight)
+
+    for lo, hi in [(0, k - 1), (0, 2), (3, k - 1), (2, 2)]:
+        kept = float(prof.kept[lo:hi + 1, 0].sum())
+        work = float(prof.work[lo:hi + 1, 0].max())
+        inb = float(io.inputs[0][lo, hi] + io.inputs[1][lo, hi] * rows)
+        outb = float(io.outputs[0][lo, hi] + io.outputs[1][lo, hi] * rows)
+        want = float(stage_peak(float(static[lo, hi]), work, inb, outb, kept,
+                                returned(lo, hi), in_flight=in_flight, saved_inputs=saved,
+                                microbatches=M, recompute=f))
+        assert float(tab.recompute[lo, hi, d]) == f
+        assert float(tab.memory[lo, hi, d]) == pytest.approx(want, rel=1e-12)
+        # the smallest memory (all it may recompute recomputed) is the chosen one here
+        assert float(tab.memory_min[lo, hi, d]) == pytest.approx(want, rel=1e-12)
+    # the whole model: the mixed-cluster DP's scalar (affine in rows, without ZeRO: all state)
+    whole = stage_peak(float(static_memory(io.params, io.grad_params, 2.0, 1, 0)[0, k - 1]),
+                       float(prof.work[:, 0].max()),
+                       float(io.inputs[0][0, k - 1] + io.inputs[1][0, k - 1] * rows),
+                       float(io.outputs[0][0, k - 1] + io.outputs[1][0, k - 1] * rows),
+                       float(prof.kept[:, 0].sum()), returned(0, k - 1), in_flight=in_flight,
+                       saved_inputs=saved, microbatches=M, recompute=f)
+    assert hs[0].memory_bytes == pytest.approx(whole, rel=1e-9)
+    assert hs[0].recompute == (checkpointing == "on")
+
+
+def test_placement_scales_what_is_not_static_with_the_rows() -> None:
+    assert rows_scaled(10.0, 4.0, 3.0, 3.0) == 10.0  # the rows it was planned for: unchanged
+    assert rows_scaled(10.0, 4.0, 3.0, 6.0) == 16.0
+    assert rows_that_fit(10.0, 4.0, 3.0, 16.0) == pytest.approx(6.0)
+    assert rows_that_fit(4.0, 4.0, 3.0, 16.0) == float("inf")  # nothing scales: any rows fit
+
+
+def test_static_memory_spreads_only_the_optimizer_state_under_zero_1() -> None:
+    params, grads = np.array([100.0]), np.array([80.0])
+    assert static_memory(params, grads, 2.0, 4, 0)[0] == 100 + 80 * 3
+    assert static_memory(params, grads, 2.0, 4, 1)[0] == 100 + 80 * (1 + 2 / 4)
+
+
+def test_a_stage_whose_gradients_are_reduced_holds_one_bucket(
+        gpt2: tuple[BlockIO, GraphCosts, int]) -> None:
+    """One gradient bucket (Config.bucket_mb) beyond the gradients where they are reduced: on
+    a stage with replicas, or one holding a parameter tied to another stage (GPT-2's token
+    embedding is its LM head), never more than the stage's gradients."""
+    io, costs, k = gpt2
+    n = len(costs.comp_params)
+    prof = costs.block_profile(SPEC, [c * k // n for c in range(n)], [BATCH // M, BATCH // (2 * M)])
+    bucket = 1000.0
+
+    def memory(d: int, bucket_bytes: float) -> np.ndarray:
+        mem = MemoryModel(opt_param_factor=2.0, limit=1e30, checkpointing="off",
+                          bucket_bytes=bucket_bytes)
+        tab = stage_tables(prof, io, mem, batch_size=BATCH, devices=2, copies=1, microbatches=M,
+                           link_bw=1e10, allreduce_bw=1e10, only={d})
+        return tab.memory[:, :, d]
+
+    tied = io.shared_grad > 0
+    assert tied[0, 0] and tied[k - 1, k - 1] and not tied[0, k - 1]  # embedding and head apart
+    with np.errstate(invalid="ignore"):  # inf - inf where a range is no stage
+        extra_1, extra_2 = memory(1, bucket) - memory(1, 0.0), memory(2, bucket) - memory(2, 0.0)
+    upper = np.triu(np.ones((k, k), dtype=bool))
+    want = np.minimum(io.grad_params, bucket)
+    assert np.allclose(extra_2[upper], want[upper], rtol=1e-12, atol=1e-6)  # replicas: always
+    assert np.allclose(extra_1[upper & tied], want[upper & tied], rtol=1e-12, atol=1e-6)
+    assert np.all(extra_1[upper & ~tied] == 0.0)  # one replica, nothing tied: nothing reduced
+    assert bucket_memory(10.0, True, 1000.0) == 10.0  # never more than the gradients
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_reduction_overlaps_the_last_backward_only_under_fill_drain(
+        gpt2: tuple[BlockIO, GraphCosts, int], overlap: bool) -> None:
+    """Under fill-drain the buckets are reduced while the last microbatch's backward runs, so
+    a stage waits only for what outlasts it, and at least for the last bucket; the eager
+    schedules reduce after the whole line."""
+    io, costs, k = gpt2
+    n = len(costs.comp_params)
+    prof = costs.block_profile(SPEC, [c * k // n for c in range(n)], [BATCH // (2 * M)])
+    bucket, bw = 4096.0, 1e6  # a slow link: the reduction outlasts the backward
+    mem = MemoryModel(opt_param_factor=2.0, limit=1e30, checkpointing="off", bucket_bytes=bucket)
+    tab = stage_tables(prof, io, mem, batch_size=BATCH, devices=2, copies=1, microbatches=M,
+                       link_bw=1e10, allreduce_bw=bw, only={2}, overlap=overlap)
+    reduce_s = 2.0 * io.grad_params * (2 - 1) / 2 / bw
+    upper = np.triu(np.ones((k, k), dtype=bool))
+    got, g = tab.allreduce[:, :, 2][upper], tab.bwd[:, :, 2][upper]
+    if not overlap:
+        assert np.allclose(got, reduce_s[upper])
+        return
+    last = reduce_s[upper] * np.minimum(1.0, bucket / io.grad_params[upper])
+    assert np.allclose(got, np.maximum(reduce_s[upper] - g, last))
+    assert np.all(got < reduce_s[upper]) and np.all(got >= last)
+    assert reduction_overlaps_backward("gpipe") and not reduction_overlaps_backward("1f1b")
+    assert exposed_reduction(5.0, 2.0, 100.0, 10.0, True) == 3.0
+    assert exposed_reduction(5.0, 20.0, 100.0, 10.0, True) == 0.5  # the last bucket stays
+    assert exposed_reduction(5.0, 2.0, 100.0, 10.0, False) == 5.0
+
+
+# -- the batch outputs held until a call returns, and the per-rank overhead ------------------
 
 MiB = 2.0**20
 LOGITS = 16 * MiB  # per row of a microbatch: the last block's batch output
@@ -28,7 +196,8 @@ def two_blocks(returned: bool = True) -> tuple[BlockProfile, BlockIO]:
     ret = np.stack([z, np.array([[0, LOGITS], [0, LOGITS]])]) if returned else None
     io = BlockIO(inputs=inputs, outputs=outputs, params=np.full((2, 2), MiB),
                  grad_params=np.full((2, 2), MiB), cut_ok=np.ones(3, dtype=bool),
-                 returned=ret, returned_all=np.array([0.0, LOGITS]) if returned else None)
+                 shared_grad=z, returned=ret,
+                 returned_all=np.array([0.0, LOGITS]) if returned else None)
     return prof, io
 
 
@@ -51,7 +220,8 @@ def test_the_head_stage_holds_every_microbatchs_outputs_until_the_call_returns()
     without = memory(two_blocks(returned=False)[1], prof, inflight=1, batch_size=2)
     assert with_ret[1, 1] - without[1, 1] == pytest.approx(3 * LOGITS)
     # the body computes none of them: nothing held while it runs
-    assert returned_memory(io, rows=1, microbatches=4, in_flight=1, local=1).held[0, 0] == 0
+    assert returned_memory(*io.returned_bytes(rows=1, local=1), microbatches=4,
+                           in_flight=1).held[0, 0] == 0
 
 
 def test_every_rank_assembles_its_own_rows_of_the_outputs() -> None:
@@ -60,7 +230,7 @@ def test_every_rank_assembles_its_own_rows_of_the_outputs() -> None:
     prof, io = two_blocks()
     rows = local_rows(batch_size=8, copies=2, devices=1)
     assert rows == 4
-    ret = returned_memory(io, rows=1, microbatches=4, in_flight=1, local=rows)
+    ret = returned_memory(*io.returned_bytes(rows=1, local=rows), microbatches=4, in_flight=1)
     assert ret.at_return[0, 0] == 2 * rows * LOGITS  # received pieces, then their concatenation
     assert ret.at_return[1, 1] == 4 * LOGITS + rows * LOGITS  # its own pieces, then one copy
     # a body stage with little else to hold peaks when the outputs arrive

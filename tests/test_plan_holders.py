@@ -7,9 +7,9 @@ import pytest
 
 from rannc.config import Config
 from rannc.errors import ConfigError, RaNNCError
-from rannc.planner import _pipeline_layouts
 from rannc.plans import Plan, StagePlan, check_replicas_divide, stage_ranks
 from rannc.profile.device import Cluster
+from rannc.stage_dp.search import pipeline_layouts
 from rannc.validate import check_config
 
 pytestmark = pytest.mark.layer("pure")
@@ -50,7 +50,7 @@ def test_replicas_must_divide_the_world_one_message(where: str) -> None:
         elif where == "stage_ranks":
             stage_ranks([2, 1], 4)
         else:
-            _pipeline_layouts(Cluster.homogeneous("V100-32GB", n=4, per_node=4), Config(replicas=[2, 1]))
+            pipeline_layouts(Cluster.homogeneous("V100-32GB", n=4, per_node=4), Config(replicas=[2, 1]))
     for part in _MESSAGE:
         assert part in str(e.value)
     check_replicas_divide([2, 1], 6)

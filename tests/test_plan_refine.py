@@ -29,7 +29,7 @@ def block_io_reference(graph: TaskGraph, atomic: AtomicPartition, block_of: list
     k = max(block_of) + 1
     inputs, outputs = np.zeros((2, k, k)), np.zeros((2, k, k))
     returned, returned_all = np.zeros((2, k, k)), np.zeros(2)
-    params, grad_params = np.zeros((k, k)), np.zeros((k, k))
+    params, grad_params, shared = np.zeros((k, k)), np.zeros((k, k)), np.zeros((k, k))
     cut_ok = np.ones(k + 1, dtype=bool)
     blocks_of_task = [sorted({block_of[c] for c in h}) for h in atomic.holders]
     out_names = {v for v in graph.outputs if v is not None}
@@ -42,6 +42,12 @@ def block_io_reference(graph: TaskGraph, atomic: AtomicPartition, block_of: list
                     params[lo, nxt:] += sum(_bytes(val))
                     if val.kind is ValueKind.PARAM:
                         grad_params[lo, nxt:] += sum(_bytes(val))
+            if val.kind is ValueKind.PARAM:  # held by [lo, r], and read outside it too
+                for lo in range(k):
+                    for r in range(lo, k):
+                        inside = [b for b in consumers if lo <= b <= r]
+                        if inside and len(inside) < len(consumers):
+                            shared[lo, r] += sum(_bytes(val))
             continue
         if val.kind not in (ValueKind.INPUT, ValueKind.ACTIVATION) or not val.is_tensor:
             continue
@@ -67,7 +73,7 @@ def block_io_reference(graph: TaskGraph, atomic: AtomicPartition, block_of: list
             if val.kind is ValueKind.ACTIVATION and val.batch_dim is None:
                 cut_ok[p + 1:min(last, k) + 1] = False
     cut_ok[0] = cut_ok[k] = True
-    return BlockIO(inputs, outputs, params, grad_params, cut_ok, returned, returned_all)
+    return BlockIO(inputs, outputs, params, grad_params, cut_ok, shared, returned, returned_all)
 
 
 @pytest.mark.parametrize("name", sorted(BUILDERS))
@@ -81,8 +87,8 @@ def test_block_io_matches_the_plain_loop(name: str) -> None:
         cuts = np.sort(rng.choice(np.arange(1, n), size=k - 1, replace=False)) if k > 1 else []
         block_of = np.searchsorted(np.asarray(cuts), np.arange(n), side="right").tolist()
         got, want = BlockIO.of(graph, atomic, block_of), block_io_reference(graph, atomic, block_of)
-        for field in ("inputs", "outputs", "params", "grad_params", "cut_ok", "returned",
-                      "returned_all"):
+        for field in ("inputs", "outputs", "params", "grad_params", "cut_ok", "shared_grad",
+                      "returned", "returned_all"):
             assert np.array_equal(getattr(got, field), getattr(want, field)), (k, field)
 
 

@@ -192,6 +192,7 @@ def test_each_stage_is_budgeted_for_the_microbatches_its_position_holds(
     microbatch (and the first at two) has a plan; budgeting every stage for the first stage's
     two microbatches, as the search did before, finds none."""
     from rannc import planner
+    from rannc.stage_dp import search
 
     monkeypatch.setattr(planner, "_FINER_BLOCKS", 0)  # the budget alone, not finer blocks
     model, kw = _vocab_heavy_bert()
@@ -208,7 +209,7 @@ def test_each_stage_is_budgeted_for_the_microbatches_its_position_holds(
     cfg = rannc.Config(**opts, mem_limit_gb=need * 1.001 / 0.9 / 1e9)  # mem_margin 0.1
     tight = plan_graph(graph, atomic, cluster, cfg, batch_size=32)
     assert [st.predicted["in_flight"] for st in tight.stages] == [2.0, 1.0]
-    monkeypatch.setattr(planner, "_in_flight_by_position", lambda sched, D, m: None)
+    monkeypatch.setattr(search, "in_flight_by_position", lambda sched, D, m: None)
     with pytest.raises(PlanInfeasibleError):
         plan_graph(graph, atomic, cluster, cfg, batch_size=32)
 
@@ -250,8 +251,10 @@ def test_when_nothing_fits_in_k_blocks_the_planner_tries_finer_ones(
     with pytest.raises(PlanInfeasibleError):
         rannc.plan(model, args, cluster=cluster, config=rannc.Config(blocks=n, zero_stage=0))
     assert tried == [(n, 0)]  # already at or beyond the components: nothing finer to try
-    # zero_stage "auto" (the default): at each block count, without ZeRO-1 and then with it
+    # zero_stage "auto" (the default): at each block count, without ZeRO-1 and then with it;
+    # where a plan fits and has replicas, ZeRO-1 too, and the faster is kept
     tried.clear()
     monkeypatch.setattr(planner, "_plan_graph", fits_from(4))
     plan = rannc.plan(model, args, cluster=cluster, config=rannc.Config(blocks=2))
-    assert tried == [(2, 0), (2, 1), (4, 0)] and plan.zero_stage == 0
+    weighed = [(4, 1)] if any(st.replicas > 1 for st in plan.stages) else []
+    assert tried == [(2, 0), (2, 1), (4, 0), *weighed]

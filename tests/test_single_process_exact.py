@@ -100,7 +100,7 @@ def test_eval_mode_and_no_grad() -> None:
 def test_released_parameter_memory_goes_back_to_the_os() -> None:
     """After a rank releases the parameters it does not hold, rannc trims the C heap: the
     ~1 MB parameter blocks glibc kept would otherwise stay resident (benchmarks/capacity.py)."""
-    from rannc.module import _return_freed_heap
+    from rannc.deploy import return_freed_heap
 
     def rss_mib() -> float:
         with open("/proc/self/status") as f:
@@ -115,5 +115,5 @@ def test_released_parameter_memory_goes_back_to_the_os() -> None:
     for b in blocks:
         b.set_(torch.empty(0))
     del blocks
-    _return_freed_heap()
+    return_freed_heap()
     assert rss_mib() < full - 100, (full, rss_mib())

@@ -14,7 +14,7 @@ from rannc.config import ConfigError
 from rannc.ownership import parameter_owners, spread
 from rannc.planner import PlanInfeasibleError
 from rannc.plans import Plan, StagePlan
-from rannc.stage_dp.tables import static_memory
+from rannc.stage_dp.memory import static_memory
 
 pytestmark = pytest.mark.layer("pure")
 
@@ -73,17 +73,21 @@ class _Wide(nn.Module):
         return self.fc(x).relu().sum()
 
 
-def test_auto_plans_zero_1_only_when_nothing_fits_without_it() -> None:
+def test_auto_plans_zero_1_when_nothing_fits_without_it() -> None:
     spec = rannc.DeviceSpec("test-gpu", memory_bytes=16e9, flops=10e12, mem_bandwidth=1e12)
     cluster = rannc.Cluster.homogeneous(spec, n=4, per_node=4)
     with torch.device("meta"):
         model = _Wide()
     x = torch.empty(8, 1024, device="meta")
     margin = rannc.Config().mem_margin
+    # A gradient bucket (counted where gradients are reduced: on replicas) of 4 KB, not 25 MB:
+    # at the default, a layer without replicas would fit where the replicated one needs ZeRO-1.
+    kb = 0.004
 
     def need(zero: int) -> float:  # per device, the layer on 4 replicas
         plan = rannc.plan(model, (x,), cluster=cluster,
-                          config=rannc.Config(zero_stage=zero, replicas=[4], mem_limit_gb=1.0))
+                          config=rannc.Config(zero_stage=zero, replicas=[4], mem_limit_gb=1.0,
+                                              bucket_mb=kb))
         return plan.stages[0].predicted["memory_bytes"]
 
     p_bytes = 4 * (1024 * 1024 + 1024)
@@ -91,13 +95,15 @@ def test_auto_plans_zero_1_only_when_nothing_fits_without_it() -> None:
     limit_gb = (need(0) + need(1)) / 2 / 1e9 / (1 - margin)
     with pytest.raises(PlanInfeasibleError):
         rannc.plan(model, (x,), cluster=cluster, config=rannc.Config(mem_limit_gb=limit_gb,
-                                                                     zero_stage=0))
-    plan = rannc.plan(model, (x,), cluster=cluster, config=rannc.Config(mem_limit_gb=limit_gb))
+                                                                     zero_stage=0, bucket_mb=kb))
+    plan = rannc.plan(model, (x,), cluster=cluster, config=rannc.Config(mem_limit_gb=limit_gb,
+                                                                        bucket_mb=kb))
     assert plan.zero_stage == 1 and plan.stages[0].replicas > 1  # the layer on replicas
     assert plan.stages[0].predicted["memory_bytes"] <= limit_gb * 1e9
     assert "ZeRO-1" in plan.summary()
     assert Plan.from_dict(plan.to_dict()).zero_stage == 1
-    roomy = rannc.plan(model, (x,), cluster=cluster, config=rannc.Config(mem_limit_gb=10 * limit_gb))
+    roomy = rannc.plan(model, (x,), cluster=cluster, config=rannc.Config(mem_limit_gb=10 * limit_gb,
+                                                                         bucket_mb=kb))
     assert roomy.zero_stage == 0  # auto: no ZeRO when it is not needed
 
 

@@ -1,4 +1,5 @@
-"""The cost-oracle protocol the planner asks (`BlockOracle`) and its roofline implementation.
+"""The cost-oracle protocol the planner asks (`BlockOracle`) and its roofline implementation
+(the choice between estimating and measuring is `rannc.profile.choice.make_oracle`).
 
 Kept apart from the planner so that the measuring oracle (`rannc.profile.measure`, which
 captures and runs blocks) can implement it without importing the planner.

@@ -21,18 +21,15 @@ def plan_schedule(plan: Plan, suppliers: Sequence[Sequence[int]] | None = None) 
 
 def plan_costs(plan: Plan) -> StageCosts:
     """Per-stage seconds from the plan's predictions (the planner's cost oracle)."""
-    p = [st.predicted for st in plan.stages]
-    missing = [st.index for st, x in zip(plan.stages, p, strict=True)
-               if "forward_s" not in x or "backward_s" not in x]
+    missing = [st.index for st in plan.stages if st.predicted is None]
     if missing:
         raise ValueError(f"stages {missing} carry no predicted times; plan with rannc.plan()")
-    rec = [x.get("recompute_s", 0.0) for x in p]
+    p = [st.predicted for st in plan.stages if st.predicted is not None]
     zero = [0.0] * len(p)
-    return StageCosts(fwd=[x["forward_s"] for x in p],
-                      bwd=[x["backward_s"] - r for x, r in zip(p, rec, strict=True)],
-                      recompute=rec, comm_fwd=zero, comm_bwd=zero,
-                      allreduce=[x.get("allreduce_s", 0.0) for x in p],
-                      wgrad=[x.get("backward_weight_s", 0.0) for x in p])
+    return StageCosts(fwd=[x.forward_s for x in p], bwd=[x.backward_s - x.recompute_s for x in p],
+                      recompute=[x.recompute_s for x in p], comm_fwd=zero, comm_bwd=zero,
+                      allreduce=[x.allreduce_s for x in p],
+                      wgrad=[x.backward_weight_s or 0.0 for x in p])
 
 
 def measured_costs(plan: Plan, events: Mapping[int, Sequence[Event]]) -> StageCosts:

@@ -1,6 +1,6 @@
 """Cost tables for the stage DP: for every run of consecutive blocks l..r and every replica
 count d, the time of one microbatch through that stage and the memory it needs, under the
-memory model of DESIGN.md section 4.
+memory model of DESIGN.md section 4 (`memory.py`, called here on whole arrays at once).
 
 Everything here is arithmetic on numpy arrays: a `BlockProfile` (per block and per-replica
 batch size: forward/backward seconds, activation bytes kept, working bytes) from a cost oracle,
@@ -22,6 +22,17 @@ import numpy as np
 from rannc.atomic.components import AtomicPartition
 from rannc.graph.task_graph import TaskGraph, ValueKind
 from rannc.profile.estimate import BlockProfile, _bytes
+from rannc.schedule.spec import get_spec
+from rannc.stage_dp.memory import (
+    MemoryModel,
+    at_return_memory,
+    bucket_memory,
+    fraction_to_fit,
+    local_rows,
+    memory_terms,
+    returned_memory,
+    with_recompute,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +44,9 @@ class BlockIO:
     params: np.ndarray  # (k, k): bytes of the parameters and buffers it holds, each once
     grad_params: np.ndarray  # (k, k): bytes of the trainable parameters among them
     cut_ok: np.ndarray  # (k+1,): a stage may start or end at this block boundary
+    # (k, k): bytes of its trainable parameters that a block outside it also reads (tied
+    # weights): their gradients are reduced across stages even without replicas
+    shared_grad: np.ndarray
     # (2, k, k): bytes per microbatch of the model's batch outputs (logits) a stage computes:
     # the runtime holds every microbatch's until the call returns them (None: none)
     returned: np.ndarray | None = None
@@ -46,6 +60,16 @@ class BlockIO:
         """The tables for the grouping `block_of`; pass `uses` (`ValueUses.of`) when building
         them for several groupings of one graph."""
         return (uses if uses is not None else ValueUses.of(graph, atomic)).block_io(block_of)
+
+    def returned_bytes(self, rows: int, local: int) -> tuple[np.ndarray, float]:
+        """(bytes of the batch outputs each stage [l, r] computes per microbatch of `rows` rows
+        per replica, bytes of this rank's `local` rows of every batch output): the inputs of
+        `memory.returned_memory`."""
+        k = self.params.shape[0]
+        if self.returned is None or self.returned_all is None:
+            return np.zeros((k, k)), 0.0
+        return (self.returned[0] + self.returned[1] * rows,
+                float(self.returned_all[0] + self.returned_all[1] * local))
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +163,20 @@ class ValueUses:
         def total(d: np.ndarray) -> np.ndarray:
             return np.cumsum(np.cumsum(d, axis=-2), axis=-1)[..., :k, :k]
 
+        par = total(d_par)
+        # trainable parameters read only inside [l, r]: l <= their first consumer block and
+        # r >= their last, the rectangle rows 0..first, columns last..k-1
+        pv, pc = self.par_use
+        first = np.full(len(self.par_bytes), k, dtype=np.int64)
+        final = np.full(len(self.par_bytes), -1, dtype=np.int64)
+        np.minimum.at(first, pv, blk[pc])
+        np.maximum.at(final, pv, blk[pc])
+        used = np.flatnonzero(final >= 0)
+        d_in_only = np.zeros((k + 1, k + 1))
+        w = (self.par_bytes * self.par_grad)[used]
+        np.add.at(d_in_only, (np.zeros_like(used), final[used]), w)
+        np.add.at(d_in_only, (first[used] + 1, final[used]), -w)
+        shared = par[1] - total(d_in_only)
         # batch outputs the model returns: every stage l <= p <= r computing one holds them
         ret = np.flatnonzero((p_act >= 0) & self.act_output & self.act_rows)
         d_ret = np.zeros((2, k + 1, k + 1))
@@ -146,8 +184,7 @@ class ValueUses:
             np.add.at(d_ret[i], (np.zeros_like(p_act[ret]), p_act[ret]), self.act_bytes[ret, i])
             np.add.at(d_ret[i], (p_act[ret] + 1, p_act[ret]), -self.act_bytes[ret, i])
         every = self.act_bytes[np.flatnonzero(self.act_output & self.act_rows)].sum(axis=0)
-        par = total(d_par)
-        return BlockIO(total(d_in), total(d_out), par[0], par[1], cut_ok, total(d_ret),
+        return BlockIO(total(d_in), total(d_out), par[0], par[1], cut_ok, shared, total(d_ret),
                        np.asarray(every, dtype=np.float64).reshape(2))
 
 
@@ -171,63 +208,13 @@ def _upto_next(k: int, blk: np.ndarray, use: np.ndarray, lo: np.ndarray,
 
 
 @dataclass(frozen=True, slots=True)
-class MemoryModel:
-    opt_param_factor: float  # optimizer state per parameter element (Adam: 2)
-    limit: float  # bytes a stage may use (device memory after the margin)
-    checkpointing: str  # auto / on / off / stage_aware
-    zero_stage: int = 0  # 1: a stage's optimizer state is spread over its replicas (ZeRO-1)
-    overhead: float = 0.0  # bytes each rank needs beyond its tensors (host memory on a CPU)
-
-
-def static_memory(params: Any, grad_params: Any, opt_param_factor: float, ranks: int,
-                  zero_stage: int) -> Any:
-    """Bytes a stage holds whatever the batch: its parameters, their gradients and the
-    optimizer state, which ZeRO-1 spreads over the stage's `ranks` replicas (each keeps about
-    1/ranks of it: `rannc.ownership.spread`). Arrays or floats alike."""
-    opt = opt_param_factor / ranks if zero_stage else opt_param_factor
-    return params + grad_params * (1 + opt)
-
-
-@dataclass(frozen=True, slots=True)
-class Returned:
-    """What the model's batch outputs (logits) add to a stage's memory, arrays over [l, r]."""
-
-    held: np.ndarray  # while microbatches run: the earlier microbatches' outputs, kept to return
-    at_return: np.ndarray  # when the call returns: every microbatch's, and this rank's rows
-    mine: np.ndarray  # of those, this rank's rows (assembled: received, then concatenated)
-
-
-def local_rows(batch_size: int, copies: int, devices: int) -> int:
-    """Rows of the global batch one rank feeds (and gets back as outputs)."""
-    return math.ceil(batch_size / max(copies * devices, 1))
-
-
-def returned_memory(io: BlockIO, rows: int, microbatches: int, in_flight: int,
-                    local: int) -> Returned:
-    """The runtime sends each microbatch's rows of a batch output to the ranks that fed them
-    and keeps the tensors until the call returns, so a stage computing one holds all
-    `microbatches` of them (the in-flight ones are among its outputs already). At the end every
-    rank assembles its own `local` rows: received pieces, then their concatenation (a computing
-    stage holds its pieces already)."""
-    k = io.params.shape[0]
-    if io.returned is None or io.returned_all is None:
-        z = np.zeros((k, k))
-        return Returned(z, z, z)
-    per_mb = io.returned[0] + io.returned[1] * rows
-    mine = float(io.returned_all[0] + io.returned_all[1] * local)
-    held = max(microbatches - in_flight, 0) * per_mb
-    assembled = np.where(per_mb > 0, mine, 2 * mine)
-    return Returned(held, microbatches * per_mb + assembled, assembled)
-
-
-@dataclass(frozen=True, slots=True)
 class StageTables:
     """For one (devices per pipeline, pipeline copies, microbatches): arrays over [l, r, d]."""
 
     h: np.ndarray  # bottleneck time per microbatch (inf: infeasible)
     fwd: np.ndarray  # forward seconds incl. receiving inputs
     bwd: np.ndarray  # backward seconds incl. recomputation and sending gradients back
-    allreduce: np.ndarray  # gradient all-reduce seconds per iteration
+    allreduce: np.ndarray  # gradient all-reduce seconds per iteration the stage waits for
     memory: np.ndarray  # predicted bytes (of the chosen recompute option)
     memory_min: np.ndarray  # the smaller of the two options' memory (for "needs N GB")
     recompute: np.ndarray  # fraction of kept activation memory recomputed
@@ -244,20 +231,23 @@ def batch_per_replica(batch_size: int, copies: int, microbatches: int, d: int) -
 def stage_tables(prof: BlockProfile, io: BlockIO, mem: MemoryModel, *, batch_size: int,
                  devices: int, copies: int, microbatches: int, link_bw: float, allreduce_bw: float,
                  inflight: int | None = None, saved_inputs: int = 0,
-                 only: Collection[int] | None = None, world: int | None = None) -> StageTables:
+                 only: Collection[int] | None = None, overlap: bool = False,
+                 world: int | None = None) -> StageTables:
     """`inflight`: microbatches whose activations a stage holds at once (fill-drain: all of
     them; 1F1B: at most the stages from it to the end); `saved_inputs`: microbatches whose stage
     inputs are kept besides (eager schedules keep them for a late backward pass); `only`: the
     replica counts to table (None: 1..devices); the others stay infeasible, and the profile
-    needs columns only for theirs; `world`: the ranks feeding the global batch (default
-    `devices * copies`; the tables may be narrower than the pipeline).
+    needs columns only for theirs; `overlap`: the gradient reduction runs during the last
+    microbatch's backward (`reduction_overlaps_backward`), and only what outlasts it counts;
+    `world`: the ranks feeding the global batch (default `devices * copies`; the tables may be
+    narrower than the pipeline), whose rows of the batch outputs each rank assembles.
 
     Recomputation is a fraction f of a stage's kept activations dropped in forward and rebuilt
     before backward (Merak's stage-aware recomputation, by memory rather than by layer): the
     smallest f that fits, so a stage keeps all it can afford. f costs f * forward seconds more;
-    memory = static + overhead + inflight * (inputs + outputs + (1 - f) * kept) + f * kept +
-    working + the batch outputs held to be returned (`returned_memory`), or, if larger, what the
-    stage holds when the call returns (recomputation frees none of it)."""
+    memory = static + inflight * (inputs + outputs + (1 - f) * kept) + f * kept + working +
+    the batch outputs held to be returned, or, if larger, what the stage holds when the call
+    returns (`memory.at_return_memory`; recomputation frees none of it)."""
     k = io.params.shape[0]
     shape = (k, k, devices + 1)
     out = {n: np.full(shape, math.inf) for n in ("h", "fwd", "bwd", "allreduce", "memory", "memory_min")}
@@ -294,39 +284,30 @@ def stage_tables(prof: BlockProfile, io: BlockIO, mem: MemoryModel, *, batch_siz
         outb = io.outputs[0] + io.outputs[1] * b
         comm = (inb + outb) / link_bw
         ranks = d * copies
-        ar = 2.0 * io.grad_params * (ranks - 1) / ranks / allreduce_bw
-        if mem.zero_stage:  # the owners' new parameters go to the other replicas: an all-gather
-            ar = ar * 1.5
-        static = static_memory(io.params, io.grad_params, mem.opt_param_factor, ranks, mem.zero_stage)
-        static = static + mem.overhead
-        ret = returned_memory(io, b, microbatches, n_in, local)
-        base = static + n_in * (inb + outb) + saved_inputs * inb + work_max[:, :, i] + ret.held
-        full = base + n_in * kept  # nothing recomputed
-        saved_per_f = (n_in - 1) * kept  # memory one unit of f frees
-        # When the call returns: every microbatch's outputs and this rank's rows assembled,
-        # with the activations freed (an eager schedule ran its backward inside the call) or all
-        # alive (fill-drain's forward() returns before its backward). Only fill-drain holds every
-        # microbatch without keeping stage inputs for the late pass: an eager schedule holding
-        # them all keeps them (saved_inputs = M) whenever the model returns a batch output, and
-        # without one nothing is assembled at return, so the two are not confused where it counts.
-        fill_drain = n_in >= microbatches and saved_inputs == 0
-        at_return = static + saved_inputs * inb + ret.at_return + \
-            (n_in * (inb + outb + kept) - ret.at_return + ret.mine if fill_drain else 0.0)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            need = np.where(full <= mem.limit, 0.0,
-                            np.where(saved_per_f > 0, (full - mem.limit) / saved_per_f, math.inf))
-        f = np.maximum(need, f_min)
+        reduce_s = 2.0 * io.grad_params * (ranks - 1) / ranks / allreduce_bw
+        static = mem.static(io.params, io.grad_params, ranks, mem.zero_stage)
+        bucket = bucket_memory(io.grad_params, (ranks > 1) | (io.shared_grad > 0), mem.bucket_bytes)
+        ret = returned_memory(*io.returned_bytes(b, local), microbatches, n_in)
+        full, saved_per_f = memory_terms(static + bucket, work_max[:, :, i], inb, outb, kept,
+                                         in_flight=n_in, saved_inputs=saved_inputs,
+                                         held_outputs=ret.held)
+        at_return = at_return_memory(static + bucket, inb, outb, kept, ret, in_flight=n_in,
+                                     saved_inputs=saved_inputs, microbatches=microbatches)
+        f = np.maximum(fraction_to_fit(full, saved_per_f, mem.limit), f_min)
         ok = valid & (f <= f_max) & (at_return <= mem.limit)
         f = np.where(ok, f, 0.0)
-        memory = np.maximum(full - f * saved_per_f, at_return)
+        memory = np.maximum(with_recompute(full, saved_per_f, f), at_return)
         fw = fwd + comm / 2
         g = bwd + comm / 2 + f * fwd
+        ar = exposed_reduction(reduce_s, g, io.grad_params, mem.bucket_bytes, overlap)
+        if mem.zero_stage:  # the owners' new parameters go to the other replicas after the step
+            ar = ar + 0.5 * reduce_s  # an all-gather: half an all-reduce
         out["fwd"][:, :, d] = np.where(ok, fw, math.inf)
         out["bwd"][:, :, d] = np.where(ok, g, math.inf)
         out["allreduce"][:, :, d] = np.where(ok, ar, math.inf)
         out["h"][:, :, d] = np.where(ok, fw + g + ar / microbatches, math.inf)
         out["memory"][:, :, d] = np.where(ok, memory, math.inf)
-        smallest = np.maximum(full - np.where(saved_per_f > 0, f_max * saved_per_f, 0.0), at_return)
+        smallest = np.maximum(with_recompute(full, saved_per_f, f_max), at_return)
         out["memory_min"][:, :, d] = np.where(valid, smallest, math.inf)
         recompute[:, :, d] = f
         recompute_s[:, :, d] = f * fwd
@@ -334,9 +315,68 @@ def stage_tables(prof: BlockProfile, io: BlockIO, mem: MemoryModel, *, batch_siz
     return StageTables(recompute=recompute, recompute_s=recompute_s, wgrad=wgrad, batch=batch, **out)
 
 
-def gpipe_iteration_time(fwd: Sequence[float], bwd: Sequence[float], allreduce: Sequence[float],
-                         microbatches: int) -> float:
-    """Fill-drain: the first microbatch crosses every stage, the rest follow at the pace of the
-    slowest stage, in both directions; then the slowest gradient all-reduce."""
-    return (sum(fwd) + (microbatches - 1) * max(fwd) + sum(bwd) + (microbatches - 1) * max(bwd)
-            + max(allreduce))
+def reduction_overlaps_backward(schedule: str) -> bool:
+    """THE switch for when a stage's gradient reduction runs (`rannc.pipeline.grads`): bucket by
+    bucket during the last microbatch's backward under fill-drain, whose backward runs in
+    backward(); after the whole line under the eager schedules, whose backward ran inside
+    forward() and whose gradients are reduced when backward() commits them. Change it here when
+    the runtime reduces eagerly scheduled gradients as they become final."""
+    return not get_spec(schedule).eager
+
+
+def exposed_reduction(reduce_s: Any, last_backward_s: Any, grad_bytes: Any, bucket_bytes: float,
+                      overlapped: bool) -> Any:
+    """The seconds of a stage's gradient reduction (`reduce_s` in all) that its iteration waits
+    for after the stage's last backward. Overlapped, the buckets are reduced while the last
+    microbatch's backward (`last_backward_s`) still runs, so only the part that outlasts it
+    shows, and never less than the last bucket (the first layers' gradients, final only when
+    backward ends); otherwise all of it. Arrays or floats alike."""
+    if not overlapped:
+        return reduce_s
+    grads = np.asarray(grad_bytes, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        last = np.where(grads > 0, reduce_s * np.minimum(1.0, bucket_bytes / grads), 0.0)
+    return np.maximum(reduce_s - last_backward_s, last)
+
+
+def iteration_estimate(fwd: Sequence[float], bwd: Sequence[float], allreduce: Sequence[float],
+                       microbatches: int, eager: bool, chunks: int = 1) -> float:
+    """A closed form of the simulator's iteration time, to rank the DP's candidates before the
+    few best are simulated: each stage's last backward ends at its own time and its gradient
+    reduction (`allreduce`: the part it waits for) starts there, so a late stage's reduction
+    is hidden by the earlier stages' drain, as in the simulator.
+
+    Fill-drain: the forwards end at F = sum(fwd) + (m - 1) max(fwd) (the flow-shop makespan of m
+    identical microbatches), then every stage starts backward from the barrier, and stage s's
+    last backward ends at F + sum(bwd[s:]) + (m - 1) max(bwd[s:]). Eager (1F1B order): the
+    first stage ends last, at sum(f + b) + (m - 1) max(f + b); stage s ends the backwards of the
+    stages before it earlier. Interleaved (`chunks` v > 1 stages per lane, stage s on lane
+    s % (S / v)): each lane as one stage doing its v stages' work, the bubble v times smaller
+    (Megatron's (p - 1) / v): (sum - max) / v + m max over the lanes' cycles."""
+    S, m = len(fwd), microbatches
+    out = 0.0
+    if chunks > 1:
+        P = S // chunks
+        lane_f = [sum(fwd[s::P]) for s in range(P)]
+        lane_b = [sum(bwd[s::P]) for s in range(P)]
+        lane_ar = [sum(allreduce[s::P]) for s in range(P)]  # one reducer per rank, all its stages
+        cycle = [f + b for f, b in zip(lane_f, lane_b, strict=True)]
+        end, drained = (sum(cycle) - max(cycle)) / chunks + m * max(cycle), 0.0
+        for lane in range(P):
+            out = max(out, end - drained + lane_ar[lane])
+            drained += lane_b[lane] / chunks
+        return out
+    if eager:
+        cycle = [f + b for f, b in zip(fwd, bwd, strict=True)]
+        end, drained = sum(cycle) + (m - 1) * max(cycle), 0.0
+        for s in range(S):
+            out = max(out, end - drained + allreduce[s])
+            drained += bwd[s]
+        return out
+    forwards = sum(fwd) + (m - 1) * max(fwd)
+    tail = slowest = 0.0
+    for s in reversed(range(S)):
+        tail += bwd[s]
+        slowest = max(slowest, bwd[s])
+        out = max(out, forwards + tail + (m - 1) * slowest + allreduce[s])
+    return out

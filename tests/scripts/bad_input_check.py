@@ -133,7 +133,7 @@ def capture_cache_is_bounded(rank: int, n: int) -> None:
         for length in (1, 2, 1, 3, 4, 5):
             model(torch.randn(n, length, WIDTH)).backward()
     said = [str(w.message) for w in got if "max_captures" in str(w.message)]
-    kept = any(rt is model._planned_rt for rt in model._runtimes.values())
+    kept = any(rt is model._held.runtime for rt in model._runtimes.values())
     say(f"CACHE rank {rank} runtimes {len(model._runtimes)} planned kept {kept} warnings "
         f"{len(said)} {' '.join(said[0].split()) if said else ''}")
 

@@ -1,0 +1,367 @@
+"""Deployment: what a RaNNCModule's first call does before anything runs, for one process or
+many alike: capture the model, plan it (or load a saved plan) and give every rank the same
+plan, then release the parameters this rank does not hold.
+
+- `capture_signature`: torch.export and phase 1, for a new input signature;
+- `deployment_plan`: in one process the whole model as one stage (`single_process_plan`:
+  nothing to choose); on several ranks rank 0 reads the saved plan or plans for the cluster
+  the ranks report, and broadcasts it (an error on rank 0 is raised on every rank, so none
+  waits);
+- `Holdings`: after a plan is deployed, what this rank holds of the user's model and
+  optimizer: the parameters it released (and how to give them their shapes back for a
+  capture), the optimizer's pruned param groups, the stand-in parameter of a rank that holds
+  none, and under ZeRO-1 the hooks around the optimizer's step;
+- `host_malloc`: `Config.host_malloc` for this rank's stage (`rannc.hostmem`), once.
+
+`rannc.module` is the facade that calls these; the runtime is `rannc.pipeline`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import os
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from rannc import checkpoint as ckpt
+from rannc import dist as rdist
+from rannc import health, hostmem, validate
+from rannc.atomic.components import AtomicPartition, atomic_components
+from rannc.config import Config
+from rannc.errors import ConfigError, RaNNCError
+from rannc.graph.capture import CapturedModel, capture
+from rannc.ownership import parameter_owners
+from rannc.plans import Plan, StagePlan
+from rannc.progress import Progress
+from rannc.schedule.spec import require_runs
+
+log = logging.getLogger(__name__)
+
+
+def capture_signature(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                      progress: Progress) -> tuple[CapturedModel, AtomicPartition]:
+    """The captured graph of `module(*args, **kwargs)` and its atomic components (phase 1)."""
+    with progress.phase("capture"):
+        cap = capture(module, args, kwargs)
+    with progress.phase("atomic components"):
+        atomic = atomic_components(cap.graph)
+    return cap, atomic
+
+
+def deployment_plan(cfg: Config, module: nn.Module, optimizer: torch.optim.Optimizer | None,
+                    cap: CapturedModel, atomic: AtomicPartition, ctx: rdist.DistContext | None,
+                    leaves: list[Any], sizes: list[int], progress: Progress) -> Plan:
+    """The plan every rank deploys (`ctx` None: one process, whose plan is the whole model as
+    one stage). On several ranks: the saved plan, or one made on rank 0 for this world, and
+    broadcast (one plan for all ranks even though each measures its own device).
+
+    Only rank 0 reads a saved plan: on several nodes the file may exist on rank 0's disk
+    alone, or an older copy on another node's, and ranks that each read their own would
+    wait for different plans."""
+    from rannc.planner import single_process_plan
+
+    if ctx is None or ctx.world_size == 1:
+        return single_process_plan(cap.graph, atomic, sum(sizes))
+    require_runs(cfg.schedule)  # every rank alike, before any of them plans
+    loaded = _load_on_rank0(cfg, cap, atomic, ctx, sizes)
+    if loaded is not None:
+        return loaded
+    plan = _plan_on_rank0(cfg, module, optimizer, cap, atomic, ctx, leaves, sizes, progress)
+    if cfg.save_deployment and ctx.rank == 0:
+        plan.save(cfg.deployment_file)
+    return plan
+
+
+def _load_on_rank0(cfg: Config, cap: CapturedModel, atomic: AtomicPartition,
+                   ctx: rdist.DistContext, sizes: list[int]) -> Plan | None:
+    """The saved plan (load_deployment), read on rank 0 and broadcast, checked on every rank
+    against this model and world; None when there is none to load."""
+    import torch.distributed as dist
+
+    if not cfg.load_deployment:
+        return None
+    source = f"the plan file {cfg.deployment_file}"
+    loaded: list[Any] = [None]
+    if ctx.rank == 0 and os.path.exists(cfg.deployment_file):
+        try:
+            loaded[0] = Plan.load(cfg.deployment_file).to_dict()
+        except Exception as e:  # noqa: BLE001 - every rank raises it, none waits
+            loaded[0] = {"error": f"{type(e).__name__}: {e}. Fix: delete the file, or "
+                                  "load_deployment=False to plan again",
+                         "type": type(e).__name__, "where": f"reading {source}"}
+    dist.broadcast_object_list(loaded, src=0)
+    if loaded[0] is None:
+        return None
+    if "error" in loaded[0]:
+        raise validate.rebuild_error(loaded[0])
+    plan = Plan.from_dict(loaded[0])
+    plan.check(cap.graph, ctx.world_size, source=source, atomic=atomic, batch_rows=sum(sizes))
+    require_runs(plan.schedule)
+    return dataclasses.replace(plan, source=(cap.graph, atomic))
+
+
+def _plan_on_rank0(cfg: Config, module: nn.Module, optimizer: torch.optim.Optimizer | None,
+                   cap: CapturedModel, atomic: AtomicPartition, ctx: rdist.DistContext,
+                   leaves: list[Any], sizes: list[int], progress: Progress) -> Plan:
+    """Plan on rank 0 for the devices every rank reports (or the cluster file's), broadcast."""
+    import torch.distributed as dist
+
+    from rannc.planner import plan_graph
+    from rannc.profile.choice import make_oracle
+    from rannc.profile.device import measure_local_device
+    from rannc.profile.estimate import GraphCosts, runs_fused_kernels
+
+    # Every rank reports its own device (a mixed cluster is planned as such), unless the
+    # user described the cluster in a file.
+    reports: list[Any] = [None] * ctx.world_size
+    mine = None if cfg.cluster_file else dataclasses.asdict(measure_local_device())
+    dist.all_gather_object(reports, mine)
+    box: list[Any] = [None]
+    if ctx.rank == 0:
+        if cfg.opt_param_factor is None and optimizer is not None:
+            cfg = Config.resolve(cfg, environ={}, opt_param_factor=optimizer_state_factor(optimizer))
+        try:
+            cluster = cluster_of(cfg, ctx, reports)
+            costs = GraphCosts.of(cap.graph, atomic, fused=runs_fused_kernels(cluster))
+            oracle = make_oracle(cfg, cap, atomic, module, leaves, costs, cluster, progress=progress)
+            box[0] = plan_graph(cap.graph, atomic, cluster, cfg, batch_size=sum(sizes),
+                                oracle=oracle, costs=costs, progress=progress).to_dict()
+        except RaNNCError as e:  # every rank raises it, none waits for a plan
+            box[0] = {"error": str(e), "type": type(e).__name__,
+                      "needed_bytes": getattr(e, "needed_bytes", None)}
+    dist.broadcast_object_list(box, src=0)
+    if "error" in box[0]:
+        raise validate.rebuild_error(box[0])
+    return dataclasses.replace(Plan.from_dict(box[0]), source=(cap.graph, atomic))
+
+
+@dataclass
+class OneProcess:
+    """One process's deployment of a captured signature: the whole graph as one stage module
+    (torch.compile'd with Config.compile), run in this process without a pipeline."""
+
+    captured: CapturedModel
+    atomic: AtomicPartition
+    stages: list[Any]  # rannc.graph.extract.StageGraph
+    modules: list[Any]  # fx.GraphModule, or its torch.compile'd wrapper
+
+    @classmethod
+    def of(cls, cap: CapturedModel, atomic: AtomicPartition,
+           wrap: Callable[[Any], Any] | None = None) -> OneProcess:
+        from rannc.graph.extract import build_stage_module, split_graph
+
+        stages = split_graph(cap.graph, atomic, [list(range(len(atomic.components)))])
+        modules: list[Any] = [build_stage_module(cap.gm, cap.graph, s) for s in stages]
+        if wrap is not None:
+            modules = [wrap(m) for m in modules]
+        return cls(cap, atomic, stages, modules)
+
+
+def cluster_of(cfg: Config, ctx: rdist.DistContext, reports: list[Any]) -> Any:
+    """The cluster to plan for: the cluster file's, or the devices the ranks reported."""
+    from rannc.profile.device import Cluster, DeviceSpec
+
+    if not cfg.cluster_file:
+        return Cluster.from_reports([DeviceSpec(**d) for d in reports],
+                                    per_node=ctx.local_world_size)
+    cluster = Cluster.load(cfg.cluster_file)
+    if cluster.size != ctx.world_size:
+        raise ConfigError(f"the cluster file {cfg.cluster_file} describes {cluster.size} "
+                          f"devices but {ctx.world_size} ranks run; describe one per rank")
+    return cluster
+
+
+@dataclass
+class Holdings:
+    """What this rank holds of the user's model and optimizer once a plan is deployed.
+
+    `runtime` is the planned deployment's runtime (a `rannc.pipeline.runtime.PipelineRuntime`):
+    the parameters this rank holds are its stage's (a plan derived for another input signature
+    holds a subset of them), and its `owners` (rannc.ownership) say which holder's copy counts
+    once. `step` names the training step in failure reports."""
+
+    step: Callable[[], int] = lambda: 0
+    released: dict[str, torch.Size] = field(default_factory=dict)  # names freed: their shapes
+    placeholder: nn.Parameter | None = None  # the optimizer's stand-in on a rank holding none
+    owners: dict[str, int] | None = None  # first name -> owning rank, of the planned deployment
+    runtime: Any = None
+    opt_groups: list[list[str]] | None = None  # param names per group, before pruning
+    set_aside: list[tuple[nn.Parameter, torch.Tensor | None]] = field(default_factory=list)
+
+    def release(self, module: nn.Module, optimizer: torch.optim.Optimizer | None,
+                runtimes: Iterable[Any], rt: Any) -> None:
+        """Free the parameters this rank does not hold (over every deployed signature's
+        runtime in `runtimes`, `rt` the newest) and stop the optimizer stepping them.
+
+        A parameter that no stage reads stays on every rank (state_dict() still has it)."""
+        runtimes = list(runtimes)
+        if self.owners is None:  # the planned deployment, before anything is released
+            self.owners = parameter_owners(module, rt.plan, rt.rank)
+            self.runtime = rt
+            rt.owners = self.owners
+            if rt.plan.zero_stage and optimizer is not None:
+                self._zero_hooks(optimizer)
+        held = {id(p) for r in runtimes for p in r.held.values()}
+        params = dict(module.named_parameters(remove_duplicate=False))
+        read = {id(params[n]) for r in runtimes for n in r.plan.holders()}
+        released = []
+        for n, p in params.items():
+            if id(p) in read and id(p) not in held and p.numel():
+                self.released[n] = p.shape
+                released.append(p)
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+                p.grad = None
+        if optimizer is not None:
+            if self.opt_groups is None:  # the names before pruning, for optimizer_state_dict()
+                self.opt_groups = ckpt.group_names(module, optimizer)
+            for p in released + (rt.not_stepped() if rt is self.runtime else []):
+                optimizer.state.pop(p, None)  # (ZeRO-1: state another holder keeps)
+            for group in optimizer.param_groups:
+                keep = [id(p) not in read or id(p) in held for p in group["params"]]
+                group["params"] = [p for p, k in zip(group["params"], keep, strict=True) if k]
+                if "param_names" in group:
+                    group["param_names"] = [n for n, k in zip(group["param_names"], keep, strict=True)
+                                            if k]
+            if not any(g["params"] for g in optimizer.param_groups):
+                # A rank holding no parameters still runs the user's optimizer step; a GradScaler
+                # needs a gradient to check there. The stand-in has gradient 0 (inf when another
+                # rank overflowed), so stepping it changes nothing that matters.
+                if self.placeholder is None:
+                    self.placeholder = nn.Parameter(torch.zeros(1, device=rt.device))
+                optimizer.param_groups[0]["params"] = [self.placeholder]
+        for r in runtimes:
+            r.placeholder = self.placeholder
+            r.owners = self.owners
+        if released:
+            return_freed_heap()
+
+    def _zero_hooks(self, optimizer: torch.optim.Optimizer) -> None:
+        """ZeRO-1 on the user's own optimizer: for its step, the gradients of the parameters
+        other holders own are set aside (torch's optimizers skip a parameter without a
+        gradient, so this rank neither updates them nor makes state for them); after it they
+        come back, and each owner sends its parameters' new values to their other holders.
+        Outside the step nothing differs: every held parameter's `.grad` is the full reduced
+        gradient, `zero_grad()`, GradScaler's `unscale_` and clipping see every parameter."""
+        me = weakref.ref(self)
+
+        def before(opt: Any, args: Any, kwargs: Any) -> None:
+            h = me()
+            if h is not None and h.runtime is not None:
+                h.set_aside = [(p, p.grad) for p in h.runtime.not_stepped()]
+                for p, _g in h.set_aside:
+                    p.grad = None
+
+        def after(opt: Any, args: Any, kwargs: Any) -> None:
+            h = me()
+            if h is not None and h.runtime is not None:
+                for p, g in h.set_aside:
+                    p.grad = g
+                h.set_aside = []
+                with health.phase("ZeRO-1 parameter broadcast", h.step()):
+                    h.runtime.share_stepped_params()
+
+        optimizer.register_step_pre_hook(before)
+        optimizer.register_step_post_hook(after)
+
+    def stepped_names(self) -> set[str] | None:
+        """ZeRO-1: the parameters this rank's optimizer steps (None: every one it holds)."""
+        rt = self.runtime
+        if rt is None or not rt.plan.zero_stage or self.owners is None:
+            return None
+        return {n for n, r in self.owners.items() if r == rt.rank}
+
+    @contextlib.contextmanager
+    def without_placeholder(self, optimizer: torch.optim.Optimizer | None) -> Iterator[None]:
+        """The optimizer without the stand-in parameter, for state dicts by parameter name."""
+        ph = self.placeholder
+        groups = optimizer.param_groups if optimizer is not None else []
+        had = ph is not None and bool(groups) and any(p is ph for p in groups[0]["params"])
+        if had:
+            groups[0]["params"] = [p for p in groups[0]["params"] if p is not ph]
+        try:
+            yield
+        finally:
+            if had:
+                groups[0]["params"].append(ph)
+
+    @contextlib.contextmanager
+    def shaped_params(self, module: nn.Module) -> Iterator[None]:
+        """Released parameters get their shapes back (uninitialised, never read: torch.export
+        traces with fake tensors; on CPU untouched pages cost no memory) while a new input
+        signature is captured."""
+        params = dict(module.named_parameters(remove_duplicate=False))
+        for n, shape in self.released.items():
+            p = params[n]
+            p.data = torch.empty(shape, dtype=p.dtype, device=p.device)
+        try:
+            yield
+        finally:
+            for n in self.released:
+                p = params[n]
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
+
+def optimizer_state_factor(optimizer: torch.optim.Optimizer) -> float:
+    """Optimizer state elements per parameter element (DESIGN.md's memory model): the most any
+    param group needs. Counted from torch's optimizers' state after a step (torch 2.13)."""
+    groups = optimizer.param_groups or [{}]
+    return max(_group_state_factor(type(optimizer).__name__, g) for g in groups)
+
+
+def _group_state_factor(name: str, group: Mapping[str, Any]) -> float:
+    if name == "SGD":
+        return 1.0 if group.get("momentum", 0) else 0.0  # momentum_buffer
+    if name in ("Adam", "AdamW"):
+        return 3.0 if group.get("amsgrad") else 2.0  # exp_avg, exp_avg_sq (+ max_exp_avg_sq)
+    if name in ("Adagrad", "ASGD"):
+        return 1.0  # state_sum; ax
+    if name == "RMSprop":  # square_avg (+ momentum_buffer) (+ grad_avg)
+        return 1.0 + (1.0 if group.get("momentum", 0) else 0.0) + (1.0 if group.get("centered") else 0.0)
+    if name == "Adafactor":
+        return 0.0  # factored second moment: one row and one column per matrix
+    if name == "LBFGS":  # flat direction and gradient, and history_size pairs of updates
+        return 2.0 + 2.0 * float(group.get("history_size", 100))
+    return 2.0  # NAdam, RAdam, Adamax, Adadelta, Rprop (two tensors each) and unknown ones
+
+
+def host_malloc(cfg: Config, device: torch.device, stage: StagePlan | None) -> None:
+    """`Config.host_malloc` at deployment, for this rank's stage of the plan (None in one
+    process, which plans nothing): "auto" releases where the stage's forecast is close enough
+    to the memory the rank may use (`mem_limit_gb`, else the device's) for glibc's retention
+    to matter."""
+    forecast = stage.predicted.memory_bytes if stage is not None and stage.predicted is not None \
+        else None
+    memory = cfg.mem_limit_gb * 1e9 if cfg.mem_limit_gb is not None else math.inf
+    if forecast is not None and cfg.mem_limit_gb is None and device.type == "cpu":
+        from rannc.profile.device import measure_local_device
+
+        memory = measure_local_device().memory_bytes
+    hostmem.apply(cfg.host_malloc, device.type, forecast, memory * (1 - cfg.mem_margin))
+
+
+def return_freed_heap() -> None:
+    """Give the heap pages of the released parameters back to the OS (glibc only).
+
+    Every rank builds the whole model before keeping its stages' parameters. glibc keeps the
+    freed ~1 MB parameter blocks in its heap, so a CPU rank's resident memory stayed near the
+    whole model's: a 40-layer H256 BERT built at +136 MiB was still at +128 MiB after three
+    quarters of its parameters were released, and at +37 MiB after malloc_trim. CUDA tensors
+    are unaffected (the caching allocator owns them); elsewhere this does nothing."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
+        pass
+
+
+__all__ = ["Holdings", "OneProcess", "capture_signature", "cluster_of", "deployment_plan",
+           "host_malloc", "optimizer_state_factor", "return_freed_heap"]
