@@ -147,8 +147,9 @@ def need_equal(c: Captured, cluster: Any, batch: int, layers: int, stages: int) 
 
     import rannc
     from rannc.planner import EstimateOracle, param_names_of
+    from rannc.stage_dp.memory import MemoryModel
     from rannc.stage_dp.search import microbatch_counts
-    from rannc.stage_dp.tables import BlockIO, MemoryModel, batch_per_replica, stage_tables
+    from rannc.stage_dp.tables import BlockIO, batch_per_replica, stage_tables
 
     cfg = rannc.Config()
     block_of, s = [], 0
@@ -176,7 +177,7 @@ def need_equal(c: Captured, cluster: Any, batch: int, layers: int, stages: int) 
                 saved = m if sched != "gpipe" and late else 0
                 tab = stage_tables(prof, io, mem, batch_size=batch, devices=1, copies=1, microbatches=m,
                                    link_bw=spec.link_bandwidth, allreduce_bw=spec.link_bandwidth,
-                                   inflight=n_in, saved_inputs=saved)
+                                   inflight=n_in, saved_inputs=saved, world=stages)
                 worst = max(worst, float(tab.memory_min[i, i, 1]))
             best = min(best, worst)
     return float(best / (1.0 - cfg.mem_margin)) if np.isfinite(best) else math.inf
@@ -443,7 +444,8 @@ def main() -> None:
     if a.smoke:
         a.np, a.hidden, a.batch, a.seq, a.vocab, a.probe, a.max_layers = 2, [64], 8, 16, 512, [2, 4], 12
         a.mem_gb = 0.006
-        a.cpu_limit_gb, a.cpu_hidden, a.cpu_batch, a.cpu_seq, a.cpu_vocab = 0.006, 64, 8, 16, 512
+        # (a CPU rank's forecast holds its overhead beyond tensors: about 20 MB, rannc.hostmem)
+        a.cpu_limit_gb, a.cpu_hidden, a.cpu_batch, a.cpu_seq, a.cpu_vocab = 0.03, 64, 8, 16, 512
         a.cpu_probe, a.steps = [2, 4], 2
     if not a.skip_model:
         model_part(a)

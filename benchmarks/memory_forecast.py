@@ -82,14 +82,62 @@ def trim() -> None:
         pass
 
 
-def tensor_peak(prof: Any) -> float:
+CATEGORIES = ("parameter", "optimizer_state", "gradient", "input", "activation", "temporary",
+              "autograd_detail", "unknown")
+
+
+def tensor_peak(prof: Any) -> tuple[float, dict[str, float], str]:
     """Peak bytes of live CPU tensors during the profiled step (torch's memory timeline: every
-    allocation and free the profiler saw, by category, summed)."""
+    allocation and free the profiler saw, by category, summed), those bytes by the profiler's
+    category, and the rannc action (`rannc B0.3`) running at the peak."""
+    from torch.profiler._memory_profiler import _CATEGORY_TO_INDEX
+
     with tempfile.TemporaryDirectory() as d, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # deprecated in favour of a CUDA-only API
         prof.export_memory_timeline(str(Path(d, "t.json")), device="cpu")
-        _times, sizes = json.loads(Path(d, "t.json").read_text())
-    return float(max(sum(x) for x in sizes)) if sizes else 0.0
+        times, sizes = json.loads(Path(d, "t.json").read_text())
+    if not sizes:
+        return 0.0, {}, ""
+    i = max(range(len(sizes)), key=lambda j: sum(sizes[j]))
+    names = ["-"] + [c.name.lower() if c is not None else "unknown" for c in _CATEGORY_TO_INDEX]
+    by_cat = {n: float(x) for n, x in zip(names, sizes[i], strict=True) if x}
+    start = prof.profiler.kineto_results.trace_start_ns() / 1e3
+    t = times[i]
+    acts = [e for e in prof.events() if e.name.startswith("rannc ")
+            and start + e.time_range.start <= t <= start + e.time_range.end]
+    at = min(acts, key=lambda e: e.time_range.elapsed_us()).name if acts else ""
+    return float(sum(sizes[i])), by_cat, at
+
+
+def forecast_terms(plan: Any, st: Any, opt_factor: float) -> dict[str, float]:
+    """The memory model's terms for stage `st` of `plan` (bytes), from the estimate on this CPU."""
+    from rannc.profile.estimate import GraphCosts
+    from rannc.schedule import get_spec
+    from rannc.stage_dp.memory import local_rows, rank_overhead, returned_memory
+    from rannc.stage_dp.tables import BlockIO
+
+    graph, atomic = plan.source
+    comps = set(st.components)
+    costs = GraphCosts.of(graph, atomic, fused=False)
+    # blocks: 0 the components before the stage (maybe none), 1 the stage, 2 those after
+    io = BlockIO.of(graph, atomic, [0 if c < min(comps) else 1 if c in comps else 2
+                                    for c in range(len(atomic.components))])
+    j = 1
+    b = st.predicted["microbatch_rows"]
+    mask = [c in comps for c in costs.pair_comp]
+    kept = float(((costs.kept[:, 0] + costs.kept[:, 1] * b)[costs.pair_task])[mask].sum())
+    work = float(((costs.work[:, 0] + costs.work[:, 1] * b)[costs.pair_task])[mask].max())
+    n = st.predicted["in_flight"]
+    saved = get_spec(plan.schedule).held(len(plan.stages), plan.microbatches, True).saved_inputs
+    inb = float(io.inputs[0][j, j] + io.inputs[1][j, j] * b)
+    outb = float(io.outputs[0][j, j] + io.outputs[1][j, j] * b)
+    ret = returned_memory(*io.returned_bytes(int(b), local_rows(plan.batch_size, 1, plan.world_size)),
+                          plan.microbatches, int(n))
+    return dict(params=float(io.params[j, j]), grads=float(io.grad_params[j, j]),
+                optimizer=opt_factor * float(io.grad_params[j, j]), kept=n * kept,
+                inputs_outputs=n * (inb + outb), saved_inputs=saved * inb, work=work,
+                returned_held=float(ret.held[j, j]), at_return=float(ret.at_return[j, j]),
+                overhead=rank_overhead(["local-cpu"], len(graph.tasks)))
 
 
 def worker(a: argparse.Namespace) -> None:
@@ -123,9 +171,14 @@ def worker(a: argparse.Namespace) -> None:
     base_kb = pm.status_kb("VmRSS")
     net = build(a.model, a)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
-    model = rannc.RaNNCModule(net, opt, partition_num=world, microbatches=a.microbatches)
+    model = rannc.RaNNCModule(net, opt, partition_num=world // a.replicas, microbatches=a.microbatches,
+                              replicas=[a.replicas] * (world // a.replicas) if a.replicas > 1 else None,
+                              checkpointing=a.checkpointing, host_malloc=a.host_malloc,
+                              schedule=a.schedule)
     steady_kb = 0
     tensor_peak_b = 0.0
+    peak_by: dict[str, float] = {}
+    peak_at = ""
     live_b = rest_kb = 0
     losses = []
     for step in range(a.steps):
@@ -146,7 +199,7 @@ def worker(a: argparse.Namespace) -> None:
         opt.zero_grad()
         if last:
             prof.__exit__(None, None, None)
-            tensor_peak_b = tensor_peak(prof)
+            tensor_peak_b, peak_by, peak_at = tensor_peak(prof)
             del prof
         if step == 0:
             gc.collect()
@@ -154,12 +207,14 @@ def worker(a: argparse.Namespace) -> None:
     plan = model.plan if world > 1 else one
     st = plan.stage_of_rank(rank) if plan is not None else None
     out = dict(model=a.model, world=world, rank=rank, stage=st.index if st else 0,
+               layout=f"{len(plan.stages) if plan is not None else 1} x {a.replicas}",
                forecast_b=st.predicted.get("memory_bytes") if st else None,
                in_flight=st.predicted.get("in_flight") if st else None,
                recompute=st.recompute if st else None,
                schedule=plan.schedule if plan is not None else None,
                measured_kb=steady_kb - base_kb, live_b=live_b, tensor_peak_b=tensor_peak_b,
-               rest_kb=rest_kb - base_kb, losses=losses,
+               rest_kb=rest_kb - base_kb, losses=losses, peak_by=peak_by, peak_at=peak_at,
+               terms=forecast_terms(plan, st, factor) if st is not None else {},
                params=sum(p.numel() for p in net.parameters()))
     Path(a.out, f"{a.model}.{world}.{rank}.json").write_text(json.dumps(out))
     if world > 1:
@@ -173,22 +228,25 @@ def driver(a: argparse.Namespace) -> None:
     common = [f"--{k}={v}" for k, v in (("layers", a.layers), ("hidden", a.hidden), ("heads", a.heads),
                                         ("vocab", a.vocab), ("batch", a.batch), ("seq", a.seq),
                                         ("steps", a.steps), ("microbatches", a.microbatches),
-                                        ("out", out))]
+                                        ("out", out), ("replicas", a.replicas),
+                                        ("checkpointing", a.checkpointing),
+                                        ("host-malloc", a.host_malloc), ("schedule", a.schedule))]
     try:
         for model in a.models:
             for s in a.stages:
                 cmd = [*me, "--worker", "--model", model, *common]
-                if s > 1:
+                if s * a.replicas > 1:
                     if mpiexec is None:
                         sys.exit("no mpiexec next to the interpreter or on PATH (pip install mpi4py mpich)")
-                    cmd = [mpiexec, "-n", str(s), *cmd]
+                    cmd = [mpiexec, "-n", str(s * a.replicas), *cmd]
                 pm.launch(cmd, a.timeout)
         rows = [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
     finally:
         shutil.rmtree(out, ignore_errors=True)
     print(f"\nL{a.layers} H{a.hidden} A{a.heads} vocab {a.vocab}, global batch {a.batch} x {a.seq}, "
-          f"{a.microbatches} microbatches, AdamW, {a.steps} steps\n")
-    head = ["model", "stages", "rank", "schedule, in flight, recompute", "forecast MiB",
+          f"{a.microbatches} microbatches, AdamW, {a.steps} steps, checkpointing {a.checkpointing}, "
+          f"host_malloc {a.host_malloc}, schedule {a.schedule}\n")
+    head = ["model", "stages x replicas", "rank", "schedule, in flight, recompute", "forecast MiB",
             "measured peak MiB", "measured / forecast", "tensor peak MiB", "tensors / forecast",
             "live tensors at rest MiB", "RSS at rest (trimmed) MiB", "loss, last step"]
     print("| " + " | ".join(head) + " |")
@@ -198,19 +256,37 @@ def driver(a: argparse.Namespace) -> None:
         f = r["forecast_b"] or float("nan")
         ratio = r["measured_kb"] * 1024 / f
         ratios.append(ratio)
-        print(f"| {r['model']} | {r['world']} | {r['rank']} | {r['schedule']}, {r['in_flight']:.0f}, "
+        print(f"| {r['model']} | {r['layout']} | {r['rank']} | {r['schedule']}, {r['in_flight']:.0f}, "
               f"{r['recompute']:.2f} | {f / MB:.1f} | {r['measured_kb'] / 1024:.1f} | {ratio:.2f} | "
               f"{r['tensor_peak_b'] / MB:.1f} | {r['tensor_peak_b'] / f:.2f} | "
               f"{r['live_b'] / MB:.1f} | {r['rest_kb'] / 1024:.1f} | {r['losses'][-1]:.5f} |")
     within = sum(0.87 <= x <= 1.15 for x in ratios)
     print(f"\nmeasured / forecast: {min(ratios):.2f} to {max(ratios):.2f}; "
           f"within 15 %: {within} of {len(ratios)}")
+    if a.breakdown:
+        print("\nThe forecast's terms and the tensor peak by the profiler's category (MiB), and the "
+              "action running at the peak:\n")
+        terms = ["params", "grads", "optimizer", "inputs_outputs", "saved_inputs", "kept", "work",
+                 "returned_held", "at_return", "overhead"]
+        head = ["model", "stages x replicas", "rank", *terms, "|", *CATEGORIES, "at"]
+        print("| " + " | ".join(head) + " |")
+        print("|---" * len(head) + "|")
+        for r in sorted(rows, key=lambda r: (r["model"], r["world"], r["rank"])):
+            t, c = r["terms"], r["peak_by"]
+            print(f"| {r['model']} | {r['layout']} | {r['rank']} | "
+                  + " | ".join(f"{t.get(k, 0) / MB:.1f}" for k in terms) + " | | "
+                  + " | ".join(f"{c.get(k, 0) / MB:.1f}" for k in CATEGORIES) + f" | {r['peak_at']} |")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     p.add_argument("--stages", nargs="+", type=int, default=[1, 2, 4])
+    p.add_argument("--replicas", type=int, default=1, help="replicas of every stage (ranks: stages x this)")
+    p.add_argument("--checkpointing", default="auto", choices=("auto", "on", "off"))
+    p.add_argument("--schedule", default="auto", help="Config.schedule of the pipelined runs")
+    p.add_argument("--host-malloc", default="auto", choices=("auto", "release", "keep"),
+                   help="Config.host_malloc of every rank")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--heads", type=int, default=4)
@@ -221,6 +297,8 @@ def main() -> None:
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--smoke", action="store_true", help="2 layers H64, 1 and 2 stages, 3 steps")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also the forecast's terms against the tensor peak by category")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", choices=MODELS, help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)

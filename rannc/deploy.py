@@ -10,7 +10,8 @@ plan, then release the parameters this rank does not hold.
 - `Holdings`: after a plan is deployed, what this rank holds of the user's model and
   optimizer: the parameters it released (and how to give them their shapes back for a
   capture), the optimizer's pruned param groups, the stand-in parameter of a rank that holds
-  none, and under ZeRO-1 the hooks around the optimizer's step.
+  none, and under ZeRO-1 the hooks around the optimizer's step;
+- `host_malloc`: `Config.host_malloc` for this rank's stage (`rannc.hostmem`), once.
 
 `rannc.module` is the facade that calls these; the runtime is `rannc.pipeline`.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -31,13 +33,13 @@ from torch import nn
 
 from rannc import checkpoint as ckpt
 from rannc import dist as rdist
-from rannc import health, validate
+from rannc import health, hostmem, validate
 from rannc.atomic.components import AtomicPartition, atomic_components
 from rannc.config import Config
 from rannc.errors import ConfigError, RaNNCError
 from rannc.graph.capture import CapturedModel, capture
 from rannc.ownership import parameter_owners
-from rannc.plans import Plan
+from rannc.plans import Plan, StagePlan
 from rannc.progress import Progress
 from rannc.schedule.spec import require_runs
 
@@ -115,7 +117,7 @@ def _plan_on_rank0(cfg: Config, module: nn.Module, optimizer: torch.optim.Optimi
     from rannc.planner import plan_graph
     from rannc.profile.choice import make_oracle
     from rannc.profile.device import measure_local_device
-    from rannc.profile.estimate import GraphCosts
+    from rannc.profile.estimate import GraphCosts, runs_fused_kernels
 
     # Every rank reports its own device (a mixed cluster is planned as such), unless the
     # user described the cluster in a file.
@@ -128,7 +130,7 @@ def _plan_on_rank0(cfg: Config, module: nn.Module, optimizer: torch.optim.Optimi
             cfg = Config.resolve(cfg, environ={}, opt_param_factor=optimizer_state_factor(optimizer))
         try:
             cluster = cluster_of(cfg, ctx, reports)
-            costs = GraphCosts.of(cap.graph, atomic)
+            costs = GraphCosts.of(cap.graph, atomic, fused=runs_fused_kernels(cluster))
             oracle = make_oracle(cfg, cap, atomic, module, leaves, costs, cluster, progress=progress)
             box[0] = plan_graph(cap.graph, atomic, cluster, cfg, batch_size=sum(sizes),
                                 oracle=oracle, costs=costs, progress=progress).to_dict()
@@ -330,6 +332,21 @@ def _group_state_factor(name: str, group: Mapping[str, Any]) -> float:
     return 2.0  # NAdam, RAdam, Adamax, Adadelta, Rprop (two tensors each) and unknown ones
 
 
+def host_malloc(cfg: Config, device: torch.device, stage: StagePlan | None) -> None:
+    """`Config.host_malloc` at deployment, for this rank's stage of the plan (None in one
+    process, which plans nothing): "auto" releases where the stage's forecast is close enough
+    to the memory the rank may use (`mem_limit_gb`, else the device's) for glibc's retention
+    to matter."""
+    forecast = stage.predicted.memory_bytes if stage is not None and stage.predicted is not None \
+        else None
+    memory = cfg.mem_limit_gb * 1e9 if cfg.mem_limit_gb is not None else math.inf
+    if forecast is not None and cfg.mem_limit_gb is None and device.type == "cpu":
+        from rannc.profile.device import measure_local_device
+
+        memory = measure_local_device().memory_bytes
+    hostmem.apply(cfg.host_malloc, device.type, forecast, memory * (1 - cfg.mem_margin))
+
+
 def return_freed_heap() -> None:
     """Give the heap pages of the released parameters back to the OS (glibc only).
 
@@ -347,4 +364,4 @@ def return_freed_heap() -> None:
 
 
 __all__ = ["Holdings", "OneProcess", "capture_signature", "cluster_of", "deployment_plan",
-           "optimizer_state_factor", "return_freed_heap"]
+           "host_malloc", "optimizer_state_factor", "return_freed_heap"]

@@ -35,7 +35,7 @@ from rannc import clip as rclip
 from rannc import dist as rdist
 from rannc import health, validate
 from rannc.config import Config
-from rannc.deploy import Holdings, OneProcess, capture_signature, deployment_plan
+from rannc.deploy import Holdings, OneProcess, capture_signature, deployment_plan, host_malloc
 from rannc.deploy import optimizer_state_factor as optimizer_state_factor  # (its old home)
 from rannc.derive import derive_plan
 from rannc.errors import RaNNCError
@@ -162,6 +162,9 @@ class RaNNCModule(nn.Module):
             self._bound_cache(self._deployments, pinned=None)
             if first:
                 _seed_at_deployment(self.rannc_config)
+                host_malloc(self.rannc_config,
+                            next((p.device for p in self.module.parameters()), torch.device("cpu")),
+                            None)
         else:
             self._deployments.move_to_end(key)
         values = run_chain(dep.modules, dep.stages, dep.captured.bind(self.module, leaves))
@@ -217,6 +220,7 @@ class RaNNCModule(nn.Module):
             rt.sync = self._sync
             if not self._runtimes:
                 _seed_at_deployment(self.rannc_config)
+                host_malloc(self.rannc_config, ctx.device, plan.stage_of_rank(ctx.rank))
             self._runtimes[key] = rt
             self._held.release(self.module, self.optimizer, self._runtimes.values(), rt)
             self._owned = None

@@ -41,13 +41,13 @@ from rannc.graph.task_graph import TaskGraph
 from rannc.plans import Plan, StagePlan, param_names_of
 from rannc.profile.choice import make_oracle
 from rannc.profile.device import Cluster
-from rannc.profile.estimate import BlockProfile, GraphCosts
+from rannc.profile.estimate import BlockProfile, GraphCosts, runs_fused_kernels
 from rannc.profile.oracle import BlockOracle, EstimateOracle
 from rannc.progress import NO_PROGRESS, Progress
 from rannc.schedule import FILL_DRAIN
 from rannc.stage_dp.assemble import module_range, to_plan
 from rannc.stage_dp.layers import aligned_best, layer_of
-from rannc.stage_dp.memory import MemoryModel, static_memory
+from rannc.stage_dp.memory import MemoryModel
 from rannc.stage_dp.placement import (
     MIXED_DP_MAX,
     hetero_devices,
@@ -119,7 +119,7 @@ def plan(model: object, args: tuple[object, ...] = (), kwargs: dict[str, object]
         with progress.phase("atomic components"):
             atomic = atomic_components(cap.graph)
     leaves, layout = flatten_inputs(args, kwargs or {})
-    costs = GraphCosts.of(cap.graph, atomic)
+    costs = GraphCosts.of(cap.graph, atomic, fused=runs_fused_kernels(cluster))
     oracle = make_oracle(cfg, cap, atomic, model, leaves, costs, cluster, progress=progress)
     # capture() has refused inputs without a batched tensor, so layout.batch is set
     return plan_graph(cap.graph, atomic, cluster, cfg, batch_size=layout.batch or 0,
@@ -198,8 +198,9 @@ def _plan_graph(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, con
     config = _batchnorm_config(graph, config)
     stats = stats if stats is not None else PlanStats()
     with _timed(stats, "costs"):
-        spec, mem = memory_model(cluster, config)
-        costs = costs if costs is not None else GraphCosts.of(graph, atomic)
+        spec, mem = memory_model(cluster, config, len(graph.tasks))
+        costs = costs if costs is not None else \
+            GraphCosts.of(graph, atomic, fused=runs_fused_kernels(cluster))
         oracle = oracle or EstimateOracle(costs, cluster)
         stats.components = len(atomic.components)
 
@@ -226,7 +227,7 @@ def _plan_graph(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, con
         found, infeasible = search(table, layouts, mbs, schedules, config, batch_size, late,
                                    steps=lambda s: progress.iterate("stage DP search", s))
         stats.candidates += len(found)
-        static = static_memory(io.params, io.grad_params, mem.opt_param_factor, 1, 0)
+        static = mem.static(io.params, io.grad_params, 1, 0)  # (mixed devices: all state)
         if not found:
             # The search plans every stage within the smallest device's memory; on a mixed
             # cluster the mixed-cluster DP may still fit, with each stage on its own devices.

@@ -218,3 +218,11 @@ def test_memory_forecast_benchmark() -> None:
 def test_kept_activations_benchmark() -> None:
     out = run("benchmarks/kept_activations.py")
     assert len([ln for ln in out.splitlines() if ln.startswith(("| bert", "| gpt2"))]) == 2, out
+
+
+@pytest.mark.layer("single_process")
+def test_host_malloc_benchmark() -> None:
+    """Both settings' rows and the ratio (one process, one pair)."""
+    out = run("benchmarks/host_malloc.py")
+    assert [r[0] for r in rows(out, "| release") + rows(out, "| keep")] == ["release", "keep"], out
+    assert "release / keep" in out, out

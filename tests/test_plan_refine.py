@@ -28,6 +28,7 @@ def block_io_reference(graph: TaskGraph, atomic: AtomicPartition, block_of: list
     """BlockIO.of as a plain loop over every first block l of a range, per value."""
     k = max(block_of) + 1
     inputs, outputs = np.zeros((2, k, k)), np.zeros((2, k, k))
+    returned, returned_all = np.zeros((2, k, k)), np.zeros(2)
     params, grad_params, shared = np.zeros((k, k)), np.zeros((k, k)), np.zeros((k, k))
     cut_ok = np.ones(k + 1, dtype=bool)
     blocks_of_task = [sorted({block_of[c] for c in h}) for h in atomic.holders]
@@ -60,13 +61,19 @@ def block_io_reference(graph: TaskGraph, atomic: AtomicPartition, block_of: list
             nxt = next((c for c in consumers if c >= lo), None)
             if nxt is not None:
                 inputs[:, lo, nxt:] += b[:, None]
+        batch_out = name in out_names and not (val.kind is ValueKind.ACTIVATION and val.batch_dim is None)
+        if batch_out:
+            returned_all += b
+        if p >= 0 and batch_out:
+            for lo in range(p + 1):
+                returned[:, lo, p:] += b[:, None]
         if p >= 0 and last > p:
             for lo in range(p + 1):
                 outputs[:, lo, p:last] += b[:, None]
             if val.kind is ValueKind.ACTIVATION and val.batch_dim is None:
                 cut_ok[p + 1:min(last, k) + 1] = False
     cut_ok[0] = cut_ok[k] = True
-    return BlockIO(inputs, outputs, params, grad_params, cut_ok, shared)
+    return BlockIO(inputs, outputs, params, grad_params, cut_ok, shared, returned, returned_all)
 
 
 @pytest.mark.parametrize("name", sorted(BUILDERS))
@@ -80,7 +87,8 @@ def test_block_io_matches_the_plain_loop(name: str) -> None:
         cuts = np.sort(rng.choice(np.arange(1, n), size=k - 1, replace=False)) if k > 1 else []
         block_of = np.searchsorted(np.asarray(cuts), np.arange(n), side="right").tolist()
         got, want = BlockIO.of(graph, atomic, block_of), block_io_reference(graph, atomic, block_of)
-        for field in ("inputs", "outputs", "params", "grad_params", "cut_ok", "shared_grad"):
+        for field in ("inputs", "outputs", "params", "grad_params", "cut_ok", "shared_grad",
+                      "returned", "returned_all"):
             assert np.array_equal(getattr(got, field), getattr(want, field)), (k, field)
 
 

@@ -14,7 +14,7 @@ from rannc.config import ConfigError
 from rannc.ownership import parameter_owners, spread
 from rannc.planner import PlanInfeasibleError
 from rannc.plans import Plan, StagePlan
-from rannc.stage_dp.tables import static_memory
+from rannc.stage_dp.memory import static_memory
 
 pytestmark = pytest.mark.layer("pure")
 

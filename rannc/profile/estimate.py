@@ -9,7 +9,9 @@ peak being the fp16/bf16 tensor-core one for tasks whose outputs are half precis
 backward is counted as twice the forward (grad of input and grad of weight) for differentiable
 tasks, half of it the weight gradient's (`wgrad`, what zero-bubble schedules run as a separate W
 pass) where the task reads a trainable parameter, none of it elsewhere. Memory kept for
-backward is the bytes of every non-view task's activation output.
+backward is what autograd saves (`rannc.profile.saved`: per op, the inputs or outputs its
+gradient reads, each storage once); a task's working memory is the larger of its forward's
+(inputs and outputs) and its backward's (gradients and temporaries).
 
 Index conventions: t indexes graph tasks, c atomic components, j blocks, i batch sizes.
 """
@@ -24,7 +26,8 @@ import numpy as np
 
 from rannc.atomic.components import AtomicPartition
 from rannc.graph.task_graph import TaskGraph, Value, ValueKind, eval_dim
-from rannc.profile.device import DeviceSpec
+from rannc.profile.device import Cluster, DeviceSpec
+from rannc.profile.saved import saved
 
 DTYPE_BYTES = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
@@ -65,8 +68,8 @@ class GraphCosts:
 
     flops: np.ndarray  # (T, 2): forward FLOPs = [:,0] + [:,1] * batch
     moved: np.ndarray  # (T, 2): bytes read and written
-    kept: np.ndarray  # (T, 2): activation bytes kept for backward
-    work: np.ndarray  # (T, 2): bytes live while the task runs (inputs + outputs)
+    kept: np.ndarray  # (T, 2): activation bytes autograd keeps for backward (`saved.saved`)
+    work: np.ndarray  # (T, 2): bytes live while the task's forward or backward runs
     is_kernel: np.ndarray  # (T,) bool: launches a kernel (not a view)
     has_grad: np.ndarray  # (T,) bool: produces a floating activation (runs in backward)
     has_weight: np.ndarray  # (T,) bool: reads a trainable parameter (a weight gradient)
@@ -77,11 +80,14 @@ class GraphCosts:
     n_components: int
 
     @classmethod
-    def of(cls, graph: TaskGraph, atomic: AtomicPartition) -> GraphCosts:
+    def of(cls, graph: TaskGraph, atomic: AtomicPartition, *,
+           fused: bool = True) -> GraphCosts:
+        """`fused`: the device runs the fused kernels of attention and dropout (CUDA), not the
+        composite ones a CPU runs, which keep more for backward (`rannc.profile.saved`;
+        `runs_fused_kernels`)."""
         T = len(graph.tasks)
         flops = np.zeros((T, 2))
         moved = np.zeros((T, 2))
-        kept = np.zeros((T, 2))
         work = np.zeros((T, 2))
         is_kernel = np.zeros(T, dtype=bool)
         has_grad = np.zeros(T, dtype=bool)
@@ -103,8 +109,8 @@ class GraphCosts:
             act_out = [v for v in outs if v.kind is ValueKind.ACTIVATION and v.dtype in FLOAT_DTYPES]
             has_grad[t] = bool(act_out)
             has_weight[t] = any(v.kind is ValueKind.PARAM and v.dtype in FLOAT_DTYPES for v in ins)
-            for v in act_out:
-                kept[t] += vbytes[v.name]
+        kept, bwd_work = saved(graph, fused=fused)
+        work = np.maximum(work, bwd_work)
         pairs = [(t, c.index) for c in atomic.components for t in c.tasks]
         comp_params = np.zeros(len(atomic.components))
         for c in atomic.components:
@@ -184,6 +190,12 @@ class BlockProfile:
 
     def column(self, batch: int) -> int:
         return self.batch_sizes.index(batch)
+
+
+def runs_fused_kernels(cluster: Cluster) -> bool:
+    """Whether every device of `cluster` runs fused attention and dropout kernels: not a CPU
+    (`rannc.profile.saved`)."""
+    return not any(d.name.endswith("cpu") for d in cluster.devices)  # (rannc.hostmem.is_host)
 
 
 def _shape(v: Value, batch: int) -> list[int]:

@@ -23,7 +23,13 @@ import numpy as np
 
 from rannc.errors import RaNNCError
 from rannc.profile.estimate import BlockProfile
-from rannc.stage_dp.memory import bucket_memory, stage_memory
+from rannc.stage_dp.memory import (
+    at_return_memory,
+    bucket_memory,
+    local_rows,
+    returned_memory,
+    stage_memory,
+)
 from rannc.stage_dp.shares import whale_shares
 from rannc.stage_dp.tables import BlockIO, exposed_reduction
 
@@ -64,10 +70,13 @@ def hetero_stages(prof: BlockProfile, io: BlockIO, static: np.ndarray, dev: Hete
     replicas at (its per-replica rows with equal shares); `prof`'s times are the weakest
     device's, scaled here by each device's speed. `bucket_bytes` and `overlap`: the gradient
     reduction's bucket (memory) and whether it runs during the last backward
-    (`tables.reduction_overlaps_backward`)."""
+    (`tables.reduction_overlaps_backward`). `static`: what a replica of [l, r] holds whatever
+    the batch (`MemoryModel.static`, the rank's overhead included; the bucket apart)."""
     k = io.params.shape[0]
     order = dev.order()
     n = len(order)
+    # this rank's rows of every batch output, assembled when the call returns
+    mine = io.returned_bytes(0, local_rows(round(rows * microbatches), 1, n))[1]
     slow = min(dev.speed)
     zero = np.zeros((1, prof.fwd.shape[1]))
     pre = {x: np.vstack([zero, np.cumsum(getattr(prof, x), axis=0)]) for x in ("fwd", "bwd", "kept")}
@@ -91,21 +100,35 @@ def hetero_stages(prof: BlockProfile, io: BlockIO, static: np.ndarray, dev: Hete
         work = float(prof.work[lo:r + 1, c].max())
         in0, in1 = io.inputs[0][lo, r], io.inputs[1][lo, r]
         out0, out1 = io.outputs[0][lo, r], io.outputs[1][lo, r]
+        # the model's batch outputs this stage computes, held for every microbatch until the
+        # call returns, and the stage's memory then: affine in the rows too (at0 + at1 * rows)
+        ret0, ret1 = (0.0, 0.0) if io.returned is None else \
+            (float(io.returned[0][lo, r]), float(io.returned[1][lo, r]))
+        grads = float(io.grad_params[lo, r])
+        bucket = bucket_memory(grads, d > 1 or float(io.shared_grad[lo, r]) > 0, bucket_bytes)
+        computes = ret0 > 0 or ret1 > 0
+        held0 = returned_memory(ret0, mine, microbatches, in_flight, computes)
+        held1 = returned_memory(ret1, 0.0, microbatches, in_flight, computes)
+        at0 = float(at_return_memory(float(static[lo, r]) + bucket, in0, out0, 0.0, held0,
+                                     in_flight=in_flight, saved_inputs=saved,
+                                     microbatches=microbatches))
+        at1 = float(at_return_memory(0.0, in1, out1, kept, held1, in_flight=in_flight,
+                                     saved_inputs=saved, microbatches=microbatches))
         comm_row = (in1 + out1) / link_bw
         comm0 = (in0 + out0) / link_bw
         ranks = [order[p] for p in range(i, i + d)]
         v = [dev.speed[x] for x in ranks]
-        grads = float(io.grad_params[lo, r])
         reduce_s = 2.0 * grads * (d - 1) / d / allreduce_bw
-        bucket = bucket_memory(grads, d > 1 or float(io.shared_grad[lo, r]) > 0, bucket_bytes)
         best: HeteroStage | None = None
         for rc in options:
             # the memory model is affine in the rows a replica computes: fixed + per_row * rows
             fixed = stage_memory(float(static[lo, r]) + bucket, work, in0, out0, 0.0,
-                                 in_flight=in_flight, saved_inputs=saved, recompute=float(rc))
+                                 in_flight=in_flight, saved_inputs=saved, recompute=float(rc),
+                                 held_outputs=held0.held)
             per_row = stage_memory(0.0, 0.0, in1, out1, kept, in_flight=in_flight,
-                                   saved_inputs=saved, recompute=float(rc))
-            caps = [(dev.memory[x] - fixed) / per_row if per_row > 0 else math.inf for x in ranks]
+                                   saved_inputs=saved, recompute=float(rc), held_outputs=held1.held)
+            caps = [min(_rows_within(dev.memory[x], fixed, per_row), _rows_within(dev.memory[x], at0, at1))
+                    for x in ranks]
             try:
                 x = whale_shares(rows, v, caps)
             except RaNNCError:
@@ -114,7 +137,7 @@ def hetero_stages(prof: BlockProfile, io: BlockIO, static: np.ndarray, dev: Hete
             fw = max(xj * (f * slow / vj + comm_row / 2) for xj, vj in pairs) + comm0 / 2
             rec = max(xj * f * slow / vj for xj, vj in pairs) if rc else 0.0
             bw = max(xj * (g * slow / vj + comm_row / 2) for xj, vj in pairs) + comm0 / 2 + rec
-            mem = max(fixed + per_row * xj for xj in x)
+            mem = max(max(fixed + per_row * xj, at0 + at1 * xj) for xj in x)
             ar = float(exposed_reduction(reduce_s, bw, grads, bucket_bytes, overlap))
             cand = HeteroStage(lo, r, tuple(ranks), tuple(x), fw, bw, rec, ar, mem, rc)
             if best is None or _h(cand, microbatches) < _h(best, microbatches):
@@ -167,6 +190,11 @@ def hetero_stages(prof: BlockProfile, io: BlockIO, static: np.ndarray, dev: Hete
         if stages is not None:
             s -= 1
     return list(reversed(out))
+
+
+def _rows_within(capacity: float, c0: float, c1: float) -> float:
+    """Rows that fit `capacity` bytes under c0 + c1 * rows (inf: any, where nothing scales)."""
+    return (capacity - c0) / c1 if c1 > 0 else math.inf
 
 
 def _h(st: HeteroStage, microbatches: int) -> float:

@@ -7,16 +7,21 @@ written once, and its inputs are explicit arguments (no profile or table objects
 added here reaches all of them.
 
     memory = static                       parameters, gradients, optimizer state (ZeRO-1: a share)
+           + overhead                     what a rank holds beyond tensors (a CPU rank: host memory)
            + buckets                      the gradient reduction's one bucket beyond the gradients
            + in_flight * (inputs + outputs)   each microbatch alive: what it received and sends on
            + saved_inputs * inputs        eager schedules: stage inputs kept for the late pass
            + work                         the largest single task's live bytes
            + alive(f) * kept              activations kept for backward
+           + held outputs                 batch outputs (logits) kept until the call returns
 
-where `kept` is one microbatch's activations kept for backward and f the fraction of them
-recomputed: recomputation drops f of every microbatch's kept activations but one (the one
-being rebuilt), so alive(f) = in_flight - f * (in_flight - 1). All functions take numpy arrays
-or floats alike (the tables call them on (k, k) arrays, the mixed-cluster DP on floats).
+where `kept` is one microbatch's activations kept for backward (what autograd saves,
+`rannc.profile.saved`) and f the fraction of them recomputed: recomputation drops f of every
+microbatch's kept activations but one (the one being rebuilt), so alive(f) = in_flight - f *
+(in_flight - 1). The stage's peak is the larger of that and its memory when the call returns
+(`at_return_memory`: every microbatch's batch outputs and this rank's rows of them assembled,
+which recomputation cannot free). All functions take numpy arrays or floats alike (the tables
+call them on (k, k) arrays, the mixed-cluster DP on floats).
 
 Index conventions: none; every argument is one stage's (or one array of stages').
 """
@@ -25,10 +30,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from rannc.hostmem import is_host
 
 MB = 2**20  # Config.bucket_mb's unit
 
@@ -42,6 +50,13 @@ class MemoryModel:
     checkpointing: str  # auto / on / off / stage_aware
     zero_stage: int = 0  # 1: a stage's optimizer state is spread over its replicas (ZeRO-1)
     bucket_bytes: float = 0.0  # the gradient reduction's bucket (Config.bucket_mb)
+    overhead: float = 0.0  # bytes each rank needs beyond its tensors (`rank_overhead`)
+
+    def static(self, params: Any, grad_params: Any, ranks: int, zero_stage: int) -> Any:
+        """What one replica of a stage holds whatever the batch: `static_memory` and the
+        rank's `overhead` (the gradient bucket apart: `bucket_memory`). Arrays or floats."""
+        return static_memory(params, grad_params, self.opt_param_factor, ranks, zero_stage) + \
+            self.overhead
 
     def sharing(self, stages: int) -> MemoryModel:
         """The model for one of `stages` stages that share each device (an interleaved
@@ -60,6 +75,22 @@ def static_memory(params: Any, grad_params: Any, opt_param_factor: float, ranks:
     return params + grad_params * (1 + opt)
 
 
+# What a rank holds beyond its tensors on a CPU (`rannc.hostmem` says how it was measured): the
+# captured graph, which every rank holds whole (its resident growth during `capture`: 20 to 23
+# KiB per task, BERT and GPT-2 of 2 and 8 layers), and what a first training step leaves
+# resident in any PyTorch process (the math libraries' buffers, the small-block heap: 11 to 16
+# MiB besides the graph on every rank of `benchmarks/memory_forecast.py`).
+RANK_BYTES = 16 * 2**20  # what a first training step leaves resident beyond tensors
+TASK_BYTES = 24 * 2**10  # the captured graph, per task
+
+
+def rank_overhead(device_names: Sequence[str], tasks: int) -> float:
+    """Bytes every rank needs beyond its tensors, in the memory the planner budgets: on CPU
+    devices the graph of `tasks` tasks and the per-process constant; on GPUs none (that memory
+    is the host's, not the device's)."""
+    return float(RANK_BYTES + TASK_BYTES * tasks) if any(map(is_host, device_names)) else 0.0
+
+
 def bucket_memory(grad_params: Any, reduced: Any, bucket_bytes: float) -> Any:
     """Bytes the gradient reduction holds beyond the gradients (`rannc.pipeline.grads`): one
     bucket's flat buffer at a time, never more than the gradients it reduces, on a stage whose
@@ -70,11 +101,13 @@ def bucket_memory(grad_params: Any, reduced: Any, bucket_bytes: float) -> Any:
 
 
 def memory_terms(static: Any, work: Any, inputs: Any, outputs: Any, kept: Any, *,
-                 in_flight: int, saved_inputs: int) -> tuple[Any, Any]:
+                 in_flight: int, saved_inputs: int, held_outputs: Any = 0.0) -> tuple[Any, Any]:
     """(the stage's memory with nothing recomputed, the bytes one unit of recomputed fraction
     frees): memory(f) = full - f * per_fraction (`with_recompute`). `static` includes the
-    gradient bucket (`bucket_memory`); inputs, outputs and kept are one microbatch's bytes."""
-    base = static + in_flight * (inputs + outputs) + saved_inputs * inputs + work
+    gradient bucket (`bucket_memory`); inputs, outputs and kept are one microbatch's bytes;
+    `held_outputs` the batch outputs kept to be returned while microbatches run
+    (`Returned.held`)."""
+    base = static + in_flight * (inputs + outputs) + saved_inputs * inputs + work + held_outputs
     full = base + in_flight * kept
     return full, (in_flight - 1) * kept
 
@@ -85,12 +118,78 @@ def with_recompute(full: Any, per_fraction: Any, fraction: Any) -> Any:
 
 
 def stage_memory(static: Any, work: Any, inputs: Any, outputs: Any, kept: Any, *,
-                 in_flight: int, saved_inputs: int, recompute: Any = 0.0) -> Any:
-    """The stage's memory with `recompute` (a fraction in [0, 1]) of its kept activations
-    recomputed."""
+                 in_flight: int, saved_inputs: int, recompute: Any = 0.0,
+                 held_outputs: Any = 0.0) -> Any:
+    """The stage's memory while microbatches run, with `recompute` (a fraction in [0, 1]) of
+    its kept activations recomputed."""
     full, per = memory_terms(static, work, inputs, outputs, kept, in_flight=in_flight,
-                             saved_inputs=saved_inputs)
+                             saved_inputs=saved_inputs, held_outputs=held_outputs)
     return with_recompute(full, per, recompute)
+
+
+@dataclass(frozen=True, slots=True)
+class Returned:
+    """What the model's batch outputs (logits) add to a stage's memory (arrays or floats)."""
+
+    held: Any  # while microbatches run: the earlier microbatches' outputs, kept to return
+    at_return: Any  # when the call returns: every microbatch's, and this rank's rows
+    mine: Any  # of those, this rank's rows (assembled: received, then concatenated)
+
+
+def local_rows(batch_size: int, copies: int, devices: int) -> int:
+    """Rows of the global batch one rank feeds (and gets back as outputs)."""
+    return math.ceil(batch_size / max(copies * devices, 1))
+
+
+def held_outputs(per_microbatch: Any, microbatches: int, in_flight: int) -> Any:
+    """The batch outputs a stage computing `per_microbatch` bytes of them per microbatch holds
+    beyond its in-flight microbatches' (which are among its outputs already): the runtime keeps
+    every microbatch's until the call returns."""
+    return max(microbatches - in_flight, 0) * per_microbatch
+
+
+def returned_memory(per_microbatch: Any, mine: float, microbatches: int, in_flight: int,
+                    computes: Any = None) -> Returned:
+    """The runtime sends each microbatch's rows of a batch output to the ranks that fed them
+    and keeps the tensors until the call returns, so a stage computing `per_microbatch` bytes
+    of them holds all `microbatches` (`held_outputs`). At the end every rank assembles its own
+    rows (`mine` bytes): received pieces, then their concatenation (a computing stage holds its
+    pieces already). `computes`: whether the stage computes any (default: per_microbatch > 0;
+    given where per_microbatch is one part of an affine sum, as in the mixed-cluster DP)."""
+    computes = np.asarray(per_microbatch) > 0 if computes is None else computes
+    assembled = np.where(computes, mine, 2 * mine)
+    return Returned(held_outputs(per_microbatch, microbatches, in_flight),
+                    microbatches * per_microbatch + assembled, assembled)
+
+
+def at_return_memory(static: Any, inputs: Any, outputs: Any, kept: Any, ret: Returned, *,
+                     in_flight: int, saved_inputs: int, microbatches: int) -> Any:
+    """The stage's memory when the call returns: the static part, the stage inputs kept for
+    the late pass, every microbatch's batch outputs and this rank's rows assembled, with the
+    activations freed (an eager schedule ran its backward inside the call) or all alive
+    (fill-drain's forward() returns before its backward). Only fill-drain holds every
+    microbatch without keeping stage inputs for the late pass: an eager schedule holding them
+    all keeps them (saved_inputs = M) whenever the model returns a batch output, and without
+    one nothing is assembled at return, so the two are not confused where it counts.
+    Recomputation frees none of it."""
+    fill_drain = in_flight >= microbatches and saved_inputs == 0
+    out = static + saved_inputs * inputs + ret.at_return
+    if fill_drain:  # the activations alive, the outputs already among them but this rank's rows
+        out = out + in_flight * (inputs + outputs + kept) - ret.at_return + ret.mine
+    return out
+
+
+def stage_peak(static: Any, work: Any, inputs: Any, outputs: Any, kept: Any, ret: Returned, *,
+               in_flight: int, saved_inputs: int, microbatches: int, recompute: Any = 0.0) -> Any:
+    """The stage's peak: while microbatches run (`stage_memory`) or when the call returns
+    (`at_return_memory`), whichever is larger. `static` includes the gradient bucket in both
+    (an upper bound when the call returns: the bucket's buffer lives while gradients are
+    reduced)."""
+    running = stage_memory(static, work, inputs, outputs, kept, in_flight=in_flight,
+                           saved_inputs=saved_inputs, recompute=recompute, held_outputs=ret.held)
+    return np.maximum(running, at_return_memory(static, inputs, outputs, kept, ret,
+                                                in_flight=in_flight, saved_inputs=saved_inputs,
+                                                microbatches=microbatches))
 
 
 def fraction_to_fit(full: Any, per_fraction: Any, limit: float) -> Any:
@@ -114,5 +213,7 @@ def rows_that_fit(memory: float, static: float, rows: float, capacity: float) ->
     return (capacity - static) / per_row if per_row > 0 else math.inf
 
 
-__all__ = ["MB", "MemoryModel", "bucket_memory", "fraction_to_fit", "memory_terms",
-           "rows_scaled", "rows_that_fit", "stage_memory", "static_memory", "with_recompute"]
+__all__ = ["MB", "RANK_BYTES", "TASK_BYTES", "MemoryModel", "Returned", "at_return_memory",
+           "bucket_memory", "fraction_to_fit", "held_outputs", "local_rows", "memory_terms",
+           "rank_overhead", "returned_memory", "rows_scaled", "rows_that_fit", "stage_memory",
+           "stage_peak", "static_memory", "with_recompute"]

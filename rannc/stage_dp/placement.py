@@ -33,7 +33,6 @@ from rannc.stage_dp.memory import (
     bucket_memory,
     rows_scaled,
     rows_that_fit,
-    static_memory,
 )
 from rannc.stage_dp.shares import finish_time, whale_shares
 from rannc.stage_dp.tables import BlockIO, batch_per_replica, reduction_overlaps_backward
@@ -120,13 +119,14 @@ def place(plan: Plan, cluster: Cluster, dev: HeteroDevices, io: BlockIO, mem: Me
     predicted stage times and iteration time follow. `io`: the tables of the groups the plan's
     block indices name; a replica's memory beyond its stage's static part (parameters, their
     state and the gradient bucket: all of the optimizer state, as the mixed-cluster DP counts
-    it) scales with its rows. `balance=False`: equal shares in rank order, what a planner that
-    assumes identical devices would run. Under an interleaved schedule a device's stages
-    share it: each is placed within 1/chunks of its memory, as it was planned."""
+    it; and the rank's overhead) scales with its rows. `balance=False`: equal shares in rank
+    order, what a planner that assumes identical devices would run. Under an interleaved
+    schedule a device's stages share it: each is placed within 1/chunks of its memory, as it
+    was planned."""
     from rannc.schedule.predict import predict
 
     speed, capacity = dev.speed, dev.memory
-    static = static_memory(io.params, io.grad_params, mem.opt_param_factor, 1, 0)
+    static = mem.static(io.params, io.grad_params, 1, 0)
     order = dev.order() if balance else list(range(cluster.size))
     slow = min(speed)
     share = get_spec(plan.schedule).chunks  # stages sharing each device

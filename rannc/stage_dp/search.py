@@ -46,7 +46,7 @@ from rannc.schedule import (
     simulate,
 )
 from rannc.stage_dp.dp import stage_dp, stage_dp_by_position
-from rannc.stage_dp.memory import MB, MemoryModel
+from rannc.stage_dp.memory import MB, MemoryModel, rank_overhead
 from rannc.stage_dp.tables import (
     BlockIO,
     StageTables,
@@ -131,20 +131,22 @@ class TableCache:
                                             batch_size=self.batch_size, devices=width, copies=R,
                                             microbatches=m, link_bw=link, allreduce_bw=ar_bw,
                                             inflight=n_in, saved_inputs=saved, only=self.only,
-                                            overlap=key[5])
+                                            overlap=key[5], world=D * R)
         return self.tables[key]
 
 
-def memory_model(cluster: Cluster, config: Config) -> tuple[DeviceSpec, MemoryModel]:
+def memory_model(cluster: Cluster, config: Config, tasks: int) -> tuple[DeviceSpec, MemoryModel]:
     """The device every stage is planned on (the smallest memory, then the slowest) and the
-    memory model on it."""
+    memory model on it, for a graph of `tasks` tasks (a CPU rank holds it in the memory it
+    trains in: `memory.rank_overhead`)."""
     spec = min(cluster.devices, key=lambda d: (d.memory_bytes, d.flops))  # conservative
     limit = spec.memory_bytes if config.mem_limit_gb is None else config.mem_limit_gb * 1e9
     limit *= 1.0 - config.mem_margin
     opt = 2.0 if config.opt_param_factor is None else config.opt_param_factor
     return spec, MemoryModel(opt_param_factor=opt, limit=limit, checkpointing=config.checkpointing,
                              zero_stage=1 if config.zero_stage == 1 else 0,
-                             bucket_bytes=config.bucket_mb * MB)
+                             bucket_bytes=config.bucket_mb * MB,
+                             overhead=rank_overhead([d.name for d in cluster.devices], tasks))
 
 
 def late_pass(graph: TaskGraph) -> bool:

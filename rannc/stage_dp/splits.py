@@ -14,7 +14,7 @@ from rannc.errors import ConfigError, PlanInfeasibleError
 from rannc.graph.task_graph import TaskGraph
 from rannc.plans import Plan
 from rannc.profile.device import Cluster
-from rannc.profile.estimate import GraphCosts
+from rannc.profile.estimate import GraphCosts, runs_fused_kernels
 from rannc.profile.oracle import BlockOracle, EstimateOracle
 from rannc.schedule import get_spec
 from rannc.stage_dp.assemble import to_plan
@@ -57,8 +57,9 @@ def plan_splits(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, con
         if sum(replicas) != cluster.size or min(replicas) < 1 or not cluster.is_homogeneous:
             raise ConfigError(f"replicas {list(replicas)} must be positive and use the {cluster.size} "
                               "devices of a homogeneous cluster")
-    spec, mem = memory_model(cluster, config)
-    costs = costs if costs is not None else GraphCosts.of(graph, atomic)
+    spec, mem = memory_model(cluster, config, len(graph.tasks))
+    costs = costs if costs is not None else \
+        GraphCosts.of(graph, atomic, fused=runs_fused_kernels(cluster))
     oracle = oracle or EstimateOracle(costs, cluster)
     D, R = cluster.size, 1
     width = max(max(r) for _, r in splits)  # tables only up to the replica counts asked for
@@ -91,7 +92,7 @@ def plan_split(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, conf
     (out,) = plan_splits(graph, atomic, cluster, config, batch_size=batch_size, block_of=block_of,
                          splits=[(bounds, replicas)], oracle=oracle, costs=costs)
     if out is None:
-        _, mem = memory_model(cluster, config)
+        _, mem = memory_model(cluster, config, len(graph.tasks))
         raise PlanInfeasibleError(
             f"the split {list(bounds)} with replicas {list(replicas)} fits no microbatch count "
             f"within {fmt_bytes(mem.limit)} per device ({cluster.slowest.name}); use more "

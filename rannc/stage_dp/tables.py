@@ -25,10 +25,12 @@ from rannc.profile.estimate import BlockProfile, _bytes
 from rannc.schedule.spec import get_spec
 from rannc.stage_dp.memory import (
     MemoryModel,
+    at_return_memory,
     bucket_memory,
     fraction_to_fit,
+    local_rows,
     memory_terms,
-    static_memory,
+    returned_memory,
     with_recompute,
 )
 
@@ -45,6 +47,12 @@ class BlockIO:
     # (k, k): bytes of its trainable parameters that a block outside it also reads (tied
     # weights): their gradients are reduced across stages even without replicas
     shared_grad: np.ndarray
+    # (2, k, k): bytes per microbatch of the model's batch outputs (logits) a stage computes:
+    # the runtime holds every microbatch's until the call returns them (None: none)
+    returned: np.ndarray | None = None
+    # (2,): bytes of every batch output the model returns (c0 + c1 * rows): each rank
+    # assembles its own rows of them at the end of a call
+    returned_all: np.ndarray | None = None
 
     @classmethod
     def of(cls, graph: TaskGraph, atomic: AtomicPartition, block_of: Sequence[int],
@@ -52,6 +60,16 @@ class BlockIO:
         """The tables for the grouping `block_of`; pass `uses` (`ValueUses.of`) when building
         them for several groupings of one graph."""
         return (uses if uses is not None else ValueUses.of(graph, atomic)).block_io(block_of)
+
+    def returned_bytes(self, rows: int, local: int) -> tuple[np.ndarray, float]:
+        """(bytes of the batch outputs each stage [l, r] computes per microbatch of `rows` rows
+        per replica, bytes of this rank's `local` rows of every batch output): the inputs of
+        `memory.returned_memory`."""
+        k = self.params.shape[0]
+        if self.returned is None or self.returned_all is None:
+            return np.zeros((k, k)), 0.0
+        return (self.returned[0] + self.returned[1] * rows,
+                float(self.returned_all[0] + self.returned_all[1] * local))
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,7 +177,15 @@ class ValueUses:
         np.add.at(d_in_only, (np.zeros_like(used), final[used]), w)
         np.add.at(d_in_only, (first[used] + 1, final[used]), -w)
         shared = par[1] - total(d_in_only)
-        return BlockIO(total(d_in), total(d_out), par[0], par[1], cut_ok, shared)
+        # batch outputs the model returns: every stage l <= p <= r computing one holds them
+        ret = np.flatnonzero((p_act >= 0) & self.act_output & self.act_rows)
+        d_ret = np.zeros((2, k + 1, k + 1))
+        for i in range(2):  # the rectangle rows 0..p, columns p..k-1
+            np.add.at(d_ret[i], (np.zeros_like(p_act[ret]), p_act[ret]), self.act_bytes[ret, i])
+            np.add.at(d_ret[i], (p_act[ret] + 1, p_act[ret]), -self.act_bytes[ret, i])
+        every = self.act_bytes[np.flatnonzero(self.act_output & self.act_rows)].sum(axis=0)
+        return BlockIO(total(d_in), total(d_out), par[0], par[1], cut_ok, shared, total(d_ret),
+                       np.asarray(every, dtype=np.float64).reshape(2))
 
 
 def _upto_next(k: int, blk: np.ndarray, use: np.ndarray, lo: np.ndarray,
@@ -205,18 +231,23 @@ def batch_per_replica(batch_size: int, copies: int, microbatches: int, d: int) -
 def stage_tables(prof: BlockProfile, io: BlockIO, mem: MemoryModel, *, batch_size: int,
                  devices: int, copies: int, microbatches: int, link_bw: float, allreduce_bw: float,
                  inflight: int | None = None, saved_inputs: int = 0,
-                 only: Collection[int] | None = None, overlap: bool = False) -> StageTables:
+                 only: Collection[int] | None = None, overlap: bool = False,
+                 world: int | None = None) -> StageTables:
     """`inflight`: microbatches whose activations a stage holds at once (fill-drain: all of
     them; 1F1B: at most the stages from it to the end); `saved_inputs`: microbatches whose stage
     inputs are kept besides (eager schedules keep them for a late backward pass); `only`: the
     replica counts to table (None: 1..devices); the others stay infeasible, and the profile
     needs columns only for theirs; `overlap`: the gradient reduction runs during the last
-    microbatch's backward (`reduction_overlaps_backward`), and only what outlasts it counts.
+    microbatch's backward (`reduction_overlaps_backward`), and only what outlasts it counts;
+    `world`: the ranks feeding the global batch (default `devices * copies`; the tables may be
+    narrower than the pipeline), whose rows of the batch outputs each rank assembles.
 
     Recomputation is a fraction f of a stage's kept activations dropped in forward and rebuilt
     before backward (Merak's stage-aware recomputation, by memory rather than by layer): the
     smallest f that fits, so a stage keeps all it can afford. f costs f * forward seconds more;
-    memory = static + inflight * (inputs + outputs + (1 - f) * kept) + f * kept + working."""
+    memory = static + inflight * (inputs + outputs + (1 - f) * kept) + f * kept + working +
+    the batch outputs held to be returned, or, if larger, what the stage holds when the call
+    returns (`memory.at_return_memory`; recomputation frees none of it)."""
     k = io.params.shape[0]
     shape = (k, k, devices + 1)
     out = {n: np.full(shape, math.inf) for n in ("h", "fwd", "bwd", "allreduce", "memory", "memory_min")}
@@ -226,6 +257,8 @@ def stage_tables(prof: BlockProfile, io: BlockIO, mem: MemoryModel, *, batch_siz
     batch = np.zeros(devices + 1, dtype=np.int64)
     valid = np.triu(np.ones((k, k), dtype=bool)) & io.cut_ok[:k, None] & io.cut_ok[None, 1:]
     n_in = microbatches if inflight is None else inflight
+    local = local_rows(batch_size, 1, world) if world is not None else \
+        local_rows(batch_size, copies, devices)
     zero = np.zeros((1, prof.fwd.shape[1]))
     pre = {n: np.vstack([zero, np.cumsum(getattr(prof, n), axis=0)]) for n in ("fwd", "bwd", "kept")}
     pre["wgrad"] = np.vstack([zero, np.cumsum(prof.wgrad if prof.wgrad is not None
@@ -252,15 +285,18 @@ def stage_tables(prof: BlockProfile, io: BlockIO, mem: MemoryModel, *, batch_siz
         comm = (inb + outb) / link_bw
         ranks = d * copies
         reduce_s = 2.0 * io.grad_params * (ranks - 1) / ranks / allreduce_bw
-        static = static_memory(io.params, io.grad_params, mem.opt_param_factor, ranks, mem.zero_stage)
-        static = static + bucket_memory(io.grad_params, (ranks > 1) | (io.shared_grad > 0),
-                                        mem.bucket_bytes)
-        full, saved_per_f = memory_terms(static, work_max[:, :, i], inb, outb, kept,
-                                         in_flight=n_in, saved_inputs=saved_inputs)
+        static = mem.static(io.params, io.grad_params, ranks, mem.zero_stage)
+        bucket = bucket_memory(io.grad_params, (ranks > 1) | (io.shared_grad > 0), mem.bucket_bytes)
+        ret = returned_memory(*io.returned_bytes(b, local), microbatches, n_in)
+        full, saved_per_f = memory_terms(static + bucket, work_max[:, :, i], inb, outb, kept,
+                                         in_flight=n_in, saved_inputs=saved_inputs,
+                                         held_outputs=ret.held)
+        at_return = at_return_memory(static + bucket, inb, outb, kept, ret, in_flight=n_in,
+                                     saved_inputs=saved_inputs, microbatches=microbatches)
         f = np.maximum(fraction_to_fit(full, saved_per_f, mem.limit), f_min)
-        ok = valid & (f <= f_max)
+        ok = valid & (f <= f_max) & (at_return <= mem.limit)
         f = np.where(ok, f, 0.0)
-        memory = with_recompute(full, saved_per_f, f)
+        memory = np.maximum(with_recompute(full, saved_per_f, f), at_return)
         fw = fwd + comm / 2
         g = bwd + comm / 2 + f * fwd
         ar = exposed_reduction(reduce_s, g, io.grad_params, mem.bucket_bytes, overlap)
@@ -271,7 +307,7 @@ def stage_tables(prof: BlockProfile, io: BlockIO, mem: MemoryModel, *, batch_siz
         out["allreduce"][:, :, d] = np.where(ok, ar, math.inf)
         out["h"][:, :, d] = np.where(ok, fw + g + ar / microbatches, math.inf)
         out["memory"][:, :, d] = np.where(ok, memory, math.inf)
-        smallest = with_recompute(full, saved_per_f, f_max)
+        smallest = np.maximum(with_recompute(full, saved_per_f, f_max), at_return)
         out["memory_min"][:, :, d] = np.where(valid, smallest, math.inf)
         recompute[:, :, d] = f
         recompute_s[:, :, d] = f * fwd

@@ -1,0 +1,165 @@
+"""The estimate's kept bytes (`rannc.profile.saved`) against what autograd really saves on this
+CPU: every storage `saved_tensors_hooks` sees while the captured graph runs forward, parameters
+and model inputs left out (the memory model holds those as parameters and stage inputs)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rannc.atomic.components import atomic_components
+from rannc.graph.capture import capture, flatten_inputs
+from rannc.graph.task_graph import TaskGraph
+from rannc.profile.device import Cluster, DeviceSpec
+from rannc.profile.estimate import GraphCosts, runs_fused_kernels
+from rannc.profile.saved import bases, requires_grad, saved
+
+pytestmark = pytest.mark.layer("pure")
+
+B, S, H = 4, 16, 32
+
+
+class TanhGelu(nn.Module):
+    """GPT-2's gelu: eight elementwise ops, of which autograd keeps four tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(H, 4 * H)
+        self.proj = nn.Linear(4 * H, H)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        h = 0.5 * h * (1.0 + torch.tanh(0.79788456 * (h + 0.044715 * torch.pow(h, 3.0))))
+        return self.proj(h).sum()
+
+
+class Block(nn.Module):
+    """A BERT-like layer: attention (with dropout), residuals, layer norms, dropout, gelu."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(H, 3 * H)
+        self.out = nn.Linear(H, H)
+        self.ln1 = nn.LayerNorm(H)
+        self.ln2 = nn.LayerNorm(H)
+        self.fc = nn.Linear(H, 4 * H)
+        self.proj = nn.Linear(4 * H, H)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).split(H, dim=-1)
+        q, k, v = (t.view(x.shape[0], S, 2, H // 2).transpose(1, 2) for t in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, dropout_p=0.1, is_causal=True)
+        a = a.transpose(1, 2).contiguous().view(x.shape[0], S, H)
+        x = self.ln1(x + self.drop(self.out(a)))
+        x = self.ln2(x + self.drop(self.proj(F.gelu(self.fc(x)))))
+        return x.to(torch.float32)  # a no-op conversion: the same tensor
+
+
+class Head(nn.Module):
+    """A vocabulary projection and cross-entropy: the loss keeps its log-softmax."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(100, H)
+        self.block = Block()
+        self.lm = nn.Linear(H, 100)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        logits = self.lm(self.block(self.emb(ids)))
+        return F.cross_entropy(logits.view(-1, 100), ids.view(-1))
+
+
+def autograd_saves(model: nn.Module, args: tuple[Any, ...]) -> tuple[TaskGraph, float]:
+    """The captured graph and the bytes autograd saves running it forward once (distinct
+    storages, parameters and inputs left out)."""
+    cap = capture(model, args, {})
+    leaves, _ = flatten_inputs(args, {})
+    env = cap.bind(model, leaves)
+    ph = [env.get(n.name) for n in cap.gm.graph.nodes if n.op == "placeholder"]
+    skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    skip |= {a.untyped_storage().data_ptr() for a in args}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st.data_ptr() not in skip:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        cap.gm(*ph)
+    return cap.graph, float(sum(seen.values()))
+
+
+def kept_bytes(graph: TaskGraph, batch: int, fused: bool = False) -> float:
+    kept, _ = saved(graph, fused=fused)
+    return float((kept[:, 0] + kept[:, 1] * batch).sum())
+
+
+@pytest.mark.parametrize("make,args", [
+    (TanhGelu, lambda: (torch.randn(B, S, H),)),
+    (Block, lambda: (torch.randn(B, S, H),)),
+    (Head, lambda: (torch.randint(0, 100, (B, S)),)),
+], ids=["tanh_gelu", "block", "head"])
+def test_kept_is_what_autograd_saves_on_cpu(make: Any, args: Any) -> None:
+    torch.manual_seed(0)
+    model = make().train()
+    graph, real = autograd_saves(model, args())
+    assert kept_bytes(graph, B) == pytest.approx(real, rel=0.01)
+    # every output of every kernel, what the estimate counted before, is far off
+    outputs = sum(v.numel(B) * 4 for v in graph.values.values()
+                  if v.producer is not None and v.dtype == "float32")
+    assert abs(outputs - real) > 0.2 * real
+
+
+def test_a_tanh_gelu_keeps_four_of_its_eight_results() -> None:
+    """x (pow's input, viewed from fc's output), tanh's result and the two factors of the last
+    multiply; proj keeps its input: five (B, S, 4H) tensors in all."""
+    graph, _ = autograd_saves(TanhGelu().train(), (torch.randn(B, S, H),))
+    assert kept_bytes(graph, B) == 5 * B * S * 4 * H * 4
+
+
+def test_views_and_no_op_conversions_share_their_base() -> None:
+    graph, _ = autograd_saves(Block().train(), (torch.randn(B, S, H),))
+    base = bases(graph)
+    by_op = {t.op: t for t in graph.tasks}
+    split = by_op["aten.split.Tensor"]
+    assert {base[v] for v in split.outputs} == {base[split.inputs[0]]}
+    conv = by_op["aten.to.dtype"]  # float32 to float32 returns its input
+    assert base[conv.outputs[0]] == base[conv.inputs[0]]
+    # contiguous() of a transposed view copies: a new base
+    cont = by_op["aten.contiguous.default"]
+    assert base[cont.outputs[0]] == cont.outputs[0]
+
+
+def test_nothing_is_kept_where_no_gradient_flows() -> None:
+    class Frozen(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(x * 2.0).sum()
+
+    cap = capture(Frozen(), (torch.randn(B, H),), {})
+    assert not requires_grad(cap.graph)
+    assert kept_bytes(cap.graph, B) == 0
+
+
+def test_fused_kernels_keep_less_and_the_cpu_is_not_fused() -> None:
+    """CUDA's fused dropout keeps a one-byte mask and fused attention no attention matrix."""
+    graph, _ = autograd_saves(Block().train(), (torch.randn(B, S, H),))
+    assert kept_bytes(graph, B, fused=True) < kept_bytes(graph, B, fused=False)
+    assert not runs_fused_kernels(Cluster([DeviceSpec("local-cpu", 1e9, 1e9, 1e9)]))
+    assert runs_fused_kernels(Cluster.homogeneous("H100", n=2, per_node=2))
+
+
+def test_backward_work_of_the_loss_holds_two_logit_sized_gradients() -> None:
+    """Cross-entropy's backward makes the log-softmax's gradient and then the logits', both
+    alive at once: GraphCosts' working memory of the loss is twice the logits."""
+    model = Head().train()
+    cap = capture(model, (torch.randint(0, 100, (B, S)),), {})
+    costs = GraphCosts.of(cap.graph, atomic_components(cap.graph), fused=False)
+    t = next(i for i, task in enumerate(cap.graph.tasks) if "cross_entropy" in task.op)
+    assert costs.work[t, 0] + costs.work[t, 1] * B >= 2 * B * S * 100 * 4
