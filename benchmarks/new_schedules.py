@@ -13,6 +13,15 @@
   planner's best plan (1f1b and zero_bubble: 4 stages; interleaved_1f1b: 8 stages, 2 per rank),
   its predicted iteration time, its ratio to 1F1B's, and the largest predicted memory of one
   device (an interleaved rank holds two stages: their sum).
+* ``measured``: the runtime on CPU ranks (gloo, one thread each), the BERT of
+  benchmarks/runtime_peers.py (pre-LN layers, hidden 256, 8 layers, sequence 64, global batch
+  32), 8 microbatches, no recomputation: 1F1B and zero_bubble on the same stages (one per rank:
+  rannc's 1F1B plan, loaded again with the schedule changed), and interleaved_1f1b on its own
+  plan of two stages per rank. All three models live in the same ranks and take turns step by
+  step (A B C A B C ...), so a drift in the machine's load hits them alike; per schedule the
+  median step time (forward, backward, optimizer step; rank 0's clock between barriers) over
+  the steps after the warm-up, the median of the per-round ratios to 1F1B, and per rank the most
+  bytes autograd holds for backward at once (saved-tensor hooks: deterministic).
 * ``--pictures``: the predicted timeline of each new schedule (4 stages, 8 microbatches,
   uniform) as docs/timeline_uniform_<schedule>.png and .json (Chrome trace).
 """
@@ -153,15 +162,127 @@ def pictures() -> None:
         print(f"wrote {base}.png and .json")
 
 
+MEASURED = ("1f1b", "zero_bubble", "interleaved_1f1b")
+
+
+def measured(a: argparse.Namespace) -> None:
+    import json
+    import subprocess
+
+    mpiexec = str(Path(sys.executable).parent / "mpiexec")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), RANNC_BACKEND="gloo", OMP_NUM_THREADS="1")
+    print("| ranks | schedule | stages on ranks | median s/step | vs 1F1B (median of per-round "
+          "ratios) | autograd's peak MB per rank |\n|---|---|---|---|---|---|", flush=True)
+    for n in a.ranks:
+        cmd = [mpiexec, "-n", str(n), sys.executable, __file__, "--worker", "--steps",
+               str(2 if a.smoke else a.steps), *(["--smoke"] if a.smoke else [])]
+        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3000)
+        if res.returncode:
+            raise SystemExit(f"{' '.join(cmd)} failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
+        out = json.loads(next(ln for ln in res.stdout.splitlines() if ln.startswith("RESULT "))[7:])
+        for name in MEASURED:
+            r = out[name]
+            print(f"| {n}{' (2 cores)' if n > 2 else ''} | {name} | {r['layout']} | "
+                  f"{r['median_s']:.3f} | {r['ratio']:.3f}x | "
+                  f"{' / '.join(f'{x:.0f}' for x in r['saved_mb'])} |", flush=True)
+
+
+def worker(a: argparse.Namespace) -> None:
+    import dataclasses
+    import json
+    import statistics
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+
+    import rannc
+    from benchmarks.runtime_peers import batches, build
+    from benchmarks.schedules import _Saved
+    from rannc import dist as rdist
+
+    torch.set_num_threads(1)
+    rdist.init_process_group(timeout_s=600)
+    rank, world = rdist.get_rank(), rdist.get_world_size()
+    ns = argparse.Namespace(vocab=128 if a.smoke else 4096, hidden=32 if a.smoke else 256,
+                            layers=2 if a.smoke else 8, heads=2 if a.smoke else 4,
+                            seq=16 if a.smoke else 64, batch=8 if a.smoke else 32)
+    data = batches("bert", ns, 1)
+    (x, y), = data
+    lo, hi = rank * ns.batch // world, (rank + 1) * ns.batch // world
+    tmp = Path(tempfile.gettempdir()) / f"rannc_new_schedules_{os.getppid()}"
+    models: dict[str, Any] = {}
+    for name in MEASURED:
+        wrapper, _, _ = build("bert", ns)  # the same initial weights for each (seed 0)
+        opt = torch.optim.AdamW(wrapper.parameters(), lr=1e-3)
+        stages = 2 * world if name == "interleaved_1f1b" else world
+        opts: dict[str, Any] = dict(partition_num=stages, microbatches=8, checkpointing="off",
+                                    schedule=name, profiler="estimate")
+        if name == "zero_bubble":  # 1F1B's very stages
+            plan_file = tmp / "plan_1f1b.json"
+            if rank == 0:
+                zb = dataclasses.replace(rannc.Plan.load(plan_file), schedule="zero_bubble")
+                zb.save(tmp / "plan_zb.json")
+            dist.barrier()
+            opts.update(load_deployment=True, deployment_file=str(tmp / "plan_zb.json"))
+        elif name == "1f1b":
+            tmp.mkdir(exist_ok=True)
+            opts.update(save_deployment=True, deployment_file=str(tmp / "plan_1f1b.json"))
+        model = rannc.RaNNCModule(wrapper, opt, **opts)
+        model(x[lo:hi], y[lo:hi]).backward()  # the first call plans (or loads) and deploys
+        opt.step()
+        opt.zero_grad()
+        models[name] = (model, opt)
+    times: dict[str, list[float]] = {name: [] for name in MEASURED}
+    peaks: dict[str, float] = {}
+    for step in range(a.steps + 1):
+        order = MEASURED[step % 3:] + MEASURED[:step % 3]  # who goes first rotates
+        for name in order:
+            model, opt = models[name]
+            dist.barrier()
+            _Saved.live = _Saved.peak = 0
+            t0 = time.perf_counter()
+            with torch.autograd.graph.saved_tensors_hooks(_Saved, _Saved.unpack):
+                loss = model(x[lo:hi], y[lo:hi])
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+            dist.barrier()
+            if step >= 1:  # warm-up
+                times[name].append(time.perf_counter() - t0)
+                peaks[name] = max(peaks.get(name, 0.0), _Saved.peak / 2**20)
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, peaks)
+    if rank == 0:
+        out = {}
+        for name in MEASURED:
+            plan = models[name][0].plan
+            ratio = statistics.median(b / t for b, t in zip(times["1f1b"], times[name], strict=True))
+            out[name] = {"median_s": statistics.median(times[name]), "ratio": ratio,
+                         "layout": f"{len(plan.stages)} on {world}",
+                         "saved_mb": [p[name] for p in every]}
+        print("RESULT " + json.dumps(out), flush=True)
+    rdist.shutdown()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--only", choices=("uniform", "models"), default=None)
+    p.add_argument("--only", choices=("uniform", "models", "measured"), default=None)
+    p.add_argument("--ranks", type=int, nargs="+", default=[4, 2])
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--pictures", action="store_true")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, to check the script runs")
     a = p.parse_args()
+    if a.worker:
+        worker(a)
+        return
     print(f"machine: {os.cpu_count()} cores; {time.strftime('%Y-%m-%d')}")
     if a.pictures:
         pictures()
+        return
+    if a.only == "measured":
+        measured(a)
         return
     if a.only in (None, "uniform"):
         print("\n".join(uniform()), flush=True)

@@ -50,12 +50,14 @@ import pipeline_memory as pm  # noqa: E402  (its launcher and VmHWM helpers)
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("rannc_auto", "rannc_gpipe", "rannc_1f1b", "rannc_gpipe_sync", "rannc_1f1b_sync",
-            "pipe_gpipe", "pipe_1f1b", "ddp", "rannc_zb", "pipe_zb", "pipe_i1f1b", "pipe_zbv")
+            "pipe_gpipe", "pipe_1f1b", "ddp", "rannc_zb", "rannc_i1f1b", "pipe_zb", "pipe_i1f1b",
+            "pipe_zbv")
 # zero-bubble and interleaved (issue 19): rannc's zero_bubble (ZB-H1) on one stage per rank;
 # pipelining's ScheduleInterleavedZeroBubble on the same stages, and its ScheduleInterleaved1F1B
 # and ScheduleZBVZeroBubble on two stages per rank, cut where rannc's interleaved_1f1b plan cuts
-# (rannc plans that schedule but does not run it yet)
-NEW_VARIANTS = ("rannc_1f1b", "rannc_zb", "pipe_1f1b", "pipe_zb", "pipe_i1f1b", "pipe_zbv")
+# (rannc's interleaved_1f1b runs those very stages; ZBV places them in a V instead)
+NEW_VARIANTS = ("rannc_1f1b", "rannc_zb", "rannc_i1f1b", "pipe_1f1b", "pipe_zb", "pipe_i1f1b",
+                "pipe_zbv")
 SCHEDULE = {"gpipe": "gpipe", "1f1b": "1f1b", "zb": "zero_bubble", "i1f1b": "interleaved_1f1b",
             "zbv": "interleaved_1f1b"}  # variant suffix -> the rannc schedule its stages come from
 SMOKE_VARIANTS = ("rannc_1f1b", "pipe_1f1b", "ddp")
@@ -63,6 +65,7 @@ NAMES = {"rannc_auto": "rannc auto", "rannc_gpipe": "rannc gpipe", "rannc_1f1b":
          "pipe_gpipe": "pipelining ScheduleGPipe", "pipe_1f1b": "pipelining Schedule1F1B",
          "ddp": "DDP", "rannc_gpipe_sync": "rannc gpipe, step-start sync",
          "rannc_1f1b_sync": "rannc 1f1b, step-start sync", "rannc_zb": "rannc zero_bubble",
+         "rannc_i1f1b": "rannc interleaved_1f1b (2 stages per rank)",
          "pipe_zb": "pipelining ScheduleInterleavedZeroBubble",
          "pipe_i1f1b": "pipelining ScheduleInterleaved1F1B (2 stages per rank)",
          "pipe_zbv": "pipelining ScheduleZBVZeroBubble (2 stages per rank)"}
@@ -70,8 +73,8 @@ NAMES = {"rannc_auto": "rannc auto", "rannc_gpipe": "rannc gpipe", "rannc_1f1b":
 COUNTERPART = {"rannc_auto": "rannc_auto", "rannc_gpipe": "rannc_auto", "rannc_1f1b": "rannc_auto",
                "pipe_gpipe": "rannc_gpipe", "pipe_1f1b": "rannc_1f1b", "ddp": "rannc_auto",
                "rannc_gpipe_sync": "rannc_gpipe", "rannc_1f1b_sync": "rannc_1f1b",
-               "rannc_zb": "rannc_1f1b", "pipe_zb": "rannc_zb", "pipe_i1f1b": "rannc_zb",
-               "pipe_zbv": "rannc_zb"}
+               "rannc_zb": "rannc_1f1b", "rannc_i1f1b": "rannc_1f1b", "pipe_zb": "rannc_zb",
+               "pipe_i1f1b": "rannc_i1f1b", "pipe_zbv": "rannc_i1f1b"}
 LOSS_RTOL = 1e-3  # float32 sums in another order over a few steps
 
 
@@ -255,7 +258,8 @@ def worker(a: argparse.Namespace) -> None:
         opts: dict[str, Any] = dict(save_deployment=True, load_deployment=True,
                                     deployment_file=a.plan_file)
         if v != "rannc_auto":
-            opts.update(partition_num=world, microbatches=a.microbatches, checkpointing="off",
+            opts.update(partition_num=2 * world if v == "rannc_i1f1b" else world,
+                        microbatches=a.microbatches, checkpointing="off",
                         schedule=SCHEDULE[v.split("_")[1]])
         model = rannc.RaNNCModule(wrapper, opt, **opts)
 
@@ -381,7 +385,8 @@ def driver(a: argparse.Namespace) -> None:
                     src = "rannc_i1f1b" if src == "rannc_zbv" else src  # the same 2P stages
                     plan_file = tmp / f"plan_{model}_{n}_{src}.json"
                     extra = [f"--plan-file={plan_file}"]
-                    made = v in ("rannc_gpipe", "rannc_1f1b", "rannc_zb") or src == "rannc_i1f1b"
+                    made = v in ("rannc_gpipe", "rannc_1f1b", "rannc_zb", "rannc_i1f1b") \
+                        or src == "rannc_i1f1b"
                     if rep == 0 and made and not plan_file.exists():
                         ns = argparse.Namespace(**{**vars(a), "batch": a.batch_of[model]})
                         two = src == "rannc_i1f1b"
