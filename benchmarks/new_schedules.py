@@ -3,6 +3,8 @@
     PYTHONPATH=. .venv/bin/python benchmarks/new_schedules.py                # predicted
     PYTHONPATH=. .venv/bin/python benchmarks/new_schedules.py --only uniform
     PYTHONPATH=. .venv/bin/python benchmarks/new_schedules.py --pictures     # docs/ timelines
+    PYTHONPATH=. OMP_NUM_THREADS=1 .venv/bin/python benchmarks/new_schedules.py --only measured \
+        --ranks 4 --model standin --t-f 40 --t-b 40 --t-w 40   # layers that sleep (stand_in.py)
 
 * ``uniform``: the simulator on 4 uniform stages (T_F = T_B = T_W = 1: a backward twice the
   forward, half of it weight gradients), 8, 16 and 32 microbatches; interleaved as 4 ranks of 2
@@ -13,6 +15,21 @@
   planner's best plan (1f1b and zero_bubble: 4 stages; interleaved_1f1b: 8 stages, 2 per rank),
   its predicted iteration time, its ratio to 1F1B's, and the largest predicted memory of one
   device (an interleaved rank holds two stages: their sum).
+* ``measured``: the runtime on CPU ranks (gloo, one thread each), the BERT of
+  benchmarks/runtime_peers.py (pre-LN layers, hidden 256, 8 layers, sequence 64, global batch
+  32), ``--microbatches`` (8), no recomputation: 1F1B and zero_bubble on the same stages (one per rank:
+  rannc's 1F1B plan, loaded again with the schedule changed), and interleaved_1f1b on its own
+  plan of two stages per rank. All three models live in the same ranks and take turns step by
+  step (A B C A B C ...), so a drift in the machine's load hits them alike; per schedule the
+  median step time (forward, backward, optimizer step; rank 0's clock between barriers) over
+  the steps after the warm-up, the median of the per-round ratios to 1F1B, and per rank the most
+  bytes autograd holds for backward at once (saved-tensor hooks: deterministic; in one more
+  step per schedule after the timed ones, as the hooks cost time).
+  ``--model standin``: the same with benchmarks/stand_in.py's layers, which sleep instead of
+  computing (8 layers of T_F = T_B = T_W = 10 ms, ``--t-f`` etc.), so that 4 ranks on 2 cores
+  behave like 4 devices (a waiting rank's time is lost, not given to another rank); the stages
+  are cut evenly by layers (2 layers each; interleaved: 1), as the estimate oracle prices the
+  sleeps at nothing. Nothing is saved for backward there (no memory column).
 * ``--pictures``: the predicted timeline of each new schedule (4 stages, 8 microbatches,
   uniform) as docs/timeline_uniform_<schedule>.png and .json (Chrome trace).
 """
@@ -153,15 +170,161 @@ def pictures() -> None:
         print(f"wrote {base}.png and .json")
 
 
+MEASURED = ("1f1b", "zero_bubble", "interleaved_1f1b")
+
+
+def measured(a: argparse.Namespace) -> None:
+    import json
+    import subprocess
+
+    mpiexec = str(Path(sys.executable).parent / "mpiexec")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), RANNC_BACKEND="gloo", OMP_NUM_THREADS="1")
+    if a.smoke and a.model == "standin":  # the smoke checks the script runs: 1 ms sleeps
+        a.t_f = a.t_b = a.t_w = 1.0
+    waits = f", per layer T_F {a.t_f:g} ms, T_B {a.t_b:g} ms, T_W {a.t_w:g} ms"
+    print(f"model {a.model}, {a.microbatches} microbatches{waits if a.model == 'standin' else ''}")
+    print("| ranks | schedule | stages on ranks | median s/step | vs 1F1B (median of per-round "
+          "ratios) | autograd's peak MB per rank |\n|---|---|---|---|---|---|", flush=True)
+    for n in a.ranks:
+        cmd = [mpiexec, "-n", str(n), sys.executable, __file__, "--worker", "--steps",
+               str(2 if a.smoke else a.steps), *(["--smoke"] if a.smoke else []),
+               "--model", a.model, "--microbatches", str(a.microbatches), "--layers", str(a.layers),
+               f"--t-f={a.t_f}", f"--t-b={a.t_b}", f"--t-w={a.t_w}"]
+        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3000)
+        if res.returncode:
+            raise SystemExit(f"{' '.join(cmd)} failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
+        out = json.loads(next(ln for ln in res.stdout.splitlines() if ln.startswith("RESULT "))[7:])
+        for name in MEASURED:
+            r = out[name]
+            mem = " / ".join(f"{x:.0f}" for x in r["saved_mb"])
+            print(f"| {n}{' (2 cores)' if n > 2 else ''} | {name} | {r['layout']} | "
+                  f"{r['median_s']:.3f} | {r['ratio']:.3f}x | "
+                  f"{'- (nothing saved)' if a.model == 'standin' else mem} |", flush=True)
+
+
+def worker(a: argparse.Namespace) -> None:
+    import dataclasses
+    import json
+    import statistics
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+
+    import rannc
+    from benchmarks.runtime_peers import aligned_plan, batches, build
+    from benchmarks.schedules import _Saved
+    from rannc import dist as rdist
+
+    torch.set_num_threads(1)
+    rdist.init_process_group(timeout_s=600)
+    rank, world = rdist.get_rank(), rdist.get_world_size()
+    stand = a.model == "standin"
+    ns = argparse.Namespace(vocab=128 if a.smoke else 4096, hidden=32 if a.smoke else 256,
+                            layers=2 if a.smoke else a.layers, heads=2 if a.smoke else 4,
+                            seq=16 if a.smoke else 64, batch=8 if a.smoke else 32,
+                            microbatches=a.microbatches, t_f=a.t_f, t_b=a.t_b, t_w=a.t_w)
+    if stand and a.smoke:  # two layers a stage (interleaved: one)
+        ns.layers = 2 * world
+    data = batches(a.model, ns, 1)
+    (x, y), = data
+    lo, hi = rank * ns.batch // world, (rank + 1) * ns.batch // world
+    tmp = Path(tempfile.gettempdir()) / f"rannc_new_schedules_{os.getppid()}"
+    if stand:  # stages cut evenly by layers (the estimate oracle prices sleeps at nothing)
+        if rank == 0:
+            tmp.mkdir(exist_ok=True)
+            for name, stages in (("1f1b", world), ("interleaved_1f1b", 2 * world)):
+                aligned_plan("standin", ns, world, name, tmp / f"plan_{name}.json", stages=stages)
+        dist.barrier()
+    models: dict[str, Any] = {}
+    for name in MEASURED:
+        wrapper, _, _ = build(a.model, ns)  # the same initial weights for each (seed 0)
+        opt = torch.optim.AdamW(wrapper.parameters(), lr=1e-3)
+        stages = 2 * world if name == "interleaved_1f1b" else world
+        opts: dict[str, Any] = dict(partition_num=stages, microbatches=a.microbatches,
+                                    checkpointing="off", schedule=name, profiler="estimate")
+        if stand and name != "zero_bubble":
+            opts.update(load_deployment=True, deployment_file=str(tmp / f"plan_{name}.json"))
+        elif name == "zero_bubble":  # 1F1B's very stages
+            plan_file = tmp / "plan_1f1b.json"
+            if rank == 0:
+                zb = dataclasses.replace(rannc.Plan.load(plan_file), schedule="zero_bubble")
+                zb.save(tmp / "plan_zb.json")
+            dist.barrier()
+            opts.update(load_deployment=True, deployment_file=str(tmp / "plan_zb.json"))
+        elif name == "1f1b":
+            tmp.mkdir(exist_ok=True)
+            opts.update(save_deployment=True, deployment_file=str(tmp / "plan_1f1b.json"))
+        model = rannc.RaNNCModule(wrapper, opt, **opts)
+        model(x[lo:hi], y[lo:hi]).backward()  # the first call plans (or loads) and deploys
+        opt.step()
+        opt.zero_grad()
+        models[name] = (model, opt)
+    times: dict[str, list[float]] = {name: [] for name in MEASURED}
+    peaks: dict[str, float] = {}
+
+    def step(name: str) -> None:
+        model, opt = models[name]
+        loss = model(x[lo:hi], y[lo:hi])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    for rnd in range(a.steps + 1):
+        order = MEASURED[rnd % 3:] + MEASURED[:rnd % 3]  # who goes first rotates
+        for name in order:
+            dist.barrier()
+            t0 = time.perf_counter()
+            step(name)
+            dist.barrier()
+            if rnd >= 1:  # warm-up
+                times[name].append(time.perf_counter() - t0)
+    # memory: one more step each, apart from the timed ones (the hooks cost time, and under
+    # them zero_bubble's W walks the input path again: rannc.pipeline.split_backward)
+    for name in MEASURED:
+        _Saved.live = _Saved.peak = 0
+        with torch.autograd.graph.saved_tensors_hooks(_Saved, _Saved.unpack):
+            step(name)
+        peaks[name] = _Saved.peak / 2**20
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, peaks)
+    if rank == 0:
+        out = {}
+        for name in MEASURED:
+            plan = models[name][0].plan
+            ratio = statistics.median(b / t for b, t in zip(times["1f1b"], times[name], strict=True))
+            out[name] = {"median_s": statistics.median(times[name]), "ratio": ratio,
+                         "layout": f"{len(plan.stages)} on {world}",
+                         "saved_mb": [p[name] for p in every]}
+        print("RESULT " + json.dumps(out), flush=True)
+    rdist.shutdown()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--only", choices=("uniform", "models"), default=None)
+    p.add_argument("--only", choices=("uniform", "models", "measured"), default=None)
+    p.add_argument("--ranks", type=int, nargs="+", default=[4, 2])
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--model", choices=("bert", "standin"), default="bert",
+                   help="measured: the BERT of runtime_peers.py, or layers that sleep")
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--t-f", type=float, default=10.0, help="standin: ms one layer sleeps in forward")
+    p.add_argument("--t-b", type=float, default=10.0, help="standin: ms in its input gradient")
+    p.add_argument("--t-w", type=float, default=10.0, help="standin: ms in its weight gradient")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--pictures", action="store_true")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, to check the script runs")
     a = p.parse_args()
+    if a.worker:
+        worker(a)
+        return
     print(f"machine: {os.cpu_count()} cores; {time.strftime('%Y-%m-%d')}")
     if a.pictures:
         pictures()
+        return
+    if a.only == "measured":
+        measured(a)
         return
     if a.only in (None, "uniform"):
         print("\n".join(uniform()), flush=True)

@@ -50,12 +50,14 @@ import pipeline_memory as pm  # noqa: E402  (its launcher and VmHWM helpers)
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("rannc_auto", "rannc_gpipe", "rannc_1f1b", "rannc_gpipe_sync", "rannc_1f1b_sync",
-            "pipe_gpipe", "pipe_1f1b", "ddp", "rannc_zb", "pipe_zb", "pipe_i1f1b", "pipe_zbv")
+            "pipe_gpipe", "pipe_1f1b", "ddp", "rannc_zb", "rannc_i1f1b", "pipe_zb", "pipe_i1f1b",
+            "pipe_zbv")
 # zero-bubble and interleaved (issue 19): rannc's zero_bubble (ZB-H1) on one stage per rank;
 # pipelining's ScheduleInterleavedZeroBubble on the same stages, and its ScheduleInterleaved1F1B
 # and ScheduleZBVZeroBubble on two stages per rank, cut where rannc's interleaved_1f1b plan cuts
-# (rannc plans that schedule but does not run it yet)
-NEW_VARIANTS = ("rannc_1f1b", "rannc_zb", "pipe_1f1b", "pipe_zb", "pipe_i1f1b", "pipe_zbv")
+# (rannc's interleaved_1f1b runs those very stages; ZBV places them in a V instead)
+NEW_VARIANTS = ("rannc_1f1b", "rannc_zb", "rannc_i1f1b", "pipe_1f1b", "pipe_zb", "pipe_i1f1b",
+                "pipe_zbv")
 SCHEDULE = {"gpipe": "gpipe", "1f1b": "1f1b", "zb": "zero_bubble", "i1f1b": "interleaved_1f1b",
             "zbv": "interleaved_1f1b"}  # variant suffix -> the rannc schedule its stages come from
 SMOKE_VARIANTS = ("rannc_1f1b", "pipe_1f1b", "ddp")
@@ -63,6 +65,7 @@ NAMES = {"rannc_auto": "rannc auto", "rannc_gpipe": "rannc gpipe", "rannc_1f1b":
          "pipe_gpipe": "pipelining ScheduleGPipe", "pipe_1f1b": "pipelining Schedule1F1B",
          "ddp": "DDP", "rannc_gpipe_sync": "rannc gpipe, step-start sync",
          "rannc_1f1b_sync": "rannc 1f1b, step-start sync", "rannc_zb": "rannc zero_bubble",
+         "rannc_i1f1b": "rannc interleaved_1f1b (2 stages per rank)",
          "pipe_zb": "pipelining ScheduleInterleavedZeroBubble",
          "pipe_i1f1b": "pipelining ScheduleInterleaved1F1B (2 stages per rank)",
          "pipe_zbv": "pipelining ScheduleZBVZeroBubble (2 stages per rank)"}
@@ -70,8 +73,8 @@ NAMES = {"rannc_auto": "rannc auto", "rannc_gpipe": "rannc gpipe", "rannc_1f1b":
 COUNTERPART = {"rannc_auto": "rannc_auto", "rannc_gpipe": "rannc_auto", "rannc_1f1b": "rannc_auto",
                "pipe_gpipe": "rannc_gpipe", "pipe_1f1b": "rannc_1f1b", "ddp": "rannc_auto",
                "rannc_gpipe_sync": "rannc_gpipe", "rannc_1f1b_sync": "rannc_1f1b",
-               "rannc_zb": "rannc_1f1b", "pipe_zb": "rannc_zb", "pipe_i1f1b": "rannc_zb",
-               "pipe_zbv": "rannc_zb"}
+               "rannc_zb": "rannc_1f1b", "rannc_i1f1b": "rannc_1f1b", "pipe_zb": "rannc_zb",
+               "pipe_i1f1b": "rannc_i1f1b", "pipe_zbv": "rannc_i1f1b"}
 LOSS_RTOL = 1e-3  # float32 sums in another order over a few steps
 
 
@@ -126,6 +129,13 @@ def build(name: str, a: argparse.Namespace) -> tuple[Any, Any, Any]:
 
         def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             return F.cross_entropy(out.flatten(0, 1), y.flatten())
+    elif name == "standin":  # layers that sleep instead of computing (benchmarks/stand_in.py)
+        from stand_in import layers as wait_layers
+
+        layers = wait_layers(a.layers, a.hidden, a.t_f / 1e3, a.t_b / 1e3, a.t_w / 1e3)
+
+        def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return F.mse_loss(out, y)
     else:
         from examples.models.resnet import PreActBottleneck
 
@@ -150,6 +160,9 @@ def batches(name: str, a: argparse.Namespace, n: int) -> list[tuple[Any, Any]]:
     import torch
 
     g = torch.Generator().manual_seed(1)
+    if name == "standin":
+        return [(torch.randn(a.batch, a.hidden, generator=g), torch.randn(a.batch, a.hidden, generator=g))
+                for _ in range(n)]
     if name == "bert":
         out = []
         for _ in range(n):
@@ -204,11 +217,23 @@ def aligned_plan(name: str, a: argparse.Namespace, n: int, schedule: str, path: 
         idx = [int(p.split(".")[1]) for p in param_names_of(graph, atomic, [c]) if p.startswith("layers.")]
         cur = idx[0] if idx else cur
         layer_of.append(cur)
+    if name == "standin":
+        # a stand-in layer is (its forward wait, then the addition reading its weight): a
+        # component without parameters starts the next layer; the estimate oracle prices the
+        # sleeps at nothing, so the stages are cut evenly by layers instead of by its plan
+        layer_of = [next((layer_of[d] for d in range(c, len(layer_of))
+                          if param_names_of(graph, atomic, [d])), layer_of[-1])
+                    for c in range(len(layer_of))]
     first = {}
     for c, lay in enumerate(layer_of):
         first.setdefault(lay, c)
     notes, cuts = [], []
-    for st in plan.stages[1:]:
+    if name == "standin":
+        S = len(plan.stages)
+        if a.layers % S:
+            raise SystemExit(f"--layers {a.layers} is not a multiple of the {S} stages")
+        cuts = [first[s * a.layers // S] for s in range(1, S)]
+    for st in plan.stages[1:] if name != "standin" else ():
         c = st.components[0]
         lay = layer_of[c]
         if c == first[lay]:
@@ -225,6 +250,8 @@ def aligned_plan(name: str, a: argparse.Namespace, n: int, schedule: str, path: 
         stages.append(dataclasses.replace(st, components=comps, recompute=0.0,
                                           param_names=param_names_of(graph, atomic, comps)))
     dataclasses.replace(plan, stages=tuple(stages)).save(path)
+    if name == "standin":
+        return f"rannc's stages, cut evenly by layers at components {cuts}"
     return "; ".join(notes) or "rannc's cuts are at layer boundaries"
 
 
@@ -255,7 +282,8 @@ def worker(a: argparse.Namespace) -> None:
         opts: dict[str, Any] = dict(save_deployment=True, load_deployment=True,
                                     deployment_file=a.plan_file)
         if v != "rannc_auto":
-            opts.update(partition_num=world, microbatches=a.microbatches, checkpointing="off",
+            opts.update(partition_num=2 * world if v == "rannc_i1f1b" else world,
+                        microbatches=a.microbatches, checkpointing="off",
                         schedule=SCHEDULE[v.split("_")[1]])
         model = rannc.RaNNCModule(wrapper, opt, **opts)
 
@@ -352,12 +380,13 @@ def worker(a: argparse.Namespace) -> None:
 
 # -- the driver -------------------------------------------------------------------------------
 def model_args(name: str, a: argparse.Namespace) -> list[str]:
-    keys = ("vocab", "hidden", "layers", "heads", "seq") if name == "bert" else ("channels", "units", "image")
-    return [f"--{k}={getattr(a, k)}" for k in keys] + [f"--batch={a.batch_of[name]}"]
+    keys = {"bert": ("vocab", "hidden", "layers", "heads", "seq"), "resnet": ("channels", "units", "image"),
+            "standin": ("hidden", "layers", "t_f", "t_b", "t_w")}[name]
+    return [f"--{k.replace('_', '-')}={getattr(a, k)}" for k in keys] + [f"--batch={a.batch_of[name]}"]
 
 
 def n_layers(name: str, a: argparse.Namespace) -> int:
-    return a.layers + 2 if name == "bert" else a.units + 2
+    return {"bert": a.layers + 2, "resnet": a.units + 2, "standin": a.layers}[name]
 
 
 def driver(a: argparse.Namespace) -> None:
@@ -381,7 +410,8 @@ def driver(a: argparse.Namespace) -> None:
                     src = "rannc_i1f1b" if src == "rannc_zbv" else src  # the same 2P stages
                     plan_file = tmp / f"plan_{model}_{n}_{src}.json"
                     extra = [f"--plan-file={plan_file}"]
-                    made = v in ("rannc_gpipe", "rannc_1f1b", "rannc_zb") or src == "rannc_i1f1b"
+                    made = v in ("rannc_gpipe", "rannc_1f1b", "rannc_zb", "rannc_i1f1b") \
+                        or src == "rannc_i1f1b"
                     if rep == 0 and made and not plan_file.exists():
                         ns = argparse.Namespace(**{**vars(a), "batch": a.batch_of[model]})
                         two = src == "rannc_i1f1b"
@@ -462,13 +492,14 @@ def plot(path: str, cases: list[tuple[str, int]], variants: tuple[str, ...], spe
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(cases), figsize=(3.2 * len(cases), 3.6), squeeze=False)
+    wide = max(3.2, 0.6 * len(variants))  # the new schedules' seven bars need the room
+    fig, axes = plt.subplots(1, len(cases), figsize=(wide * len(cases), 4.4), squeeze=False)
     for ax, (model, n) in zip(axes[0], cases, strict=True):
         vals = [speed((model, n, v)) for v in variants]
         ax.bar(range(len(variants)), vals, color=["C0" if v.startswith("rannc") else "C1"
                                                   if v.startswith("pipe") else "C2" for v in variants])
-        ax.set_xticks(range(len(variants)), [NAMES[v].replace("pipelining Schedule", "pipe\n").replace(
-            "rannc ", "rannc\n") for v in variants], fontsize=7)
+        ax.set_xticks(range(len(variants)), [NAMES[v].replace("pipelining Schedule", "pipe ").replace(
+            " (2 stages per rank)", ", 2/rank") for v in variants], fontsize=7, rotation=35, ha="right")
         ax.set_title(f"{model}, {n} ranks" + (" (2 cores)" if n > 2 else ""), fontsize=9)
         ax.set_ylabel("samples/s")
     fig.tight_layout()
@@ -479,7 +510,8 @@ def plot(path: str, cases: list[tuple[str, int]], variants: tuple[str, ...], spe
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="tiny BERT, 2 ranks, 1 repeat, 3 variants")
-    p.add_argument("--models", nargs="+", default=["bert", "resnet"], choices=["bert", "resnet"])
+    p.add_argument("--models", nargs="+", default=["bert", "resnet"], choices=["bert", "resnet", "standin"],
+                   help="standin: --layers layers that sleep (benchmarks/stand_in.py), even stages")
     p.add_argument("--ranks", nargs="+", type=int, default=[2, 4])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--variants", nargs="+", default=[v for v in VARIANTS if v not in NEW_VARIANTS
@@ -500,6 +532,9 @@ def main() -> None:
     p.add_argument("--channels", type=int, default=16)
     p.add_argument("--units", type=int, default=6)
     p.add_argument("--image", type=int, default=32)
+    p.add_argument("--t-f", type=float, default=10.0, help="standin: ms one layer sleeps in forward")
+    p.add_argument("--t-b", type=float, default=10.0, help="standin: ms in its input gradient")
+    p.add_argument("--t-w", type=float, default=10.0, help="standin: ms in its weight gradient")
     p.add_argument("--batch", type=int, default=0, help="global batch (0: 16 for BERT, 32 for ResNet)")
     p.add_argument("--plot", default="", help="PNG path for the bar plot")
     p.add_argument("--timeout", type=float, default=600, help="seconds per launch")
@@ -520,7 +555,7 @@ def main() -> None:
         a.batch = a.batch or 8
     if a.new_schedules:
         a.variants = list(NEW_VARIANTS)
-    a.batch_of = {"bert": a.batch or 16, "resnet": a.batch or 32}
+    a.batch_of = {"bert": a.batch or 16, "resnet": a.batch or 32, "standin": a.batch or 32}
     driver(a)
 
 

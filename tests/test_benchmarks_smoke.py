@@ -38,6 +38,13 @@ def test_new_schedules_benchmark() -> None:
     assert len(rows(out, "| 4 |")) == 9, out  # uniform: 3 schedules x 3 microbatch counts
 
 
+@pytest.mark.layer("multi_rank")
+@pytest.mark.parametrize("model", ["bert", "standin"])
+def test_new_schedules_measured_benchmark(model: str) -> None:
+    out = run("benchmarks/new_schedules.py", "--only", "measured", "--ranks", "2", "--model", model)
+    assert [r[1] for r in rows(out, "| 2 |")] == ["1f1b", "zero_bubble", "interleaved_1f1b"], out
+
+
 def test_hetero_benchmark() -> None:
     out = run("benchmarks/hetero.py")
     assert out.count("x |") == 4, out

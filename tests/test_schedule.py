@@ -181,6 +181,34 @@ def test_auto_picks_the_fastest_schedule_and_forcing_is_honoured(gpt2: tuple) ->
     assert auto.predicted_iteration_time == pytest.approx(min(runnable))
 
 
+def test_auto_takes_zero_bubble_or_interleaved_where_predicted_faster_within_memory(gpt2: tuple) -> None:
+    """Nothing forced but the microbatches: auto takes ZB-H1 at 8 microbatches and interleaved
+    1F1B at 4 (where its bubble, over two stages per rank, is the smaller) when each is the
+    fastest prediction; under a memory limit the interleaved plan's busiest device exceeds,
+    auto takes ZB-H1 instead, within the limit."""
+    graph, atomic = gpt2
+    cluster = rannc.Cluster.homogeneous(SPEC, n=4, per_node=4)
+
+    def plan(**kw: object) -> rannc.Plan:
+        return plan_graph(graph, atomic, cluster, rannc.Config(checkpointing="off", **kw),  # type: ignore[arg-type]
+                          batch_size=32)
+
+    def busiest(p: rannc.Plan) -> float:  # a device's stages together
+        return max(sum(st.predicted["memory_bytes"] for st in p.stages if st.ranks == rs)
+                   for rs in {st.ranks for st in p.stages})
+
+    for M, fastest in ((8, "zero_bubble"), (4, "interleaved_1f1b")):
+        times = {n: plan(schedule=n, microbatches=M).predicted_iteration_time for n in SCHEDULES}
+        assert min(times, key=lambda n: times[n] or 0.0) == fastest, times
+        assert plan(microbatches=M).schedule == fastest
+    zb, il = plan(schedule="zero_bubble", microbatches=4), plan(schedule="interleaved_1f1b", microbatches=4)
+    assert busiest(zb) < busiest(il)
+    usable = 1.0 - rannc.Config().mem_margin  # (plans keep a margin below the limit)
+    limit = (busiest(zb) + busiest(il)) / 2 / usable
+    auto = plan(microbatches=4, mem_limit_gb=limit / 1e9)
+    assert auto.schedule == "zero_bubble" and busiest(auto) <= usable * limit
+
+
 def test_stage_aware_recomputation_between_none_and_all(gpt2: tuple) -> None:
     """Under 1F1B the first stage holds 4 microbatches and the last one; under a memory limit
     where keeping everything fits no split, each stage recomputes only what it must, so the plan

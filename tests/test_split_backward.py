@@ -8,6 +8,7 @@ as the gradient reducer expects."""
 from __future__ import annotations
 
 import copy
+import gc
 from collections.abc import Callable
 
 import pytest
@@ -48,6 +49,18 @@ class Tied(nn.Module):
         return logits, self.scale * 3.0  # an output that no input reaches
 
 
+class Reused(nn.Module):
+    """One layer applied twice on the input path: its weight's two meeting nodes have the
+    input path between them, so their W roots share a group."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.lin, self.other = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.other(self.lin(torch.tanh(self.lin(x))))
+
+
 Case = Callable[[], tuple[nn.Module, list[torch.Tensor], list[bool]]]  # model, inputs, wants grad
 
 CASES: dict[str, Case] = {
@@ -55,6 +68,7 @@ CASES: dict[str, Case] = {
     "mlp_first_stage": lambda: (nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3)),
                                 [torch.randn(5, 8)], [False]),  # inputs need no gradient
     "tied": lambda: (Tied(), [torch.randint(0, 11, (3, 5)), torch.randn(3, 5, 8)], [False, True]),
+    "reused": lambda: (Reused(), [torch.randn(4, 8)], [True]),
 }
 
 
@@ -72,6 +86,8 @@ def _run(model: nn.Module, ins: list[torch.Tensor], wants: list[bool], split: bo
         wp = backward_input(outs, grads, [x for x in leaves if x.requires_grad],
                             list(model.parameters()))
         assert all(p.grad is None for p in model.parameters())  # B leaves the weights alone
+        grouped = [id(w) for g in wp.groups for w in g.weights]
+        assert sorted(grouped) == sorted(id(p) for p in model.parameters())  # each in one group
         in_grads = [x.grad for x in leaves]
         wp.run()
     else:
@@ -126,3 +142,65 @@ def test_nothing_to_do_without_gradients() -> None:
     wp = backward_input([out], [None], [], list(model.parameters()))
     wp.run()
     assert model.weight.grad is None
+
+
+class _Counted(torch.autograd.Function):
+    """Identity whose backward counts its runs: a node on the input path only."""
+
+    runs = 0
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: object, g: torch.Tensor) -> torch.Tensor:
+        _Counted.runs += 1
+        return g
+
+
+def test_w_runs_no_input_gradient_node_again() -> None:
+    """W walks from each meeting node to its own weights only: the input-gradient nodes between
+    two layers run once, in B (one call from every meeting node would run them again in W)."""
+    torch.manual_seed(0)
+    first, second = nn.Linear(8, 8), nn.Linear(8, 8)
+    ref = copy.deepcopy((first, second))
+    x = torch.randn(4, 8)
+    torch.autograd.backward(ref[1](_Counted.apply(ref[0](x.clone().requires_grad_()))).sum())
+    leaf = x.clone().requires_grad_()
+    out = second(_Counted.apply(first(leaf)))
+    _Counted.runs = 0
+    wp = backward_input([out], [torch.ones_like(out)], [leaf],
+                        [*first.parameters(), *second.parameters()])
+    assert _Counted.runs == 1
+    wp.run()
+    assert _Counted.runs == 1
+    for p, q in zip([*first.parameters(), *second.parameters()],
+                    [*ref[0].parameters(), *ref[1].parameters()], strict=True):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_w_under_saved_tensor_hooks_keeps_nothing() -> None:
+    """Saved-tensor hooks that keep the tensor itself tie each node to its saved output in a
+    cycle only a releasing walk breaks: under them W walks the input path again, so nothing
+    stays once the pass and the outputs are dropped."""
+    live: list[int] = [0]
+
+    class Box:
+        def __init__(self, t: torch.Tensor) -> None:
+            self.t = t
+            live[0] += 1
+
+        def __del__(self) -> None:
+            live[0] -= 1
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Softmax(-1), nn.Linear(8, 8))  # softmax saves its output
+    leaf = torch.randn(4, 8).requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(Box, lambda b: b.t):
+        out = model(leaf)
+        wp = backward_input([out], [torch.ones_like(out)], [leaf], list(model.parameters()))
+        wp.run()
+    del out, wp
+    gc.collect()
+    assert live[0] == 0

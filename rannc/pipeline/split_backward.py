@@ -11,21 +11,35 @@ accumulates into `.grad` through the weights' AccumulateGrad nodes, so post-accu
 hooks (the bucketed gradient reducer's, `rannc.pipeline.grads`) fire as after a full backward,
 once per W call.
 
-Two details make W exact. A meeting node may lie on the input side of another one, so W's
-flow from the later node would reach it again on top of its kept gradient; a pre-hook during
-W replaces whatever arrives with the kept gradient (what torch.distributed.pipelining's
-`stage_backward_weight` does). And a weight whose path reaches the outputs without meeting
-the input path (the first stage, whose inputs need no gradient; a weight feeding an output
-directly) gets the output and its gradient as a root of W instead; nothing on the input path
-lies below such an output, so no term is counted twice.
+W must not redo B's work. One autograd call from every meeting node to every weight would
+walk down the input path too (from a later meeting node to an earlier one, every input-gradient
+node between them is on a path to a weight), recomputing most of B only to throw it away: a
+stand-in whose input and weight gradients sleep measured W as long as B + W. So W runs one call
+per group of roots that reach common weights through weight-side nodes alone
+(torch.distributed.pipelining's parameter groups), each asking for its group's weights only:
+autograd then runs just the nodes between those roots and those weights.
+
+Two details make W exact. Within a group a meeting node may still lie on the input side of
+another one (a weight used twice, as a tied embedding and head), so W's flow from the later
+node would reach it again on top of its kept gradient; a pre-hook during W replaces whatever
+arrives with the kept gradient (what torch.distributed.pipelining's `stage_backward_weight`
+does). And a weight whose path reaches the outputs without meeting the input path (the first
+stage, whose inputs need no gradient; a weight feeding an output directly) gets the output and
+its gradient as a root of W instead; nothing on the input path lies below such an output, so
+no term is counted twice.
 
 The graph stays alive from B to W (the weight gradients read the layers' inputs): a microbatch
 holds its activations until its W, which is what the planner's memory model counts
-(`rannc.schedule.in_flight`).
+(`rannc.schedule.in_flight`). The input-path nodes W does not walk keep their saved tensors
+until the graph is dropped, which is at once, except where saved-tensor hooks keep the saved
+tensor itself (`saved_tensors_hooks(lambda t: t, ...)`, `save_on_cpu` on a CPU tensor): the
+tensor refers to its node, a cycle through C++ that only a walk releasing the node breaks. When
+such hooks are active during B, W is therefore one call from every root to every weight, walking
+the input path again (slower, as before the groups, but nothing kept).
 
 Written after torch.distributed.pipelining's `_backward.py` (`stage_backward_input`,
-`stage_backward_weight`), with one W call per pass (so a weight gets one accumulation per
-pass, as the reducer counts) and the outputs as roots where nothing meets.
+`stage_backward_weight`), with every weight in exactly one group (so a weight gets one
+accumulation per pass, as the reducer counts) and the outputs as roots where nothing meets.
 """
 
 from __future__ import annotations
@@ -41,27 +55,36 @@ _Grads = tuple[torch.Tensor | None, ...]
 
 
 @dataclass
-class WeightPass:
-    """What B leaves for W: roots (graph edges with their gradients) and the weights."""
+class _Group:
+    """Roots (graph edges with their gradients) that reach the same weights, and those weights."""
 
     roots: list[GradientEdge] = field(default_factory=list)
     grads: list[torch.Tensor] = field(default_factory=list)
     weights: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
+class WeightPass:
+    """What B leaves for W: groups of roots with their weights."""
+
+    groups: list[_Group] = field(default_factory=list)
     kept: dict[Node, _Grads] = field(default_factory=dict)  # meeting node -> gradient into it
 
     def run(self) -> None:
         """Accumulate the weights' gradients into `.grad` (once per weight), and free the graph."""
-        if not self.roots or not self.weights:
-            self.kept.clear()
-            return
+        groups = [g for g in self.groups if g.roots and g.weights]
         handles = [node.register_prehook(lambda _g, k=kept: k)
                    for node, kept in self.kept.items()]
         try:
-            torch.autograd.backward(self.roots, self.grads, inputs=self.weights)
+            for i, g in enumerate(groups):
+                # the graph's buffers stay until the last call: a group's walk may pass nodes
+                # another group needs (a tied weight's path through the input side)
+                torch.autograd.backward(g.roots, g.grads, inputs=g.weights,
+                                        retain_graph=i < len(groups) - 1)
         finally:
             for h in handles:
                 h.remove()
-            self.roots, self.grads, self.weights = [], [], []
+            self.groups = []
             self.kept.clear()
 
 
@@ -84,6 +107,7 @@ def backward_input(outputs: Sequence[object], grads: Sequence[torch.Tensor | Non
     on_path = _closure([get_gradient_edge(x).node for x in wanted], consumers)
     w_nodes = {get_gradient_edge(w).node for w in ws}
     meeting, root_outs = _meeting_nodes(w_nodes, on_path, consumers, out_edges)
+    hooked = _saved_tensor_hooks_active()
     kept: dict[Node, _Grads] = {}
     handles = [node.register_prehook(lambda g, n=node: kept.__setitem__(n, tuple(g)))
                for node in meeting]
@@ -93,17 +117,61 @@ def backward_input(outputs: Sequence[object], grads: Sequence[torch.Tensor | Non
     finally:
         for h in handles:
             h.remove()
-    wp = WeightPass(weights=[w for w in ws if get_gradient_edge(w).node in consumers])
+    roots: list[tuple[GradientEdge, torch.Tensor]] = []
     for node, got in kept.items():
-        for i, g in enumerate(got):
-            if g is not None:
-                wp.roots.append(GradientEdge(node, i))
-                wp.grads.append(g)
-    wp.kept = {n: g for n, g in kept.items()}
-    for i in root_outs:
-        wp.roots.append(out_edges[i])
-        wp.grads.append(gs[i])
-    return wp
+        roots += [(GradientEdge(node, i), g) for i, g in enumerate(got) if g is not None]
+    roots += [(out_edges[i], gs[i]) for i in root_outs]
+    reached = {get_gradient_edge(w).node: w for w in ws if get_gradient_edge(w).node in consumers}
+    if hooked:  # one walk over everything, releasing every node (see the module docstring)
+        one = _Group([e for e, _ in roots], [g for _, g in roots], list(reached.values()))
+        return WeightPass(groups=[one], kept=kept)
+    return WeightPass(groups=_groups(roots, reached, on_path), kept=kept)
+
+
+def _saved_tensor_hooks_active() -> bool:
+    """Whether default saved-tensor hooks are set (`torch.autograd.graph.saved_tensors_hooks`);
+    True where this torch cannot say."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return True if top is None else top(False) is not None
+
+
+def _groups(roots: Sequence[tuple[GradientEdge, torch.Tensor]], weights: dict[Node, torch.Tensor],
+            on_path: set[Node]) -> list[_Group]:
+    """Roots joined when they reach a common weight through nodes off the input path; each
+    group with the weights its roots reach so (every weight in one group: those reached)."""
+    owner: dict[Node, int] = {}  # weight node -> the group (index into `parent`) holding it
+    parent = list(range(len(roots)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for i, (edge, _) in enumerate(roots):
+        # below a meeting node, only its weight-side edges; the input side is B's
+        todo = [n for n, _ in edge.node.next_functions if n is not None and n not in on_path]
+        if edge.node not in on_path:  # an output reached off the input path
+            todo = [edge.node]
+        seen: set[Node] = set()
+        while todo:
+            node = todo.pop()
+            if node in seen:
+                continue
+            seen.add(node)
+            if node in weights:
+                j = owner.setdefault(node, i)
+                parent[find(i)] = find(j)
+            todo += [n for n, _ in node.next_functions if n is not None and n not in on_path]
+    out: dict[int, _Group] = {}
+    for i, (edge, g) in enumerate(roots):
+        grp = out.setdefault(find(i), _Group())
+        grp.roots.append(edge)
+        grp.grads.append(g)
+    for node, w in weights.items():
+        if node in owner:
+            out[find(owner[node])].weights.append(w)
+    return list(out.values())
 
 
 def _consumers(roots: Sequence[Node]) -> dict[Node, list[Node]]:

@@ -6,6 +6,10 @@ barrier between forward and backward, the planner's memory model how many microb
 stage holds, and the runtime whether it runs eagerly and where it recomputes. Adding a
 schedule is one `ScheduleSpec` (with its line generator) passed to `register`.
 
+Registered: fill-drain ("gpipe"), 1F1B, Merak's shifted critical path ("scp"), ZB-H1
+("zero_bubble": its lines carry W actions, so the runtime splits each backward into B and W)
+and interleaved 1F1B ("interleaved_1f1b": `chunks` stages per lane).
+
 Index conventions: s stages; m microbatches; S, M their counts.
 """
 
