@@ -39,7 +39,7 @@ def test_new_schedules_benchmark() -> None:
 
 
 @pytest.mark.layer("multi_rank")
-@pytest.mark.parametrize("model", ["bert", "standin"])
+@pytest.mark.parametrize("model", [pytest.param("bert", marks=pytest.mark.full), "standin"])
 def test_new_schedules_measured_benchmark(model: str) -> None:
     out = run("benchmarks/new_schedules.py", "--only", "measured", "--ranks", "2", "--model", model)
     assert [r[1] for r in rows(out, "| 2 |")] == ["1f1b", "zero_bubble", "interleaved_1f1b"], out
