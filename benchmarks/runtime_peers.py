@@ -27,8 +27,14 @@ rannc plans once (first repeat) and reloads its plan after, so every repeat runs
 Per variant and rank: samples/s over ``--steps`` steps after ``--warmup`` steps (rank 0's clock,
 between barriers), and the peak resident memory during the measured steps above the baseline taken
 after imports and data, before the model is built (``VmHWM`` reset after warm-up, as in
-``benchmarks/pipeline_memory.py``). The loss of the last measured step is printed per variant:
-rannc and pipelining on the same stages must agree (they train the same thing).
+``benchmarks/pipeline_memory.py``), and the CPU time each rank's process used per measured step
+(its own work and its threads', not its waits: less sensitive than wall time to other tenants of
+a shared machine). The loss of the last measured step is printed per variant: rannc and
+pipelining on the same stages must agree (they train the same thing).
+
+``RUNTIME_PEERS_PROFILE=DIR`` runs the measured steps under torch.profiler and writes, per
+variant and rank, the table of the top operators and every operator's calls and self time
+(``*.counts.tsv``).
 """
 
 from __future__ import annotations
@@ -353,14 +359,19 @@ def worker(a: argparse.Namespace) -> None:
     pm.reset_peak()
     prof_dir = os.environ.get("RUNTIME_PEERS_PROFILE")  # a folder: torch.profiler tables per rank
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if prof_dir else None
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     with prof or contextlib.nullcontext():
         losses += [step(x, y) for x, y in data[a.warmup:]]
     dist.barrier()
     elapsed = time.perf_counter() - t0
+    cpu_s = time.process_time() - c0  # this rank's own work (and gloo's threads), not its waits
     if prof is not None and prof_dir:
         Path(prof_dir, f"{a.label}.rank{rank}.txt").write_text(
             prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+        # every operator's calls and self time, to set two variants side by side by counts
+        # (which the machine's load leaves alone) as well as by time
+        Path(prof_dir, f"{a.label}.rank{rank}.counts.tsv").write_text("\n".join(
+            f"{e.key}\t{e.count}\t{e.self_cpu_time_total / 1e3:.1f}" for e in prof.key_averages()))
     peak_kb = pm.status_kb("VmHWM") - base_kb
     if v.startswith("rannc"):
         plan = model.plan
@@ -372,7 +383,8 @@ def worker(a: argparse.Namespace) -> None:
     else:
         mbs, sched_name = a.microbatches, NAMES[v].split()[1]
     out = dict(variant=v, rank=rank, world=world, elapsed=elapsed,
-               samples_s=a.batch * a.steps / elapsed, peak_mb=peak_kb / 1024, layout=layout,
+               samples_s=a.batch * a.steps / elapsed,
+               cpu_ms_step=1e3 * cpu_s / a.steps, peak_mb=peak_kb / 1024, layout=layout,
                microbatches=mbs, schedule=sched_name, losses=losses)
     Path(a.out, f"{a.label}.rank{rank}.json").write_text(json.dumps(out))
     rdist.shutdown()
@@ -447,7 +459,8 @@ def report(a: argparse.Namespace, cases: list[tuple[str, int]], variants: tuple[
         return statistics.median(runs[0]["samples_s"] for runs in results[key])
 
     head = ["model", "ranks", "variant", "stages x replicas", "microbatches", "samples/s (median)",
-            "all repeats", "rannc row / this row", "loss, last step", "per-rank peak MB (median)"]
+            "all repeats", "rannc row / this row", "paired ratio (median, range)", "loss, last step",
+            "per-rank peak MB (median)", "per-rank CPU ms/step (median)"]
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     bad = []
     for model, n in cases:
@@ -456,6 +469,12 @@ def report(a: argparse.Namespace, cases: list[tuple[str, int]], variants: tuple[
             first = results[key][0][0]
             ref = (model, n, COUNTERPART[v] if COUNTERPART[v] in variants else "rannc_1f1b")
             ratio = speed(ref) / speed(key)
+            # repeat i of both rows ran in the same round: their ratio is taken pair by pair, so
+            # that load drifting over the run (a shared machine) cancels within each pair
+            pairs = sorted(a[0]["samples_s"] / b[0]["samples_s"]
+                           for a, b in zip(results[ref], results[key], strict=True))
+            paired = (f"{statistics.median(pairs):.2f} ({pairs[0]:.2f} to {pairs[-1]:.2f})"
+                      if ref[2] != v else "")
             loss = first["losses"][-1]
             ref_loss = results[ref][0][0]["losses"][-1]
             # pipelining runs rannc's stages and microbatches, so it must train the same thing;
@@ -463,13 +482,16 @@ def report(a: argparse.Namespace, cases: list[tuple[str, int]], variants: tuple[
             if v.startswith("pipe") and abs(loss - ref_loss) > LOSS_RTOL * abs(ref_loss):
                 bad.append(f"{model} x{n} {v}: loss {loss:.6f} vs {ref[2]} {ref_loss:.6f}")
             peaks = [statistics.median(runs[r]["peak_mb"] for runs in results[key]) for r in range(n)]
+            cpus = [statistics.median(runs[r].get("cpu_ms_step", 0.0) for runs in results[key])
+                    for r in range(n)]
             reps = ", ".join(f"{runs[0]['samples_s']:.1f}" for runs in results[key])
             over = " (oversubscribed: 2 cores)" if n > 2 else ""
             lines.append("| " + " | ".join([
                 model, f"{n}{over}", NAMES[v], first["layout"] + (
                     "*" if key in split_layer else ""), str(first["microbatches"]),
-                f"{speed(key):.2f}", reps, f"{ratio:.2f}" if ref[2] != v else "1 (reference)",
-                f"{loss:.5f}", " / ".join(f"{p:.0f}" for p in peaks)]) + " |")
+                f"{speed(key):.2f}", reps, f"{ratio:.2f}" if ref[2] != v else "1 (reference)", paired,
+                f"{loss:.5f}", " / ".join(f"{p:.0f}" for p in peaks),
+                " / ".join(f"{c:.0f}" for c in cpus)]) + " |")
     print("\n" + "\n".join(lines))
     if split_layer:
         print("\n\\* rannc's own cut fell inside a layer; these rows run its plan with the cut moved "

@@ -6,6 +6,7 @@ without a gradient keeps None. Exactness across ranks is in test_pipeline_mpi.py
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Iterator
 
 import pytest
@@ -15,7 +16,7 @@ from torch import nn
 
 import rannc
 from rannc.errors import ConfigError
-from rannc.pipeline.grads import GradReducer
+from rannc.pipeline.grads import GradReducer, not_finite
 
 pytestmark = pytest.mark.layer("single_process")
 
@@ -127,9 +128,78 @@ def test_a_frozen_parameter_is_held_without_a_hook(group: object) -> None:
     assert model[0].weight.grad is None and model[1].weight.grad is not None
 
 
+def test_a_unit_backward_is_scaled_after_the_sum_and_before_the_old_grad(group: object) -> None:
+    """An eager schedule runs backward for a unit loss gradient and starts the buckets inside
+    forward(); `finish(scale=g)` then gives g x (sum) + what .grad held before."""
+    model = _mlp(depth=3)
+    ref = copy.deepcopy(model)
+    x0, x1 = torch.randn(3, 16), torch.randn(3, 16)
+    ref(x0).sum().backward()
+    (ref(x1).sum() * 0.5).backward()
+    model(x0).sum().backward()  # accumulated before: not scaled
+    red = _reducer(model, group, bucket_bytes=256)
+    red.begin()
+    red.arm()
+    model(x1).sum().backward()
+    red.finish(sync=True, scale=torch.tensor(0.5, dtype=torch.float64))
+    for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=n)
+
+
+def test_an_eager_line_hands_its_gradients_over_before_grad_is_restored(group: object) -> None:
+    """An eager schedule's forward() runs the backward, starts the buckets (`prepare_rest`) and
+    puts back what .grad held before; backward() then finishes the sums from what it took."""
+    model = _mlp(depth=3)
+    ref = copy.deepcopy(model)
+    x = torch.randn(3, 16)
+    ref(x).sum().backward()
+    red = _reducer(model, group, bucket_bytes=1 << 20)  # one bucket, started by prepare_rest
+    red.begin()
+    model(x).sum().backward()  # (no arm: every gradient taken at the end of the line)
+    red.prepare_rest()
+    assert red.groups[0].started == 1
+    for p in model.parameters():
+        p.grad = None  # forward() restores .grad until backward() commits
+    red.finish(sync=True)
+    for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=n)
+
+
+def test_an_overflow_elsewhere_marks_this_ranks_first_gradient(group: object) -> None:
+    """The overflow flag already agreed (it travelled with the loss gradient's all-reduce):
+    `finish` marks the first gradient without meeting the other ranks again."""
+    model = _mlp(depth=2)
+    red = _reducer(model, group, bucket_bytes=1 << 20)
+    red.begin()
+    model(torch.randn(3, 16)).sum().backward()
+    red.finish(sync=True, overflow=(True, False))
+    first = next(iter(model.parameters())).grad
+    assert first is not None and not bool(torch.isfinite(first).all())
+    assert all(bool(torch.isfinite(p.grad).all()) for p in list(model.parameters())[1:])
+
+
 @pytest.mark.layer("pure")
 def test_bucket_mb_is_validated() -> None:
     assert rannc.Config(bucket_mb=0.5).bucket_mb == 0.5
     assert rannc.Config.resolve(environ={"RANNC_BUCKET_MB": "4"}).bucket_mb == 4.0
     with pytest.raises(ConfigError, match="bucket_mb must be a finite number > 0"):
         rannc.Config(bucket_mb=0)
+
+
+@pytest.mark.layer("pure")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_not_finite_flags_nan_and_infinities_and_leaves_gradients_as_they_are(
+        dtype: torch.dtype) -> None:
+    """The overflow check (GradScaler's, multiplying by 1 in place) finds NaN, inf and -inf in
+    any gradient, strided or empty, of any float dtype, and every gradient keeps its bits."""
+    for bad in (None, math.inf, -math.inf, math.nan):
+        grads = [torch.randn(7).to(dtype), torch.randn(3, 4).to(dtype)[:, :2],
+                 torch.zeros(0, dtype=dtype), torch.tensor([-0.0], dtype=dtype)]
+        if bad is not None:
+            grads[1][1, 1] = bad
+        before = [g.clone() for g in grads]
+        assert not_finite(grads) is (bad is not None)
+        bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[dtype.itemsize]
+        for g, b in zip(grads, before, strict=True):
+            assert torch.equal(g.view(bits), b.view(bits))
+    assert not not_finite([])

@@ -200,6 +200,15 @@ PRECISION = [
     (2, ["--partition-num", "2", "--microbatches", "2", "--batch", "8", "--bf16"], "bert,gpt2"),
     (3, ["--replicas", "1,1,1", "--microbatches", "2", "--batch", "8", "--schedule", "1f1b",
          "--grad-scaler", "--inject-overflow", "1"], "bert,kwargs"),
+    # (one stage on both ranks: the sums carry the overflow to every rank, unchecked)
+    (2, ["--replicas", "2", "--microbatches", "2", "--batch", "8", "--grad-scaler",
+         "--inject-overflow", "1"], "bert"),
+    # (BERT untied, so that no parameter has two holders, and a scale of 1 at the overflow: a
+    # unit loss gradient, whose overflow check travels with the loss gradient's all-reduce
+    # under 1F1B; the halved scale after it takes the usual path)
+    (3, ["--replicas", "1,1,1", "--microbatches", "2", "--batch", "8", "--schedule", "1f1b",
+         "--grad-scaler", "--scaler-init", "1", "--inject-overflow", "1", "--untie"],
+     "bert,kwargs"),
 ]
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from rannc.graph.task_graph import eval_dim
 from rannc.pipeline.grads import GradReducer
@@ -47,6 +48,9 @@ class Call:
     used: set[str] = field(default_factory=set)  # batch outputs some rank back-propagates from
     stash: dict[str, torch.Tensor] | None = None  # eager: gradients for a unit loss gradient
     input_stash: dict[str, torch.Tensor] = field(default_factory=dict)  # eager: likewise
+    reducing: bool = False  # eager: the gradient reducer's buckets started in forward()
+    # the scalar outputs' all-reduce once started (`Executor.share_scalars`): names, sums, work
+    scalar_share: tuple[list[str], torch.Tensor, Any] | None = None
     t0: float = 0.0
 
 
@@ -63,6 +67,8 @@ class Executor:
         self._has_consumers = {s: bool(schedule.consumers(s)) for s in self.stages}
         self._split = {s: schedule.splits_backward(s) for s in self.stages}  # B and W apart
         self._keeps_inputs = routes.has_batch_grad_outputs()
+        # the stages of this rank computing a scalar output (a loss): its pieces add up there
+        self._scalar_stages = {routes.out_stage[v] for v in routes.scalar_outputs()} & set(self.stages)
         self.trace = trace
         self.events: list[Event] = []  # the last call's actions, when tracing
 
@@ -77,12 +83,19 @@ class Executor:
     # -- the line ------------------------------------------------------------------------------
     def run(self, call: Call, acts: Sequence[Action], scalars: dict[str, torch.Tensor],
             scalar_g: dict[str, torch.Tensor] | None = None, arm: Action | None = None) -> None:
-        """Run `acts`; `arm`: the action before which the gradient reducer is armed."""
-        for a in acts:
+        """Run `acts`; `arm`: the action before which the gradient reducer is armed. The scalar
+        outputs' all-reduce starts as soon as this rank's last piece of them is in (and the
+        layout is agreed), so that the ranks do not meet for it at the end of the call."""
+        last = max((i for i, a in enumerate(acts) if a.op is Op.F and a.stage in self._scalar_stages
+                    and not call.micro[(a.stage, a.micro)].empty), default=-1)
+        for i, a in enumerate(acts):
+            if scalars and call.scalar_share is None and i > last and call.transport.guess is None:
+                self.share_scalars(call, scalars)
             mic = call.micro[(a.stage, a.micro)]
             if mic.empty:
                 continue
             if a == arm:
+                call.transport.settle()  # (the buckets are collectives: not on a guessed layout)
                 self.grads.arm()
             t0 = time.perf_counter() if self.trace else 0.0
             # A named range per action (F0.3: forward of stage 0, microbatch 3) in torch.profiler traces.
@@ -91,6 +104,23 @@ class Executor:
             if self.trace:
                 self.events.append(Event(a, t0 - call.t0, time.perf_counter() - call.t0))
             call.transport.poll()  # the held-back transfers go as soon as they can
+
+    def share_scalars(self, call: Call, scalars: Mapping[str, torch.Tensor]) -> None:
+        """Start the all-reduce of this rank's sums of the scalar outputs' pieces (its stages'
+        share of each; zeros elsewhere). Every rank starts it once per call, after the call's
+        layout is agreed (a collective must not start on a guessed layout)."""
+        names = sorted(scalars)
+        flat = torch.stack([scalars[v] for v in names])
+        call.scalar_share = (names, flat, dist.all_reduce(flat, async_op=True))
+
+    def shared_scalars(self, call: Call, scalars: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The scalar outputs' global sums (starting their all-reduce if not yet started)."""
+        if call.scalar_share is None:
+            self.share_scalars(call, scalars)
+        assert call.scalar_share is not None
+        names, flat, work = call.scalar_share
+        work.wait()
+        return dict(zip(names, flat, strict=True))
 
     def _run_action(self, call: Call, a: Action, mic: Micro, scalars: dict[str, torch.Tensor],
                     scalar_g: dict[str, torch.Tensor] | None) -> None:

@@ -28,7 +28,15 @@ for its rows (W = world size) and the average of the scalar outputs'
 gradients; each (microbatch, replica) piece of a scalar output carries the
 weight rows/N of the global row-weighted mean; parameter gradients are then
 summed over every rank holding the parameter (stage replicas, tied copies), in
-buckets started during the last backward (`rannc.pipeline.grads`).
+buckets started during the last microbatch's backward (`rannc.pipeline.grads`),
+inside forward() under the eager schedules, whose backward runs for a unit loss
+gradient: backward() scales the sums by the real one (gradients are linear in it).
+
+The ranks meet three times a step at most: for the scalar outputs (an all-reduce each rank
+starts once its own pieces are in, mid-line, and waits for at the end of the call), at the
+start of backward() (the loss gradients) and after the gradient buckets (the overflow and
+got-a-gradient flags, one all-reduce; under an eager schedule without shared parameters it
+travels with the loss gradients instead).
 
 Index conventions: s, t stages; m microbatches; j replicas; r ranks.
 """
@@ -41,6 +49,7 @@ import math
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -57,13 +66,23 @@ from rannc.graph.extract import StageGraph, check_buffer_writes_stay_in_one_stag
 from rannc.graph.task_graph import ValueKind
 from rannc.pipeline import batchnorm as bnorm
 from rannc.pipeline.executor import Call, Executor
-from rannc.pipeline.grads import GradReducer, ParamGroup, share_overflow
+from rannc.pipeline.grads import GradReducer, ParamGroup, not_finite
 from rannc.pipeline.routes import Routes
 from rannc.pipeline.rows import RowLayout
 from rannc.pipeline.stage import Part, Stage, build_parts
 from rannc.pipeline.transport import Guess, LayoutChanged, Tags, Transport
 from rannc.plans import Plan
-from rannc.schedule import FILL_DRAIN, Event, Op, Schedule, ScheduleError, get_spec, make_schedule, validate
+from rannc.schedule import (
+    FILL_DRAIN,
+    Action,
+    Event,
+    Op,
+    Schedule,
+    ScheduleError,
+    get_spec,
+    make_schedule,
+    validate,
+)
 
 if TYPE_CHECKING:
     from rannc.validate import CallAgreement
@@ -117,7 +136,9 @@ class PipelineRuntime:
             self.parts[s] = build_parts(captured, atomic, self.stages, groups, s, n_rec, wrap_stage)
         self.rec_part, self.keep_part = self.parts[self.s]  # the first stage's
         self.grads = GradReducer(self.held, param_groups, self.routes.first_use(),
-                                 int(bucket_mb * 2**20), self._accumulations())
+                                 int(bucket_mb * 2**20), self._accumulations(),
+                                 shared=self._shared_names(), device=device,
+                                 everywhere=self._everyone_holds_everything())
         self._bn = self._batch_norm(batchnorm)
         bn_tasks = set(bnorm.training_batch_norms(self.cap.gm, self.graph))
         self._bn_stages = [t for t, st in enumerate(self.stages)
@@ -144,7 +165,8 @@ class PipelineRuntime:
                         "the loss as sum / %s inside the model for the exact global value",
                         COUNT_KWARG, COUNT_KWARG)
         self._late_logged = False
-        # a stand-in parameter in the optimizer of a rank that holds none (see _share_overflow)
+        self._last_sync = True  # the last backward was synchronised (no local sums pending)
+        # a stand-in parameter in the optimizer of a rank that holds none (see _stand_in)
         self.placeholder: nn.Parameter | None = None
         # (digest, every rank's local batch size) of the last call: the guess for the next one.
         self._agreed: tuple[int, list[int]] | None = None
@@ -259,6 +281,16 @@ class PipelineRuntime:
                 out[i] = out.get(i, 0) + 1
         return out
 
+    def _everyone_holds_everything(self) -> bool:
+        """Every rank holds every parameter (one stage, replicated on every rank)."""
+        holders = self.plan.holders()
+        return bool(holders) and all(len(set(r)) == self.world_size for r in holders.values())
+
+    def _shared_names(self) -> list[str]:
+        """Every parameter name more than one rank holds, in the same order on every rank."""
+        holders = self.plan.holders()
+        return sorted(n for n in holders if len(set(holders[n])) > 1)
+
     def _param_groups(self) -> list[ParamGroup]:
         """(ranks, parameter names, process group) per distinct set of holding ranks.
 
@@ -352,29 +384,52 @@ class PipelineRuntime:
         elif mode == "split":
             acts = self._forward_line
         if mode == "eager":
-            before = {n: p.grad for n, p in self.held.items()}
-            for p in self.held.values():
-                p.grad = None
-            try:
-                self.executor.run(call, acts, scalars)
-                call.stash = {n: p.grad for n, p in self.held.items() if p.grad is not None}
-                call.input_stash = self.executor.receive_input_grads(call)
-            finally:
-                for n, p in self.held.items():
-                    p.grad = before[n]
+            self._run_eager(call, acts, scalars)
         else:
             self.executor.run(call, acts, scalars)
         if self._bn.sites:  # the running statistics, once per call (every replica)
             self._bn.finish_call(buffers, self.device)
         return self._collect_outputs(call, scalars)
 
+    def _run_eager(self, call: Call, acts: Sequence[Action],
+                   scalars: dict[str, torch.Tensor]) -> None:
+        """An eager schedule's whole line, seeded with a unit loss gradient; the gradients go
+        aside (`Call.stash`) and `.grad` shows what it held before until backward() commits.
+
+        Where parameters have several holders, their buckets start during this line's last
+        backward, as under fill-drain (gradients are linear in the loss gradient: backward()
+        scales the sums). Not after a no_sync() backward (its pending local sums must not be
+        scaled), and only when the next backward is synchronised too (`backward` checks)."""
+        call.reducing = self.sync and self._last_sync and bool(self.grads.shared)
+        before = {n: p.grad for n, p in self.held.items()}
+        if call.reducing:
+            self.grads.begin()  # (sets .grad aside as below, and remembers it)
+        for p in self.held.values():
+            p.grad = None
+        last = self._last_final(call, acts)
+        try:
+            self.executor.run(call, acts, scalars,
+                              arm=last if last is not None and call.reducing else None)
+            call.stash = {n: p.grad for n, p in self.held.items() if p.grad is not None}
+            if call.reducing:
+                call.transport.settle()  # (collectives start only on an agreed layout)
+                self.grads.prepare_rest()
+            call.input_stash = self.executor.receive_input_grads(call)
+        finally:
+            for n, p in self.held.items():
+                p.grad = before[n]
+
+    def _last_final(self, call: Call, acts: Sequence[Action]) -> Action | None:
+        """The action of `acts` after which this rank's gradients are final: the last
+        microbatch's backward, or its W where the schedule splits it off."""
+        final = Op.W if any(self.schedule.splits_backward(s) for s in self.mine) else Op.B
+        last = [a for a in acts if a.op is final and not call.micro[(a.stage, a.micro)].empty]
+        return last[-1] if last else None
+
     def _collect_outputs(self, call: Call, scalars: dict[str, torch.Tensor]) -> list[Any]:
         call.transport.settle()
         if scalars:
-            names = sorted(scalars)
-            flat = torch.stack([scalars[v] for v in names])
-            dist.all_reduce(flat)
-            for v, x in zip(names, flat, strict=True):
+            for v, x in self.executor.shared_scalars(call, scalars).items():
                 scalars[v] = x.to(getattr(torch, self.graph.values[v].dtype))
         batch_out = self.executor.receive_outputs(call, scalars)
         call.transport.wait_sends()
@@ -429,72 +484,135 @@ class PipelineRuntime:
         if call is None:
             raise RaNNCError("backward() without a forward() whose outputs need gradients")
         self._call = None
-        w = float(self.world_size)
-        scalar_names = sorted(self.routes.scalar_outputs())
-        batch_names = sorted(v for v in self.routes.out_stage
-                             if v not in scalar_names and self.routes.is_float(v))
-        # One all-reduce: the scalar outputs' gradients (averaged, as DDP) and, per batch output,
-        # whether any rank back-propagates through it (unused ones send no zeros around).
-        vec = [_grad_or_zero(grad_of.get(v)) for v in scalar_names]
-        vec += [torch.tensor(float(_nonzero(grad_of.get(v))), dtype=torch.float64)
-                for v in batch_names]
-        flat = torch.stack(vec) if vec else torch.zeros(0, dtype=torch.float64)
-        dist.all_reduce(flat)
-        scalar_g = {v: x / w for v, x in zip(scalar_names, flat, strict=False)}
-        call.used = {v for v, x in zip(batch_names, flat[len(scalar_names):], strict=True) if x > 0}
-        batch_used = bool(call.used)
+        if call.reducing and not self.sync:
+            raise RaNNCError(
+                f"backward() under no_sync() after a forward() outside it: under schedule "
+                f"{self.spec.name!r} the gradients' all-reduce starts inside forward(), so "
+                "no_sync() must hold the forward call too (as DistributedDataParallel.no_sync "
+                "requires): with model.no_sync(): loss = model(...); loss.backward()")
+        agreed = self._agree_on_loss_gradients(call, grad_of)
+        if call.reducing:
+            return self._finish_eager(call, grad_of, agreed.seeds[self._loss])
         self.grads.begin()
         if call.mode == "split":
             self.executor.send_output_grads(call, grad_of)
             rest = self.line[len(self._forward_line):]
             # the last microbatch's backward (its W where split off) makes gradients final:
             # buckets start from there
-            final = Op.W if any(self.schedule.splits_backward(s) for s in self.mine) else Op.B
-            last = [a for a in rest if a.op is final and not call.micro[(a.stage, a.micro)].empty]
-            self.executor.run(call, rest, {}, scalar_g, arm=last[-1] if last and self.sync else None)
+            last = self._last_final(call, rest)
+            self.executor.run(call, rest, {}, agreed.seeds,
+                              arm=last if last is not None and self.sync else None)
             in_grads = self.executor.receive_input_grads(call)
         else:
-            g = scalar_g[self._loss]
-            assert call.stash is not None
-            # The usual loss.backward() brings a gradient of exactly 1: the stashed gradients
-            # are then the gradients (x * 1.0 is x, bit for bit), without a multiply and a new
-            # tensor per parameter and step.
-            unit = bool(g == 1)
-            for n, p in self.held.items():
-                st = call.stash.get(n)
-                if st is not None:
-                    p.grad = st if unit else st * g.to(st.dtype)
-            in_grads = {v: x if unit else x * g.to(x.dtype) for v, x in call.input_stash.items()}
-            if batch_used:
-                if self.rank == 0 and not self._late_logged:
-                    log.info("rannc: a batch output of the model received a gradient, so each %s "
-                             "iteration adds a recomputing backward pass for it; compute the loss "
-                             "inside the model, or detach other outputs, to avoid it",
-                             self.plan.schedule)
-                    self._late_logged = True
-                self.executor.late_pass(call, grad_of)
-                for v, x in self.executor.receive_input_grads(call).items():
-                    in_grads[v] = in_grads[v] + x if v in in_grads else x
+            in_grads = self._commit_eager(call, grad_of, agreed.seeds[self._loss])
         with torch.profiler.record_function("rannc reduce gradients"):
-            self.grads.finish(self.sync)
-            if self.sync:
-                self._share_overflow()
+            self.grads.finish(self.sync, self._stand_in(), agreed.overflow)
+        self._last_sync = self.sync
         call.transport.wait_sends()
         self.iteration_s = time.perf_counter() - call.t0
+        return in_grads
+
+    def _agree_on_loss_gradients(self, call: Call,
+                                 grad_of: dict[str, torch.Tensor | None]) -> _LossGradients:
+        """One all-reduce: the scalar outputs' gradients (averaged, as DDP) and, per batch
+        output, whether any rank back-propagates through it (unused ones send no zeros around);
+        see `_early_overflow` for what else it may carry."""
+        w = float(self.world_size)
+        scalar_names = sorted(self.routes.scalar_outputs())
+        batch_names = sorted(v for v in self.routes.out_stage
+                             if v not in scalar_names and self.routes.is_float(v))
+        vec = [_grad_or_zero(grad_of.get(v)) for v in scalar_names]
+        vec += [torch.tensor(float(_nonzero(grad_of.get(v))), dtype=torch.float64)
+                for v in batch_names]
+        early = self._early_overflow(call)
+        vec += [torch.tensor(float(x), dtype=torch.float64) for x in early or ()]
+        flat = torch.stack(vec) if vec else torch.zeros(0, dtype=torch.float64)
+        dist.all_reduce(flat)
+        seeds = {v: x / w for v, x in zip(scalar_names, flat, strict=False)}
+        n_s, n_b = len(scalar_names), len(batch_names)
+        call.used = {v for v, x in zip(batch_names, flat[n_s:n_s + n_b], strict=True) if x > 0}
+        # Under an eager schedule without gradients to reduce across ranks, the gradients are
+        # the stash itself when the loss gradient is 1, nothing was accumulated before and no
+        # late pass runs: then every rank knows from this all-reduce whether some rank's are not
+        # finite, and the gradient reducer need not meet the others again.
+        overflow: tuple[bool, bool] | None = None
+        if early is not None and not call.used and bool(seeds[self._loss] == 1) \
+                and float(flat[-1]) == 0:
+            overflow = (float(flat[-2]) > 0, early[0])
+        return _LossGradients(seeds, overflow)
+
+    def _finish_eager(self, call: Call, grad_of: dict[str, torch.Tensor | None],
+                      g: torch.Tensor) -> dict[str, torch.Tensor]:
+        """backward() of an eager call whose gradients are being summed since forward(): the
+        sums scaled by the loss gradient; a late pass's gradients summed in a second round."""
+        unit = bool(g == 1)
+        in_grads = {v: x if unit else x * g.to(x.dtype) for v, x in call.input_stash.items()}
+        with torch.profiler.record_function("rannc reduce gradients"):
+            self.grads.rebase()  # (.grad may have been zeroed or replaced since forward())
+            self.grads.finish(True, self._stand_in(), None, None if unit else g)
+        if call.used:
+            self._log_late_pass()
+            self.grads.begin()
+            self.executor.late_pass(call, grad_of)
+            for v, x in self.executor.receive_input_grads(call).items():
+                in_grads[v] = in_grads[v] + x if v in in_grads else x
+            with torch.profiler.record_function("rannc reduce gradients"):
+                self.grads.finish(True, self._stand_in())
+        self._last_sync = True
+        call.transport.wait_sends()
+        self.iteration_s = time.perf_counter() - call.t0
+        return in_grads
+
+    def _log_late_pass(self) -> None:
+        if self.rank == 0 and not self._late_logged:
+            log.info("rannc: a batch output of the model received a gradient, so each %s "
+                     "iteration adds a recomputing backward pass for it; compute the loss "
+                     "inside the model, or detach other outputs, to avoid it", self.plan.schedule)
+            self._late_logged = True
+
+    def _commit_eager(self, call: Call, grad_of: dict[str, torch.Tensor | None],
+                      g: torch.Tensor) -> dict[str, torch.Tensor]:
+        """An eager schedule's backward(): the gradients stashed in forward() for a unit loss
+        gradient, scaled by the real one, and the late pass for batch outputs' gradients."""
+        assert call.stash is not None
+        # The usual loss.backward() brings a gradient of exactly 1: the stashed gradients
+        # are then the gradients (x * 1.0 is x, bit for bit), without a multiply and a new
+        # tensor per parameter and step.
+        unit = bool(g == 1)
+        for n, p in self.held.items():
+            st = call.stash.get(n)
+            if st is not None:
+                p.grad = st if unit else st * g.to(st.dtype)
+        in_grads = {v: x if unit else x * g.to(x.dtype) for v, x in call.input_stash.items()}
+        if call.used:
+            self._log_late_pass()
+            self.executor.late_pass(call, grad_of)
+            for v, x in self.executor.receive_input_grads(call).items():
+                in_grads[v] = in_grads[v] + x if v in in_grads else x
         return in_grads
 
     @property
     def _loss(self) -> str:
         return next(v for v in self.routes.scalar_outputs() if self.routes.is_float(v))
 
-    def _share_overflow(self) -> None:
-        """A non-finite gradient on any rank shows on every rank (`grads.share_overflow`); a
-        rank holding no parameter answers with its optimizer's stand-in."""
-        grads = [p.grad for p in self.grads.held.values() if p.grad is not None]
-        if self.placeholder is not None:
-            self.placeholder.grad = torch.zeros_like(self.placeholder)
-            grads.append(self.placeholder.grad)
-        share_overflow(grads, self.device)
+    def _early_overflow(self, call: Call) -> tuple[bool, bool] | None:
+        """Eager, synchronised and no parameter held by several ranks: (this rank's stashed
+        gradients are not all finite, their check is not final because `.grad` held gradients
+        before); else None. The same on every rank (the loss gradient's all-reduce carries it)."""
+        if call.mode != "eager" or not self.sync or self.grads.shared:
+            return None
+        assert call.stash is not None
+        if any(p.grad is not None for p in self.held.values()):
+            return False, True
+        return not_finite(list(call.stash.values())), False
+
+    def _stand_in(self) -> list[torch.Tensor]:
+        """A rank holding no parameter answers the overflow check with its optimizer's stand-in
+        (zero gradient, marked when another rank overflowed, so its GradScaler skips too)."""
+        if self.placeholder is None or not self.sync:
+            return []
+        self.placeholder.grad = torch.zeros_like(self.placeholder)
+        return [self.placeholder.grad]
 
     def first_names(self) -> dict[int, str]:
         """id of each parameter tensor -> its first name (the key of `owners`)."""
@@ -606,6 +724,15 @@ def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None], device: torc
     torch.set_rng_state(state[0])
     if state[1] is not None:
         torch.cuda.set_rng_state(state[1], device)
+
+
+@dataclass(frozen=True, slots=True)
+class _LossGradients:
+    """What the ranks agreed on at the start of backward(): the seeds of the scalar outputs'
+    backward, and the overflow where already known (`_early_overflow`)."""
+
+    seeds: dict[str, torch.Tensor]
+    overflow: tuple[bool, bool] | None
 
 
 def _nonzero(g: torch.Tensor | None) -> bool:

@@ -165,6 +165,12 @@ def main() -> None:
     p.add_argument("--shares", default="", help="row shares per stage, e.g. '3,1;1'")
     p.add_argument("--loss-scale", type=float, default=1.0, help="backward of loss * this")
     p.add_argument("--grad-scaler", action="store_true", help="torch.amp.GradScaler on both")
+    p.add_argument("--untie", action="store_true",
+                   help="the Hugging Face models' output embedding a parameter of its own (no "
+                        "parameter held by two stages)")
+    p.add_argument("--scaler-init", type=float, default=2.0 ** 10,
+                   help="the GradScalers' initial scale (1: the loss gradient is exactly 1 until "
+                        "the first overflow halves it)")
     p.add_argument("--trace", default="", help="record events and write the trace files here")
     p.add_argument("--eval-check", action="store_true", help="an eval call after training")
     p.add_argument("--eval-every", type=int, default=0,
@@ -193,6 +199,10 @@ def main() -> None:
 def check_model(a: argparse.Namespace, name: str, ctx: rdist.DistContext) -> None:
     rank, world = ctx.rank, ctx.world_size
     case = make_case(name, batch=a.batch, seed=0)
+    if a.untie and hasattr(case.model, "get_output_embeddings"):
+        head = case.model.get_output_embeddings()
+        case.model.config.tie_word_embeddings = False
+        head.weight = torch.nn.Parameter(head.weight.detach().clone())
     torch.manual_seed(1)
     y = torch.randint(0, 5, (a.batch,))
     sizes = [int(r) for r in a.rows.split(",")] if a.rows else local_sizes(a.batch, world)
@@ -228,8 +238,8 @@ def check_model(a: argparse.Namespace, name: str, ctx: rdist.DistContext) -> Non
     opt_w = torch.optim.AdamW(case.model.parameters(), lr=1e-2, eps=1e-4)
     opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-4)
     model = rannc.RaNNCModule(case.model, opt_w, **opts)
-    scaler_w = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
-    scaler_r = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    scaler_w = torch.amp.GradScaler("cpu", init_scale=a.scaler_init)
+    scaler_r = torch.amp.GradScaler("cpu", init_scale=a.scaler_init)
     l_args = [rows_of(x, mine, a.batch) for x in case.args]
     l_kwargs = {k: rows_of(v, mine, a.batch) for k, v in case.kwargs.items()}
     ref_names = dict(ref.named_parameters())

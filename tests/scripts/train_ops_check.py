@@ -29,6 +29,7 @@ from model_zoo import make_case  # noqa: E402
 
 import rannc  # noqa: E402
 from rannc import dist as rdist  # noqa: E402
+from rannc.schedule import get_spec  # noqa: E402
 
 RTOL, ATOL = 1e-5, 1e-6
 # Parameters after many Adam steps: Adam divides each gradient by its own running scale, so the
@@ -152,6 +153,40 @@ def check_accumulation(pr: Pair) -> None:
     pr.check_params("accumulated step")
 
 
+def check_no_sync_around_backward_only(pr: Pair) -> None:
+    """Under 1F1B with parameters several ranks hold, their all-reduce starts in forward(), so
+    a forward outside no_sync() whose backward runs inside it is refused, on every rank alike
+    (as DDP decides at forward); the next calls run as usual."""
+    plan = pr.model.plan
+    assert plan is not None
+    if not get_spec(plan.schedule).eager or all(len(set(r)) < 2 for r in plan.holders().values()):
+        return
+    pr.zero_grad()
+    loss = pr.loss(0)
+    try:
+        with pr.model.no_sync():
+            loss.backward()
+    except rannc.RaNNCError as e:
+        assert "no_sync() must hold the forward call too" in str(e), str(e)
+    else:
+        raise AssertionError(f"{pr.tag}: backward under no_sync after a forward outside it did not raise")
+    pr.zero_grad()
+
+
+def check_zero_grad_between_forward_and_backward(pr: Pair) -> None:
+    """`loss = model(x); opt.zero_grad(); loss.backward()`: the gradients are this backward's
+    alone, though the schedules that run backward inside forward() start summing them there,
+    while `.grad` still held the last step's."""
+    pr.zero_grad()
+    pr.loss(1).backward()  # last step's gradients, in .grad when the next forward runs
+    loss = pr.loss(0)
+    pr.zero_grad()
+    loss.backward()
+    pr.ref_loss(0).backward()
+    pr.check_grads("zero_grad between forward and backward")
+    pr.zero_grad()
+
+
 Factory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 SchedFactory = Callable[[torch.optim.Optimizer], Any]
 
@@ -211,6 +246,8 @@ def main() -> None:
             check_clip(pr)
         if "accum" in checks:
             check_accumulation(pr)
+            check_no_sync_around_backward_only(pr)
+            check_zero_grad_between_forward_and_backward(pr)
         if "optim" in checks:
             check_optimizers(pr, a.steps)
         plan = pr.model.plan
