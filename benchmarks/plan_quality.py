@@ -134,8 +134,8 @@ def build(kind: str, a: tuple[int, ...]) -> tuple[Any, tuple[Any, ...], dict[str
 
 def _llm(kind: str, a: tuple[int, ...]) -> tuple[Any, tuple[Any, ...], dict[str, Any], int, Layers]:
     """A Hugging Face decoder LLM of the given shape (on the meta device: the caller's
-    `torch.device("meta")`), called on input_ids and labels; layers: embeddings, each decoder
-    layer, final norm + LM head."""
+    `torch.device("meta")`) returning its loss alone (`_LossOnly`), called on input_ids and
+    labels; layers: embeddings, each decoder layer, final norm + LM head."""
     import torch
     import transformers as tr
 
@@ -151,9 +151,23 @@ def _llm(kind: str, a: tuple[int, ...]) -> tuple[Any, tuple[Any, ...], dict[str,
         model = tr.MixtralForCausalLM(tr.MixtralConfig(**common, num_local_experts=experts,
                                                        num_experts_per_tok=2))
     ids = torch.zeros(batch, seq, dtype=torch.long)
-    layers = ([["model.embed_tokens", "model.rotary_emb"]] + [[f"model.layers.{i}"] for i in range(L)]
-              + [["model.norm", "lm_head"]])
-    return model, (), {"input_ids": ids, "labels": ids}, batch, layers
+    layers = ([["lm.model.embed_tokens", "lm.model.rotary_emb"]]
+              + [[f"lm.model.layers.{i}"] for i in range(L)] + [["lm.model.norm", "lm.lm_head"]])
+    return _LossOnly(model), (), {"input_ids": ids, "labels": ids}, batch, layers
+
+
+class _LossOnly(__import__("torch").nn.Module):  # type: ignore[misc]
+    """The LLM returning its loss alone, as a training loop reads it and as torchtitan's last
+    stage computes it: a Hugging Face causal LM also returns its logits, which rannc holds
+    until the call returns (the memory model counts them: 64 x 4096 x 128,256 fp32 logits are
+    134 GB of one global batch, so no plan of these shapes would fit at 8 or 16 devices)."""
+
+    def __init__(self, lm: Any) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids: Any, labels: Any) -> Any:
+        return self.lm(input_ids=input_ids, labels=labels).loss
 
 
 def minmax_bounds(weights: Sequence[float], S: int) -> list[int] | None:
@@ -355,14 +369,18 @@ def one(name: str, kind: str, a: tuple[int, ...], device: str, worlds: Sequence[
                             x < y for x, y in zip(b, b[1:], strict=False)):
                         splits[peer] = b
             distinct = sorted({tuple(b) for b in splits.values()})
-            plans = plan_splits(g, at, cluster, cfg, batch_size=batch, block_of=layer_of,
-                                splits=[(list(b), [W // S] * S) for b in distinct], costs=costs)
-            by_split = dict(zip(distinct, plans, strict=True))
-            for peer, b in splits.items():
-                pl = by_split[tuple(b)]
-                if pl is not None and (peer not in best or pl.predicted_iteration_time < best[peer]["time"]):
-                    best[peer] = {"time": pl.predicted_iteration_time, "S": S, "m": pl.microbatches,
-                                  "schedule": pl.schedule, "bounds": b}
+            # the LLM baselines get ZeRO-1 too where it is faster, as rannc's zero_stage "auto"
+            for zcfg in (cfg, rannc.Config(blocks=blocks, zero_stage=1)) if llm else (cfg,):
+                plans = plan_splits(g, at, cluster, zcfg, batch_size=batch, block_of=layer_of,
+                                    splits=[(list(b), [W // S] * S) for b in distinct], costs=costs)
+                by_split = dict(zip(distinct, plans, strict=True))
+                for peer, b in splits.items():
+                    pl = by_split[tuple(b)]
+                    if pl is not None and (peer not in best
+                                           or pl.predicted_iteration_time < best[peer]["time"]):
+                        best[peer] = {"time": pl.predicted_iteration_time, "S": S,
+                                      "m": pl.microbatches, "schedule": pl.schedule, "bounds": b,
+                                      "zero": pl.zero_stage}
         for peer in (LLM_BASELINES if llm else PEERS):
             fn = splitters[peer]
             row[peer] = best.get(peer, {"status": fn if isinstance(fn, str) else "no split fits"})
@@ -378,7 +396,8 @@ def cell(r: dict[str, Any]) -> str:
     if "time" not in r:
         return r["status"]
     if "S" in r:  # a peer: S stages x W/S replicas each
-        return f"{r['time']:.4g} (S={r['S']}, m={r['m']}, {r['schedule']})"
+        zero = ", ZeRO-1" if r.get("zero") else ""
+        return f"{r['time']:.4g} (S={r['S']}, m={r['m']}, {r['schedule']}{zero})"
     reps = r["replicas"]
     stages = f"{len(reps)} stage{'' if len(reps) == 1 else 's'}"
     shape = f"{stages} x {reps[0]}" if len(set(reps)) == 1 else f"replicas {reps}"

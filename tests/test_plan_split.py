@@ -95,3 +95,16 @@ def test_bad_splits_are_refused_with_their_values(bert: tuple) -> None:
         plan_split(g, at, cluster, rannc.Config(mem_limit_gb=1e-4), batch_size=32,
                    block_of=[0] * (n // 2) + [1] * (n - n // 2), bounds=[0, 1, 2], replicas=[1, 1],
                    costs=costs)
+
+
+def test_a_split_costed_with_zero_1_says_so(bert: tuple) -> None:
+    """A split planned under zero_stage=1 was costed with the replicas' optimizer state sharded,
+    so its plan must deploy with ZeRO-1 (zero_stage 1), as plan_graph's plans do; without it the
+    plan would run unsharded beyond the memory it was costed in."""
+    g, at, costs = bert
+    n = len(at.components)
+    cluster = rannc.Cluster.homogeneous(SPEC, n=2, per_node=2)
+    for zero in (0, 1):
+        p = plan_split(g, at, cluster, rannc.Config(microbatches=2, schedule="gpipe", zero_stage=zero),
+                       batch_size=32, block_of=[0] * n, bounds=[0, 1], replicas=[2], costs=costs)
+        assert p.zero_stage == zero

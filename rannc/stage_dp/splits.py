@@ -5,6 +5,7 @@ split (`benchmarks/plan_quality.py`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -80,7 +81,10 @@ def plan_splits(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, con
                 old = best[i]
                 if ref is not None and (old is None or ref.time < old.time * (1 - 1e-9)):
                     best[i] = ref
-    return [None if b is None else to_plan(graph, atomic, costs, b, block_of, cluster.size, batch_size)
+    # costed with ZeRO-1 (memory_model reads config.zero_stage): the plan says so, as plan_graph's
+    zero = 1 if config.zero_stage == 1 else 0
+    return [None if b is None else dataclasses.replace(
+        to_plan(graph, atomic, costs, b, block_of, cluster.size, batch_size), zero_stage=zero)
             for b in best]
 
 
