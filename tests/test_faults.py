@@ -70,10 +70,17 @@ def test_a_rank_killed_under_mpiexec_ends_the_job_and_its_pid_names_the_rank() -
     # Hydra SIGKILLs every rank the moment one dies, so nobody can speak after it; Hydra names
     # the dead pid, and rannc's start-up line maps pids to ranks.
     # Now and then rank 0's watchdog sees the dead pid before Hydra acts, and names it itself.
-    res, seconds = launch("mpiexec", "--where", "backward", "--how", "die")
-    text = assert_failed_cleanly(res, seconds, TIMEOUT_S)
-    pids = dict(re.findall(r"rank (\d+) pid (\d+) on", text))
-    assert f"PID {pids['1']} " in text or f"rank 1 (pid {pids['1']}) died at step 3" in text, text
+    # On a loaded machine Hydra (mpich 4) has once named the pid of rank 0, which it had just
+    # killed itself in the clean-up (both exit with signal 9): one more launch for that race.
+    for attempt in range(2):
+        res, seconds = launch("mpiexec", "--where", "backward", "--how", "die")
+        text = assert_failed_cleanly(res, seconds, TIMEOUT_S)
+        pids = dict(re.findall(r"rank (\d+) pid (\d+) on", text))
+        named = f"PID {pids['1']} " in text or f"rank 1 (pid {pids['1']}) died at step 3" in text
+        if named or attempt == 1:
+            break
+        assert f"PID {pids['0']} " in text, text  # the race: Hydra named the other rank
+    assert named, text
 
 
 def test_a_rank_skipping_backward_is_a_timeout_error_not_a_hang() -> None:
