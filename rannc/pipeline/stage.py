@@ -174,19 +174,25 @@ class Stage:
         if self.keep_part is not None and mic.kept is not None:
             _backward(mic.kept, [grad_of.get(v) for v in self.keep_part.graph.outputs])
         if self.rec_part is not None:
-            if mic.rec is None:
-                self.recompute(mic)
-            assert mic.rec is not None
-            gs = []
-            for v in self.rec_part.graph.outputs:
-                g, link = grad_of.get(v), mic.links.get(v)
-                if link is not None and link.grad is not None:
-                    g = link.grad if g is None else g + link.grad
-                gs.append(g)
-            _backward(mic.rec, gs)
+            _backward(*self._recomputed_grads(mic, grad_of))
         mic.in_grads = self.input_grads(mic.ins, grad_inputs)
         mic.ins = mic.kept = mic.rec = mic.out_grads = None
         mic.links = {}
+
+    def _recomputed_grads(self, mic: Micro, grad_of: dict[str, Any]) -> tuple[list[Any], list[Any]]:
+        """The recomputed part's outputs and their gradients (recomputing it first if the schedule has not):
+        from the later stage, plus what the kept part sent back into its values (`mic.links`)."""
+        assert self.rec_part is not None
+        if mic.rec is None:
+            self.recompute(mic)
+        assert mic.rec is not None
+        gs = []
+        for v in self.rec_part.graph.outputs:
+            g, link = grad_of.get(v), mic.links.get(v)
+            if link is not None and link.grad is not None:
+                g = link.grad if g is None else g + link.grad
+            gs.append(g)
+        return mic.rec, gs
 
     def backward_input(self, mic: Micro, grad_inputs: frozenset[str]) -> None:
         """B of a split backward (zero-bubble schedules): as `backward`, but into the stage
@@ -203,16 +209,8 @@ class Stage:
             passes.append(backward_input(mic.kept, [grad_of.get(v) for v in self.keep_part.graph.outputs],
                                          leaves + list(mic.links.values()), self.weights))
         if self.rec_part is not None:
-            if mic.rec is None:
-                self.recompute(mic)
-            assert mic.rec is not None
-            gs = []
-            for v in self.rec_part.graph.outputs:
-                g, link = grad_of.get(v), mic.links.get(v)
-                if link is not None and link.grad is not None:
-                    g = link.grad if g is None else g + link.grad
-                gs.append(g)
-            passes.append(backward_input(mic.rec, gs, leaves, self.weights))
+            rec, gs = self._recomputed_grads(mic, grad_of)
+            passes.append(backward_input(rec, gs, leaves, self.weights))
         mic.in_grads = self.input_grads(mic.ins, grad_inputs)
         mic.weight = passes
         mic.ins = mic.kept = mic.rec = mic.out_grads = None
