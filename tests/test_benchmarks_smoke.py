@@ -155,6 +155,15 @@ def test_runtime_peers_benchmark() -> None:
 
 
 @pytest.mark.layer("multi_rank")
+def test_data_parallel_benchmark() -> None:
+    """rannc's one stage x 2 against DDP in the same processes: a row with both speeds, and the
+    same losses (the worker exits non-zero when they differ by more than 1e-5 here)."""
+    out = run("benchmarks/data_parallel.py", "--max-loss-gap", "1e-5")
+    rows = [ln.split("|")[1:-1] for ln in out.splitlines() if ln.startswith("| bert | 2 |")]
+    assert len(rows) == 1 and float(rows[0][2]) > 0 and float(rows[0][3]) > 0, out
+
+
+@pytest.mark.layer("multi_rank")
 def test_capacity_benchmark() -> None:
     """The planner-side table (rannc fits at least what DDP fits: DDP's layout is one of its
     candidates) and the measured rows of both runs."""

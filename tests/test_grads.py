@@ -178,6 +178,47 @@ def test_an_overflow_elsewhere_marks_this_ranks_first_gradient(group: object) ->
     assert all(bool(torch.isfinite(p.grad).all()) for p in list(model.parameters())[1:])
 
 
+def test_pure_data_parallelism_with_rows_on_every_replica_meets_no_more_after_the_buckets(
+        group: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every rank holds every parameter and every replica computed rows (`same_got`): the
+    got-a-gradient flags are the same on every rank and a non-finite sum shows on every rank,
+    so `finish` runs the buckets' all-reduces only; a parameter without a gradient still keeps
+    None. Without either condition the flags' all-reduce still runs."""
+    calls: list[int] = []
+    real = dist.all_reduce
+
+    def counted(t: torch.Tensor, *args: object, **kwargs: object) -> object:
+        calls.append(t.numel())
+        return real(t, *args, **kwargs)
+
+    monkeypatch.setattr(dist, "all_reduce", counted)
+    for everywhere, same_got, flags in ((True, True, False), (True, False, True), (False, True, True)):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        held = dict(model.named_parameters())
+        red = GradReducer(held, [((0,), list(held), group)], {n: i for i, n in enumerate(held)},
+                          1 << 20, {id(p): 1 for p in held.values()}, everywhere=everywhere)
+        calls.clear()
+        red.begin()
+        red.arm()
+        model[0](torch.randn(2, 4)).sum().backward()
+        red.finish(sync=True, same_got=same_got)
+        assert model[0].weight.grad is not None and model[1].weight.grad is None
+        # one bucket (the four parameters' 40 numbers), then the flags: [overflow, 4 names]
+        assert calls == ([40, 5] if flags else [40]), (everywhere, same_got, calls)
+
+
+@pytest.mark.layer("pure")
+def test_every_replica_computes_only_when_each_has_rows_in_some_microbatch() -> None:
+    from rannc.pipeline.rows import RowLayout
+
+    assert RowLayout([4, 4], 2, [[1.0, 1.0]]).every_replica_computes()
+    assert RowLayout([1, 0], 2, [[1.0, 1.0]]).every_replica_computes() is False  # one row, two replicas
+    assert RowLayout([2, 1], 3, [[1.0, 1.0]]).every_replica_computes() is False  # 1 row per microbatch
+    assert RowLayout([4, 2], 3, [[1.0, 1.0]]).every_replica_computes()
+    assert RowLayout([2, 2], 5, [[1.0]]).every_replica_computes()  # empty microbatches aside
+    assert RowLayout([2, 0], 1, [[1.0], [2.0, 1.0, 1.0]]).every_replica_computes() is False
+
+
 @pytest.mark.layer("pure")
 def test_bucket_mb_is_validated() -> None:
     assert rannc.Config(bucket_mb=0.5).bucket_mb == 0.5

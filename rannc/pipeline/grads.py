@@ -210,7 +210,7 @@ class GradReducer:
 
     def finish(self, sync: bool, extra: Sequence[torch.Tensor] = (),
                overflow: tuple[bool, bool] | None = None,
-               scale: torch.Tensor | None = None) -> None:
+               scale: torch.Tensor | None = None, same_got: bool = False) -> None:
         """After this rank's part of the backward: sum the gradients over their holders (or,
         unsynchronised, keep the local sums pending) and add what `.grad` held before.
 
@@ -225,7 +225,11 @@ class GradReducer:
         rank, on this one), which only a caller whose every rank holds no shared parameter and
         passes it may do. `scale`: a factor this backward's gradients still need (a backward
         run for a unit loss gradient), applied after the sum over the holders and before what
-        `.grad` held is added."""
+        `.grad` held is added. `same_got`: every rank got a gradient for the same parameters,
+        in this backward and in the pending no_sync() ones (the caller knows it the same way on
+        every rank: every replica computed rows in each of those calls, and their graphs are
+        the same); where every rank also holds every parameter, the ranks then need not meet
+        after the buckets at all (neither the flags nor the overflow check are needed)."""
         self._drop_hooks()
         st = self._state
         self._state = None
@@ -259,7 +263,9 @@ class GradReducer:
             if r is not None and scale is not None:
                 r.mul_(scale.to(r.dtype))
             final[n] = base if r is None else r if base is None else r.add_(base)
-        if overflow is None:
+        if same_got and self.everywhere:
+            got, self._overflow = st.got, (False, False)
+        elif overflow is None:
             got = self._share([g for g in final.values() if g is not None] + list(extra), st.got)
         else:
             got, self._overflow = st.got, overflow

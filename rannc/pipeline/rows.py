@@ -66,3 +66,9 @@ class RowLayout:
         self.micro = microbatch_ranges(self.n_rows, microbatches)
         # rows[s][m][j]: the rows replica j of stage s computes in microbatch m
         self.rows = [[split_by_shares(a, b, shares) for (a, b) in self.micro] for shares in stage_shares]
+
+    def every_replica_computes(self) -> bool:
+        """Whether every replica of every stage computes rows in some microbatch: then every
+        replica runs the same backward graph and gets a gradient for the same parameters."""
+        return all(any(per[j][0] < per[j][1] for per in stage) for stage in self.rows
+                   for j in range(len(stage[0])))

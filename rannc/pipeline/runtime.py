@@ -166,6 +166,9 @@ class PipelineRuntime:
                         COUNT_KWARG, COUNT_KWARG)
         self._late_logged = False
         self._last_sync = True  # the last backward was synchronised (no local sums pending)
+        # every replica computed rows in every call since the last synchronised backward: every
+        # rank got a gradient for the same parameters (`GradReducer.finish`'s `same_got`)
+        self._same_got = True
         # a stand-in parameter in the optimizer of a rank that holds none (see _stand_in)
         self.placeholder: nn.Parameter | None = None
         # (digest, every rank's local batch size) of the last call: the guess for the next one.
@@ -505,9 +508,11 @@ class PipelineRuntime:
             in_grads = self.executor.receive_input_grads(call)
         else:
             in_grads = self._commit_eager(call, grad_of, agreed.seeds[self._loss])
+        same = self._same_got = self._same_got and call.layout.every_replica_computes()
         with torch.profiler.record_function("rannc reduce gradients"):
-            self.grads.finish(self.sync, self._stand_in(), agreed.overflow)
+            self.grads.finish(self.sync, self._stand_in(), agreed.overflow, same_got=same)
         self._last_sync = self.sync
+        self._same_got = self._same_got or self.sync
         call.transport.wait_sends()
         self.iteration_s = time.perf_counter() - call.t0
         return in_grads
@@ -547,9 +552,11 @@ class PipelineRuntime:
         sums scaled by the loss gradient; a late pass's gradients summed in a second round."""
         unit = bool(g == 1)
         in_grads = {v: x if unit else x * g.to(x.dtype) for v, x in call.input_stash.items()}
+        # (reducing in forward() needs the backward before synchronised: nothing pending)
+        same = call.layout.every_replica_computes()
         with torch.profiler.record_function("rannc reduce gradients"):
             self.grads.rebase()  # (.grad may have been zeroed or replaced since forward())
-            self.grads.finish(True, self._stand_in(), None, None if unit else g)
+            self.grads.finish(True, self._stand_in(), None, None if unit else g, same_got=same)
         if call.used:
             self._log_late_pass()
             self.grads.begin()
@@ -557,8 +564,9 @@ class PipelineRuntime:
             for v, x in self.executor.receive_input_grads(call).items():
                 in_grads[v] = in_grads[v] + x if v in in_grads else x
             with torch.profiler.record_function("rannc reduce gradients"):
-                self.grads.finish(True, self._stand_in())
+                self.grads.finish(True, self._stand_in(), same_got=same)
         self._last_sync = True
+        self._same_got = True
         call.transport.wait_sends()
         self.iteration_s = time.perf_counter() - call.t0
         return in_grads
