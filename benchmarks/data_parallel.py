@@ -10,7 +10,8 @@ rank: `partition_num=1`, one microbatch, as the planner picks for these sizes), 
 with its own AdamW. Steps alternate between the two in ABBA order after a warm-up, every step
 starting from a barrier, so the machine's load and the cost of running first in a pair hit both
 alike (runs in separate launches minutes apart differ by up to 1.5x on a shared machine). Each
-rank feeds its own rows of the same global batches. Prints, from rank 0, the median seconds per
+rank feeds its own rows of the same global batches, and both return the global loss on every
+rank (DDP's loop all-reduces it, as rannc does inside the call). Prints, from rank 0, the median seconds per
 step of each, the ratio DDP / rannc of the medians and the median of the per-pair ratios, and
 each rank's process CPU milliseconds per step (its work, not its waits). The losses of the two
 must agree (same model, same rows): a check, not a figure.
@@ -51,7 +52,8 @@ def worker(a: argparse.Namespace) -> None:
     wrapped, _, _ = build(a.model, a)
     opt_r = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
     rmodel = rannc.RaNNCModule(wrapped, opt_r, partition_num=1, microbatches=1,
-                               checkpointing="off", bucket_mb=a.bucket_mb)
+                               checkpointing="off", bucket_mb=a.bucket_mb,
+                               **({"schedule": a.schedule} if a.schedule else {}))
     plain, _, _ = build(a.model, a)  # the same seed: the same weights
     ddp = DistributedDataParallel(plain, bucket_cap_mb=a.bucket_mb)
     opt_d = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
@@ -69,8 +71,11 @@ def worker(a: argparse.Namespace) -> None:
         loss.backward()
         opt_d.step()
         opt_d.zero_grad()
-        # rannc returns the global loss on every rank: DDP's caller averages it (not timed)
-        losses["ddp"].append(float(loss.detach()))
+        # rannc returns the global loss on every rank; with DDP the loop averages it (as
+        # runtime_peers.py's DDP does: the same work for the same result)
+        mean = loss.detach() / world
+        dist.all_reduce(mean)
+        losses["ddp"].append(float(mean))
 
     runs = {"rannc": step_rannc, "ddp": step_ddp}
     for x, y in data[:a.warmup]:
@@ -87,10 +92,7 @@ def worker(a: argparse.Namespace) -> None:
             dist.barrier()  # the step ends when the slowest rank's ends
             wall[k].append(time.perf_counter() - t0)
             cpu[k].append(time.process_time() - c0)
-    # the same global loss: DDP's per-rank losses averaged over the ranks
     d = torch.tensor(losses["ddp"], dtype=torch.float64)
-    dist.all_reduce(d)
-    d /= world
     gap = max(abs(r - float(q)) / max(abs(float(q)), 1e-12) for r, q in zip(losses["rannc"], d, strict=True))
     if gap > a.max_loss_gap:
         raise SystemExit(f"rank {rank}: rannc's and DDP's losses differ by {gap:.2e} relative "
@@ -114,7 +116,8 @@ def worker(a: argparse.Namespace) -> None:
                    rannc_s=statistics.median(wall["rannc"]), ddp_s=statistics.median(wall["ddp"]),
                    pair_median=statistics.median(pairs), pair_lo=min(pairs), pair_hi=max(pairs),
                    cpu_ms={k: [e[k] for e in every] for k in runs}, loss_gap=gap,
-                   stages=len(rmodel.plan.stages), microbatches=rmodel.plan.microbatches)
+                   stages=len(rmodel.plan.stages), microbatches=rmodel.plan.microbatches,
+                   schedule=rmodel.plan.schedule)
         out["ratio"] = out["ddp_s"] / out["rannc_s"]
         print("RESULT " + json.dumps(out), flush=True)
     rdist.shutdown()
@@ -138,11 +141,12 @@ def launch(a: argparse.Namespace) -> None:
             if res.returncode or line is None:
                 sys.exit(f"{model} on {n} ranks failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
             rows.append(json.loads(line[len("RESULT "):]))
-    print("\n| model | ranks | rannc ms/step | DDP ms/step | DDP / rannc (medians) | paired "
+    print("\n| model | ranks | rannc schedule | rannc ms/step | DDP ms/step | DDP / rannc (medians) | paired "
           "(median, range) | CPU ms/step rannc | CPU ms/step DDP | loss gap |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['model']} | {r['ranks']} | {1e3 * r['rannc_s']:.1f} | {1e3 * r['ddp_s']:.1f} "
+        print(f"| {r['model']} | {r['ranks']} | {r['schedule']} | {1e3 * r['rannc_s']:.1f} "
+              f"| {1e3 * r['ddp_s']:.1f} "
               f"| {r['ratio']:.3f} | {r['pair_median']:.3f} ({r['pair_lo']:.2f} to {r['pair_hi']:.2f}) "
               f"| {' / '.join(f'{c:.0f}' for c in r['cpu_ms']['rannc'])} "
               f"| {' / '.join(f'{c:.0f}' for c in r['cpu_ms']['ddp'])} | {r['loss_gap']:.1e} |")
@@ -169,6 +173,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--bucket-mb", type=float, default=25.0)
+    p.add_argument("--schedule", default="", help="force rannc's schedule (default: its plan's)")
     p.add_argument("--max-loss-gap", type=float, default=1e-2,
                    help="the largest relative difference of the two losses at any step (AdamW "
                         "magnifies rounding differences in BatchNorm models over many steps)")

@@ -32,7 +32,7 @@ Index conventions: k buckets; n parameter names; r ranks.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -210,7 +210,8 @@ class GradReducer:
 
     def finish(self, sync: bool, extra: Sequence[torch.Tensor] = (),
                overflow: tuple[bool, bool] | None = None,
-               scale: torch.Tensor | None = None, same_got: bool = False) -> None:
+               scale: torch.Tensor | Callable[[], torch.Tensor | None] | None = None,
+               same_got: bool = False) -> None:
         """After this rank's part of the backward: sum the gradients over their holders (or,
         unsynchronised, keep the local sums pending) and add what `.grad` held before.
 
@@ -225,11 +226,13 @@ class GradReducer:
         rank, on this one), which only a caller whose every rank holds no shared parameter and
         passes it may do. `scale`: a factor this backward's gradients still need (a backward
         run for a unit loss gradient), applied after the sum over the holders and before what
-        `.grad` held is added. `same_got`: every rank got a gradient for the same parameters,
-        in this backward and in the pending no_sync() ones (the caller knows it the same way on
-        every rank: every replica computed rows in each of those calls, and their graphs are
-        the same); where every rank also holds every parameter, the ranks then need not meet
-        after the buckets at all (neither the flags nor the overflow check are needed)."""
+        `.grad` held is added (or a function returning it or None, called once the buckets
+        are in: the factor may come from a collective started after them). `same_got`: every
+        rank got a gradient for the same parameters, in this backward and in the pending
+        no_sync() ones (the caller knows it the same way on every rank: every replica computed
+        rows in each of those calls, and their graphs are the same); where every rank also
+        holds every parameter, the ranks then need not meet after the buckets at all (neither
+        the flags nor the overflow check are needed)."""
         self._drop_hooks()
         st = self._state
         self._state = None
@@ -240,6 +243,8 @@ class GradReducer:
                 self._mark_overflow(extra)
             return
         if not sync:
+            if callable(scale):
+                scale = scale()
             if scale is not None:
                 for p in self.held.values():
                     if p.grad is not None:
@@ -254,6 +259,8 @@ class GradReducer:
             for grp in self.groups:
                 for b in grp.buckets:
                     self._complete(b, st)
+        if callable(scale):
+            scale = scale()
         # Each gradient as it will be if some holder got one: the reduced sum is exactly zero
         # where none did, so its finiteness is that of the old `.grad` either way, and the
         # overflow is known before the flags are.

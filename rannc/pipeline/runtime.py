@@ -493,9 +493,10 @@ class PipelineRuntime:
                 f"{self.spec.name!r} the gradients' all-reduce starts inside forward(), so "
                 "no_sync() must hold the forward call too (as DistributedDataParallel.no_sync "
                 "requires): with model.no_sync(): loss = model(...); loss.backward()")
-        agreed = self._agree_on_loss_gradients(call, grad_of)
-        if call.reducing:
-            return self._finish_eager(call, grad_of, agreed.seeds[self._loss])
+        posted = self._post_loss_gradients(call, grad_of)
+        if call.reducing:  # its buckets are in flight: the agreement is waited for after them
+            return self._finish_eager(call, grad_of, posted)
+        agreed = posted.resolve()
         self.grads.begin()
         if call.mode == "split":
             self.executor.send_output_grads(call, grad_of)
@@ -517,12 +518,11 @@ class PipelineRuntime:
         self.iteration_s = time.perf_counter() - call.t0
         return in_grads
 
-    def _agree_on_loss_gradients(self, call: Call,
-                                 grad_of: dict[str, torch.Tensor | None]) -> _LossGradients:
-        """One all-reduce: the scalar outputs' gradients (averaged, as DDP) and, per batch
-        output, whether any rank back-propagates through it (unused ones send no zeros around);
-        see `_early_overflow` for what else it may carry."""
-        w = float(self.world_size)
+    def _post_loss_gradients(self, call: Call,
+                             grad_of: dict[str, torch.Tensor | None]) -> _PostedLossGradients:
+        """One all-reduce, started without waiting: the scalar outputs' gradients (averaged, as
+        DDP) and, per batch output, whether any rank back-propagates through it (unused ones
+        send no zeros around); see `_early_overflow` for what else it may carry."""
         scalar_names = sorted(self.routes.scalar_outputs())
         batch_names = sorted(v for v in self.routes.out_stage
                              if v not in scalar_names and self.routes.is_float(v))
@@ -532,7 +532,17 @@ class PipelineRuntime:
         early = self._early_overflow(call)
         vec += [torch.tensor(float(x), dtype=torch.float64) for x in early or ()]
         flat = torch.stack(vec) if vec else torch.zeros(0, dtype=torch.float64)
-        dist.all_reduce(flat)
+        work = dist.all_reduce(flat, async_op=True)
+
+        def resolve() -> _LossGradients:
+            work.wait()
+            return self._loss_gradients(call, flat, scalar_names, batch_names, early)
+        return _PostedLossGradients(resolve)
+
+    def _loss_gradients(self, call: Call, flat: torch.Tensor, scalar_names: list[str],
+                        batch_names: list[str], early: tuple[bool, bool] | None) -> _LossGradients:
+        """What the loss gradients' all-reduce (`flat`, summed) agreed on; sets `call.used`."""
+        w = float(self.world_size)
         seeds = {v: x / w for v, x in zip(scalar_names, flat, strict=False)}
         n_s, n_b = len(scalar_names), len(batch_names)
         call.used = {v for v, x in zip(batch_names, flat[n_s:n_s + n_b], strict=True) if x > 0}
@@ -547,16 +557,23 @@ class PipelineRuntime:
         return _LossGradients(seeds, overflow)
 
     def _finish_eager(self, call: Call, grad_of: dict[str, torch.Tensor | None],
-                      g: torch.Tensor) -> dict[str, torch.Tensor]:
+                      posted: _PostedLossGradients) -> dict[str, torch.Tensor]:
         """backward() of an eager call whose gradients are being summed since forward(): the
-        sums scaled by the loss gradient; a late pass's gradients summed in a second round."""
-        unit = bool(g == 1)
-        in_grads = {v: x if unit else x * g.to(x.dtype) for v, x in call.input_stash.items()}
+        sums scaled by the loss gradient, whose agreement is waited for once the buckets are
+        (the ranks meet once at the end of backward, as under DDP); a late pass's gradients
+        summed in a second round."""
+
+        def scale() -> torch.Tensor | None:
+            g = posted.resolve().seeds[self._loss]
+            return None if bool(g == 1) else g
         # (reducing in forward() needs the backward before synchronised: nothing pending)
         same = call.layout.every_replica_computes()
         with torch.profiler.record_function("rannc reduce gradients"):
             self.grads.rebase()  # (.grad may have been zeroed or replaced since forward())
-            self.grads.finish(True, self._stand_in(), None, None if unit else g, same_got=same)
+            self.grads.finish(True, self._stand_in(), None, scale, same_got=same)
+        g = posted.resolve().seeds[self._loss]
+        unit = bool(g == 1)
+        in_grads = {v: x if unit else x * g.to(x.dtype) for v, x in call.input_stash.items()}
         if call.used:
             self._log_late_pass()
             self.grads.begin()
@@ -732,6 +749,21 @@ def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None], device: torc
     torch.set_rng_state(state[0])
     if state[1] is not None:
         torch.cuda.set_rng_state(state[1], device)
+
+
+class _PostedLossGradients:
+    """The loss gradients' all-reduce once started: `resolve` waits for it (once) and returns
+    what the ranks agreed on."""
+
+    def __init__(self, resolve: Callable[[], _LossGradients]) -> None:
+        self._resolve: Callable[[], _LossGradients] | None = resolve
+        self._agreed: _LossGradients | None = None
+
+    def resolve(self) -> _LossGradients:
+        if self._agreed is None:
+            assert self._resolve is not None
+            self._agreed, self._resolve = self._resolve(), None
+        return self._agreed
 
 
 @dataclass(frozen=True, slots=True)
