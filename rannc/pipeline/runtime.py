@@ -34,9 +34,12 @@ gradient: backward() scales the sums by the real one (gradients are linear in it
 
 The ranks meet three times a step at most: for the scalar outputs (an all-reduce each rank
 starts once its own pieces are in, mid-line, and waits for at the end of the call), at the
-start of backward() (the loss gradients) and after the gradient buckets (the overflow and
+start of backward() (the loss gradients; under an eager schedule whose buckets are already in
+flight, waited for only after them) and after the gradient buckets (the overflow and
 got-a-gradient flags, one all-reduce; under an eager schedule without shared parameters it
-travels with the loss gradients instead).
+travels with the loss gradients instead, and under data parallelism alone, where every replica
+computed rows, it is not needed). The row layout's all-gather is not waited for at the start
+of a call that can guess it (`guess_sizes`).
 
 Index conventions: s, t stages; m microbatches; j replicas; r ranks.
 """
@@ -174,10 +177,17 @@ class PipelineRuntime:
         # (digest, every rank's local batch size) of the last call: the guess for the next one.
         self._agreed: tuple[int, list[int]] | None = None
         # A call on a guessed layout is run again when the guess was wrong; that is exact only
-        # where its first run changed nothing but the RNG: no BatchNorm statistics, no buffer
-        # written in forward.
-        self._can_guess = (world_size > 1 and not self._bn.sites
-                           and not any(t.mutates for t in self.graph.tasks))
+        # where its first run changes nothing that the second cannot take back: the RNG and
+        # the buffers the graph writes (BatchNorm's num_batches_tracked, say) are put back
+        # (`_written`), BatchNorm's running statistics are written only once the guess is
+        # confirmed, and synchronised BatchNorm (a collective per microbatch) and writes into
+        # the inputs or parameters are not guessed at all.
+        kinds = {self.graph.values[v].kind for t in self.graph.tasks for v in t.mutates}
+        self._written = sorted({str(self.graph.values[v].target) for s in self.mine
+                                for t in self.stages[s].tasks for v in self.graph.tasks[t].mutates
+                                if self.graph.values[v].kind is ValueKind.BUFFER})
+        self._can_guess = (world_size > 1 and not (self._bn.sites and self._bn.mode == "sync")
+                           and kinds <= {ValueKind.BUFFER, ValueKind.ACTIVATION})
         self.guessed_calls = 0  # calls run on a guessed layout (their agreement not waited for)
         self.rerun_calls = 0  # of those, run again because a batch size changed
         self.iteration_s = 0.0  # the last iteration's seconds from forward() to the gradients
@@ -344,11 +354,13 @@ class PipelineRuntime:
             assert agreement is not None
             self.guessed_calls += 1
             rng = _rng_state(self.device)
+            kept = self._keep_written()
             guess = Guess(agreement, list(sizes), [lambda: self._check_count(leaves)])
             try:
                 out = self._forward(leaves, sizes, guess)
             except LayoutChanged as changed:
                 _set_rng_state(rng, self.device)
+                self._put_back(kept)
                 self.rerun_calls += 1
                 sizes = changed.sizes
                 if self.rank == 0:
@@ -360,6 +372,21 @@ class PipelineRuntime:
         if agreement is not None:
             self._agreed = (agreement.digest, list(sizes))
         return out
+
+    def _keep_written(self) -> dict[str, torch.Tensor]:
+        """Copies of the buffers the graph writes in place, to put back when a call on a
+        guessed layout runs again."""
+        if not self._written:
+            return {}
+        buffers = dict(self.model.named_buffers(remove_duplicate=False))
+        return {n: buffers[n].detach().clone() for n in self._written if n in buffers}
+
+    def _put_back(self, kept: dict[str, torch.Tensor]) -> None:
+        if kept:
+            buffers = dict(self.model.named_buffers(remove_duplicate=False))
+            with torch.no_grad():
+                for n, x in kept.items():
+                    buffers[n].copy_(x)
 
     def _forward(self, leaves: Sequence[Any], sizes: Sequence[int], guess: Guess | None) -> list[Any]:
         layout = RowLayout(sizes, self.plan.microbatches, [s.shares for s in self.plan.stages])
@@ -391,6 +418,7 @@ class PipelineRuntime:
         else:
             self.executor.run(call, acts, scalars)
         if self._bn.sites:  # the running statistics, once per call (every replica)
+            call.transport.settle()  # (a collective, and a write not to make on a wrong guess)
             self._bn.finish_call(buffers, self.device)
         return self._collect_outputs(call, scalars)
 

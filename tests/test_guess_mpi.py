@@ -1,0 +1,23 @@
+"""A call run on the last call's row layout before the ranks agree on it (no collective at the
+start of a step), when that guess is wrong, for models that write buffers in forward: the
+writes are put back and BatchNorm's running statistics wait for the agreement, so the call run
+again equals the unwrapped model (tests/scripts/guess_check.py)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from mpi_harness import TESTS, run_mpi
+
+pytestmark = pytest.mark.layer("multi_rank")
+
+
+def test_a_wrong_guess_puts_back_the_buffers_it_wrote() -> None:
+    res = run_mpi(TESTS / "scripts" / "guess_check.py", 2, ["--model", "writes,resnet"])
+    for model in ("writes", "resnet"):
+        got = {int(r): (int(g), int(x), int(w)) for r, g, x, w in re.findall(
+            rf"PASS {model} rank (\d+) guessed (\d+) rerun (\d+) written (\d+)", res.stdout)}
+        assert sorted(got) == [0, 1], (model, res.stdout)
+        # rank 0 ran two calls on a wrong guess, having written buffers on its stage
+        assert got[0][1] == 2 and got[0][2] > 0, (model, got)
