@@ -152,11 +152,11 @@ def test_a_stage_whose_gradients_are_reduced_holds_one_bucket(
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_the_reduction_overlaps_the_last_backward_only_under_fill_drain(
+def test_the_reduction_overlaps_the_last_backward(
         gpt2: tuple[BlockIO, GraphCosts, int], overlap: bool) -> None:
-    """Under fill-drain the buckets are reduced while the last microbatch's backward runs, so
-    a stage waits only for what outlasts it, and at least for the last bucket; the eager
-    schedules reduce after the whole line."""
+    """The buckets are reduced while the last microbatch's backward runs, so a stage waits only
+    for what outlasts it, and at least for the last bucket: under fill-drain and under the
+    eager schedules alike (their buckets start inside forward())."""
     io, costs, k = gpt2
     n = len(costs.comp_params)
     prof = costs.block_profile(SPEC, [c * k // n for c in range(n)], [BATCH // (2 * M)])
@@ -173,7 +173,7 @@ def test_the_reduction_overlaps_the_last_backward_only_under_fill_drain(
     last = reduce_s[upper] * np.minimum(1.0, bucket / io.grad_params[upper])
     assert np.allclose(got, np.maximum(reduce_s[upper] - g, last))
     assert np.all(got < reduce_s[upper]) and np.all(got >= last)
-    assert reduction_overlaps_backward("gpipe") and not reduction_overlaps_backward("1f1b")
+    assert all(reduction_overlaps_backward(s) for s in ("gpipe", "1f1b", "scp", "zero_bubble"))
     assert exposed_reduction(5.0, 2.0, 100.0, 10.0, True) == 3.0
     assert exposed_reduction(5.0, 20.0, 100.0, 10.0, True) == 0.5  # the last bucket stays
     assert exposed_reduction(5.0, 2.0, 100.0, 10.0, False) == 5.0

@@ -317,11 +317,13 @@ def stage_tables(prof: BlockProfile, io: BlockIO, mem: MemoryModel, *, batch_siz
 
 def reduction_overlaps_backward(schedule: str) -> bool:
     """THE switch for when a stage's gradient reduction runs (`rannc.pipeline.grads`): bucket by
-    bucket during the last microbatch's backward under fill-drain, whose backward runs in
-    backward(); after the whole line under the eager schedules, whose backward ran inside
-    forward() and whose gradients are reduced when backward() commits them. Change it here when
-    the runtime reduces eagerly scheduled gradients as they become final."""
-    return not get_spec(schedule).eager
+    bucket during the last microbatch's backward, under fill-drain (whose backward runs in
+    backward()) and under the eager schedules alike (whose backward runs inside forward(): the
+    buckets start there for a unit loss gradient, and backward() scales the sums). A training
+    step under no_sync() reduces nothing; the step after it reduces after its whole line (its
+    pending local sums must not be scaled), which the plan does not cost."""
+    get_spec(schedule)  # (an unknown name raises)
+    return True
 
 
 def exposed_reduction(reduce_s: Any, last_backward_s: Any, grad_bytes: Any, bucket_bytes: float,
