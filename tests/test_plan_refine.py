@@ -30,6 +30,7 @@ def block_io_reference(graph: TaskGraph, atomic: AtomicPartition, block_of: list
     inputs, outputs = np.zeros((2, k, k)), np.zeros((2, k, k))
     returned, returned_all = np.zeros((2, k, k)), np.zeros(2)
     params, grad_params, shared = np.zeros((k, k)), np.zeros((k, k)), np.zeros((k, k))
+    shared_n = np.zeros((k, k))
     cut_ok = np.ones(k + 1, dtype=bool)
     blocks_of_task = [sorted({block_of[c] for c in h}) for h in atomic.holders]
     out_names = {v for v in graph.outputs if v is not None}
@@ -48,6 +49,7 @@ def block_io_reference(graph: TaskGraph, atomic: AtomicPartition, block_of: list
                         inside = [b for b in consumers if lo <= b <= r]
                         if inside and len(inside) < len(consumers):
                             shared[lo, r] += sum(_bytes(val))
+                            shared_n[lo, r] += 1
             continue
         if val.kind not in (ValueKind.INPUT, ValueKind.ACTIVATION) or not val.is_tensor:
             continue
@@ -73,7 +75,8 @@ def block_io_reference(graph: TaskGraph, atomic: AtomicPartition, block_of: list
             if val.kind is ValueKind.ACTIVATION and val.batch_dim is None:
                 cut_ok[p + 1:min(last, k) + 1] = False
     cut_ok[0] = cut_ok[k] = True
-    return BlockIO(inputs, outputs, params, grad_params, cut_ok, shared, returned, returned_all)
+    return BlockIO(inputs, outputs, params, grad_params, cut_ok, shared, returned, returned_all,
+                   shared_n)
 
 
 @pytest.mark.parametrize("name", sorted(BUILDERS))
@@ -88,7 +91,7 @@ def test_block_io_matches_the_plain_loop(name: str) -> None:
         block_of = np.searchsorted(np.asarray(cuts), np.arange(n), side="right").tolist()
         got, want = BlockIO.of(graph, atomic, block_of), block_io_reference(graph, atomic, block_of)
         for field in ("inputs", "outputs", "params", "grad_params", "cut_ok", "shared_grad",
-                      "returned", "returned_all"):
+                      "returned", "returned_all", "shared_params"):
             assert np.array_equal(getattr(got, field), getattr(want, field)), (k, field)
 
 
