@@ -16,7 +16,11 @@ the planner's stage tables and schedule simulator, predicts its iteration time:
   every S dividing the W devices, and keeps the fastest S that fits memory; each split gets the
   planner's own microbatch-count and schedule search (`rannc.planner.plan_splits`), so the
   peers differ from rannc in the split and the replica counts only;
-- the bound: the whole batch's forward + backward compute time on one device / W.
+- the bound: the whole batch's forward + backward compute time on one device / W (no plan
+  is faster: a plan adds bubbles, recomputation, imbalance, reductions and smaller kernels);
+- with --llm, a second table per device count: each baseline's time over the bound, the most
+  any plan could gain over it (where it is below the goal's ratio, no plan meets the goal),
+  and every plan's time over the bound term by term (`over_bound`).
 
 Peers are imported from the benchmark environment (`bash scripts/bench_env.sh`); where one is
 not installed its column says so. Prints one Markdown table per device count, the machine and
@@ -30,6 +34,7 @@ the date, and draws `docs/plan_quality.png`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -320,7 +325,7 @@ def _pippy_bounds(split: Callable[[Any], Any], model: Any, layers: Layers) -> li
 # -- one model ---------------------------------------------------------------------------------
 
 def one(name: str, kind: str, a: tuple[int, ...], device: str, worlds: Sequence[int],
-        per_node: int, blocks: int = 32) -> dict[str, Any]:
+        per_node: int, blocks: int = 32, max_pipeline: int = 32) -> dict[str, Any]:
     import logging
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -343,7 +348,7 @@ def one(name: str, kind: str, a: tuple[int, ...], device: str, worlds: Sequence[
     for W in worlds:
         cluster = rannc.Cluster.homogeneous(device, W, per_node)
         spec = cluster.slowest
-        cfg = rannc.Config(blocks=blocks)
+        cfg = rannc.Config(blocks=blocks, max_pipeline=max_pipeline)
         row: dict[str, Any] = {}
         t_world = time.perf_counter()
         try:
@@ -351,8 +356,10 @@ def one(name: str, kind: str, a: tuple[int, ...], device: str, worlds: Sequence[
             row["rannc"] = {"time": p.predicted_iteration_time, "m": p.microbatches,
                             "schedule": p.schedule, "replicas": [st.replicas for st in p.stages],
                             "zero": p.zero_stage}
+            rannc_plan = p
         except rannc.PlanInfeasibleError as e:
             row["rannc"] = {"status": f"no plan fits ({e.needed_bytes / 1e9:.0f} GB needed)"}
+            rannc_plan = None
         comp_t = costs.component_time(spec, max(1, batch // W))
         times_us = [0] * len(layers)
         for c, lay in enumerate(layer_of):
@@ -370,7 +377,7 @@ def one(name: str, kind: str, a: tuple[int, ...], device: str, worlds: Sequence[
                         splits[peer] = b
             distinct = sorted({tuple(b) for b in splits.values()})
             # the LLM baselines get ZeRO-1 too where it is faster, as rannc's zero_stage "auto"
-            for zcfg in (cfg, rannc.Config(blocks=blocks, zero_stage=1)) if llm else (cfg,):
+            for zcfg in (cfg, dataclasses.replace(cfg, zero_stage=1)) if llm else (cfg,):
                 plans = plan_splits(g, at, cluster, zcfg, batch_size=batch, block_of=layer_of,
                                     splits=[(list(b), [W // S] * S) for b in distinct], costs=costs)
                 by_split = dict(zip(distinct, plans, strict=True))
@@ -380,14 +387,67 @@ def one(name: str, kind: str, a: tuple[int, ...], device: str, worlds: Sequence[
                                            or pl.predicted_iteration_time < best[peer]["time"]):
                         best[peer] = {"time": pl.predicted_iteration_time, "S": S,
                                       "m": pl.microbatches, "schedule": pl.schedule, "bounds": b,
-                                      "zero": pl.zero_stage}
+                                      "zero": pl.zero_stage, "plan": pl}
         for peer in (LLM_BASELINES if llm else PEERS):
             fn = splitters[peer]
             row[peer] = best.get(peer, {"status": fn if isinstance(fn, str) else "no split fits"})
         row["bound"] = float(costs.component_time(spec, batch).sum()) / W
+        if llm:  # each plan's time over the bound, term by term (`over_bound`)
+            for who, pl in [("rannc", rannc_plan), *((x, row[x].get("plan")) for x in LLM_BASELINES)]:
+                if pl is not None:
+                    row[who]["terms"] = over_bound(pl, row["bound"])
+        for x in LLM_BASELINES if llm else PEERS:
+            row[x].pop("plan", None)
         row["seconds"] = time.perf_counter() - t_world
         res["worlds"][str(W)] = row
     return res
+
+
+# -- rannc's time over the bound, term by term -------------------------------------------------
+
+# The terms `over_bound` splits a plan's predicted seconds per iteration into, beyond the bound.
+TERMS = ("microbatch", "recompute", "imbalance", "bubble", "reduction")
+
+
+def over_bound(plan: Any, bound: float) -> dict[str, float]:
+    """A plan's predicted iteration time as the bound plus five terms (seconds), from its own
+    per-stage predictions and the planner's simulator (the terms sum to the simulated time,
+    returned as "time", which is the plan's predicted time):
+    - microbatch: the devices' mean compute (forward + backward without recomputation, p2p
+      transfers included, at the plan's rows per microbatch) less the bound (the same compute
+      at the whole batch): kernels on small microbatches are less efficient;
+    - recompute: the devices' mean recomputation seconds;
+    - imbalance: the busiest lane's compute less the devices' mean;
+    - bubble: the simulated iteration without gradient reduction less the busiest lane's
+      compute (the schedule's idle time on the critical lane);
+    - reduction: what the gradient all-reduce (and ZeRO-1's all-gather) adds to it."""
+    from rannc.schedule import StageCosts, chain, make_schedule, simulate
+
+    m, W = plan.microbatches, plan.world_size
+    pr = [st.predicted for st in plan.stages]
+    reps = [st.replicas for st in plan.stages]
+    busy = [m * (p.forward_s + p.backward_s) for p in pr]  # per replica, recomputation in
+    rec = [m * p.recompute_s for p in pr]
+    mean = sum(r * b for r, b in zip(reps, busy, strict=True)) / W
+    mean_rec = sum(r * x for r, x in zip(reps, rec, strict=True)) / W
+    lane = plan.placement()
+    slowest = max(sum(b for b, d in zip(busy, lane, strict=True) if d == x) for x in set(lane))
+    S = len(pr)
+    sched = make_schedule(plan.schedule, m, chain(S),
+                          [(p.recompute_memory_fraction or 0.0) > 0 for p in pr], lane)
+
+    def simulated(reduce: bool) -> float:
+        costs = StageCosts(fwd=[p.forward_s for p in pr],
+                           bwd=[p.backward_s - p.recompute_s for p in pr],
+                           recompute=[p.recompute_s for p in pr], comm_fwd=[0.0] * S,
+                           comm_bwd=[0.0] * S,
+                           allreduce=[p.allreduce_s if reduce else 0.0 for p in pr],
+                           wgrad=[p.backward_weight_s or 0.0 for p in pr])
+        return simulate(sched, costs).iteration_time
+
+    t, t0 = simulated(True), simulated(False)
+    return {"time": t, "microbatch": mean - mean_rec - bound, "recompute": mean_rec,
+            "imbalance": slowest - mean, "bubble": t0 - slowest, "reduction": t - t0}
 
 
 # -- report ------------------------------------------------------------------------------------
@@ -447,6 +507,44 @@ def llm_table(results: list[dict[str, Any]], W: int) -> list[str]:
     return out
 
 
+def llm_ceiling_table(results: list[dict[str, Any]], W: int) -> list[str]:
+    """Why a goal is or is not reachable: no plan is faster than the bound (the whole batch's
+    compute on one device over W: every term of `over_bound` is >= 0), so a baseline's time over
+    the bound is the most any plan can gain over that baseline (the ceiling); where it is below
+    the goal's 1.2x (equal layers) or 1.05x (FLOPs balanced), no plan meets that goal. Then
+    each plan's seconds over the bound, term by term (`over_bound`; percent of the bound)."""
+    out = [f"**{W} devices: the ceilings (baseline / bound) and each plan over the bound**", "",
+           "| model | plan | s/iter | / bound | "
+           + " | ".join(f"{t} s (% of bound)" for t in (*TERMS, "other"))
+           + " | most any plan gains over it | goal reachable? |",
+           "|---" * (7 + len(TERMS)) + "|"]
+    goal = {"equal layers": 1.2, "FLOPs balanced": 1.05}
+    for r in results:
+        row = r["worlds"].get(str(W))
+        if row is None or "equal layers" not in row:
+            continue
+        bound = row["bound"]
+        for who in ("rannc", *LLM_BASELINES):
+            x = row[who]
+            if "time" not in x:
+                out.append(f"| {r['model']} | {who} | {x['status']} |" + " |" * (5 + len(TERMS)))
+                continue
+            terms = dict(x.get("terms", {}))
+            if terms:  # what the plan's own time differs from the re-simulation by (none: 0)
+                terms["other"] = x["time"] - terms["time"]
+            cells = [f"{terms[t]:.3g} ({100 * terms[t] / bound:.1f})" if t in terms else "n/a"
+                     for t in (*TERMS, "other")]
+            ceiling = x["time"] / bound
+            if who in goal:
+                reach = f"{'yes' if ceiling >= goal[who] else 'no'} ({goal[who]}x needed)"
+                gain = f"{ceiling:.3f}x"
+            else:
+                reach, gain = "", ""
+            out.append(f"| {r['model']} | {who} | {x['time']:.4g} | {ceiling:.3f} | "
+                       + " | ".join(cells) + f" | {gain} | {reach} |")
+    return out
+
+
 def plot(results: list[dict[str, Any]], worlds: Sequence[int], path: Path, title: str) -> None:
     import matplotlib
 
@@ -496,6 +594,8 @@ def main() -> None:
     p.add_argument("--devices", default="8,32", help="device counts")
     p.add_argument("--per-node", type=int, default=8)
     p.add_argument("--blocks", type=int, default=32, help="rannc's k (Config.blocks)")
+    p.add_argument("--max-pipeline", type=int, default=32, help="Config.max_pipeline, the most "
+                   "microbatches rannc and the baselines' microbatch search try")
     p.add_argument("--plot", default=None, help="PNG path (default docs/plan_quality.png; none "
                    "with --smoke unless given)")
     p.add_argument("--results", default=None, help="a folder for each model's raw results: "
@@ -509,23 +609,27 @@ def main() -> None:
     per_node = 2 if a.smoke else a.per_node
     if a.one:
         kind, args = catalogue[a.one]
-        print(json.dumps(one(a.one, kind, args, a.device, worlds, per_node, a.blocks)))
+        print(json.dumps(one(a.one, kind, args, a.device, worlds, per_node, a.blocks,
+                             a.max_pipeline)))
         return
     names = list(catalogue) if a.models is None else a.models.split(",")
     unknown = [n for n in names if n not in catalogue]
     if unknown:
         raise SystemExit(f"unknown models {unknown}; choose from {list(catalogue)}")
     print(f"machine: {machine()}; date: {datetime.date.today()}; costs: rannc's estimate oracle "
-          f"({a.device}, {per_node} per node), not a GPU; rannc k = {a.blocks} blocks; python: "
+          f"({a.device}, {per_node} per node), not a GPU; rannc k = {a.blocks} blocks; "
+          f"max_pipeline {a.max_pipeline}; python: "
           f"{sys.executable}", flush=True)
     results = []
     for name in names:
         if a.smoke:  # tiny models: in this process, seconds
             kind, args = catalogue[name]
-            results.append(one(name, kind, args, a.device, worlds, per_node, a.blocks))
+            results.append(one(name, kind, args, a.device, worlds, per_node, a.blocks,
+                               a.max_pipeline))
             continue
         tag = f"{name.replace(' ', '_')}_{a.device}_{'-'.join(map(str, worlds))}"
         tag += "" if a.blocks == 32 else f"_k{a.blocks}"
+        tag += "" if a.max_pipeline == 32 else f"_m{a.max_pipeline}"
         saved = Path(a.results) / f"{tag}.json" if a.results else None
         if saved is not None and saved.exists():
             results.append(json.loads(saved.read_text()))
@@ -533,7 +637,7 @@ def main() -> None:
         # a fresh process per model: captures of the largest take GBs
         cmd = [sys.executable, __file__, "--one", name, "--device", a.device, *(["--llm"] * a.llm),
                "--devices", ",".join(map(str, worlds)), "--per-node", str(a.per_node),
-               "--blocks", str(a.blocks)]
+               "--blocks", str(a.blocks), "--max-pipeline", str(a.max_pipeline)]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
         if out.returncode != 0 and a.llm:  # report it and go on with the other shapes
             print(f"{name} failed:\n{out.stderr[-1500:]}", flush=True)
@@ -547,6 +651,8 @@ def main() -> None:
         print(f"done: {name}", file=sys.stderr, flush=True)
     for W in worlds:
         print("\n".join(["", *(llm_table if a.llm else table)(results, W)]), flush=True)
+        if a.llm:
+            print("\n".join(["", *llm_ceiling_table(results, W)]), flush=True)
     if a.llm:
         for r in results:
             print(f"{r['model']}: capture {r['capture_s']:.0f} s, "

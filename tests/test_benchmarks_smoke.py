@@ -190,7 +190,8 @@ def test_grad_reduce_benchmark() -> None:
 
 def test_plan_quality_llm_table() -> None:
     out = run("benchmarks/plan_quality.py", "--llm")
-    found = rows(out, "| Llama 2x64")
+    plans = ("rannc", "equal layers", "FLOPs balanced", "parameter count")
+    found = [r for r in rows(out, "| Llama 2x64") if r[1] not in plans]
     assert len(found) == 1, out
     r = found[0]
     assert len(r) == 12, r
@@ -198,6 +199,15 @@ def test_plan_quality_llm_table() -> None:
     assert 0 < bound <= rannc, r
     for c in (3, 4, 5):  # the three baselines: a time each (tiny model: every split fits)
         assert float(r[c].split()[0]) > 0, r
+    # the second table: each plan's time = the bound + its terms over it (3 figures printed)
+    over = {r[1]: r for r in rows(out, "| Llama 2x64") if r[1] in plans}
+    assert set(over) == set(plans), out
+    for r in over.values():
+        t = float(r[2])
+        assert float(r[3]) == pytest.approx(t / bound, rel=2e-3), r
+        terms = [float(c.split()[0]) for c in r[4:10]]
+        assert bound + sum(terms) == pytest.approx(t, rel=1e-2), r
+        assert min(terms[1:5]) >= 0 and abs(terms[5]) <= 1e-3 * t, r  # nothing unaccounted
 
 
 def test_minmax_bounds_is_the_best_contiguous_split() -> None:

@@ -244,3 +244,28 @@ def test_not_finite_flags_nan_and_infinities_and_leaves_gradients_as_they_are(
         for g, b in zip(grads, before, strict=True):
             assert torch.equal(g.view(bits), b.view(bits))
     assert not not_finite([])
+
+
+@pytest.mark.parametrize("tied", [1, 2])
+def test_a_reduction_of_one_parameter_holds_no_buffer_as_the_memory_model_counts(
+        group: object, tied: int) -> None:
+    """A stage without replicas reduces only its tied parameters (an embedding shared with the
+    head); one of them is reduced in its own `.grad`, so the reduction holds nothing beyond the
+    gradients, and the memory model's bucket (`memory.bucket_memory`) is 0 there: it counted a
+    buffer the size of the stage's gradients on the first of 4 BERT and GPT-2 stages. Two need
+    the buffer, which the model bounds."""
+    from rannc.stage_dp.memory import bucket_memory
+
+    model = _mlp(depth=1)  # a weight and a bias
+    held = dict(list(model.named_parameters())[:tied])
+    red = GradReducer(held, [((0,), list(held), group)], {n: i for i, n in enumerate(held)},
+                      1 << 20, {id(p): 1 for p in held.values()})
+    red.begin()
+    red.arm()
+    model(torch.randn(4, 16)).square().sum().backward()
+    red.finish(sync=True)
+    shared = sum(p.numel() * 4 for p in held.values())
+    grads = sum(p.numel() * 4 for p in model.parameters())
+    bound = float(bucket_memory(grads, shared, tied, False, 1 << 20))
+    assert red.peak_extra_bytes <= bound
+    assert (red.peak_extra_bytes, bound) == ((0, 0.0) if tied == 1 else (shared, shared))

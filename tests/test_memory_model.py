@@ -7,6 +7,7 @@ returns, and the per-rank overhead."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 
@@ -124,9 +125,10 @@ def test_static_memory_spreads_only_the_optimizer_state_under_zero_1() -> None:
 
 def test_a_stage_whose_gradients_are_reduced_holds_one_bucket(
         gpt2: tuple[BlockIO, GraphCosts, int]) -> None:
-    """One gradient bucket (Config.bucket_mb) beyond the gradients where they are reduced: on
-    a stage with replicas, or one holding a parameter tied to another stage (GPT-2's token
-    embedding is its LM head), never more than the stage's gradients."""
+    """One gradient bucket (Config.bucket_mb) beyond the gradients where a buffer is needed: on
+    a stage with replicas, never more than the stage's gradients; without replicas only the
+    tied parameters are reduced (GPT-2's token embedding is its LM head), and that one
+    parameter is reduced in its own `.grad`, so no buffer (`rannc.pipeline.grads`)."""
     io, costs, k = gpt2
     n = len(costs.comp_params)
     prof = costs.block_profile(SPEC, [c * k // n for c in range(n)], [BATCH // M, BATCH // (2 * M)])
@@ -141,14 +143,19 @@ def test_a_stage_whose_gradients_are_reduced_holds_one_bucket(
 
     tied = io.shared_grad > 0
     assert tied[0, 0] and tied[k - 1, k - 1] and not tied[0, k - 1]  # embedding and head apart
+    assert io.shared_params is not None and np.all(io.shared_params[tied] == 1)  # one: wte
     with np.errstate(invalid="ignore"):  # inf - inf where a range is no stage
         extra_1, extra_2 = memory(1, bucket) - memory(1, 0.0), memory(2, bucket) - memory(2, 0.0)
     upper = np.triu(np.ones((k, k), dtype=bool))
     want = np.minimum(io.grad_params, bucket)
     assert np.allclose(extra_2[upper], want[upper], rtol=1e-12, atol=1e-6)  # replicas: always
-    assert np.allclose(extra_1[upper & tied], want[upper & tied], rtol=1e-12, atol=1e-6)
-    assert np.all(extra_1[upper & ~tied] == 0.0)  # one replica, nothing tied: nothing reduced
-    assert bucket_memory(10.0, True, 1000.0) == 10.0  # never more than the gradients
+    assert np.all(extra_1[upper] == 0.0)  # one replica: the one tied weight needs no buffer
+    assert bucket_memory(10.0, 10.0, 1, True, 1000.0) == 10.0  # never more than the gradients
+    assert bucket_memory(10.0, 4.0, 2, False, 3.0) == 3.0  # two tied: their bucket, buffered
+    assert bucket_memory(10.0, 4.0, 1, False, 1000.0) == 0.0  # one tied: reduced in place
+    # without the count (a BlockIO built by hand), several are assumed: the safe side
+    no_count = dataclasses.replace(io, shared_params=None)
+    assert np.array_equal(no_count.shared_count() > 1, tied)
 
 
 @pytest.mark.parametrize("overlap", [False, True])

@@ -105,7 +105,8 @@ def hetero_stages(prof: BlockProfile, io: BlockIO, static: np.ndarray, dev: Hete
         ret0, ret1 = (0.0, 0.0) if io.returned is None else \
             (float(io.returned[0][lo, r]), float(io.returned[1][lo, r]))
         grads = float(io.grad_params[lo, r])
-        bucket = bucket_memory(grads, d > 1 or float(io.shared_grad[lo, r]) > 0, bucket_bytes)
+        bucket = float(bucket_memory(grads, float(io.shared_grad[lo, r]),
+                                     float(io.shared_count()[lo, r]), d > 1, bucket_bytes))
         computes = ret0 > 0 or ret1 > 0
         held0 = returned_memory(ret0, mine, microbatches, in_flight, computes)
         held1 = returned_memory(ret1, 0.0, microbatches, in_flight, computes)

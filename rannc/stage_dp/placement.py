@@ -139,7 +139,8 @@ def place(plan: Plan, cluster: Cluster, dev: HeteroDevices, io: BlockIO, mem: Me
         total = rows * st.replicas
         lo, hi = p.first_block, p.last_block
         fixed = float(static[lo, hi] + bucket_memory(
-            io.grad_params[lo, hi], st.replicas > 1 or io.shared_grad[lo, hi] > 0, mem.bucket_bytes))
+            io.grad_params[lo, hi], io.shared_grad[lo, hi], io.shared_count()[lo, hi],
+            st.replicas > 1, mem.bucket_bytes))
         caps = [rows_that_fit(p.memory_bytes, fixed, rows, capacity[r] / share) for r in ranks]
         x = whale_shares(total, [speed[r] for r in ranks], caps) if balance else [rows] * len(ranks)
         factor = finish_time(x, [speed[r] for r in ranks]) / (rows / slow)

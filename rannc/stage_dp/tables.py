@@ -53,6 +53,9 @@ class BlockIO:
     # (2,): bytes of every batch output the model returns (c0 + c1 * rows): each rank
     # assembles its own rows of them at the end of a call
     returned_all: np.ndarray | None = None
+    # (k, k): how many trainable parameters make up `shared_grad` (a reduction of one parameter
+    # needs no bucket buffer: `memory.bucket_memory`; None: unknown, taken as several)
+    shared_params: np.ndarray | None = None
 
     @classmethod
     def of(cls, graph: TaskGraph, atomic: AtomicPartition, block_of: Sequence[int],
@@ -60,6 +63,13 @@ class BlockIO:
         """The tables for the grouping `block_of`; pass `uses` (`ValueUses.of`) when building
         them for several groupings of one graph."""
         return (uses if uses is not None else ValueUses.of(graph, atomic)).block_io(block_of)
+
+    def shared_count(self) -> np.ndarray:
+        """`shared_params`, or where unknown 2 wherever a range shares a gradient (several
+        parameters: the bucket counted, the safe side)."""
+        if self.shared_params is not None:
+            return self.shared_params
+        return np.where(self.shared_grad > 0, 2.0, 0.0)
 
     def returned_bytes(self, rows: int, local: int) -> tuple[np.ndarray, float]:
         """(bytes of the batch outputs each stage [l, r] computes per microbatch of `rows` rows
@@ -133,7 +143,8 @@ class ValueUses:
         p_par = np.full(len(self.par_bytes), -1, dtype=np.int64)
         p_act = np.where(self.act_prod >= 0, blk[np.maximum(self.act_prod, 0)], -1)
         # parameters: every stage l..r holding a consumer block holds them
-        w_par = np.stack([self.par_bytes, self.par_bytes * self.par_grad], axis=1)
+        w_par = np.stack([self.par_bytes, self.par_bytes * self.par_grad, self.par_grad * 1.0],
+                         axis=1)  # bytes, trainable bytes, trainable count
         d_par = _upto_next(k, blk, self.par_use, p_par, w_par)
         # inputs: a stage starting after the producer's block receives the value when it holds
         # a consumer block
@@ -172,11 +183,12 @@ class ValueUses:
         np.minimum.at(first, pv, blk[pc])
         np.maximum.at(final, pv, blk[pc])
         used = np.flatnonzero(final >= 0)
-        d_in_only = np.zeros((k + 1, k + 1))
-        w = (self.par_bytes * self.par_grad)[used]
-        np.add.at(d_in_only, (np.zeros_like(used), final[used]), w)
-        np.add.at(d_in_only, (first[used] + 1, final[used]), -w)
-        shared = par[1] - total(d_in_only)
+        d_in_only = np.zeros((2, k + 1, k + 1))
+        for i, w in enumerate(((self.par_bytes * self.par_grad)[used], self.par_grad[used] * 1.0)):
+            np.add.at(d_in_only[i], (np.zeros_like(used), final[used]), w)
+            np.add.at(d_in_only[i], (first[used] + 1, final[used]), -w)
+        in_only = total(d_in_only)
+        shared, shared_n = par[1] - in_only[0], par[2] - in_only[1]
         # batch outputs the model returns: every stage l <= p <= r computing one holds them
         ret = np.flatnonzero((p_act >= 0) & self.act_output & self.act_rows)
         d_ret = np.zeros((2, k + 1, k + 1))
@@ -185,7 +197,7 @@ class ValueUses:
             np.add.at(d_ret[i], (p_act[ret] + 1, p_act[ret]), -self.act_bytes[ret, i])
         every = self.act_bytes[np.flatnonzero(self.act_output & self.act_rows)].sum(axis=0)
         return BlockIO(total(d_in), total(d_out), par[0], par[1], cut_ok, shared, total(d_ret),
-                       np.asarray(every, dtype=np.float64).reshape(2))
+                       np.asarray(every, dtype=np.float64).reshape(2), np.rint(shared_n))
 
 
 def _upto_next(k: int, blk: np.ndarray, use: np.ndarray, lo: np.ndarray,
@@ -286,7 +298,8 @@ def stage_tables(prof: BlockProfile, io: BlockIO, mem: MemoryModel, *, batch_siz
         ranks = d * copies
         reduce_s = 2.0 * io.grad_params * (ranks - 1) / ranks / allreduce_bw
         static = mem.static(io.params, io.grad_params, ranks, mem.zero_stage)
-        bucket = bucket_memory(io.grad_params, (ranks > 1) | (io.shared_grad > 0), mem.bucket_bytes)
+        bucket = bucket_memory(io.grad_params, io.shared_grad, io.shared_count(), ranks > 1,
+                               mem.bucket_bytes)
         ret = returned_memory(*io.returned_bytes(b, local), microbatches, n_in)
         full, saved_per_f = memory_terms(static + bucket, work_max[:, :, i], inb, outb, kept,
                                          in_flight=n_in, saved_inputs=saved_inputs,
