@@ -265,7 +265,8 @@ class Case:
 
 class CaseLaunches:
     """The cases of one test module, one mpiexec launch of tests/scripts/case_batch.py per
-    rank count and group (per `chunk` cases of it), run when a test first asks for one of them.
+    rank count and group (per `chunk` cases of it), run when a test first asks for one of them
+    (each case within `per_case_s` on every rank, else it fails and the launch ends).
 
     `wanted` are the case ids the selected tests use (`cases_of_items`); a launch runs those of
     its rank count and group, in the order of `cases`. A test gets its own case's output (each
@@ -307,7 +308,8 @@ class CaseLaunches:
                     todo.remove(c)
             if not todo:
                 return
-            ended = launch_cases(self.cases[todo[0]].ranks, spec, folder, 120 + self.per_case_s * len(todo))
+            ended = launch_cases(self.cases[todo[0]].ranks, spec, folder, 120 + self.per_case_s * len(todo),
+                                 self.per_case_s)
             for c, case in zip(todo, ended.cases, strict=False):
                 self.results[c] = case
             if len(ended.cases) == len(todo):
@@ -347,10 +349,14 @@ def new_launch_folder(parent: Path) -> Path:
     return folder
 
 
-def launch_cases(n: int, spec: list[dict[str, Any]], folder: Path, timeout: float) -> Ended:
+def launch_cases(n: int, spec: list[dict[str, Any]], folder: Path, timeout: float,
+                 case_limit_s: float | None = None) -> Ended:
     """One mpiexec launch of tests/scripts/case_batch.py on `n` ranks running the cases of
-    `spec` (each {"id", "script", "args", "env"}), its files in `folder`."""
-    (folder / "cases.json").write_text(json.dumps({"out_dir": str(folder), "cases": spec}))
+    `spec` (each {"id", "script", "args", "env"}), its files in `folder`; a rank still in one
+    case after `case_limit_s` ends the launch (a hung case costs its own limit, not the
+    launch's)."""
+    (folder / "cases.json").write_text(json.dumps({"out_dir": str(folder), "case_limit_s": case_limit_s,
+                                                   "cases": spec}))
     try:
         res = run_mpi(CASE_RUNNER, n, [str(folder / "cases.json")], timeout=timeout, check=False)
         launch, rc = _describe(res.args, res.returncode, res.stdout, res.stderr), res.returncode

@@ -217,7 +217,8 @@ class Launches:
             folder = new_launch_folder(self.folder)
             models = sum(len(r.models) for r in todo)
             ended = launch_cases(ranks, [r.case() for r in todo], folder,
-                                 min(LAUNCH_LIMIT_S, 90 + 45 * models * ranks))
+                                 min(LAUNCH_LIMIT_S, 90 + 45 * models * ranks),
+                                 max(90 + 45 * len(r.models) * ranks for r in todo))
             outs = [c.stdout for c in ended.cases] + [ended.stopped[0]]
             for r, out in zip(todo, outs, strict=False):
                 for name, rep in parse_results(out).items():

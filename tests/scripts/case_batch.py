@@ -4,12 +4,13 @@
 
 A launch's start-up (the interpreter, torch, the process group, the device measurement) costs
 far more than a small case, so the tests run the cases that need the same ranks in one launch.
-SPEC.json names an output folder and the cases in order, each a check script of this folder
-(a module with `parse(argv)` and `run(args, ctx)`), its argument list and the environment
-variables it sets:
+SPEC.json names an output folder, a time limit per case and the cases in order, each a check
+script of this folder (a module with `parse(argv)` and `run(args, ctx)`), its argument list and
+the environment variables it sets:
 
-    {"out_dir": "...", "cases": [{"id": "...", "script": "pipeline_check", "args": [...],
-                                  "env": {"RANNC_ZERO_STAGE": "1"}}]}
+    {"out_dir": "...", "case_limit_s": 150,
+     "cases": [{"id": "...", "script": "pipeline_check", "args": [...],
+                "env": {"RANNC_ZERO_STAGE": "1"}}]}
 
 Each case runs as the script alone would run it, with its environment set around it and its
 stdout, stderr and logging written to `out_dir/case<k>.rank<r>.out` / `.err`, so that a test
@@ -17,13 +18,15 @@ reads exactly what its own case printed. After a case ends on a rank, the rank w
 `case<k>.rank<r>.done` (files, not a line: a launch killed at its time limit loses its pipes but
 not what its finished cases wrote). A case that raises writes its traceback to its `.err` file and
 ends the launch (the other ranks may be inside a collective it will never reach), and the
-harness relaunches with the cases after it.
+harness relaunches with the cases after it. A case still running on a rank after `case_limit_s`
+(a hang) ends the launch the same way, its rank's stacks written to the launch's stderr.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import gc
 import importlib
 import json
@@ -112,7 +115,10 @@ def run_cases(spec_path: Path) -> None:
     scripts = {c["script"]: importlib.import_module(c["script"]) for c in spec["cases"]}
     timeout_s = max(getattr(m, "PROCESS_GROUP_TIMEOUT_S", 60) for m in scripts.values())
     ctx = rdist.init_process_group(timeout_s=timeout_s)
+    limit_s = spec.get("case_limit_s")
     for k, case in enumerate(spec["cases"]):
+        if limit_s:  # (the launch's stderr: sys.stderr before the case's own is set)
+            faulthandler.dump_traceback_later(limit_s, exit=True)
         script = scripts[case["script"]]
         stem = f"case{k}.rank{ctx.rank}"
         # rannc's log level as the script's own main sets it (pipeline_check: INFO, for the plan)
@@ -126,6 +132,7 @@ def run_cases(spec_path: Path) -> None:
         # No rank starts the next case before every rank has ended this one: a next case that
         # fails at once on one rank aborts the launch, which must not cut another rank's end.
         torch.distributed.barrier()
+        faulthandler.cancel_dump_traceback_later()
     rdist.shutdown()
 
 
