@@ -9,15 +9,19 @@ small machine), gloo as the backend, and no launcher variables inherited from an
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
+import traceback
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -238,3 +242,184 @@ def run_python(
     """Plain ``python script args`` (world size 1), with the same environment and timeout."""
     cmd = [sys.executable, str(script), *map(str, args)]
     return run_command(cmd, timeout, _env(env), check)
+
+
+CASE_RUNNER = TESTS / "scripts" / "case_batch.py"
+
+
+@dataclass(frozen=True)
+class Case:
+    """One run of a check script of tests/scripts (a module with `parse` and `run`, which
+    tests/scripts/case_batch.py calls): its ranks, its arguments (or a function of the launch's
+    folder that writes the files the case reads and returns them), the environment variables
+    it sets, the script (default: the CaseLaunches' script) and a group: only cases with the
+    same ranks and group share a launch (a resume that must run in new processes: another
+    group than the save before it)."""
+
+    ranks: int
+    args: Sequence[str] | Callable[[Path], Sequence[str]]
+    env: Mapping[str, str] = field(default_factory=dict)
+    script: str = ""
+    group: str = ""
+
+
+class CaseLaunches:
+    """The cases of one test module, one mpiexec launch of tests/scripts/case_batch.py per
+    rank count and group (per `chunk` cases of it), run when a test first asks for one of them
+    (each case within `per_case_s` on every rank, else it fails and the launch ends).
+
+    `wanted` are the case ids the selected tests use (`cases_of_items`); a launch runs those of
+    its rank count and group, in the order of `cases`. A test gets its own case's output (each
+    rank's, concatenated), as if its case had been launched alone; a case that did not finish
+    on every rank fails its test with its ranks' output and the launch's. A case that kills the
+    launch is recorded and the launch goes on, relaunched, with the cases after it."""
+
+    def __init__(self, script: str | Path, cases: Mapping[str, Case], wanted: Sequence[str],
+                 folder: Path, per_case_s: float = 150, chunk: int = 8) -> None:
+        self.script, self.cases, self.folder = Path(script).stem, cases, folder
+        self.per_case_s, self.chunk = per_case_s, chunk
+        self.wanted = [c for c in cases if c in set(wanted)]
+        self.results: dict[str, subprocess.CompletedProcess[str] | str] = {}
+
+    def result(self, case_id: str) -> subprocess.CompletedProcess[str]:
+        """The case's output (returncode 0); fails the test if the case did not finish."""
+        if case_id not in self.results:
+            key = (self.cases[case_id].ranks, self.cases[case_id].group)
+            group = [c for c in self.wanted if (self.cases[c].ranks, self.cases[c].group) == key]
+            if case_id not in group:
+                group = [case_id]
+            k = group.index(case_id) // self.chunk * self.chunk
+            self._launch(group[k:k + self.chunk])
+        got = self.results.get(case_id, f"case {case_id} was not run")
+        if isinstance(got, str):
+            pytest.fail(got, pytrace=False)
+        return got
+
+    def _launch(self, todo: list[str]) -> None:
+        while todo:
+            folder = new_launch_folder(self.folder)
+            spec = []
+            for c in list(todo):
+                try:
+                    spec.append({"id": c, "script": self.cases[c].script or self.script,
+                                 "args": self._args(c, folder), "env": dict(self.cases[c].env)})
+                except Exception:  # noqa: BLE001 - that case's test reports it, the others run
+                    self.results[c] = f"the case's arguments could not be made:\n{traceback.format_exc()}"
+                    todo.remove(c)
+            if not todo:
+                return
+            ended = launch_cases(self.cases[todo[0]].ranks, spec, folder, 120 + self.per_case_s * len(todo),
+                                 self.per_case_s)
+            for c, case in zip(todo, ended.cases, strict=False):
+                self.results[c] = case
+            if len(ended.cases) == len(todo):
+                if ended.returncode != 0:  # every case finished, the launch did not
+                    for c in todo:
+                        self.results[c] = f"the launch failed after its cases ended\n{ended.launch}"
+                return
+            self.results[todo[len(ended.cases)]] = ended.unfinished(todo[len(ended.cases)])
+            todo = todo[len(ended.cases) + 1:]
+
+    def _args(self, case_id: str, folder: Path) -> list[str]:
+        args = self.cases[case_id].args
+        return [str(a) for a in (args(folder) if callable(args) else args)]
+
+
+@dataclass
+class Ended:
+    """What one launch of tests/scripts/case_batch.py left: the output of the cases that ended
+    on every rank (a prefix of the launch's cases), of the first that did not (`stopped`, empty
+    when all ended), the launch's own output and exit status (None: killed at its limit)."""
+
+    cases: list[subprocess.CompletedProcess[str]]
+    stopped: tuple[str, str]
+    launch: str
+    returncode: int | None
+
+    def unfinished(self, name: str) -> str:
+        """A failure message for the case that did not end on every rank."""
+        out, err = self.stopped
+        return (f"case {name} did not finish on every rank\n--- its stdout ---\n{_tail(out)}\n"
+                f"--- its stderr ---\n{_tail(err)}\n--- the launch ---\n{self.launch}")
+
+
+def new_launch_folder(parent: Path) -> Path:
+    folder = parent / f"launch{len(list(parent.glob('launch*')))}"
+    folder.mkdir(parents=True)
+    return folder
+
+
+def launch_cases(n: int, spec: list[dict[str, Any]], folder: Path, timeout: float,
+                 case_limit_s: float | None = None) -> Ended:
+    """One mpiexec launch of tests/scripts/case_batch.py on `n` ranks running the cases of
+    `spec` (each {"id", "script", "args", "env"}), its files in `folder`; a rank still in one
+    case after `case_limit_s` ends the launch (a hung case costs its own limit, not the
+    launch's)."""
+    (folder / "cases.json").write_text(json.dumps({"out_dir": str(folder), "case_limit_s": case_limit_s,
+                                                   "cases": spec}))
+    try:
+        res = run_mpi(CASE_RUNNER, n, [str(folder / "cases.json")], timeout=timeout, check=False)
+        launch, rc = _describe(res.args, res.returncode, res.stdout, res.stderr), res.returncode
+    except pytest.fail.Exception as e:  # timed out: the cases that ended still count
+        launch, rc = str(e), None
+    # A case ended on a rank when that rank wrote its .done file (tests/scripts/case_batch.py).
+    stop = next((k for k in range(len(spec))
+                 if not all((folder / f"case{k}.rank{r}.done").exists() for r in range(n))), len(spec))
+    ended = [subprocess.CompletedProcess([str(CASE_RUNNER), spec[k]["id"]], 0, *_case_output(folder, k, n))
+             for k in range(stop)]
+    stopped = _case_output(folder, stop, n) if stop < len(spec) else ("", "")
+    return Ended(ended, stopped, launch, rc)
+
+
+def _case_output(folder: Path, k: int, n: int) -> tuple[str, str]:
+    """A case's stdout and stderr: its ranks', rank by rank."""
+    def read(suffix: str) -> str:
+        paths = [folder / f"case{k}.rank{r}.{suffix}" for r in range(n)]
+        return "".join(p.read_text(errors="replace") for p in paths if p.exists())
+
+    return read("out"), read("err")
+
+
+def cases_of_items(items: Sequence[pytest.Item], module: Any) -> list[str]:
+    """The case ids named by `pytest.mark.cases(...)` on the tests of `module` that will run
+    (neither deselected nor skipped by a marker)."""
+    wanted: list[str] = []
+    for item in items:
+        if getattr(item, "module", None) is not module or item.get_closest_marker("skip"):
+            continue
+        for mark in item.iter_markers("cases"):
+            wanted.extend(mark.args)
+    return wanted
+
+
+def case_launches_fixture(script: str | Path, cases: Mapping[str, Case], chunk: int = 16,
+                          per_case_s: float = 150) -> Any:
+    """A module-scoped fixture `launches`: the module's `CaseLaunches` for its selected tests
+    (assign it to a module name: `launches = case_launches_fixture(SCRIPT, CASES)`)."""
+
+    @pytest.fixture(scope="module")
+    def launches(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> CaseLaunches:
+        return CaseLaunches(script, cases, cases_of_items(request.session.items, request.module),
+                            tmp_path_factory.mktemp(Path(script).stem), per_case_s, chunk)
+
+    return launches
+
+
+def case_params(cases: dict[str, Case], kind: str, rows: Sequence[tuple[Any, ...]],
+                prefix: Sequence[str] = (), env: Mapping[str, str] | None = None,
+                full: Sequence[str] = ()) -> list[Any]:
+    """One pytest.param per row (ranks, arguments, *rest), id `<ranks>r-<arguments>`, each with
+    its case `kind-id` (ranks, `prefix` + arguments, env) added to `cases` and named by
+    `pytest.mark.cases`; ids in `full` are marked `full`."""
+    out = []
+    for n, args, *rest in rows:
+        i = f"{n}r-{'_'.join(str(x).lstrip('-') for x in args)}"
+        cases[f"{kind}-{i}"] = Case(n, [*prefix, *args], dict(env or {}))
+        marks = [pytest.mark.cases(f"{kind}-{i}"), *([pytest.mark.full] if i in full else [])]
+        out.append(pytest.param(n, args, *rest, id=i, marks=marks))
+    return out
+
+
+def case_of(request: pytest.FixtureRequest) -> str:
+    """The (first) case the running test names with `pytest.mark.cases`."""
+    return str(request.node.get_closest_marker("cases").args[0])

@@ -11,20 +11,26 @@ The launches build on each other (save -> resume, then a killed save -> load els
 are module fixtures, each run once; the tests read their outputs. GPT-2 has tied embeddings and
 the ResNet BatchNorm statistics (placed one replica per stage and one microbatch, the layout in
 which BatchNorm equals the unwrapped model on the global batch).
+
+The 2-rank runs share two launches (tests/mpi_harness.py's CaseLaunches): the first runs
+(interleaved save, uninterrupted exact run), then in new processes the runs that resume or load
+from them, the bit-identical resume first.
 """
 
 from __future__ import annotations
 
 import re
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from mpi_harness import TESTS, run_mpi, run_python
+from mpi_harness import TESTS, Case, CaseLaunches, case_launches_fixture, run_mpi, run_python
 
 import rannc
 
-pytestmark = pytest.mark.layer("multi_rank")
+# (timeout: the first test of a launch waits for all its cases)
+pytestmark = [pytest.mark.layer("multi_rank"), pytest.mark.timeout(3600)]
 
 SCRIPT = TESTS / "scripts" / "checkpoint_check.py"
 MODELS = ("gpt2", "resnet")
@@ -32,9 +38,51 @@ ON_4 = ["--layout", "gpt2=1,1,2/2", "--layout", "resnet=1,1,1,1/1"]
 ON_2 = ["--layout", "gpt2=1,1/2", "--layout", "resnet=1,1/1"]
 
 
+def _in(name: str, *args: str) -> Callable[[Path], list[str]]:
+    """Arguments with `--dir` the folder `name` beside the launches' folders (a later launch
+    reads what an earlier one saved there)."""
+    def make(launch: Path) -> list[str]:
+        (launch.parent / name).mkdir(exist_ok=True)
+        return [*args, "--dir", str(launch.parent / name)]
+    return make
+
+
+CASES = {
+    "exact-train": Case(2, _in("exact", "--phase", "exact"), group="first"),
+    "interleaved-save": Case(2, _in("interleaved", "--phase", "save", "--layout",
+                                    "gpt2=1,1/2/interleaved_1f1b/4"), group="first"),
+    # (new processes; the bit-identical resume first, in processes that ran nothing before)
+    "exact-resume": Case(2, _in("exact", "--phase", "exact", "--resume"), group="second"),
+    "interleaved-resume": Case(2, _in("interleaved", "--phase", "resume", "--layout", "gpt2=1,1/2"),
+                               group="second"),
+    "load": Case(2, _in("ckpt", "--phase", "load", *ON_2), {"RANNC_ZERO_STAGE": "1"}, group="second"),
+}
+launches = case_launches_fixture(SCRIPT, CASES)
+
+
 @pytest.fixture(scope="module")
-def ckpt_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("ckpt")
+def ckpt_dir(launches: CaseLaunches) -> Path:
+    path = launches.folder / "ckpt"
+    path.mkdir(exist_ok=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def second(launches: CaseLaunches, request: pytest.FixtureRequest) -> CaseLaunches:
+    """The launches, once the runs the second 2-rank launch resumes or loads from have ended
+    (whether they passed is their tests' to say: a load from a failed save fails on its own)."""
+    if "load" in launches.wanted:
+        try:
+            request.getfixturevalue("resumed")
+        except (Exception, pytest.fail.Exception):
+            pass
+    for c in ("exact-train", "interleaved-save"):
+        if c in launches.wanted:
+            try:
+                launches.result(c)
+            except pytest.fail.Exception:
+                pass
+    return launches
 
 
 @pytest.fixture(scope="module")
@@ -52,10 +100,8 @@ def resumed(saved: subprocess.CompletedProcess[str],
 
 
 @pytest.fixture(scope="module")
-def loaded(resumed: subprocess.CompletedProcess[str],
-           ckpt_dir: Path) -> subprocess.CompletedProcess[str]:
-    return run_mpi(SCRIPT, 2, ["--phase", "load", "--dir", str(ckpt_dir), *ON_2],
-                   env={"RANNC_ZERO_STAGE": "1"})
+def loaded(second: CaseLaunches) -> subprocess.CompletedProcess[str]:
+    return second.result("load")
 
 
 def _passed(out: str, what: str, model: str) -> list[str]:
@@ -77,6 +123,7 @@ def test_resume_after_3_steps_equals_6_steps(resumed: subprocess.CompletedProces
         assert _passed(resumed.stdout, "resume", model) == ["0", "1", "2", "3"], resumed.stdout
 
 
+@pytest.mark.cases("load")
 def test_killed_save_leaves_the_last_checkpoint(resumed: subprocess.CompletedProcess[str],
                                                 loaded: subprocess.CompletedProcess[str],
                                                 ckpt_dir: Path) -> None:
@@ -88,6 +135,7 @@ def test_killed_save_leaves_the_last_checkpoint(resumed: subprocess.CompletedPro
     assert _passed(loaded.stdout, "load", "gpt2") == ["0", "1"], loaded.stdout
 
 
+@pytest.mark.cases("load")
 def test_checkpoint_from_4_ranks_loads_on_2(loaded: subprocess.CompletedProcess[str]) -> None:
     """Saved by replicas 1,1,2 on 4 ranks, loaded after deployment by 2 stages on 2 ranks:
     the same state, and the next 3 steps' losses equal the 4-rank continuation."""
@@ -95,15 +143,15 @@ def test_checkpoint_from_4_ranks_loads_on_2(loaded: subprocess.CompletedProcess[
         assert _passed(loaded.stdout, "load", model) == ["0", "1"], loaded.stdout
 
 
-def test_interleaved_checkpoint_loads_on_one_stage_per_rank(tmp_path: Path) -> None:
+@pytest.mark.cases("interleaved-save", "interleaved-resume")
+def test_interleaved_checkpoint_loads_on_one_stage_per_rank(second: CaseLaunches) -> None:
     """Interleaved 1F1B, 4 stages on 2 ranks (each rank two non-adjacent stages): state dict,
     optimizer state and checkpoint as in the save phase; new processes on 2 stages of one rank
     each resume from it and continue exactly as the interleaved run did."""
-    save = run_mpi(SCRIPT, 2, ["--phase", "save", "--dir", str(tmp_path), "--layout",
-                               "gpt2=1,1/2/interleaved_1f1b/4"])
+    save = second.result("interleaved-save")
     assert _passed(save.stdout, "save", "gpt2") == ["0", "1"], save.stdout
     assert "interleaved_1f1b" in save.stderr, save.stderr  # (the plan table rank 0 prints)
-    res = run_mpi(SCRIPT, 2, ["--phase", "resume", "--dir", str(tmp_path), "--layout", "gpt2=1,1/2"])
+    res = second.result("interleaved-resume")
     assert _passed(res.stdout, "resume", "gpt2") == ["0", "1"], res.stdout
 
 
@@ -113,13 +161,14 @@ def test_single_process(tmp_path: Path) -> None:
     assert "PASS single gpt2 rank 0" in res.stdout, res.stdout
 
 
-def test_resume_is_bit_identical_with_scheduler_and_dropout_rng(tmp_path: Path) -> None:
+@pytest.mark.cases("exact-train", "exact-resume")
+def test_resume_is_bit_identical_with_scheduler_and_dropout_rng(second: CaseLaunches) -> None:
     """2 ranks (two stages, dropout in both): 6 uninterrupted steps saving after step 3, then
     new processes resume from that checkpoint with the LR scheduler, a Stateful step counter
     and RNGState: steps 4-6 give the same losses, parameters and learning rate, bit for bit."""
-    train = run_mpi(SCRIPT, 2, ["--phase", "exact", "--dir", str(tmp_path)])
+    train = second.result("exact-train")
     assert sorted(re.findall(r"PASS exact-train rank (\d)", train.stdout)) == ["0", "1"], train.stdout
-    res = run_mpi(SCRIPT, 2, ["--phase", "exact", "--dir", str(tmp_path), "--resume"])
+    res = second.result("exact-resume")
     assert sorted(re.findall(r"PASS exact-resume rank (\d)", res.stdout)) == ["0", "1"], res.stdout
 
 

@@ -1,19 +1,34 @@
 """Multi-rank pipelines under mpiexec (gloo, CPU) against the unwrapped model on the global
 batch: each rank's output rows, the loss, every held parameter's gradient and the parameters
-after 3 AdamW steps (rtol 1e-5), for the model set and the layouts of issue 3."""
+after 3 AdamW steps (rtol 1e-5), for the model set and the layouts of issue 3.
+
+Each test checks its own case of tests/scripts/pipeline_check.py (`CASES`), but the cases that
+need the same ranks run in one launch (tests/mpi_harness.py's `CaseLaunches`): a launch's
+start-up costs more than most cases."""
 
 from __future__ import annotations
 
+import functools
+import json
 import re
 from pathlib import Path
 from typing import Any
 
 import pytest
-from mpi_harness import TESTS, run_mpi, run_torchrun
+from mpi_harness import TESTS, Case, CaseLaunches, case_launches_fixture, case_of, run_torchrun
 
-pytestmark = pytest.mark.layer("multi_rank")
+# (timeout: the first test of a rank count waits for its whole launch, and relaunches after a
+# crash; each launch is killed by its own limit, 120 s + 150 s per case)
+pytestmark = [pytest.mark.layer("multi_rank"), pytest.mark.timeout(3600)]
 
 SCRIPT = TESTS / "scripts" / "pipeline_check.py"
+CASES: dict[str, Case] = {}  # filled below, next to the tests that read them
+launches = case_launches_fixture(SCRIPT, CASES)
+
+
+def _case(case_id: str, n: int, args: Any, env: dict[str, str] | None = None, script: str = "") -> str:
+    CASES[case_id] = Case(n, args, env or {}, script)
+    return case_id
 
 ALL = "bert,gpt2,fork_join,shared_param,kwargs"
 # BatchNorm normalises over the rows one replica sees in one microbatch (as DDP without
@@ -57,16 +72,17 @@ def _layout_params() -> list[Any]:
     out: list[Any] = []
     for n, lay, mb, b, models in LAYOUTS:
         full = lay[0] == "--replicas" and (n, lay[1], b) in FULL_ONLY
-        out.append(pytest.param(n, lay, mb, b, models, id=f"{n}r-{'_'.join(lay[1:])}-m{mb}-b{b}",
-                                marks=[pytest.mark.full] if full else []))
+        i = f"{n}r-{'_'.join(lay[1:])}-m{mb}-b{b}"
+        c = _case(f"layout-{i}", n, ["--model", models, *lay, "--microbatches", str(mb), "--batch", str(b)])
+        out.append(pytest.param(n, lay, mb, b, models, c, id=i,
+                                marks=[pytest.mark.cases(c), *([pytest.mark.full] if full else [])]))
     return out
 
 
-@pytest.mark.parametrize(("n", "layout", "micro", "batch", "models"), _layout_params())
+@pytest.mark.parametrize(("n", "layout", "micro", "batch", "models", "case"), _layout_params())
 def test_pipeline_equals_unwrapped_model(n: int, layout: list[str], micro: int, batch: int,
-                                         models: str) -> None:
-    res = run_mpi(SCRIPT, n, ["--model", models, *layout, "--microbatches", str(micro),
-                              "--batch", str(batch)])
+                                         models: str, case: str, launches: CaseLaunches) -> None:
+    res = launches.result(case)
     for model in models.split(","):
         got = sorted(re.findall(rf"PASS {model} rank (\d+)", res.stdout))
         assert got == [str(r) for r in range(n)], (model, res.stdout)
@@ -125,14 +141,26 @@ SCHEDULED = [
 ]
 
 
-SCHEDULED_FULL = {"4r-replicas_1,1_microbatches_2_batch_8_schedule_1f1b_grad-scaler"}
+SCHEDULED_FULL = frozenset({"4r-replicas_1,1_microbatches_2_batch_8_schedule_1f1b_grad-scaler"})
 
 
-@pytest.mark.parametrize(("n", "args", "models"), [
-    pytest.param(n, a, m, id=i, marks=[pytest.mark.full] if i in SCHEDULED_FULL else [])
-    for n, a, m in SCHEDULED for i in [f"{n}r-{'_'.join(x.lstrip('-') for x in a)}"]])
-def test_every_schedule_equals_the_unwrapped_model(n: int, args: list[str], models: str) -> None:
-    res = run_mpi(SCRIPT, n, ["--model", models, *args])
+def _ids(rows: list[Any]) -> list[str]:
+    return [f"{n}r-{'_'.join(x.lstrip('-') for x in a)}" for n, a, *_ in rows]
+
+
+def _params(kind: str, rows: list[Any], env: dict[str, str] | None = None,
+            full: frozenset[str] = frozenset()) -> list[Any]:
+    """pytest.param(n, args, models) per row, each with its case `kind-id`."""
+    return [pytest.param(n, a, m, id=i, marks=[pytest.mark.cases(_case(
+        f"{kind}-{i}", n, ["--model", m, *a], env)), *([pytest.mark.full] if i in full else [])])
+        for (n, a, m), i in zip(rows, _ids(rows), strict=True)]
+
+
+@pytest.mark.parametrize(("n", "args", "models"), _params("schedule", SCHEDULED, full=SCHEDULED_FULL))
+def test_every_schedule_equals_the_unwrapped_model(n: int, args: list[str], models: str,
+                                                   launches: CaseLaunches,
+                                                   request: pytest.FixtureRequest) -> None:
+    res = launches.result(case_of(request))
     sched = args[args.index("--schedule") + 1]
     assert f"SCHEDULE {sched}" in res.stdout
     if "fork_join" in models:  # no scalar loss output: fill-drain, and the log says why
@@ -173,11 +201,11 @@ ZERO = [
 ]
 
 
-@pytest.mark.parametrize(("n", "args", "models"), ZERO,
-                         ids=[f"{n}r-{'_'.join(x.lstrip('-') for x in a)}" for n, a, _ in ZERO])
-def test_zero_1_equals_the_unwrapped_model(n: int, args: list[str], models: str) -> None:
-    res = run_mpi(SCRIPT, n, ["--model", models, *args],
-                  env={"RANNC_BUCKET_MB": "0.001", "RANNC_ZERO_STAGE": "1"})
+@pytest.mark.parametrize(("n", "args", "models"),
+                         _params("zero", ZERO, {"RANNC_BUCKET_MB": "0.001", "RANNC_ZERO_STAGE": "1"}))
+def test_zero_1_equals_the_unwrapped_model(n: int, args: list[str], models: str,
+                                           launches: CaseLaunches, request: pytest.FixtureRequest) -> None:
+    res = launches.result(case_of(request))
     for model in models.split(","):
         got = sorted(re.findall(rf"PASS {model} rank (\d+)", res.stdout))
         assert got == [str(r) for r in range(n)], (model, res.stdout)
@@ -188,11 +216,11 @@ def test_zero_1_equals_the_unwrapped_model(n: int, args: list[str], models: str)
         assert sum(int(k) for _r, k, _ref, _z in state) == int(state[0][2]), (model, state)
 
 
-@pytest.mark.parametrize(("n", "args", "models"), BUCKETED,
-                         ids=[f"{n}r-{'_'.join(x.lstrip('-') for x in a)}" for n, a, _ in BUCKETED])
-def test_small_gradient_buckets_equal_the_unwrapped_model(n: int, args: list[str],
-                                                          models: str) -> None:
-    res = run_mpi(SCRIPT, n, ["--model", models, *args], env={"RANNC_BUCKET_MB": "0.001"})
+@pytest.mark.parametrize(("n", "args", "models"), _params("buckets", BUCKETED, {"RANNC_BUCKET_MB": "0.001"}))
+def test_small_gradient_buckets_equal_the_unwrapped_model(n: int, args: list[str], models: str,
+                                                          launches: CaseLaunches,
+                                                          request: pytest.FixtureRequest) -> None:
+    res = launches.result(case_of(request))
     for model in models.split(","):
         got = sorted(re.findall(rf"PASS {model} rank (\d+)", res.stdout))
         assert got == [str(r) for r in range(n)], (model, res.stdout)
@@ -219,20 +247,22 @@ PRECISION = [
 ]
 
 
-@pytest.mark.parametrize(("n", "args", "models"), PRECISION,
-                         ids=[f"{n}r-{'_'.join(x.lstrip('-') for x in a)}" for n, a, _ in PRECISION])
-def test_mixed_precision_equals_the_unwrapped_model(n: int, args: list[str], models: str) -> None:
-    res = run_mpi(SCRIPT, n, ["--model", models, *args])
+@pytest.mark.parametrize(("n", "args", "models"), _params("precision", PRECISION))
+def test_mixed_precision_equals_the_unwrapped_model(n: int, args: list[str], models: str,
+                                                    launches: CaseLaunches,
+                                                    request: pytest.FixtureRequest) -> None:
+    res = launches.result(case_of(request))
     for model in models.split(","):
         got = sorted(re.findall(rf"PASS {model} rank (\d+)", res.stdout))
         assert got == [str(r) for r in range(n)], (model, res.stdout)
 
 
-def test_train_and_eval_alternate_for_ten_steps() -> None:
+@pytest.mark.cases(_case("alternate", 2, ["--model", "gpt2,resnet", "--partition-num", "2", "--microbatches",
+                                           "1", "--batch", "8", "--steps", "10", "--eval-every", "1"]))
+def test_train_and_eval_alternate_for_ten_steps(launches: CaseLaunches) -> None:
     """model.eval() + no_grad after every training step: forward-only, dropout off, BatchNorm on
     running statistics, the eval graph placed on the deployed stages once and reused."""
-    res = run_mpi(SCRIPT, 2, ["--model", "gpt2,resnet", "--partition-num", "2", "--microbatches",
-                              "1", "--batch", "8", "--steps", "10", "--eval-every", "1"])
+    res = launches.result("alternate")
     for model in ("gpt2", "resnet"):
         assert len(re.findall(rf"OK alternation {model} rank", res.stdout)) == 20, res.stdout
         assert sorted(re.findall(rf"PASS {model} rank (\d+)", res.stdout)) == ["0", "1"]
@@ -240,37 +270,45 @@ def test_train_and_eval_alternate_for_ten_steps() -> None:
         "new input signature (eval mode") == 2  # once per model, not per eval call
 
 
-def test_a_mixed_cluster_splits_rows_by_speed_and_stays_exact(tmp_path: Path) -> None:
+FAST = {"name": "fast", "memory_bytes": 16e9, "flops": 10e12, "mem_bandwidth": 1e12}
+SLOW = {**FAST, "name": "slow", "flops": 5e12, "mem_bandwidth": 0.5e12}
+
+
+def _cluster_file(path: Path, per_node: int, devices: list[dict[str, Any]]) -> str:
+    path.write_text(json.dumps({"per_node": per_node, "devices": devices}))
+    return str(path)
+
+
+_case("cluster-speed", 3, lambda d: [
+    "--model", ALL, "--replicas", "1,2", "--microbatches", "2", "--batch", "9", "--schedule", "1f1b",
+    "--cluster-file", _cluster_file(d / "speed.json", 3, [FAST, FAST, SLOW])])
+_case("cluster-first-stage", 2, lambda d: [
+    "--model", "gpt2,kwargs", "--partition-num", "2", "--microbatches", "4", "--batch", "8",
+    "--schedule", "1f1b", "--cluster-file", _cluster_file(d / "first.json", 2, [SLOW, FAST])])
+
+
+@pytest.mark.cases("cluster-speed", "cluster-first-stage")
+def test_a_mixed_cluster_splits_rows_by_speed_and_stays_exact(launches: CaseLaunches) -> None:
     """Issue 7: a cluster file declares rank 2 two times slower; the stage replicated over
     ranks 1 and 2 gives rank 1 two thirds of its rows; and a pipeline whose first stage lands on
     rank 1; training still equals the unwrapped model on the global batch."""
-    import json
-
-    fast = {"name": "fast", "memory_bytes": 16e9, "flops": 10e12, "mem_bandwidth": 1e12}
-    slow = {**fast, "name": "slow", "flops": 5e12, "mem_bandwidth": 0.5e12}
-    path = tmp_path / "cluster.json"
-    path.write_text(json.dumps({"per_node": 3, "devices": [fast, fast, slow]}))
-    res = run_mpi(SCRIPT, 3, ["--model", ALL, "--replicas", "1,2", "--microbatches", "2",
-                              "--batch", "9", "--schedule", "1f1b", "--cluster-file", str(path)])
+    res = launches.result("cluster-speed")
     for model in ALL.split(","):
         got = sorted(re.findall(rf"PASS {model} rank (\d+)", res.stdout))
         assert got == ["0", "1", "2"], (model, res.stdout)
     assert "1:fast:0.67,2:slow:0.33" in res.stdout, res.stdout
     # two stages on [slow, fast]: the mixed-cluster DP puts the first, larger stage on rank 1
-    path.write_text(json.dumps({"per_node": 2, "devices": [slow, fast]}))
-    res = run_mpi(SCRIPT, 2, ["--model", "gpt2,kwargs", "--partition-num", "2", "--microbatches",
-                              "4", "--batch", "8", "--schedule", "1f1b", "--cluster-file", str(path)])
+    res = launches.result("cluster-first-stage")
     for model in ("gpt2", "kwargs"):
         assert sorted(re.findall(rf"PASS {model} rank (\d+)", res.stdout)) == ["0", "1"]
     assert re.search(r"PASS gpt2 rank 1 of 2 stage 0", res.stdout), res.stdout
 
 
-def test_a_mixed_cluster_with_a_rank_short_of_memory(tmp_path: Path) -> None:
-    """Issue 7 acceptance: ranks [fast, fast, 2x slower, fast with too little memory for its
-    speed share]. The stage replicated over ranks 1 to 3 splits rows by speed, then shifts rows
-    away from rank 3 (what fits its memory); training equals the unwrapped model."""
+@functools.cache
+def _short_of_memory() -> tuple[list[dict[str, Any]], Any]:
+    """The devices [fast, fast, slow, small] (small: enough memory for an equal share of the
+    rows of the replicated stage, not for a fast device's speed share) and that stage's plan."""
     import dataclasses
-    import json
 
     from model_zoo import make_case
 
@@ -279,8 +317,7 @@ def test_a_mixed_cluster_with_a_rank_short_of_memory(tmp_path: Path) -> None:
     from rannc.graph.capture import capture
     from rannc.planner import plan_graph
 
-    fast = {"name": "fast", "memory_bytes": 16e9, "flops": 10e12, "mem_bandwidth": 1e12}
-    slow = {**fast, "name": "slow", "flops": 5e12, "mem_bandwidth": 0.5e12}
+    fast, slow = FAST, SLOW
     cfg = rannc.Config(replicas=[1, 3], microbatches=2, schedule="1f1b",
                        extra={"hetero_dp": False})
     case = make_case("gpt2", batch=12)
@@ -296,26 +333,44 @@ def test_a_mixed_cluster_with_a_rank_short_of_memory(tmp_path: Path) -> None:
     devices = [fast, fast, slow, small]
     tight = rannc.Cluster([rannc.DeviceSpec(**d) for d in devices], per_node=4)
     plan = plan_graph(g, atomic, tight, dataclasses.replace(cfg, extra={}), batch_size=12)
-    st = plan.stages[1]
+    return devices, plan.stages[1]
+
+
+_case("cluster-short-of-memory", 4, lambda d: [
+    "--model", "gpt2", "--replicas", "1,3", "--microbatches", "2", "--batch", "12", "--schedule", "1f1b",
+    "--cluster-file", _cluster_file(d / "short.json", 4, _short_of_memory()[0])])
+
+
+@pytest.mark.cases("cluster-short-of-memory")
+def test_a_mixed_cluster_with_a_rank_short_of_memory(launches: CaseLaunches) -> None:
+    """Issue 7 acceptance: ranks [fast, fast, 2x slower, fast with too little memory for its
+    speed share]. The stage replicated over ranks 1 to 3 splits rows by speed, then shifts rows
+    away from rank 3 (what fits its memory); training equals the unwrapped model."""
+    _devices, st = _short_of_memory()
     share = dict(zip(st.devices, st.shares, strict=True))
     assert share["slow"] < share["fast"] and share["small"] < share["fast"]  # memory, not speed
-    path = tmp_path / "cluster.json"
-    path.write_text(json.dumps({"per_node": 4, "devices": devices}))
-    res = run_mpi(SCRIPT, 4, ["--model", "gpt2", "--replicas", "1,3", "--microbatches", "2",
-                              "--batch", "12", "--schedule", "1f1b", "--cluster-file", str(path)])
+    res = launches.result("cluster-short-of-memory")
     assert sorted(re.findall(r"PASS gpt2 rank (\d+)", res.stdout)) == ["0", "1", "2", "3"]
     want = ",".join(f"{r}:{d}:{x:.2f}" for r, d, x in zip(st.ranks, st.devices, st.shares, strict=True))
     assert want in res.stdout, (want, res.stdout)
 
 
-def test_trace_files_hold_every_rank_and_the_prediction(tmp_path: Path) -> None:
+def _trace_prefix(res: Any) -> str:
+    return re.search(r"TRACE (\S+)_gpt2\.json", res.stdout).group(1)  # type: ignore[union-attr]
+
+
+_case("trace-1f1b", 2, lambda d: [
+    "--model", "gpt2", "--partition-num", "2", "--microbatches", "4", "--batch", "8", "--schedule", "1f1b",
+    "--steps", "2", "--checkpointing", "on", "--trace", str(d / "trace_1f1b")])
+
+
+@pytest.mark.cases("trace-1f1b")
+def test_trace_files_hold_every_rank_and_the_prediction(launches: CaseLaunches) -> None:
     from rannc.schedule import load_chrome_trace
 
-    prefix = str(tmp_path / "trace")
-    res = run_mpi(SCRIPT, 2, ["--model", "gpt2", "--partition-num", "2", "--microbatches", "4",
-                              "--batch", "8", "--schedule", "1f1b", "--steps", "2",
-                              "--checkpointing", "on", "--trace", prefix])
+    res = launches.result("trace-1f1b")
     assert "PASS gpt2 rank 0" in res.stdout
+    prefix = _trace_prefix(res)
     events = load_chrome_trace(prefix + "_gpt2.json")
     assert sorted(events) == [0, 1]
     for rank, evs in events.items():
@@ -326,18 +381,21 @@ def test_trace_files_hold_every_rank_and_the_prediction(tmp_path: Path) -> None:
     assert Path(prefix + "_gpt2.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_zero_bubble_runs_weight_gradients_apart(tmp_path: Path) -> None:
+_case("trace-zero-bubble", 2, lambda d: [
+    "--model", "gpt2", "--partition-num", "2", "--microbatches", "4", "--batch", "8", "--schedule",
+    "zero_bubble", "--steps", "2", "--trace", str(d / "trace_zb")])
+
+
+@pytest.mark.cases("trace-zero-bubble")
+def test_zero_bubble_runs_weight_gradients_apart(launches: CaseLaunches) -> None:
     """Under zero_bubble each rank runs W apart from B, as the schedule orders them: the last
     stage defers its first W past its second B, and the W passes do a real share of the
     backward's work (the weight gradients), not nothing."""
     from rannc.schedule import load_chrome_trace
 
-    prefix = str(tmp_path / "trace")
-    res = run_mpi(SCRIPT, 2, ["--model", "gpt2", "--partition-num", "2", "--microbatches", "4",
-                              "--batch", "8", "--schedule", "zero_bubble", "--steps", "2",
-                              "--trace", prefix])
+    res = launches.result("trace-zero-bubble")
     assert "PASS gpt2 rank 1" in res.stdout and "SCHEDULE zero_bubble" in res.stdout
-    events = load_chrome_trace(prefix + "_gpt2.json")
+    events = load_chrome_trace(_trace_prefix(res) + "_gpt2.json")
     for rank, evs in events.items():
         order = [str(e.action) for e in evs if e.action.op.value in ("B", "W")]
         assert sorted(order) == sorted(f"{op}{rank}.{m}" for op in "BW" for m in range(4))
@@ -347,11 +405,12 @@ def test_zero_bubble_runs_weight_gradients_apart(tmp_path: Path) -> None:
         assert secs["W"] > 0.2 * secs["B"], (rank, secs)
 
 
-def test_each_rank_holds_only_its_parameters() -> None:
+@pytest.mark.cases(_case("holdings", 4, ["--model", "bert", "--partition-num", "4", "--microbatches", "2",
+                                          "--steps", "1"]))
+def test_each_rank_holds_only_its_parameters(launches: CaseLaunches) -> None:
     """4 stages on 4 ranks: the parameter elements stored over all ranks add up to the model's,
     plus one copy of the word embedding tied between the first and the last stage."""
-    res = run_mpi(SCRIPT, 4, ["--model", "bert", "--partition-num", "4", "--microbatches", "2",
-                              "--steps", "1"])
+    res = launches.result("holdings")
     held = [int(x) for x in re.findall(r"PASS bert rank \d+ of 4 stage \d+ params (\d+)", res.stdout)]
     assert len(held) == 4
     from model_zoo import make_case
@@ -363,8 +422,9 @@ def test_each_rank_holds_only_its_parameters() -> None:
     assert max(held) < total
 
 
-def test_recomputation_replays_dropout() -> None:
-    res = run_mpi(TESTS / "scripts" / "recompute_check.py", 2)
+@pytest.mark.cases(_case("recompute-dropout", 2, [], script="recompute_check"))
+def test_recomputation_replays_dropout(launches: CaseLaunches) -> None:
+    res = launches.result("recompute-dropout")
     assert len(re.findall(r"PASS rank", res.stdout)) == 2, res.stdout
 
 
@@ -374,6 +434,7 @@ def test_under_torchrun() -> None:
     assert len(re.findall(r"PASS bert rank", res.stdout)) == 2, res.stdout
 
 
+@functools.cache
 def _bert_memory_needs() -> tuple[float, float]:
     """Bytes per device the planner says the test BERT needs as one stage, and with any stages,
     on 4 devices (batch 8): the limits the planned-run tests sit between."""
@@ -394,42 +455,52 @@ def _bert_memory_needs() -> tuple[float, float]:
     return needs[0], needs[1]
 
 
-def test_planned_model_under_a_memory_limit_trains_exactly() -> None:
+_case("memory-limit", 4, lambda d: [
+    "--model", "bert", "--microbatches", "0", "--batch", "8",
+    "--mem-limit-gb", repr((_bert_memory_needs()[1] + _bert_memory_needs()[0]) / 2 / 1e9)])
+
+
+@pytest.mark.cases("memory-limit")
+def test_planned_model_under_a_memory_limit_trains_exactly(launches: CaseLaunches) -> None:
     """No layout forced: a memory limit below what one stage needs makes the planner split the
     model, and the planned pipeline matches the unwrapped model."""
     one_stage, least = _bert_memory_needs()
     assert least < one_stage
-    limit_gb = (least + one_stage) / 2 / 1e9
-    res = run_mpi(SCRIPT, 4, ["--model", "bert", "--microbatches", "0", "--batch", "8",
-                              "--mem-limit-gb", repr(limit_gb)])
+    res = launches.result("memory-limit")
     assert len(re.findall(r"PASS bert rank", res.stdout)) == 4, res.stdout
     stages = int(re.search(r"STAGES (\d+)", res.stdout).group(1))  # type: ignore[union-attr]
     assert stages >= 2, res.stdout
 
 
-def test_memory_limit_too_small_for_any_plan_is_a_clear_error() -> None:
-    _, least = _bert_memory_needs()
-    res = run_mpi(SCRIPT, 2, ["--model", "bert", "--microbatches", "0", "--batch", "8",
-                              "--mem-limit-gb", repr(least / 4 / 1e9),
-                              "--expect-error", "per device"])
+# (last of its ranks' cases: its first call raises, after which the ranks run no more cases)
+_case("memory-limit-error", 2, lambda d: [
+    "--model", "bert", "--microbatches", "0", "--batch", "8", "--mem-limit-gb",
+    repr(_bert_memory_needs()[1] / 4 / 1e9), "--expect-error", "per device"])
+
+
+@pytest.mark.cases("memory-limit-error")
+def test_memory_limit_too_small_for_any_plan_is_a_clear_error(launches: CaseLaunches) -> None:
+    res = launches.result("memory-limit-error")
     errors = re.findall(r"PASS rank \d+ error: (.*)", res.stdout)
     assert len(errors) == 2, res.stdout
     assert "needs at least" in errors[0] and "mem_limit_gb" in errors[0], errors[0]
 
 
-def test_stage_boundaries_inside_blocks_train_exactly(tmp_path: Path) -> None:
+_case("boundaries", 3, lambda d: [
+    "--model", "bert", "--partition-num", "3", "--microbatches", "2", "--batch", "6", "--schedule",
+    "1f1b", "--cluster-file", _cluster_file(d / "boundaries.json", 3, [FAST] * 3)], {"RANNC_BLOCKS": "4"})
+
+
+@pytest.mark.cases("boundaries")
+def test_stage_boundaries_inside_blocks_train_exactly(tmp_path: Path, launches: CaseLaunches) -> None:
     """k = 4 blocks for 3 stages: the planner's boundary refinement cuts inside blocks (checked
     here against the whole-block plan, on the cluster file the ranks plan for), and those
     stages train exactly like the unwrapped model."""
-    import json
-
     from model_zoo import make_case
 
     import rannc
 
-    dev = {"name": "fast", "memory_bytes": 16e9, "flops": 10e12, "mem_bandwidth": 1e12}
-    path = tmp_path / "cluster.json"
-    path.write_text(json.dumps({"per_node": 3, "devices": [dev] * 3}))
+    path = Path(_cluster_file(tmp_path / "cluster.json", 3, [FAST] * 3))
     cfg = {"blocks": 4, "partition_num": 3, "microbatches": 2, "schedule": "1f1b"}
     case = make_case("bert", batch=6, seed=0)
     cluster = rannc.Cluster.load(path)
@@ -439,9 +510,7 @@ def test_stage_boundaries_inside_blocks_train_exactly(tmp_path: Path) -> None:
             **cfg, extra={"boundary_refinement": refine}))
         ranges[refine] = [f"{st.components[0]}-{st.components[-1]}" for st in plan.stages]
     assert ranges[True] != ranges[False], ranges
-    res = run_mpi(SCRIPT, 3, ["--model", "bert", "--partition-num", "3", "--microbatches", "2",
-                              "--batch", "6", "--schedule", "1f1b", "--cluster-file", str(path)],
-                  env={"RANNC_BLOCKS": "4"})
+    res = launches.result("boundaries")
     assert sorted(re.findall(r"PASS bert rank (\d+)", res.stdout)) == ["0", "1", "2"], res.stdout
     printed = re.findall(r"^\s+\d+\s+(\d+-\d+)\s", res.stdout, flags=re.MULTILINE)
     assert printed == ranges[True], res.stdout

@@ -10,20 +10,29 @@ from __future__ import annotations
 import re
 
 import pytest
-from mpi_harness import TESTS, run_mpi
+from mpi_harness import TESTS, Case, CaseLaunches, case_launches_fixture
 
-pytestmark = pytest.mark.layer("multi_rank")
+# (timeout: the first test of a rank count waits for its whole launch)
+pytestmark = [pytest.mark.layer("multi_rank"), pytest.mark.timeout(3600)]
 
 SCRIPT = TESTS / "scripts" / "random_models_check.py"
 
 # (ranks, examples, seed): 44 examples in all
 LAUNCHES = [(2, 16, 2), (3, 16, 3), (4, 12, 4)]
+# One launch per rank count (tests/mpi_harness.py's CaseLaunches): the 2-rank examples and the
+# two 2-rank regressions below share theirs.
+CASES = {f"{n}r-{k}ex-seed{s}": Case(n, ["--examples", str(k), "--seed", str(s)]) for n, k, s in LAUNCHES}
+CASES["dead-batchnorm"] = Case(2, ["--dead-batchnorm"])
+CASES["unused-output"] = Case(2, ["--unused-output"])
+launches = case_launches_fixture(SCRIPT, CASES, per_case_s=300)
 
 
-@pytest.mark.parametrize(("n", "examples", "seed"), LAUNCHES,
-                         ids=[f"{n}r-{k}ex-seed{s}" for n, k, s in LAUNCHES])
-def test_random_models_equal_the_unwrapped_model(n: int, examples: int, seed: int) -> None:
-    res = run_mpi(SCRIPT, n, ["--examples", str(examples), "--seed", str(seed)], timeout=300)
+@pytest.mark.parametrize(("n", "examples", "seed"), [
+    pytest.param(n, k, s, id=i, marks=pytest.mark.cases(i))
+    for n, k, s in LAUNCHES for i in [f"{n}r-{k}ex-seed{s}"]])
+def test_random_models_equal_the_unwrapped_model(n: int, examples: int, seed: int,
+                                                 launches: CaseLaunches) -> None:
+    res = launches.result(f"{n}r-{examples}ex-seed{seed}")
     # Not anchored to line starts: the ranks share one pipe, so lines may interleave.
     seen = re.findall(r"EXAMPLE (\d+) rank (\d+) (PASS|FAIL)", res.stdout)
     failed = re.findall(r"EXAMPLE \d+ rank \d+ FAIL[^\n]*", res.stdout)
@@ -34,21 +43,23 @@ def test_random_models_equal_the_unwrapped_model(n: int, examples: int, seed: in
         (str(r), str(examples)) for r in range(n)]
 
 
-def test_dead_batchnorm_branch_across_stages() -> None:
+@pytest.mark.cases("dead-batchnorm")
+def test_dead_batchnorm_branch_across_stages(launches: CaseLaunches) -> None:
     """Found by the random models (seed 2, 2 ranks, 1F1B): a BatchNorm no output depends on
     (kept by capture for its statistics), in a later stage than its input's producer, sent
     back a zero input gradient, so the producer's parameters got zeros where the original has
     None and AdamW's weight decay moved them. The stages now agree statically which inputs
     carry a gradient back."""
-    res = run_mpi(SCRIPT, 2, ["--dead-batchnorm"], timeout=120)
+    res = launches.result("dead-batchnorm")
     assert sorted(re.findall(r"EXAMPLE 0 rank (\d+) PASS", res.stdout)) == ["0", "1"], \
         res.stdout[-3000:]
 
 
-def test_a_parameter_the_loss_does_not_use_keeps_grad_none() -> None:
+@pytest.mark.cases("unused-output")
+def test_a_parameter_the_loss_does_not_use_keeps_grad_none(launches: CaseLaunches) -> None:
     """Found by the random models (a dead Linear in a replicated stage): the replica
     all-reduce gave every held parameter a zero .grad, so AdamW's weight decay moved
     parameters the original leaves alone. Here the loss ignores the second head's output."""
-    res = run_mpi(SCRIPT, 2, ["--unused-output"], timeout=120)
+    res = launches.result("unused-output")
     assert sorted(re.findall(r"EXAMPLE 0 rank (\d+) PASS", res.stdout)) == ["0", "1"], \
         res.stdout[-3000:]

@@ -1,16 +1,20 @@
 """DESIGN.md's "Nothing silently different" cases under mpiexec, against the unwrapped model on
-the global batch (tests/scripts/semantics_check.py; fp32, rtol 1e-5)."""
+the global batch (tests/scripts/semantics_check.py; fp32, rtol 1e-5). The cases that need the
+same ranks run in one launch (tests/mpi_harness.py's `CaseLaunches`)."""
 
 from __future__ import annotations
 
 import re
 
 import pytest
-from mpi_harness import TESTS, run_mpi
+from mpi_harness import TESTS, Case, CaseLaunches, case_launches_fixture, case_of, case_params
 
-pytestmark = pytest.mark.layer("multi_rank")
+# (timeout: the first test of a rank count waits for its whole launch)
+pytestmark = [pytest.mark.layer("multi_rank"), pytest.mark.timeout(3600)]
 
 SCRIPT = TESTS / "scripts" / "semantics_check.py"
+CASES: dict[str, Case] = {}  # filled below, next to the tests that read them
+launches = case_launches_fixture(SCRIPT, CASES)
 
 
 def _passed(out: str, case: str, n: int) -> None:
@@ -29,12 +33,13 @@ INPUT_GRAD = [
 ]
 
 
-@pytest.mark.parametrize(("n", "args"), INPUT_GRAD,
-                         ids=[f"{n}r-{'_'.join(x.lstrip('-') for x in a)}" for n, a in INPUT_GRAD])
-def test_inputs_requiring_grad_get_their_rows_gradient(n: int, args: list[str]) -> None:
+@pytest.mark.parametrize(("n", "args"),
+                         case_params(CASES, "input_grad", INPUT_GRAD, ["--case", "input_grad"]))
+def test_inputs_requiring_grad_get_their_rows_gradient(n: int, args: list[str], launches: CaseLaunches,
+                                                       request: pytest.FixtureRequest) -> None:
     """x.grad on every rank equals its rows of the unwrapped model's x.grad (two stages read
     x, so the owner sums what both send back), for 2 steps; without requires_grad, None."""
-    res = run_mpi(SCRIPT, n, ["--case", "input_grad", *args])
+    res = launches.result(case_of(request))
     _passed(res.stdout, "input_grad", n)
 
 
@@ -50,13 +55,13 @@ MASKED = [
 ]
 
 
-@pytest.mark.parametrize(("n", "args"), MASKED,
-                         ids=[f"{n}r-{'_'.join(x.lstrip('-') for x in a)}" for n, a in MASKED])
-def test_num_items_in_batch_gives_the_global_token_mean(n: int, args: list[str]) -> None:
+@pytest.mark.parametrize(("n", "args"), case_params(CASES, "masked_lm", MASKED, ["--case", "masked_lm"]))
+def test_num_items_in_batch_gives_the_global_token_mean(n: int, args: list[str], launches: CaseLaunches,
+                                                        request: pytest.FixtureRequest) -> None:
     """With num_items_in_batch (the global count; an int, then a tensor) the pieces of the loss
     sum: loss, logits rows, gradients and parameters after 2 AdamW steps equal the unwrapped
     model's global token mean; a count differing across ranks raises on every rank."""
-    res = run_mpi(SCRIPT, n, ["--case", "masked_lm", *args])
+    res = launches.result(case_of(request))
     _passed(res.stdout, f"masked_lm {args[1]}", n)
 
 
@@ -98,15 +103,14 @@ BATCHNORM = [
 ]
 
 
-@pytest.mark.parametrize(("n", "args"), BATCHNORM,
-                         ids=[f"{n}r-{'_'.join(x.lstrip('-') for x in a)}" for n, a in BATCHNORM])
-def test_batchnorm(n: int, args: list[str]) -> None:
+@pytest.mark.parametrize(("n", "args"), case_params(CASES, "batchnorm", BATCHNORM, ["--case", "batchnorm"]))
+def test_batchnorm(n: int, args: list[str], launches: CaseLaunches, request: pytest.FixtureRequest) -> None:
     """sync: outputs, loss, gradients, running statistics (every step) and eval() outputs after
     2 AdamW steps equal the unwrapped model's. local: the outputs differ, the first
     BatchNorm's running statistics and every num_batches_tracked equal the unwrapped model's
     after one call (deferred: once per call, from the global batch), and rank 0 warns once,
     naming the modules and the plan."""
-    res = run_mpi(SCRIPT, n, ["--case", "batchnorm", *args])
+    res = launches.result(case_of(request))
     mode = args[1]
     _passed(res.stdout, f"batchnorm {mode}", n)
     warned = (res.stdout + res.stderr).count("rannc: BatchNorm in training (resnet.embedder")
@@ -118,17 +122,25 @@ def test_batchnorm(n: int, args: list[str]) -> None:
         assert "microbatches 1" in res.stdout
 
 
-def test_a_count_no_loss_uses_is_warned_about() -> None:
+CASES["unused_count"] = Case(2, ["--case", "unused_count", "--partition-num", "2", "--batch", "6"])
+
+
+@pytest.mark.cases("unused_count")
+def test_a_count_no_loss_uses_is_warned_about(launches: CaseLaunches) -> None:
     """RobertaForMaskedLM's own loss ignores num_items_in_batch (transformers 5): rank 0 warns
     once that the scalar outputs stay row-weighted means."""
-    res = run_mpi(SCRIPT, 2, ["--case", "unused_count", "--partition-num", "2", "--batch", "6"])
+    res = launches.result("unused_count")
     _passed(res.stdout, "unused_count", 2)
     assert (res.stdout + res.stderr).count("but no scalar output of the model is computed") == 1
 
 
-def test_batchnorm_sync_on_a_functionalised_graph() -> None:
+CASES["functional_bn"] = Case(2, ["--case", "functional_bn", "--replicas", "2", "--microbatches", "0",
+                                  "--batch", "8"])
+
+
+@pytest.mark.cases("functional_bn")
+def test_batchnorm_sync_on_a_functionalised_graph(launches: CaseLaunches) -> None:
     """A model writing through a view is captured functionalised (BatchNorm as
     _native_batch_norm_legit_functional and write-backs): sync stays exact over 2 replicas."""
-    res = run_mpi(SCRIPT, 2, ["--case", "functional_bn", "--replicas", "2", "--microbatches", "0",
-                              "--batch", "8"])
+    res = launches.result("functional_bn")
     _passed(res.stdout, "functional_bn", 2)

@@ -13,14 +13,23 @@ import re
 import pytest
 import torch
 from model_zoo import make_case
-from mpi_harness import TESTS, run_mpi
+from mpi_harness import TESTS, Case, CaseLaunches, case_launches_fixture, case_of
 
 import rannc
 from rannc.module import optimizer_state_factor
 
-pytestmark = pytest.mark.layer("multi_rank")
+# (timeout: the first test of a rank count waits for its whole launch)
+pytestmark = [pytest.mark.layer("multi_rank"), pytest.mark.timeout(3600)]
 
 SCRIPT = TESTS / "scripts" / "train_ops_check.py"
+# The cases that need the same ranks run in one launch (tests/mpi_harness.py's CaseLaunches).
+CASES: dict[str, Case] = {}  # filled below, next to the tests that read them
+launches = case_launches_fixture(SCRIPT, CASES)
+
+
+def _case(case_id: str, n: int, args: list[str], env: dict[str, str] | None = None) -> str:
+    CASES[case_id] = Case(n, args, env or {})
+    return case_id
 
 # (ranks, arguments, models): BERT on 4 stages, so its tied word embedding lives on ranks 0 and
 # 3, with the default schedule and under zero-bubble; 2 stages x 2 replicas under fill-drain; the
@@ -39,11 +48,14 @@ LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize(("n", "args", "models"), LAYOUTS,
-                         ids=[f"{n}r-{'_'.join(x.lstrip('-') for x in a)}-{m}" for n, a, m in LAYOUTS])
-def test_clip_accumulate_and_optimizers_equal_the_unwrapped_model(n: int, args: list[str],
-                                                                  models: str) -> None:
-    res = run_mpi(SCRIPT, n, ["--model", models, "--microbatches", "2", "--batch", "8", *args])
+@pytest.mark.parametrize(("n", "args", "models"), [
+    pytest.param(n, a, m, id=i, marks=pytest.mark.cases(_case(
+        f"layout-{i}", n, ["--model", m, "--microbatches", "2", "--batch", "8", *a])))
+    for n, a, m in LAYOUTS for i in [f"{n}r-{'_'.join(x.lstrip('-') for x in a)}-{m}"]])
+def test_clip_accumulate_and_optimizers_equal_the_unwrapped_model(
+        n: int, args: list[str], models: str, launches: CaseLaunches,
+        request: pytest.FixtureRequest) -> None:
+    res = launches.result(case_of(request))
     for model in models.split(","):
         got = sorted(re.findall(rf"PASS {model} rank (\d+)", res.stdout))
         assert got == [str(r) for r in range(n)], (model, res.stdout)
@@ -51,26 +63,29 @@ def test_clip_accumulate_and_optimizers_equal_the_unwrapped_model(n: int, args: 
         assert f"SCHEDULE {args[args.index('--schedule') + 1]}" in res.stdout, res.stdout
 
 
-def test_accumulation_and_clipping_with_small_gradient_buckets() -> None:
+@pytest.mark.cases(_case("buckets", 4, ["--model", "bert", "--microbatches", "2", "--batch", "8",
+                                         "--replicas", "2,2", "--schedule", "gpipe"],
+                         {"RANNC_BUCKET_MB": "0.001"}))
+def test_accumulation_and_clipping_with_small_gradient_buckets(launches: CaseLaunches) -> None:
     """no_sync's pending local sums and the tied word embedding (stages 0 and 1, all four
     ranks) reduced in buckets of about 1 KB that start during the last backward."""
-    res = run_mpi(SCRIPT, 4, ["--model", "bert", "--microbatches", "2", "--batch", "8",
-                              "--replicas", "2,2", "--schedule", "gpipe"],
-                  env={"RANNC_BUCKET_MB": "0.001"})
+    res = launches.result("buckets")
     got = sorted(re.findall(r"PASS bert rank (\d+)", res.stdout))
     assert got == ["0", "1", "2", "3"], res.stdout
 
 
-@pytest.mark.parametrize("args", [["--replicas", "2,2", "--schedule", "gpipe"],
-                                  ["--replicas", "1,1", "--schedule", "1f1b"]],
-                         ids=["2x2-gpipe-bert", "1x1x2-1f1b-gpt2"])
-def test_zero_1_clip_accumulate_and_optimizers(args: list[str]) -> None:
+@pytest.mark.parametrize(("args", "model"), [
+    pytest.param(a, m, id=i, marks=pytest.mark.cases(_case(
+        f"zero-{i}", 4, ["--model", m, "--microbatches", "2", "--batch", "8", *a],
+        {"RANNC_ZERO_STAGE": "1"})))
+    for a, m, i in [(["--replicas", "2,2", "--schedule", "gpipe"], "bert", "2x2-gpipe-bert"),
+                    (["--replicas", "1,1", "--schedule", "1f1b"], "gpt2", "1x1x2-1f1b-gpt2")]])
+def test_zero_1_clip_accumulate_and_optimizers(args: list[str], model: str, launches: CaseLaunches,
+                                               request: pytest.FixtureRequest) -> None:
     """Under ZeRO-1 each holder steps only its share of the parameters: clipping (the norm
     counted at each parameter's owner), no_sync accumulation, and the torch optimizers with
     their schedulers (each with its own state shape) still equal the unwrapped model."""
-    model = "bert" if "gpipe" in args else "gpt2"
-    res = run_mpi(SCRIPT, 4, ["--model", model, "--microbatches", "2", "--batch", "8", *args],
-                  env={"RANNC_ZERO_STAGE": "1"})
+    res = launches.result(case_of(request))
     got = sorted(re.findall(rf"PASS {model} rank (\d+)", res.stdout))
     assert got == ["0", "1", "2", "3"], res.stdout
 

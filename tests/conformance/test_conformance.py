@@ -4,11 +4,11 @@ models): outputs, loss, every held parameter's gradient, parameters after 3 Adam
 gathered state_dict() and an eval() forward under no_grad (fp32, rtol 1e-4, atol 1e-5).
 
 Every model runs in one process (in this pytest process) and on several ranks in forced layouts
-and under the automatic plan. One mpiexec launch per layout runs all its models in the same
-ranks (start-up is most of a small model's cost); a launch that dies is relaunched with the
-models it did not reach, so one crash names one model. CI runs every model in one process and in
-one multi-rank layout (CI_MODELS), and three of them again under ZeRO-1; `--full` or
-CONFORMANCE_FULL=1 runs every model in every layout.
+and under the automatic plan. One mpiexec launch runs every layout with the same ranks, each
+layout's models in turn (start-up is most of a small model's cost); a launch that dies is
+relaunched with the models it did not reach, so one crash names one model. CI runs every model
+in one process and in one multi-rank layout (CI_MODELS), and three of them again under ZeRO-1;
+`--full` or CONFORMANCE_FULL=1 runs every model in every layout.
 """
 
 from __future__ import annotations
@@ -17,15 +17,15 @@ import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
 from conformance.zoo import MODELS, Unavailable
-from mpi_harness import TESTS, run_mpi
+from mpi_harness import launch_cases, new_launch_folder
 
 from rannc.check import Settings, parse_results, run_case
 
-SCRIPT = TESTS / "conformance" / "run_check.py"
 ZOO = "conformance.zoo"
 
 pytestmark = [pytest.mark.conformance, pytest.mark.layer("single_process")]
@@ -137,72 +137,104 @@ def test_one_process(model: str) -> None:
     assert rep.passed, _explain(rep.name, "one process", rep.to_json())
 
 
-# Models per launch: enough to amortise start-up, few enough that a launch stays within a
-# test's time limit (--full runs every model in a layout).
+# Models per layout run, and per launch: enough to amortise start-up, few enough that a launch
+# stays within a test's time limit (--full runs every model in every layout).
 CHUNK = 8
-LAUNCH_LIMIT_S = 1500
+LAUNCH_MODELS = 24
+LAUNCH_LIMIT_S = 2400
+
+
+@dataclass(frozen=True)
+class Run:
+    """One layout's models, in one of its launch's cases (tests/scripts/case_batch.py)."""
+
+    layout: str
+    models: tuple[str, ...]
+    args: tuple[str, ...]  # rannc.check's layout options
+
+    def case(self) -> dict[str, Any]:
+        lay = BY_ID[self.layout]
+        return {"id": f"{self.layout}:{','.join(self.models)}", "script": "conformance.run_check",
+                "args": [*(f"{ZOO}:{m}" for m in self.models), *self.args, "--batch", str(lay.batch)],
+                "env": {}}
 
 
 class Launches:
-    """One launch per layout (per CHUNK of its selected models), run when its first cell asks."""
+    """The selected cells of every layout with the same ranks in one launch (per LAUNCH_MODELS
+    models), each layout's models a case of it, run when the first of those cells asks."""
 
-    def __init__(self, items: list[pytest.Item]) -> None:
+    def __init__(self, items: list[pytest.Item], folder: Path) -> None:
         self.wanted: dict[str, list[str]] = {}
         for item in items:
             cell = getattr(item, "callspec", None) and item.callspec.params.get("cell")
             if cell:
                 self.wanted.setdefault(cell[0], []).append(cell[1])
-        self.results: dict[tuple[str, int], dict[str, dict[str, Any]]] = {}
-        self.logs: dict[tuple[str, int], str] = {}
+        self.folder = folder
+        self.results: dict[tuple[str, str], dict[str, Any]] = {}
+        self.batches: dict[int, list[list[Run]]] = {}  # ranks -> the runs of each launch
+        self.launched: set[tuple[int, int]] = set()
 
     def result(self, layout: str, model: str) -> dict[str, Any]:
-        models = [m for m in self.wanted.get(layout, []) if _available(m)]
-        key = (layout, models.index(model) // CHUNK)
-        if key not in self.results:
-            self.results[key], self.logs[key] = self._run(
-                BY_ID[layout], models[key[1] * CHUNK:(key[1] + 1) * CHUNK])
-        return self.results[key].get(model) or {
-            "name": model, "passed": False,
-            "error": f"no result: the launch died on it\n{self.logs[key][-3000:]}"}
+        ranks = BY_ID[layout].ranks
+        if ranks not in self.batches:
+            self.batches[ranks] = self._batches(ranks)
+        for i, batch in enumerate(self.batches[ranks]):
+            if (ranks, i) not in self.launched and any(
+                    r.layout == layout and model in r.models for r in batch):
+                self.launched.add((ranks, i))
+                self._launch(ranks, batch)
+        return self.results.get((layout, model)) or {
+            "name": model, "passed": False, "error": "no result: its launch did not run it"}
 
-    @staticmethod
-    def _run(lay: Layout, todo: list[str]) -> tuple[dict[str, dict[str, Any]], str]:
-        if BATCHNORM_EXACT_OPTION is None or lay.whole_batch_per_stage:
-            return Launches._launch(lay, todo, list(lay.args))
-        found, log = Launches._launch(lay, [m for m in todo if not MODELS[m][2]], list(lay.args))
-        bn = [m for m in todo if MODELS[m][2]]
-        if bn:
+    def _batches(self, ranks: int) -> list[list[Run]]:
+        """The runs of every layout with these ranks, in launches of at most LAUNCH_MODELS."""
+        batches: list[list[Run]] = [[]]
+        for run in (r for lay in LAYOUTS if lay.ranks == ranks for r in self._runs(lay)):
+            if batches[-1] and sum(len(r.models) for r in batches[-1]) + len(run.models) > LAUNCH_MODELS:
+                batches.append([])
+            batches[-1].append(run)
+        return batches
+
+    def _runs(self, lay: Layout) -> list[Run]:
+        """The layout's selected models in runs of CHUNK; BatchNorm models apart, with the exact
+        option and one microbatch, unless the layout is exact for them as it is."""
+        models = [m for m in self.wanted.get(lay.id, []) if _available(m)]
+        groups = [(models, list(lay.args))]
+        if BATCHNORM_EXACT_OPTION is not None and not lay.whole_batch_per_stage:
             args = list(lay.args)
             if "--microbatches" in args:
                 args[args.index("--microbatches") + 1] = "1"
             args += [f"--option={k}={json.dumps(v)}" for k, v in BATCHNORM_EXACT_OPTION.items()]
-            more, more_log = Launches._launch(lay, bn, args)
-            found.update(more)
-            log += more_log
-        return found, log
+            groups = [([m for m in models if not MODELS[m][2]], list(lay.args)),
+                      ([m for m in models if MODELS[m][2]], args)]
+        return [Run(lay.id, tuple(ms[i:i + CHUNK]), tuple(args))
+                for ms, args in groups for i in range(0, len(ms), CHUNK)]
 
-    @staticmethod
-    def _launch(lay: Layout, todo: list[str],
-                layout_args: list[str]) -> tuple[dict[str, dict[str, Any]], str]:
-        found: dict[str, dict[str, Any]] = {}
-        log = ""
+    def _launch(self, ranks: int, todo: list[Run]) -> None:
+        """Run `todo` in one launch; a launch that dies is relaunched with the models it did not
+        reach, the one it died on recorded as failed (so one crash names one model)."""
         while todo:
-            args = [f"{ZOO}:{m}" for m in todo] + layout_args + ["--batch", str(lay.batch)]
-            res = run_mpi(SCRIPT, lay.ranks, args, check=False,
-                          timeout=min(LAUNCH_LIMIT_S, 90 + 45 * len(todo) * lay.ranks))
-            log += res.stdout + res.stderr
-            got = parse_results(res.stdout)
-            found.update(got)
-            done = [m for m in todo if m in got]
-            if len(done) == len(todo):
-                break
-            # The launch died on the first model without a result: record it, go on without it.
-            crashed = todo[len(done)] if todo[:len(done)] == done else next(m for m in todo if m not in got)
-            found[crashed] = {"name": crashed, "passed": False,
-                              "error": f"the launch died (exit {res.returncode}) on this model:\n"
-                                       f"{(res.stdout + res.stderr)[-3000:]}"}
-            todo = [m for m in todo if m not in found]
-        return found, log
+            folder = new_launch_folder(self.folder)
+            models = sum(len(r.models) for r in todo)
+            ended = launch_cases(ranks, [r.case() for r in todo], folder,
+                                 min(LAUNCH_LIMIT_S, 90 + 45 * models * ranks),
+                                 max(90 + 45 * len(r.models) * ranks for r in todo))
+            outs = [c.stdout for c in ended.cases] + [ended.stopped[0]]
+            for r, out in zip(todo, outs, strict=False):
+                for name, rep in parse_results(out).items():
+                    self.results[(r.layout, name)] = rep
+            if len(ended.cases) == len(todo):
+                return
+            stopped = todo[len(ended.cases)]
+            left = [m for m in stopped.models if (stopped.layout, m) not in self.results]
+            if not left:  # it died after its last model's result (as a launch may in its end)
+                todo = todo[len(ended.cases) + 1:]
+                continue
+            self.results[(stopped.layout, left[0])] = {
+                "name": left[0], "passed": False,
+                "error": f"the launch died on this model:\n{ended.unfinished(stopped.layout)[-3000:]}"}
+            rest = [Run(stopped.layout, tuple(left[1:]), stopped.args)] if left[1:] else []
+            todo = rest + todo[len(ended.cases) + 1:]
 
 
 def _available(model: str) -> bool:
@@ -215,8 +247,8 @@ def _available(model: str) -> bool:
 
 
 @pytest.fixture(scope="session")
-def launches(request: pytest.FixtureRequest) -> Iterator[Launches]:
-    yield Launches(request.session.items)
+def launches(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launches]:
+    yield Launches(request.session.items, tmp_path_factory.mktemp("conformance"))
 
 
 @pytest.mark.layer("multi_rank")

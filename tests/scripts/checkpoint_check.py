@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[2])]
+import case_batch  # noqa: E402
 from model_zoo import make_case  # noqa: E402
 from pipeline_check import local_sizes, rows_of  # noqa: E402
 
@@ -347,7 +348,7 @@ PHASES: dict[str, Callable[[Run, Path], None]] = {
     "save": phase_save, "resume": phase_resume, "load": phase_load, "single": phase_single}
 
 
-def main() -> None:
+def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--phase", required=True, choices=[*sorted(PHASES), "exact", "rank0-only"])
     p.add_argument("--dir", required=True)
@@ -356,8 +357,10 @@ def main() -> None:
     p.add_argument("--crash", action="store_true", help="resume: then die inside a save")
     p.add_argument("--resume", action="store_true", help="exact: resume from the checkpoint")
     p.add_argument("--then", choices=("step", "exit"), default="step", help="rank0-only")
-    a = p.parse_args()
-    ctx = rdist.init_process_group(timeout_s=60)
+    return p.parse_args(argv)
+
+
+def run(a: argparse.Namespace, ctx: rdist.DistContext) -> None:
     out_dir = Path(a.dir)
     if a.phase == "exact":
         phase_exact(out_dir, a.resume, ctx.rank, ctx.world_size)
@@ -371,7 +374,10 @@ def main() -> None:
         runs.append(run)
     if a.crash:
         crash_during_save(runs[0], out_dir)
-    rdist.shutdown()
+
+
+def main() -> None:
+    case_batch.main(parse, run)
 
 
 if __name__ == "__main__":

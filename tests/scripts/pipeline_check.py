@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import copy
 import dataclasses
+import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -24,12 +25,16 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[2])]
+import case_batch  # noqa: E402
 from model_zoo import make_case  # noqa: E402
 
 import rannc  # noqa: E402
 from rannc import dist as rdist  # noqa: E402
 
-RTOL, ATOL = 1e-5, 1e-6
+RANNC_LOG_LEVEL = logging.INFO  # the plan table and the schedule choices, which the tests read
+FP32_TOL = (1e-5, 1e-6)
+BF16_TOL = (2e-2, 2e-2)
+RTOL, ATOL = FP32_TOL
 
 
 def local_sizes(n: int, world: int) -> list[int]:
@@ -143,11 +148,7 @@ def other_calls(a: argparse.Namespace, name: str, model: Any, ref: Any, rank: in
         print(f"OK {what} {name} rank {rank}", flush=True)
 
 
-def main() -> None:
-    import logging
-
-    logging.basicConfig(level=logging.WARNING)
-    logging.getLogger("rannc").setLevel(logging.INFO)
+def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True, help="a model name, or several separated by commas")
     p.add_argument("--replicas", default="")
@@ -186,14 +187,22 @@ def main() -> None:
                    help="before each step, a forward under grad mode whose backward never comes")
     p.add_argument("--mem-limit-gb", type=float, default=None)
     p.add_argument("--expect-error", default="", help="the first call must raise with this text")
-    a = p.parse_args()
+    return p.parse_args(argv)
+
+
+def run(a: argparse.Namespace, ctx: rdist.DistContext) -> None:
+    global RTOL, ATOL
+    RTOL, ATOL = FP32_TOL  # set for each case: one launch may run an fp32 case after a bf16 one
     if a.autocast or a.bf16:  # the pipeline sums microbatches in another order: bf16 agreement
-        global RTOL, ATOL
-        RTOL, ATOL = 2e-2, 2e-2
-    ctx = rdist.init_process_group(timeout_s=60)
+        RTOL, ATOL = BF16_TOL
     for name in a.model.split(","):
         check_model(a, name, ctx)
-    rdist.shutdown()
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("rannc").setLevel(RANNC_LOG_LEVEL)
+    case_batch.main(parse, run)
 
 
 def check_model(a: argparse.Namespace, name: str, ctx: rdist.DistContext) -> None:

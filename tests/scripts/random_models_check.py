@@ -42,6 +42,7 @@ from hypothesis import strategies as st
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[2]),
                 str(Path(__file__).resolve().parent)]
+import case_batch  # noqa: E402
 from pipeline_check import ATOL, RTOL, compare_and_loss, local_sizes, rows_of  # noqa: E402
 from random_models import DagSpec, Node, build, dag_specs, make_inputs, user_loss  # noqa: E402
 
@@ -49,6 +50,7 @@ import rannc  # noqa: E402
 from rannc import dist as rdist  # noqa: E402
 
 STEPS = 2
+PROCESS_GROUP_TIMEOUT_S = 120
 
 
 @dataclass(frozen=True)
@@ -159,9 +161,7 @@ def run_one(i: int, spec: DagSpec, lay: Layout, rank: int, world: int,
     return not any(outcomes)
 
 
-def main() -> None:
-    import torch.distributed as dist
-
+def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--examples", type=int, default=12)
     p.add_argument("--seed", type=int, default=0, help="hypothesis seed (rank 0 draws)")
@@ -170,8 +170,12 @@ def main() -> None:
     p.add_argument("--unused-output", action="store_true",
                    help="instead: a replicated stage whose second output the loss ignores; "
                         "its head's .grad must stay None on every rank")
-    a = p.parse_args()
-    ctx = rdist.init_process_group(timeout_s=120)
+    return p.parse_args(argv)
+
+
+def run(a: argparse.Namespace, ctx: rdist.DistContext) -> None:
+    import torch.distributed as dist
+
     rank, world = ctx.rank, ctx.world_size
     count = 0
 
@@ -220,7 +224,10 @@ def main() -> None:
             if box[0] is None:
                 break
     print(f"DONE rank {rank} examples {count}", flush=True)
-    rdist.shutdown()
+
+
+def main() -> None:
+    case_batch.main(parse, run, timeout_s=PROCESS_GROUP_TIMEOUT_S)
 
 
 if __name__ == "__main__":

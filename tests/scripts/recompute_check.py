@@ -6,6 +6,7 @@ one that keeps its activations (same dropout masks, BatchNorm statistics updated
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import sys
@@ -15,14 +16,18 @@ from pathlib import Path
 import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[2])]
+import case_batch  # noqa: E402
 from model_zoo import make_case  # noqa: E402
 
 import rannc  # noqa: E402
 from rannc import dist as rdist  # noqa: E402
 
 
-def main() -> None:
-    ctx = rdist.init_process_group(timeout_s=60)
+def parse(argv: list[str]) -> argparse.Namespace:
+    return argparse.ArgumentParser().parse_args(argv)  # (no options)
+
+
+def run(a: argparse.Namespace, ctx: rdist.DistContext) -> None:
     case = make_case("bert", batch=6, seed=0)
     for m in case.model.modules():
         if isinstance(m, torch.nn.Dropout):
@@ -65,7 +70,10 @@ def main() -> None:
     torch.manual_seed(123)
     assert ref(**case.kwargs).loss.item() != 0.0
     print(f"PASS rank {ctx.rank} loss {l_on.item():.6f} ({len(g_on)} gradients equal)", flush=True)
-    rdist.shutdown()
+
+
+def main() -> None:
+    case_batch.main(parse, run)
 
 
 if __name__ == "__main__":

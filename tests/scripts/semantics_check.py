@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[2])]
+import case_batch  # noqa: E402
 
 import rannc  # noqa: E402
 from rannc import dist as rdist  # noqa: E402
@@ -332,7 +333,7 @@ def check_batchnorm(a: argparse.Namespace, rank: int, world: int) -> None:
           f"replicas {[len(st.ranks) for st in wrapped.plan.stages]}", flush=True)
 
 
-def main() -> None:
+def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--case", required=True, choices=["input_grad", "masked_lm", "batchnorm", "unused_count",
                                                 "functional_bn"])
@@ -346,12 +347,17 @@ def main() -> None:
     p.add_argument("--checkpointing", default="auto")
     p.add_argument("--own-weight", type=float, default=1.0,
                    help="input_grad: weight of the per-rank loss (0: the model's loss alone)")
-    a = p.parse_args()
-    ctx = rdist.init_process_group(timeout_s=60)
+    return p.parse_args(argv)
+
+
+def run(a: argparse.Namespace, ctx: rdist.DistContext) -> None:
     {"input_grad": check_input_grad, "masked_lm": check_masked_lm,
      "batchnorm": check_batchnorm, "unused_count": check_unused_count,
      "functional_bn": check_functional_bn}[a.case](a, ctx.rank, ctx.world_size)
-    rdist.shutdown()
+
+
+def main() -> None:
+    case_batch.main(parse, run)
 
 
 if __name__ == "__main__":

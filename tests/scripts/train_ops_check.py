@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[2])]
+import case_batch  # noqa: E402
 from model_zoo import make_case  # noqa: E402
 
 import rannc  # noqa: E402
@@ -227,7 +228,7 @@ def check_optimizers(pr: Pair, steps: int) -> None:
     pr.zero_grad()
 
 
-def main() -> None:
+def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True, help="bert or gpt2, or both separated by a comma")
     p.add_argument("--checks", default="clip,accum,optim")
@@ -237,8 +238,10 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8, help="global batch of one call")
     p.add_argument("--steps", type=int, default=3, help="steps per optimizer")
     p.add_argument("--schedule", default="auto")
-    a = p.parse_args()
-    ctx = rdist.init_process_group(timeout_s=60)
+    return p.parse_args(argv)
+
+
+def run(a: argparse.Namespace, ctx: rdist.DistContext) -> None:
     checks = a.checks.split(",")
     for name in a.model.split(","):
         pr = Pair(name, a, ctx.rank, ctx.world_size)
@@ -255,7 +258,10 @@ def main() -> None:
         print(f"PASS {name} rank {ctx.rank} checks {a.checks}", flush=True)
         if ctx.rank == 0:
             print(f"SCHEDULE {plan.schedule} REPLICAS {[s.replicas for s in plan.stages]}", flush=True)
-    rdist.shutdown()
+
+
+def main() -> None:
+    case_batch.main(parse, run)
 
 
 if __name__ == "__main__":
