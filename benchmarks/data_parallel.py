@@ -173,6 +173,8 @@ def _passthrough(args: list[str]) -> list[str]:
 
 
 def main() -> None:
+    from runtime_peers import add_model_args
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--launch", nargs="+", type=int, default=[2, 4], help="rank counts to launch")
     p.add_argument("--model", nargs="+", default=["bert"], choices=["bert", "resnet"])
@@ -185,15 +187,7 @@ def main() -> None:
                         "magnifies rounding differences in BatchNorm models over many steps)")
     p.add_argument("--profile", default="", help="folder for torch.profiler tables per rank")
     p.add_argument("--timeout", type=float, default=1200)
-    # the models' sizes: runtime_peers.py's defaults
-    p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--channels", type=int, default=16)
-    p.add_argument("--units", type=int, default=6)
-    p.add_argument("--image", type=int, default=32)
+    add_model_args(p)  # the models' sizes, runtime_peers.py's
     p.add_argument("--batch", type=int, default=0, help="global batch (0: 16 for BERT, 32 for ResNet)")
     p.add_argument("--smoke", action="store_true", help="a tiny BERT on 2 ranks, 2 steps of each")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

@@ -529,6 +529,18 @@ def plot(path: str, cases: list[tuple[str, int]], variants: tuple[str, ...], spe
     print(f"plot written to {path}")
 
 
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The sizes of the BERT-like and ResNet models `build` makes (also benchmarks/data_parallel.py's)."""
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--channels", type=int, default=16)
+    p.add_argument("--units", type=int, default=6)
+    p.add_argument("--image", type=int, default=32)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="tiny BERT, 2 ranks, 1 repeat, 3 variants")
@@ -546,14 +558,7 @@ def main() -> None:
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--size-sync", action="store_true",
                    help="diagnostic: pipelining steps start with rannc's all-gather of row counts")
-    p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--channels", type=int, default=16)
-    p.add_argument("--units", type=int, default=6)
-    p.add_argument("--image", type=int, default=32)
+    add_model_args(p)
     p.add_argument("--t-f", type=float, default=10.0, help="standin: ms one layer sleeps in forward")
     p.add_argument("--t-b", type=float, default=10.0, help="standin: ms in its input gradient")
     p.add_argument("--t-w", type=float, default=10.0, help="standin: ms in its weight gradient")

@@ -373,20 +373,19 @@ class PipelineRuntime:
             self._agreed = (agreement.digest, list(sizes))
         return out
 
-    def _keep_written(self) -> dict[str, torch.Tensor]:
-        """Copies of the buffers the graph writes in place, to put back when a call on a
-        guessed layout runs again."""
+    def _keep_written(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(buffer, copy) of each buffer the graph writes in place on this rank's stages, to
+        put back when a call on a guessed layout runs again."""
         if not self._written:
-            return {}
+            return []
         buffers = dict(self.model.named_buffers(remove_duplicate=False))
-        return {n: buffers[n].detach().clone() for n in self._written if n in buffers}
+        return [(buffers[n], buffers[n].detach().clone()) for n in self._written if n in buffers]
 
-    def _put_back(self, kept: dict[str, torch.Tensor]) -> None:
-        if kept:
-            buffers = dict(self.model.named_buffers(remove_duplicate=False))
-            with torch.no_grad():
-                for n, x in kept.items():
-                    buffers[n].copy_(x)
+    @staticmethod
+    def _put_back(kept: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        with torch.no_grad():
+            for buf, copy in kept:
+                buf.copy_(copy)
 
     def _forward(self, leaves: Sequence[Any], sizes: Sequence[int], guess: Guess | None) -> list[Any]:
         layout = RowLayout(sizes, self.plan.microbatches, [s.shares for s in self.plan.stages])
