@@ -87,10 +87,13 @@ def test_gradients_add_to_what_grad_held_and_no_sync_keeps_local_sums(group: obj
 
 
 def test_a_parameter_accumulated_twice_is_reduced_after_the_second(group: object) -> None:
-    w = nn.Parameter(torch.randn(4, 4))
+    # v is read first, so its bucket is the last one, which `finish` starts (no hook): w's is
+    # the first, started from w's hook once both accumulations are in
+    v, w = nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.randn(4, 4))
     model = nn.Module()
-    model.w = w
+    model.v, model.w = v, w
     red = _reducer(model, group, bucket_bytes=1, accumulations=2)
+    assert [b.names for b in red.groups[0].buckets] == [["w"], ["v"]]
     red.begin()
     red.arm()
     x = torch.randn(2, 4)
@@ -99,9 +102,32 @@ def test_a_parameter_accumulated_twice_is_reduced_after_the_second(group: object
     (x @ w).square().sum().backward()  # the recomputed part's
     assert red.groups[0].started == 1
     red.finish(sync=True)
+    assert red.groups[0].started == 2 and v.grad is None
     w2 = w.detach().clone().requires_grad_(True)
     ((x @ w2).sum() + (x @ w2).square().sum()).backward()
     torch.testing.assert_close(w.grad, w2.grad)
+
+
+def test_the_last_bucket_has_no_hooks_and_starts_in_finish(group: object) -> None:
+    model = _mlp(depth=3)
+    ref = copy.deepcopy(model)
+    x = torch.randn(3, 16)
+    ref(x).sum().backward()
+    one = _reducer(model, group, bucket_bytes=1 << 20)  # every gradient in one bucket
+    one.begin()
+    one.arm()
+    assert not one._hooks
+    model(x).sum().backward()
+    assert one.groups[0].started == 0
+    one.finish(sync=True)
+    for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=n)
+    several = _reducer(model, group, bucket_bytes=256)
+    last = several.groups[0].buckets[-1]
+    several.begin()
+    several.arm()
+    assert len(several._hooks) == len(several.held) - len(last.names)
+    several.finish(sync=False)
 
 
 def test_a_parameter_without_a_gradient_keeps_none(group: object) -> None:

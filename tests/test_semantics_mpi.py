@@ -144,3 +144,23 @@ def test_batchnorm_sync_on_a_functionalised_graph(launches: CaseLaunches) -> Non
     _native_batch_norm_legit_functional and write-backs): sync stays exact over 2 replicas."""
     res = launches.result("functional_bn")
     _passed(res.stdout, "functional_bn", 2)
+
+
+# (ranks, arguments): one stage x 3 replicas under fill-drain (the backward starts from each
+# rank's own loss gradient and is corrected once the ranks agree) and under 1F1B; 2 stages x
+# [1, 2] under fill-drain (the agreement first, as before).
+LOSS_GRAD = [
+    (3, ["--partition-num", "1", "--microbatches", "1", "--batch", "9"]),
+    (3, ["--partition-num", "1", "--microbatches", "2", "--batch", "9", "--schedule", "1f1b"]),
+    (3, ["--replicas", "1,2", "--microbatches", "2", "--batch", "9"]),
+]
+
+
+@pytest.mark.parametrize(("n", "args"), case_params(CASES, "loss_grad", LOSS_GRAD, ["--case", "loss_grad"]))
+def test_different_loss_gradients_on_the_ranks_give_ddp_gradients(
+        n: int, args: list[str], launches: CaseLaunches, request: pytest.FixtureRequest) -> None:
+    """Ranks back-propagating different loss gradients (one of them 0; then all 2; then under
+    no_sync()) get the unwrapped model's gradients for the mean loss gradient, summed over
+    the calls, as under DDP."""
+    res = launches.result(case_of(request))
+    _passed(res.stdout, "loss_grad", n)

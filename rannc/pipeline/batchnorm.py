@@ -112,6 +112,8 @@ class BatchNormState:
     accumulate: bool = False  # only the first forward of a microbatch (not recompute) counts
     # (num_batches_tracked names, their values when the call began)
     tracked_before: tuple[list[str], torch.Tensor | None] = ([], None)
+    # this call's statistics while their all-reduce runs (`post_call`): the flat sums, the work
+    _posted: tuple[torch.Tensor, Any] | None = None
 
     def add(self, key: str, x: torch.Tensor) -> None:
         """Count microbatch input x's per-channel sums (two passes over x in float64)."""
@@ -178,31 +180,55 @@ class BatchNormState:
     def begin_call(self, buffers: dict[str, torch.Tensor]) -> None:
         self.sums = {}
         self.moments = {}
+        if self._posted is not None and self._posted[1] is not None:
+            self._posted[1].wait()  # (a call that raised between post_call and finish_call)
+        self._posted = None
         names = sorted({s.tracked for s in self.sites.values() if s.tracked in buffers})
         # one copy of every num_batches_tracked (the graph counts each microbatch)
         self.tracked_before = (names, torch.stack([buffers[t].detach() for t in names])
                                if names else None)
 
+    def post_call(self, device: torch.device) -> None:
+        """Start summing this call's statistics over the stage's replicas (every replica calls
+        this, with zeros for what it did not run), without waiting: `finish_call` waits. The
+        caller may start its own collectives in between, so that the ranks wait for both at
+        once (each blocking wait costs a wake-up; on the CPU ranks here up to milliseconds)."""
+        if not self.sites or self._posted is not None:
+            return
+        flat = torch.cat(self._totals(list(self.sites), device))  # [S..., SS..., N...]
+        self.sums, self.moments = {}, {}
+        work = dist.all_reduce(flat, group=self.group, async_op=True) \
+            if self.group is not None else None
+        self._posted = (flat, work)
+
     def finish_call(self, buffers: dict[str, torch.Tensor], device: torch.device) -> None:
         """Update the running statistics once, from the global batch's statistics summed over
-        the stage's replicas (every replica calls this, with zeros for what it did not run)."""
+        the stage's replicas (`post_call` first, if the caller has not)."""
         if not self.sites:
             return
+        self.post_call(device)
+        assert self._posted is not None
+        flat, work = self._posted
+        self._posted = None
+        if work is not None:
+            work.wait()
         keys = list(self.sites)
-        flat = torch.cat(self._totals(keys, device))  # [S..., SS..., N...]
-        self.sums, self.moments = {}, {}
-        if self.group is not None:
-            dist.all_reduce(flat, group=self.group)
         chans = [self.sites[k].channels for k in keys]
         c_all = sum(chans)
         s, ss, n_site = flat[:c_all], flat[c_all:2 * c_all], flat[2 * c_all:]
         n = n_site.repeat_interleave(torch.tensor(chans, device=device))
         mean = s / n
         var = (ss / n - mean * mean).clamp_min(0) * (n / (n - 1).clamp_min(1))
-        # (site by site as before: rm * (1 - m) + mean * m; the same arithmetic, batched)
+        # (site by site as before: rm * (1 - m) + mean * m; the same arithmetic, batched: one
+        # conversion to the buffers' dtype for every site, one foreach update per momentum)
+        dtypes = {buffers[s.running_mean].dtype for s in self.sites.values()
+                  if s.running_mean is not None}
+        conv = dtypes.pop() if len(dtypes) == 1 else None
+        mean_t = mean.to(conv) if conv is not None else mean
+        var_t = var.to(conv) if conv is not None else var
         todo: dict[tuple[float, torch.dtype], list[list[torch.Tensor]]] = {}
         counted: dict[str, int] = {}
-        for k, mean_k, var_k, n_k in zip(keys, mean.split(chans), var.split(chans),
+        for k, mean_k, var_k, n_k in zip(keys, mean_t.split(chans), var_t.split(chans),
                                          n_site.tolist(), strict=True):
             site = self.sites[k]
             if n_k < 1 or site.running_mean is None or site.running_var is None:
@@ -216,14 +242,16 @@ class BatchNormState:
         with torch.no_grad():
             for (m, dtype), (rms, rvs, means, vars_) in todo.items():
                 torch._foreach_mul_(rms + rvs, 1 - m)
-                torch._foreach_add_(rms + rvs, [t.to(dtype) for t in means + vars_], alpha=m)
+                torch._foreach_add_(rms + rvs, [t if t.dtype == dtype else t.to(dtype)
+                                                for t in means + vars_], alpha=m)
             # the graph's num_batches_tracked += 1 ran once per microbatch: once per call it is
             names, before = self.tracked_before
             if before is not None:
                 now = before + torch.tensor([counted.get(t, 0) for t in names], dtype=before.dtype)
-                for t, x in zip(names, now.unbind(), strict=True):
-                    if t in counted:
-                        buffers[t].copy_(x)
+                dst = [buffers[t] for t in names if t in counted]
+                src = [x for t, x in zip(names, now.unbind(), strict=True) if t in counted]
+                if dst:
+                    torch._foreach_copy_(dst, src)
 
 
 class _SyncBatchNorm(torch.autograd.Function):

@@ -79,6 +79,9 @@ class _State:
     ready: set[str] = field(default_factory=set)
     unready: dict[int, int] = field(default_factory=dict)  # id(bucket) -> names not ready yet
     counts: dict[int, int] = field(default_factory=dict)  # id(param) -> accumulations seen
+    # a factor this rank's gradients of this backward still need before they are summed
+    # (None, or a function returning it or None: `begin`)
+    factor: Callable[[], torch.Tensor | None] | None = None
 
 
 class GradReducer:
@@ -142,9 +145,12 @@ class GradReducer:
         return _Bucket(names, sum(self.held[n].numel() for n in names), self.held[names[0]].dtype)
 
     # -- one backward --------------------------------------------------------------------------
-    def begin(self) -> None:
+    def begin(self, factor: Callable[[], torch.Tensor | None] | None = None) -> None:
         """Before this rank's part of a backward: set `.grad` aside (the backward's own
-        gradients accumulate from None; `finish` adds the old ones back)."""
+        gradients accumulate from None; `finish` adds the old ones back). `factor`: a function
+        giving what this rank's gradients of this backward are still to be multiplied by
+        before they join the sum (or None), asked when the first of them becomes final (a
+        backward run from a loss gradient the ranks had not agreed on yet)."""
         self._drop_hooks()
         self._buffered = None  # (a backward that raised may have left one)
         for grp in self.groups:
@@ -154,7 +160,7 @@ class GradReducer:
                     b.work.wait()
                 b.buf = b.work = None
         self.extra_bytes = 0
-        self._state = _State({n: p.grad for n, p in self.held.items()})
+        self._state = _State({n: p.grad for n, p in self.held.items()}, factor=factor)
         for p in self.held.values():
             p.grad = None
 
@@ -165,7 +171,11 @@ class GradReducer:
         if st is None or not self.groups:
             return
         for grp in self.groups:
-            for b in grp.buckets:
+            # A group's last bucket holds the gradients backward finishes last: it could start
+            # only as backward ends anyway, so `finish` (or `prepare_rest`) starts it, and its
+            # parameters need no hook (one Python call per parameter and backward saved; with
+            # one bucket, as for most models on CPU, no hook at all).
+            for b in grp.buckets[:-1]:
                 for n in b.names:
                     p = self.held[n]
                     # A frozen parameter (requires_grad=False, e.g. Whisper's positional
@@ -243,6 +253,9 @@ class GradReducer:
                 self._mark_overflow(extra)
             return
         if not sync:
+            if st.factor is not None:
+                assert scale is None
+                scale = st.factor
             if callable(scale):
                 scale = scale()
             if scale is not None:
@@ -328,6 +341,10 @@ class GradReducer:
         if b is not None:  # (a hook starts a bucket when its count reaches 0: no scan per hook)
             st.unready[id(b)] = st.unready.get(id(b), len(b.names)) - 1
         g = self.held[n].grad
+        if g is not None and st.factor is not None:
+            f = st.factor()
+            if f is not None:
+                g.mul_(f.to(g.dtype))
         pend = self.pending.pop(n, None)
         if g is not None or pend is not None:
             st.got.add(n)

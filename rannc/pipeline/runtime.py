@@ -183,9 +183,14 @@ class PipelineRuntime:
         # confirmed, and synchronised BatchNorm (a collective per microbatch) and writes into
         # the inputs or parameters are not guessed at all.
         kinds = {self.graph.values[v].kind for t in self.graph.tasks for v in t.mutates}
+        # (The running statistics of a BatchNorm site the stage replaced are not among them:
+        # the replacement leaves them as they were, and `finish_call` writes them once agreed.)
+        deferred = {n for site in self._bn.sites.values()
+                    for n in (site.running_mean, site.running_var) if n is not None}
         self._written = sorted({str(self.graph.values[v].target) for s in self.mine
                                 for t in self.stages[s].tasks for v in self.graph.tasks[t].mutates
-                                if self.graph.values[v].kind is ValueKind.BUFFER})
+                                if self.graph.values[v].kind is ValueKind.BUFFER}
+                               - deferred)
         self._can_guess = (world_size > 1 and not (self._bn.sites and self._bn.mode == "sync")
                            and kinds <= {ValueKind.BUFFER, ValueKind.ACTIVATION})
         self.guessed_calls = 0  # calls run on a guessed layout (their agreement not waited for)
@@ -418,6 +423,10 @@ class PipelineRuntime:
             self.executor.run(call, acts, scalars)
         if self._bn.sites:  # the running statistics, once per call (every replica)
             call.transport.settle()  # (a collective, and a write not to make on a wrong guess)
+            if scalars and call.scalar_share is None:
+                self.executor.share_scalars(call, scalars)
+            # both all-reduces in flight before waiting for either: the ranks meet once
+            self._bn.post_call(self.device)
             self._bn.finish_call(buffers, self.device)
         return self._collect_outputs(call, scalars)
 
@@ -523,36 +532,75 @@ class PipelineRuntime:
         posted = self._post_loss_gradients(call, grad_of)
         if call.reducing:  # its buckets are in flight: the agreement is waited for after them
             return self._finish_eager(call, grad_of, posted)
-        agreed = posted.resolve()
-        self.grads.begin()
+        seed = self._speculative_seed(call, grad_of)
+        agreed = posted.resolve() if seed is None else None
+        # (from a speculative seed, each gradient is corrected on this rank as it becomes final)
+        self.grads.begin(None if seed is None else _Correction(posted, self._loss, seed))
         if call.mode == "split":
-            self.executor.send_output_grads(call, grad_of)
             rest = self.line[len(self._forward_line):]
             # the last microbatch's backward (its W where split off) makes gradients final:
             # buckets start from there
             last = self._last_final(call, rest)
-            self.executor.run(call, rest, {}, agreed.seeds,
-                              arm=last if last is not None and self.sync else None)
+            arm = last if last is not None and self.sync else None
+            if agreed is not None:
+                self.executor.send_output_grads(call, grad_of)
+                self.executor.run(call, rest, {}, agreed.seeds, arm=arm)
+            else:
+                assert seed is not None
+                self.executor.run(call, rest, {}, {self._loss: seed}, arm=arm)
             in_grads = self.executor.receive_input_grads(call)
         else:
+            assert agreed is not None
             in_grads = self._commit_eager(call, grad_of, agreed.seeds[self._loss])
         same = self._same_got = self._same_got and call.layout.every_replica_computes()
         with torch.profiler.record_function("rannc reduce gradients"):
-            self.grads.finish(self.sync, self._stand_in(), agreed.overflow, same_got=same)
+            self.grads.finish(self.sync, self._stand_in(),
+                              agreed.overflow if agreed is not None else None, same_got=same)
         self._last_sync = self.sync
         self._same_got = self._same_got or self.sync
         call.transport.wait_sends()
         self.iteration_s = time.perf_counter() - call.t0
         return in_grads
 
+    def _speculative_seed(self, call: Call,
+                          grad_of: dict[str, torch.Tensor | None]) -> torch.Tensor | None:
+        """The loss gradient a fill-drain backward may start from before the ranks agree on it
+        (None: it waits for the agreement): this rank's own, where every gradient this rank
+        computes comes from its own seed alone -- one stage (no gradient arrives from another
+        rank's stage), no input requiring a gradient (whose rows another replica may compute),
+        the loss the one output that can carry a gradient -- and the value is a usable factor.
+        Every rank usually passes the same one (loss.backward(), or the same loss scaler's
+        factor), which is then the agreed average exactly and nothing changes; else each
+        gradient is scaled by agreed / own on this rank before it joins a bucket
+        (`_Correction`, `GradReducer.begin`). Starting from the own value rather than 1
+        keeps a loss scaler's factor inside the backward, where half precision needs it. The
+        agreement, posted before the backward, has long arrived when the first bucket needs
+        it: the ranks meet once, after the backward, instead of also before it (each blocking
+        wait costs a wake-up: up to milliseconds on the CPU ranks here)."""
+        scalar_names, batch_names = self._loss_outputs()
+        if (call.mode != "split" or len(self.plan.stages) != 1 or call.grad_inputs
+                or len(scalar_names) != 1 or batch_names):
+            return None
+        g = grad_of.get(scalar_names[0])
+        if g is None:
+            return torch.ones((), dtype=torch.float64)
+        g = g.detach().to(torch.float64).reshape(())
+        return g if bool(torch.isfinite(g)) and bool(g != 0) else torch.ones((), dtype=torch.float64)
+
+    def _loss_outputs(self) -> tuple[list[str], list[str]]:
+        """(the scalar outputs, the floating-point batch outputs), sorted: the entries of the
+        loss gradients' all-reduce."""
+        scalar_names = sorted(self.routes.scalar_outputs())
+        batch_names = sorted(v for v in self.routes.out_stage
+                             if v not in scalar_names and self.routes.is_float(v))
+        return scalar_names, batch_names
+
     def _post_loss_gradients(self, call: Call,
                              grad_of: dict[str, torch.Tensor | None]) -> _PostedLossGradients:
         """One all-reduce, started without waiting: the scalar outputs' gradients (averaged, as
         DDP) and, per batch output, whether any rank back-propagates through it (unused ones
         send no zeros around); see `_early_overflow` for what else it may carry."""
-        scalar_names = sorted(self.routes.scalar_outputs())
-        batch_names = sorted(v for v in self.routes.out_stage
-                             if v not in scalar_names and self.routes.is_float(v))
+        scalar_names, batch_names = self._loss_outputs()
         vec = [_grad_or_zero(grad_of.get(v)) for v in scalar_names]
         vec += [torch.tensor(float(_nonzero(grad_of.get(v))), dtype=torch.float64)
                 for v in batch_names]
@@ -791,6 +839,25 @@ class _PostedLossGradients:
             assert self._resolve is not None
             self._agreed, self._resolve = self._resolve(), None
         return self._agreed
+
+
+class _Correction:
+    """What the gradients of a backward run from a speculative loss gradient
+    (`_speculative_seed`) still need on this rank: the agreed seed over the one used, or None
+    where they are equal. Called as the first gradient becomes final, waiting for the
+    agreement then (the same value every later call)."""
+
+    def __init__(self, posted: _PostedLossGradients, loss: str, used: torch.Tensor) -> None:
+        self.posted, self.loss, self.used = posted, loss, used
+        self._known = False
+        self._factor: torch.Tensor | None = None
+
+    def __call__(self) -> torch.Tensor | None:
+        if not self._known:
+            agreed = self.posted.resolve().seeds[self.loss]
+            self._factor = None if bool(agreed == self.used) else agreed / self.used
+            self._known = True
+        return self._factor
 
 
 @dataclass(frozen=True, slots=True)

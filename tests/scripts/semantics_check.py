@@ -6,6 +6,7 @@ model on the global batch (fp32, rtol 1e-5):
 * input_grad: inputs with requires_grad get the gradient of this rank's rows.
 * masked_lm:  losses over a data-dependent token count with `num_items_in_batch` (exact).
 * batchnorm:  BatchNorm's running statistics and the `batchnorm="sync"` option.
+* loss_grad:  ranks back-propagating different loss gradients get DDP's gradients.
 
 Every rank builds the same model and global batch (same seed) and prints "PASS <case> rank R".
 """
@@ -13,6 +14,7 @@ Every rank builds the same model and global batch (same seed) and prints "PASS <
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import sys
 from pathlib import Path
@@ -108,6 +110,59 @@ def check_input_grad(a: argparse.Namespace, rank: int, world: int) -> None:
     wrapped(x, y_all[lo:hi])["loss"].backward()
     assert x.grad is None
     print(f"PASS input_grad rank {rank} stages {len(wrapped.plan.stages)} "
+          f"schedule {wrapped.plan.schedule}", flush=True)
+
+
+class LossNet(nn.Module):
+    """The loss alone as output (no batch output can carry a gradient)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                                 nn.Linear(16, 8))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return ((self.net(x) - y) ** 2).mean()
+
+
+def check_loss_grad(a: argparse.Namespace, rank: int, world: int) -> None:
+    """The ranks back-propagate different loss gradients (one of them 0), then the same one,
+    then different ones under no_sync() and a synchronised call: the gradients are those of
+    the unwrapped model's loss times the ranks' mean loss gradient, summed over the calls (as
+    DDP gives). Under fill-drain with one stage the backward starts from each rank's own loss
+    gradient before the ranks agree on the mean, and corrects its gradients once they have."""
+    torch.manual_seed(0)
+    n = a.batch
+    model = LossNet()
+    ref = copy.deepcopy(model)
+    sizes = local_sizes(n, world)
+    lo, hi = sum(sizes[:rank]), sum(sizes[:rank + 1])
+    opt_w = torch.optim.SGD(model.parameters(), lr=1e-2)
+    opt_r = torch.optim.SGD(ref.parameters(), lr=1e-2)
+    wrapped = rannc.RaNNCModule(model, opt_w, **options(a))
+    ref_names = dict(ref.named_parameters())
+    factors = [0.0, 3.0, 0.5, 2.0]
+    calls = [  # (each rank's factor, synchronised)
+        ([factors[q % 4] for q in range(world)], True),
+        ([2.0] * world, True),
+        ([factors[(q + 1) % 4] for q in range(world)], False),
+        ([1.0] * world, True),
+    ]
+    for step, (fs, sync) in enumerate(calls):
+        x, y = torch.randn(n, 8), torch.randn(n, 8)
+        with contextlib.nullcontext() if sync else wrapped.no_sync():
+            loss = wrapped(x[lo:hi], y[lo:hi])
+            (loss * fs[rank]).backward()
+        (ref(x, y) * (sum(fs) / world)).backward()
+        close(loss, ref(x, y), f"rank {rank} call {step} loss")
+        if sync:
+            for name, p in wrapped.named_parameters():
+                close(p.grad, ref_names[name].grad, f"rank {rank} call {step} grad {name}")
+            opt_w.step()
+            opt_r.step()
+            opt_w.zero_grad()
+            opt_r.zero_grad()
+    print(f"PASS loss_grad rank {rank} stages {len(wrapped.plan.stages)} "
           f"schedule {wrapped.plan.schedule}", flush=True)
 
 
@@ -336,7 +391,7 @@ def check_batchnorm(a: argparse.Namespace, rank: int, world: int) -> None:
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--case", required=True, choices=["input_grad", "masked_lm", "batchnorm", "unused_count",
-                                                "functional_bn"])
+                                                "functional_bn", "loss_grad"])
     p.add_argument("--bn-mode", default="sync", help="batchnorm: local or sync")
     p.add_argument("--model", default="llama", help="masked_lm: llama or roberta")
     p.add_argument("--replicas", default="")
@@ -353,7 +408,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def run(a: argparse.Namespace, ctx: rdist.DistContext) -> None:
     {"input_grad": check_input_grad, "masked_lm": check_masked_lm,
      "batchnorm": check_batchnorm, "unused_count": check_unused_count,
-     "functional_bn": check_functional_bn}[a.case](a, ctx.rank, ctx.world_size)
+     "functional_bn": check_functional_bn, "loss_grad": check_loss_grad}[a.case](a, ctx.rank, ctx.world_size)
 
 
 def main() -> None:
