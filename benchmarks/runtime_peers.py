@@ -467,7 +467,10 @@ def report(a: argparse.Namespace, cases: list[tuple[str, int]], variants: tuple[
         for v in variants:
             key = (model, n, v)
             first = results[key][0][0]
-            ref = (model, n, COUNTERPART[v] if COUNTERPART[v] in variants else "rannc_1f1b")
+            # (the counterpart, else rannc 1F1B, else the first variant run: a run of
+            # variants without rannc_auto or rannc_1f1b still reports)
+            fallback = "rannc_1f1b" if "rannc_1f1b" in variants else variants[0]
+            ref = (model, n, COUNTERPART[v] if COUNTERPART[v] in variants else fallback)
             ratio = speed(ref) / speed(key)
             # repeat i of both rows ran in the same round: their ratio is taken pair by pair, so
             # that load drifting over the run (a shared machine) cancels within each pair
