@@ -40,6 +40,11 @@ class Routes:
     def __init__(self, graph: TaskGraph, stages: Sequence[StageGraph]) -> None:
         self.graph = graph
         self.stages = list(stages)
+        # (asked for every stage input and output of every action: decided once per value)
+        self._moving = frozenset(
+            v for v, val in graph.values.items()
+            if val.is_tensor and val.batch_dim is not None
+            and val.kind in (ValueKind.INPUT, ValueKind.ACTIVATION))
         self.out_stage = self._output_stages()  # model output -> the stage computing it
         self._suppliers: dict[tuple[str, int], int] = {}  # (v, t) -> s
         self._consumers: dict[tuple[str, int], list[int]] = {}  # (v, s) -> [t, ...]
@@ -54,10 +59,9 @@ class Routes:
 
     # -- values --------------------------------------------------------------------------------
     def moves(self, v: str) -> bool:
-        """Whether value v travels between stages as rows."""
-        val = self.graph.values[v]
-        return val.is_tensor and val.batch_dim is not None and val.kind in (
-            ValueKind.INPUT, ValueKind.ACTIVATION)
+        """Whether value v travels between stages as rows: a tensor input or activation with a
+        batch dimension."""
+        return v in self._moving
 
     def is_float(self, v: str) -> bool:
         return is_float(self.graph.values[v])
