@@ -96,8 +96,8 @@ class Config:
     cost model prices a microbatch's kernels (launch overhead included) but not the runtime's
     own work per action (0.2 to 1.5 ms of Python per forward or backward action on the CPU
     ranks measured, its bookkeeping and the stage graph's per-operator calls: BENCHMARKS.md),
-    which grows with the count; large LLM batches gain up
-    to a few % from 64 (BENCHMARKS.md, "max_pipeline 64"), so raise it there."""
+    which grows with the count. Large LLM batches gain up to a few % from 64 (BENCHMARKS.md,
+    "max_pipeline 64"): raise it there."""
     blocks: int = _f(32, lo=1)
     """k: how many blocks the planner groups the model's atomic components into before it
     splits the blocks into stages (planning time grows with k^2). The chosen plans' stage
