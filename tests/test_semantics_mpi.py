@@ -100,6 +100,8 @@ BATCHNORM = [
     (3, ["--bn-mode", "sync", "--replicas", "1,2", "--microbatches", "0", "--batch", "8",
          "--schedule", "1f1b", "--checkpointing", "on"]),
     (3, ["--bn-mode", "local", "--replicas", "2,1", "--microbatches", "2", "--batch", "7"]),
+    # one stage on every rank: the statistics ride in the loss's all-reduce over the world
+    (3, ["--bn-mode", "local", "--partition-num", "1", "--microbatches", "2", "--batch", "9"]),
 ]
 
 
@@ -108,7 +110,8 @@ def test_batchnorm(n: int, args: list[str], launches: CaseLaunches, request: pyt
     """sync: outputs, loss, gradients, running statistics (every step) and eval() outputs after
     2 AdamW steps equal the unwrapped model's. local: the outputs differ, the first
     BatchNorm's running statistics and every num_batches_tracked equal the unwrapped model's
-    after one call (deferred: once per call, from the global batch), and rank 0 warns once,
+    after one call and after two (deferred: once per call, from the global batch), on 2
+    stages and on one stage on every rank, and rank 0 warns once,
     naming the modules and the plan."""
     res = launches.result(case_of(request))
     mode = args[1]
@@ -116,7 +119,9 @@ def test_batchnorm(n: int, args: list[str], launches: CaseLaunches, request: pyt
     warned = (res.stdout + res.stderr).count("rannc: BatchNorm in training (resnet.embedder")
     if mode == "local":
         assert warned == 1, res.stderr
-        assert "plan: 2 microbatches; replicas of the stages holding it: stage 0: 2" in res.stderr
+        reps = 3 if "--partition-num" in args else 2
+        assert f"plan: 2 microbatches; replicas of the stages holding it: stage 0: {reps}" \
+            in res.stderr
     else:
         assert warned == 0
         assert "microbatches 1" in res.stdout

@@ -104,6 +104,7 @@ class BatchNormState:
 
     mode: str
     group: Any  # the stage's replicas' process group (None: one replica)
+    world: bool = False  # the stage's replicas are every rank (its statistics sum over the world)
     sites: dict[str, _Site] = field(default_factory=dict)  # in graph order
     sums: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # key -> [S, SS, N]
     # key -> (mean, 1 / sqrt(var + eps), rows per channel, eps) per microbatch (`add_moments`)
@@ -195,11 +196,23 @@ class BatchNormState:
         once (each blocking wait costs a wake-up; on the CPU ranks here up to milliseconds)."""
         if not self.sites or self._posted is not None:
             return
-        flat = torch.cat(self._totals(list(self.sites), device))  # [S..., SS..., N...]
-        self.sums, self.moments = {}, {}
+        flat = self.call_sums(device)
         work = dist.all_reduce(flat, group=self.group, async_op=True) \
             if self.group is not None else None
         self._posted = (flat, work)
+
+    def call_sums(self, device: torch.device) -> torch.Tensor:
+        """This call's statistics as one float64 vector [S..., SS..., N...], to be summed over
+        the stage's replicas (by `post_call`, or by the caller in a collective of its own, then
+        handed back with `adopt`)."""
+        flat = torch.cat(self._totals(list(self.sites), device))
+        self.sums, self.moments = {}, {}
+        return flat
+
+    def adopt(self, summed: torch.Tensor, work: Any) -> None:
+        """`call_sums`' vector as it will be once `work` (an all-reduce over every replica of
+        the stage, started by the caller) completes: `finish_call` waits for it."""
+        self._posted = (summed, work)
 
     def finish_call(self, buffers: dict[str, torch.Tensor], device: torch.device) -> None:
         """Update the running statistics once, from the global batch's statistics summed over

@@ -70,6 +70,9 @@ class Executor:
         # the stages of this rank computing a scalar output (a loss): its pieces add up there
         self._scalar_stages = {routes.out_stage[v] for v in routes.scalar_outputs()} & set(self.stages)
         self.trace = trace
+        # the scalar outputs' all-reduce waits for the end of the call, to carry BatchNorm's
+        # statistics with it (`PipelineRuntime._forward`): the same on every rank
+        self.scalars_at_end = False
         self.events: list[Event] = []  # the last call's actions, when tracing
 
     def new_micro(self, layout: RowLayout) -> dict[tuple[int, int], Micro]:
@@ -89,7 +92,8 @@ class Executor:
         last = max((i for i, a in enumerate(acts) if a.op is Op.F and a.stage in self._scalar_stages
                     and not call.micro[(a.stage, a.micro)].empty), default=-1)
         for i, a in enumerate(acts):
-            if scalars and call.scalar_share is None and i > last and call.transport.guess is None:
+            if (scalars and call.scalar_share is None and i > last and call.transport.guess is None
+                    and not self.scalars_at_end):
                 self.share_scalars(call, scalars)
             mic = call.micro[(a.stage, a.micro)]
             if mic.empty:
@@ -105,13 +109,21 @@ class Executor:
                 self.events.append(Event(a, t0 - call.t0, time.perf_counter() - call.t0))
             call.transport.poll()  # the held-back transfers go as soon as they can
 
-    def share_scalars(self, call: Call, scalars: Mapping[str, torch.Tensor]) -> None:
+    def share_scalars(self, call: Call, scalars: Mapping[str, torch.Tensor],
+                      extra: torch.Tensor | None = None) -> tuple[torch.Tensor, Any] | None:
         """Start the all-reduce of this rank's sums of the scalar outputs' pieces (its stages'
         share of each; zeros elsewhere). Every rank starts it once per call, after the call's
-        layout is agreed (a collective must not start on a guessed layout)."""
+        layout is agreed (a collective must not start on a guessed layout). `extra`: more
+        float64 sums over the world to carry in the same all-reduce; returns (their reduced
+        view, the work to wait for), or None without `extra`."""
         names = sorted(scalars)
-        flat = torch.stack([scalars[v] for v in names])
-        call.scalar_share = (names, flat, dist.all_reduce(flat, async_op=True))
+        parts = [torch.stack([scalars[v] for v in names])]
+        if extra is not None:
+            parts.append(extra.to(parts[0].device))
+        flat = torch.cat(parts) if extra is not None else parts[0]
+        work = dist.all_reduce(flat, async_op=True)
+        call.scalar_share = (names, flat[:len(names)], work)
+        return None if extra is None else (flat[len(names):], work)
 
     def shared_scalars(self, call: Call, scalars: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The scalar outputs' global sums (starting their all-reduce if not yet started)."""

@@ -152,6 +152,8 @@ class PipelineRuntime:
         self.stage = self.stage_runs[0]
         self.executor = Executor(self.stage_runs, self.routes, plan, self.schedule, self.grads,
                                  self._summed, rank, world_size, trace)
+        # (BatchNorm's statistics over the world ride in the scalar outputs' all-reduce)
+        self.executor.scalars_at_end = self._bn.world and bool(self._bn.sites)
         # This rank's line of actions (one stage's today; several under interleaved schedules).
         self.line = self.schedule.actions[self.schedule.lane_of(self.s)]
         self._forward_line = self.schedule.forward_part(self.schedule.lane_of(self.s))
@@ -219,6 +221,7 @@ class PipelineRuntime:
             group = dist.new_group(ranks) if len(ranks) > 1 else None
             if t in self.mine and state.group is None:  # (stages sharing ranks: the same ranks)
                 state.group = group
+                state.world = group is not None and len(ranks) == self.world_size
         for part in self._all_parts():
             bnorm.install(part.module, self.graph, state)
         paths = sorted({self.graph.tasks[i].module_path or self.graph.tasks[i].name for i in tasks})
@@ -423,10 +426,15 @@ class PipelineRuntime:
             self.executor.run(call, acts, scalars)
         if self._bn.sites:  # the running statistics, once per call (every replica)
             call.transport.settle()  # (a collective, and a write not to make on a wrong guess)
-            if scalars and call.scalar_share is None:
-                self.executor.share_scalars(call, scalars)
-            # both all-reduces in flight before waiting for either: the ranks meet once
-            self._bn.post_call(self.device)
+            if scalars and self._bn.world:  # one all-reduce over the world carries both
+                assert call.scalar_share is None
+                shared = self.executor.share_scalars(call, scalars, self._bn.call_sums(self.device))
+                assert shared is not None
+                self._bn.adopt(*shared)
+            else:  # both all-reduces in flight before waiting for either: the ranks meet once
+                if scalars and call.scalar_share is None:
+                    self.executor.share_scalars(call, scalars)
+                self._bn.post_call(self.device)
             self._bn.finish_call(buffers, self.device)
         return self._collect_outputs(call, scalars)
 
