@@ -40,6 +40,18 @@ def close(got: Any, want: Any, what: str) -> None:
     torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}")
 
 
+def grads_close_then_step(wrapped: nn.Module, ref: nn.Module, opts: tuple[Any, Any],
+                          what: str) -> None:
+    """Every parameter's gradient equals the unwrapped model's; then both optimizers step and
+    zero their gradients."""
+    ref_names = dict(ref.named_parameters())
+    for name, p in wrapped.named_parameters():
+        close(p.grad, ref_names[name].grad, f"{what} grad {name}")
+    for opt in opts:
+        opt.step()
+        opt.zero_grad()
+
+
 def options(a: argparse.Namespace) -> dict[str, Any]:
     opts: dict[str, Any] = {"microbatches": a.microbatches or None, "schedule": a.schedule,
                             "checkpointing": a.checkpointing}
@@ -98,13 +110,7 @@ def check_input_grad(a: argparse.Namespace, rank: int, world: int) -> None:
         if x.grad is None:
             raise AssertionError(f"rank {rank} step {step}: x.grad is None")
         close(x.grad, ref_x.grad[lo:hi], f"rank {rank} step {step} x.grad")
-        ref_names = dict(ref.named_parameters())
-        for name, p in wrapped.named_parameters():
-            close(p.grad, ref_names[name].grad, f"rank {rank} step {step} grad {name}")
-        opt_w.step()
-        opt_r.step()
-        opt_w.zero_grad()
-        opt_r.zero_grad()
+        grads_close_then_step(wrapped, ref, (opt_w, opt_r), f"rank {rank} step {step}")
     # under no_grad, and with an input that does not require grad: nothing comes back
     x = x_all[lo:hi].clone()
     wrapped(x, y_all[lo:hi])["loss"].backward()
@@ -140,7 +146,6 @@ def check_loss_grad(a: argparse.Namespace, rank: int, world: int) -> None:
     opt_w = torch.optim.SGD(model.parameters(), lr=1e-2)
     opt_r = torch.optim.SGD(ref.parameters(), lr=1e-2)
     wrapped = rannc.RaNNCModule(model, opt_w, **options(a))
-    ref_names = dict(ref.named_parameters())
     factors = [0.0, 3.0, 0.5, 2.0]
     calls = [  # (each rank's factor, synchronised)
         ([factors[q % 4] for q in range(world)], True),
@@ -156,12 +161,7 @@ def check_loss_grad(a: argparse.Namespace, rank: int, world: int) -> None:
         (ref(x, y) * (sum(fs) / world)).backward()
         close(loss, ref(x, y), f"rank {rank} call {step} loss")
         if sync:
-            for name, p in wrapped.named_parameters():
-                close(p.grad, ref_names[name].grad, f"rank {rank} call {step} grad {name}")
-            opt_w.step()
-            opt_r.step()
-            opt_w.zero_grad()
-            opt_r.zero_grad()
+            grads_close_then_step(wrapped, ref, (opt_w, opt_r), f"rank {rank} call {step}")
     print(f"PASS loss_grad rank {rank} stages {len(wrapped.plan.stages)} "
           f"schedule {wrapped.plan.schedule}", flush=True)
 
@@ -242,12 +242,7 @@ def check_masked_lm(a: argparse.Namespace, rank: int, world: int) -> None:
         close(out.loss, ref_out.loss, f"rank {rank} step {step} loss")
         out.loss.backward()
         ref_out.loss.backward()
-        for name, p in wrapped.named_parameters():
-            close(p.grad, ref_names[name].grad, f"rank {rank} step {step} grad {name}")
-        opt_w.step()
-        opt_r.step()
-        opt_w.zero_grad()
-        opt_r.zero_grad()
+        grads_close_then_step(wrapped, ref, (opt_w, opt_r), f"rank {rank} step {step}")
     for name, p in wrapped.named_parameters():
         close(p, ref_names[name], f"rank {rank} param {name}")
     # a rank passing its local count instead of the global one is told so, on every rank
@@ -348,7 +343,6 @@ def check_batchnorm(a: argparse.Namespace, rank: int, world: int) -> None:
     opt_w = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)
     opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-4)
     wrapped = rannc.RaNNCModule(model, opt_w, batchnorm=a.bn_mode, **options(a))
-    ref_names = dict(ref.named_parameters())
     bn_buffers = [k for k, _ in ref.named_buffers()]
     if a.bn_mode == "local":
         out = wrapped(pixel_values=x_all[lo:hi], labels=y_all[lo:hi])
@@ -375,13 +369,8 @@ def check_batchnorm(a: argparse.Namespace, rank: int, world: int) -> None:
         close(out.loss, ref_out.loss, f"rank {rank} step {step} loss")
         out.loss.backward()
         ref_out.loss.backward()
-        for name, p in wrapped.named_parameters():
-            close(p.grad, ref_names[name].grad, f"rank {rank} step {step} grad {name}")
         buffers_close(wrapped.state_dict(rank0_only=False), ref, bn_buffers, f"rank {rank} step {step}")
-        opt_w.step()
-        opt_r.step()
-        opt_w.zero_grad()
-        opt_r.zero_grad()
+        grads_close_then_step(wrapped, ref, (opt_w, opt_r), f"rank {rank} step {step}")
     wrapped.eval()
     ref.eval()
     with torch.no_grad():
