@@ -117,10 +117,9 @@ class Executor:
         float64 sums over the world to carry in the same all-reduce; returns (their reduced
         view, the work to wait for), or None without `extra`."""
         names = sorted(scalars)
-        parts = [torch.stack([scalars[v] for v in names])]
+        flat = torch.stack([scalars[v] for v in names])
         if extra is not None:
-            parts.append(extra.to(parts[0].device))
-        flat = torch.cat(parts) if extra is not None else parts[0]
+            flat = torch.cat([flat, extra.to(flat.device)])
         work = dist.all_reduce(flat, async_op=True)
         call.scalar_share = (names, flat[:len(names)], work)
         return None if extra is None else (flat[len(names):], work)

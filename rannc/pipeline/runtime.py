@@ -33,13 +33,15 @@ inside forward() under the eager schedules, whose backward runs for a unit loss
 gradient: backward() scales the sums by the real one (gradients are linear in it).
 
 The ranks meet three times a step at most: for the scalar outputs (an all-reduce each rank
-starts once its own pieces are in, mid-line, and waits for at the end of the call), at the
-start of backward() (the loss gradients; under an eager schedule whose buckets are already in
-flight, waited for only after them) and after the gradient buckets (the overflow and
-got-a-gradient flags, one all-reduce; under an eager schedule without shared parameters it
-travels with the loss gradients instead, and under data parallelism alone, where every replica
-computed rows, it is not needed). The row layout's all-gather is not waited for at the start
-of a call that can guess it (`guess_sizes`).
+starts once its own pieces are in, mid-line, and waits for at the end of the call; with one
+stage on every rank it carries BatchNorm's statistics too), at the start of backward() (the
+loss gradients; under an eager schedule whose buckets are already in flight, waited for only
+after them; under fill-drain with one stage, read only as the first gradient joins a bucket,
+the backward having started from the rank's own loss gradient) and after the gradient buckets
+(the overflow and got-a-gradient flags, one all-reduce; under an eager schedule without shared
+parameters it travels with the loss gradients instead, and under data parallelism alone, where
+every replica computed rows, it is not needed). The row layout's all-gather is not waited for
+at the start of a call that can guess it (`guess_sizes`).
 
 Index conventions: s, t stages; m microbatches; j replicas; r ranks.
 """
@@ -47,6 +49,7 @@ Index conventions: s, t stages; m microbatches; j replicas; r ranks.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import time
@@ -585,7 +588,7 @@ class PipelineRuntime:
         agreement, posted before the backward, has long arrived when the first bucket needs
         it: the ranks meet once, after the backward, instead of also before it (each blocking
         wait costs a wake-up: up to milliseconds on the CPU ranks here)."""
-        scalar_names, batch_names = self._loss_outputs()
+        scalar_names, batch_names = self._loss_outputs
         if (call.mode != "split" or len(self.plan.stages) != 1 or call.grad_inputs
                 or len(scalar_names) != 1 or batch_names):
             return None
@@ -595,9 +598,10 @@ class PipelineRuntime:
         g = g.detach().to(torch.float64).reshape(())
         return g if bool(torch.isfinite(g)) and bool(g != 0) else torch.ones((), dtype=torch.float64)
 
+    @functools.cached_property
     def _loss_outputs(self) -> tuple[list[str], list[str]]:
         """(the scalar outputs, the floating-point batch outputs), sorted: the entries of the
-        loss gradients' all-reduce."""
+        loss gradients' all-reduce (the graph's, so fixed for the runtime)."""
         scalar_names = sorted(self.routes.scalar_outputs())
         batch_names = sorted(v for v in self.routes.out_stage
                              if v not in scalar_names and self.routes.is_float(v))
@@ -608,7 +612,7 @@ class PipelineRuntime:
         """One all-reduce, started without waiting: the scalar outputs' gradients (averaged, as
         DDP) and, per batch output, whether any rank back-propagates through it (unused ones
         send no zeros around); see `_early_overflow` for what else it may carry."""
-        scalar_names, batch_names = self._loss_outputs()
+        scalar_names, batch_names = self._loss_outputs
         vec = [_grad_or_zero(grad_of.get(v)) for v in scalar_names]
         vec += [torch.tensor(float(_nonzero(grad_of.get(v))), dtype=torch.float64)
                 for v in batch_names]
@@ -645,18 +649,15 @@ class PipelineRuntime:
         sums scaled by the loss gradient, whose agreement is waited for once the buckets are
         (the ranks meet once at the end of backward, as under DDP); a late pass's gradients
         summed in a second round."""
-
-        def scale() -> torch.Tensor | None:
-            g = posted.resolve().seeds[self._loss]
-            return None if bool(g == 1) else g
+        # the line ran for a unit loss gradient: the sums need the agreed one (None: it is 1)
+        scale = _Correction(posted, self._loss, torch.ones((), dtype=torch.float64))
         # (reducing in forward() needs the backward before synchronised: nothing pending)
         same = call.layout.every_replica_computes()
         with torch.profiler.record_function("rannc reduce gradients"):
             self.grads.rebase()  # (.grad may have been zeroed or replaced since forward())
             self.grads.finish(True, self._stand_in(), None, scale, same_got=same)
-        g = posted.resolve().seeds[self._loss]
-        unit = bool(g == 1)
-        in_grads = {v: x if unit else x * g.to(x.dtype) for v, x in call.input_stash.items()}
+        g = scale()
+        in_grads = {v: x if g is None else x * g.to(x.dtype) for v, x in call.input_stash.items()}
         if call.used:
             self._log_late_pass()
             self.grads.begin()
@@ -850,10 +851,12 @@ class _PostedLossGradients:
 
 
 class _Correction:
-    """What the gradients of a backward run from a speculative loss gradient
-    (`_speculative_seed`) still need on this rank: the agreed seed over the one used, or None
-    where they are equal. Called as the first gradient becomes final, waiting for the
-    agreement then (the same value every later call)."""
+    """What the gradients of a backward run from a loss gradient the ranks had not agreed on
+    yet still need: the agreed seed over the one used, or None where they are equal. Used
+    for a fill-drain backward from the rank's own loss gradient (`_speculative_seed`: asked
+    as the first gradient becomes final, applied on this rank before the sum) and for an
+    eager line run for a unit one (`_finish_eager`: applied after the sum). Waits for the
+    agreement when first called; the same value every later call."""
 
     def __init__(self, posted: _PostedLossGradients, loss: str, used: torch.Tensor) -> None:
         self.posted, self.loss, self.used = posted, loss, used
