@@ -53,6 +53,7 @@ class _Bucket:
     dtype: torch.dtype
     buf: torch.Tensor | None = None  # the flat copy while it is reduced (several parameters)
     work: Any = None  # the async all-reduce
+    views: list[torch.Tensor] | None = None  # per name: its piece of the kept buffer (`_buffer`)
 
     @property
     def in_place(self) -> bool:
@@ -382,33 +383,46 @@ class GradReducer:
                 self._account(t.numel() * t.element_size())
             b.work = dist.all_reduce(t, group=group, async_op=True)
             return
-        buf = self._buffer(b)
+        buf, views = self._buffer(b)
         self._account(buf.numel() * buf.element_size())
-        at = 0
-        for n in b.names:
-            k = self.held[n].numel()
+        # one foreach copy per bucket: a copy per parameter cost a Python call and a dispatch
+        # each (0.5 ms a step for a ResNet's 62 gradients on the CPU ranks here)
+        dst, src, zeros = [], [], []
+        for n, v in zip(b.names, views, strict=True):
             t = st.new[n]
             if t is None:
-                buf[at:at + k].zero_()
+                zeros.append(v)
             else:
-                buf[at:at + k].copy_(t.reshape(-1))
-            at += k
+                dst.append(v)
+                src.append(t)
+        if dst:
+            torch._foreach_copy_(dst, src)
+        if zeros:
+            torch._foreach_zero_(zeros)
         b.buf = buf
         b.work = dist.all_reduce(buf, group=group, async_op=True)
         self._buffered = b
 
-    def _buffer(self, b: _Bucket) -> torch.Tensor:
-        """Bucket b's flat buffer: a view of one kept buffer (per dtype) as long as the largest
-        bucket. Only one buffer is in use at a time (`_buffered`), and keeping it spares a fresh
-        allocation per bucket and step: measured on the CPU ranks here, copies into freshly
-        allocated pages ran at a third of the speed of copies into warm ones."""
+    def _buffer(self, b: _Bucket) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Bucket b's flat buffer, and its piece for each of b's parameters (shaped like it): a
+        view of one kept buffer (per dtype) as long as the largest bucket. Only one buffer is in
+        use at a time (`_buffered`), and keeping it spares a fresh allocation per bucket and
+        step: measured on the CPU ranks here, copies into freshly allocated pages ran at a third
+        of the speed of copies into warm ones. The pieces are made once per bucket."""
         spare = self._spares.get(b.dtype)
         if spare is None:
             size = max(x.numel for grp in self.groups for x in grp.buckets
                        if x.dtype == b.dtype and not x.in_place)
             spare = self._spares[b.dtype] = torch.empty(
                 size, dtype=b.dtype, device=self.held[b.names[0]].device)
-        return spare[:b.numel]
+        buf = spare[:b.numel]
+        if b.views is None:
+            b.views, at = [], 0
+            for n in b.names:
+                p = self.held[n]
+                b.views.append(buf[at:at + p.numel()].view(p.shape))
+                at += p.numel()
+        return buf, b.views
 
     def _complete(self, b: _Bucket, st: _State) -> None:
         """Wait for bucket b and copy its sums back into the gradients."""
@@ -421,18 +435,17 @@ class GradReducer:
             if t is not None and b.names[0] not in st.got:
                 self._account(-t.numel() * t.element_size())  # becomes .grad only if got
             return
-        assert b.buf is not None
-        at = 0
-        for n in b.names:
-            p = self.held[n]
-            k = p.numel()
-            piece = b.buf[at:at + k].view_as(p)
+        assert b.buf is not None and b.views is not None
+        dst, src = [], []
+        for n, piece in zip(b.names, b.views, strict=True):
             t = st.new[n]
             if t is None:
                 st.new[n] = piece.clone()  # this parameter's gradient, if any holder got one
             else:
-                t.copy_(piece)
-            at += k
+                dst.append(t)
+                src.append(piece)
+        if dst:
+            torch._foreach_copy_(dst, src)
         self._account(-b.buf.numel() * b.buf.element_size())
         b.buf = None
         if self._buffered is b:
