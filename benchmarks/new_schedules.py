@@ -1,4 +1,4 @@
-"""Zero-bubble (ZB-H1) and interleaved 1F1B against 1F1B (issue 19, item 4).
+"""Zero-bubble (ZB-H1 and ZB-V) and interleaved 1F1B against 1F1B (issue 19, item 4).
 
     PYTHONPATH=. .venv/bin/python benchmarks/new_schedules.py                # predicted
     PYTHONPATH=. .venv/bin/python benchmarks/new_schedules.py --only uniform
@@ -7,20 +7,22 @@
         --ranks 4 --model standin --t-f 40 --t-b 40 --t-w 40   # layers that sleep (stand_in.py)
 
 * ``uniform``: the simulator on 4 uniform stages (T_F = T_B = T_W = 1: a backward twice the
-  forward, half of it weight gradients), 8, 16 and 32 microbatches; interleaved as 4 ranks of 2
-  stages, each half as long.
+  forward, half of it weight gradients), 8, 16 and 32 microbatches; interleaved and ZB-V as 4
+  ranks of 2 stages, each half as long.
 * ``models``: BERT-Large (24 x 1024, batch 256 x 128) and a GPT (GPT-2 24 x 1024, batch 64 x 512)
   planned with the estimate oracle for 8 and 32 V100-32GB and 8 H100 (8 per node): 4 pipeline
   positions (ranks per pipeline copy) forced, 8 and 16 microbatches; per schedule the
-  planner's best plan (1f1b and zero_bubble: 4 stages; interleaved_1f1b: 8 stages, 2 per rank),
+  planner's best plan (1f1b and zero_bubble: 4 stages; interleaved_1f1b and zero_bubble_v: 8
+  stages, 2 per rank),
   its predicted iteration time, its ratio to 1F1B's, and the largest predicted memory of one
   device (an interleaved rank holds two stages: their sum).
 * ``measured``: the runtime on CPU ranks (gloo, one thread each), the BERT of
   benchmarks/runtime_peers.py (pre-LN layers, hidden 256, 8 layers, sequence 64, global batch
   32), ``--microbatches`` (8), no recomputation: 1F1B and zero_bubble on the same stages (one per rank:
-  rannc's 1F1B plan, loaded again with the schedule changed), and interleaved_1f1b on its own
-  plan of two stages per rank. All three models live in the same ranks and take turns step by
-  step (A B C A B C ...), so a drift in the machine's load hits them alike; per schedule the
+  rannc's 1F1B plan, loaded again with the schedule changed), and interleaved_1f1b and
+  zero_bubble_v each on its own plan of two stages per rank. All four models live in the same
+  ranks and take turns step by step (A B C D A B C D ...), so a drift in the machine's load
+  hits them alike; per schedule the
   median step time (forward, backward, optimizer step; rank 0's clock between barriers) over
   the steps after the warm-up, the median of the per-round ratios to 1F1B, and per rank the most
   bytes autograd holds for backward at once (saved-tensor hooks: deterministic; in one more
@@ -28,7 +30,7 @@
   ``--model standin``: the same with benchmarks/stand_in.py's layers, which sleep instead of
   computing (8 layers of T_F = T_B = T_W = 10 ms, ``--t-f`` etc.), so that 4 ranks on 2 cores
   behave like 4 devices (a waiting rank's time is lost, not given to another rank); the stages
-  are cut evenly by layers (2 layers each; interleaved: 1), as the estimate oracle prices the
+  are cut evenly by layers (2 layers each; interleaved and ZB-V: 1), as the estimate oracle prices the
   sleeps at nothing. Nothing is saved for backward there (no memory column).
 * ``--pictures``: the predicted timeline of each new schedule (4 stages, 8 microbatches,
   uniform) as docs/timeline_uniform_<schedule>.png and .json (Chrome trace).
@@ -47,17 +49,17 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "examples" / "models")]
 
-NEW = ("zero_bubble", "interleaved_1f1b")
+NEW = ("zero_bubble", "interleaved_1f1b", "zero_bubble_v")
 
 
 def _uniform_schedule(name: str, M: int, lanes: int = 4) -> tuple[Any, Any]:
     """(schedule, costs) on `lanes` ranks of uniform work: T_F = 1, T_B = 2 (W = 1 of it); an
     interleaved schedule's 2 stages per rank each half of that."""
-    from rannc.schedule import StageCosts, chain, make_schedule
+    from rannc.schedule import StageCosts, chain, get_spec, make_schedule
 
-    v = 2 if name == "interleaved_1f1b" else 1
+    v = get_spec(name).chunks
     S = lanes * v
-    sched = make_schedule(name, M, chain(S), [False] * S, [s % lanes for s in range(S)])
+    sched = make_schedule(name, M, chain(S), [False] * S)  # (its own placement: looped, or a V)
     return sched, StageCosts.uniform(S, 1.0 / v, 2.0 / v, wgrad=1.0 / v)
 
 
@@ -108,6 +110,7 @@ def models(smoke: bool = False) -> list[str]:
     from rannc.atomic.components import atomic_components
     from rannc.graph.capture import capture
     from rannc.planner import plan_graph
+    from rannc.schedule import get_spec
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
     rows = ["| model | devices | microbatches | schedule | stages x replicas | predicted s/iter | "
@@ -126,7 +129,7 @@ def models(smoke: bool = False) -> list[str]:
             for M in (8,) if smoke else (8, 16):
                 base = None
                 for sched in ("1f1b", *NEW):
-                    stages = 8 if sched == "interleaved_1f1b" else 4
+                    stages = 4 * get_spec(sched).chunks
                     cfg = rannc.Config(schedule=sched, partition_num=stages, microbatches=M,
                                        replicas=reps)
                     try:
@@ -151,7 +154,8 @@ def models(smoke: bool = False) -> list[str]:
 def pictures() -> None:
     from rannc.schedule import chrome_trace, simulate, timeline_png
 
-    what = {"zero_bubble": "B 1 ms + W 1 ms", "interleaved_1f1b": "2 stages per rank, half each"}
+    what = {"zero_bubble": "B 1 ms + W 1 ms", "interleaved_1f1b": "2 stages per rank, half each",
+            "zero_bubble_v": "2 stages per rank in a V, half each, B and W split"}
     for name in NEW:
         sched, costs = _uniform_schedule(name, 8)
         tl = simulate(sched, costs)
@@ -170,7 +174,7 @@ def pictures() -> None:
         print(f"wrote {base}.png and .json")
 
 
-MEASURED = ("1f1b", "zero_bubble", "interleaved_1f1b")
+MEASURED = ("1f1b", "zero_bubble", "interleaved_1f1b", "zero_bubble_v")
 
 
 def measured(a: argparse.Namespace) -> None:
@@ -215,6 +219,7 @@ def worker(a: argparse.Namespace) -> None:
     from benchmarks.runtime_peers import aligned_plan, batches, build
     from benchmarks.schedules import _Saved
     from rannc import dist as rdist
+    from rannc.schedule import get_spec
 
     torch.set_num_threads(1)
     rdist.init_process_group(timeout_s=600)
@@ -233,14 +238,15 @@ def worker(a: argparse.Namespace) -> None:
     if stand:  # stages cut evenly by layers (the estimate oracle prices sleeps at nothing)
         if rank == 0:
             tmp.mkdir(exist_ok=True)
-            for name, stages in (("1f1b", world), ("interleaved_1f1b", 2 * world)):
+            for name, stages in (("1f1b", world), ("interleaved_1f1b", 2 * world),
+                                 ("zero_bubble_v", 2 * world)):
                 aligned_plan("standin", ns, world, name, tmp / f"plan_{name}.json", stages=stages)
         dist.barrier()
     models: dict[str, Any] = {}
     for name in MEASURED:
         wrapper, _, _ = build(a.model, ns)  # the same initial weights for each (seed 0)
         opt = torch.optim.AdamW(wrapper.parameters(), lr=1e-3)
-        stages = 2 * world if name == "interleaved_1f1b" else world
+        stages = get_spec(name).chunks * world
         opts: dict[str, Any] = dict(partition_num=stages, microbatches=a.microbatches,
                                     checkpointing="off", schedule=name, profiler="estimate")
         if stand and name != "zero_bubble":
@@ -271,7 +277,8 @@ def worker(a: argparse.Namespace) -> None:
         opt.zero_grad()
 
     for rnd in range(a.steps + 1):
-        order = MEASURED[rnd % 3:] + MEASURED[:rnd % 3]  # who goes first rotates
+        k = rnd % len(MEASURED)
+        order = MEASURED[k:] + MEASURED[:k]  # who goes first rotates
         for name in order:
             dist.barrier()
             t0 = time.perf_counter()

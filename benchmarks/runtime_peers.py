@@ -56,14 +56,15 @@ import pipeline_memory as pm  # noqa: E402  (its launcher and VmHWM helpers)
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("rannc_auto", "rannc_gpipe", "rannc_1f1b", "rannc_gpipe_sync", "rannc_1f1b_sync",
-            "pipe_gpipe", "pipe_1f1b", "ddp", "rannc_zb", "rannc_i1f1b", "pipe_zb", "pipe_i1f1b",
-            "pipe_zbv")
+            "pipe_gpipe", "pipe_1f1b", "ddp", "rannc_zb", "rannc_i1f1b", "rannc_zbv", "pipe_zb",
+            "pipe_i1f1b", "pipe_zbv")
 # zero-bubble and interleaved (issue 19): rannc's zero_bubble (ZB-H1) on one stage per rank;
 # pipelining's ScheduleInterleavedZeroBubble on the same stages, and its ScheduleInterleaved1F1B
 # and ScheduleZBVZeroBubble on two stages per rank, cut where rannc's interleaved_1f1b plan cuts
-# (rannc's interleaved_1f1b runs those very stages; ZBV places them in a V instead)
-NEW_VARIANTS = ("rannc_1f1b", "rannc_zb", "rannc_i1f1b", "pipe_1f1b", "pipe_zb", "pipe_i1f1b",
-                "pipe_zbv")
+# (rannc's interleaved_1f1b runs those very stages, and rannc's zero_bubble_v runs them placed
+# in a V as ZBV does)
+NEW_VARIANTS = ("rannc_1f1b", "rannc_zb", "rannc_i1f1b", "rannc_zbv", "pipe_1f1b", "pipe_zb",
+                "pipe_i1f1b", "pipe_zbv")
 SCHEDULE = {"gpipe": "gpipe", "1f1b": "1f1b", "zb": "zero_bubble", "i1f1b": "interleaved_1f1b",
             "zbv": "interleaved_1f1b"}  # variant suffix -> the rannc schedule its stages come from
 SMOKE_VARIANTS = ("rannc_1f1b", "pipe_1f1b", "ddp")
@@ -72,6 +73,7 @@ NAMES = {"rannc_auto": "rannc auto", "rannc_gpipe": "rannc gpipe", "rannc_1f1b":
          "ddp": "DDP", "rannc_gpipe_sync": "rannc gpipe, step-start sync",
          "rannc_1f1b_sync": "rannc 1f1b, step-start sync", "rannc_zb": "rannc zero_bubble",
          "rannc_i1f1b": "rannc interleaved_1f1b (2 stages per rank)",
+         "rannc_zbv": "rannc zero_bubble_v (2 stages per rank)",
          "pipe_zb": "pipelining ScheduleInterleavedZeroBubble",
          "pipe_i1f1b": "pipelining ScheduleInterleaved1F1B (2 stages per rank)",
          "pipe_zbv": "pipelining ScheduleZBVZeroBubble (2 stages per rank)"}
@@ -80,7 +82,7 @@ COUNTERPART = {"rannc_auto": "rannc_auto", "rannc_gpipe": "rannc_auto", "rannc_1
                "pipe_gpipe": "rannc_gpipe", "pipe_1f1b": "rannc_1f1b", "ddp": "rannc_auto",
                "rannc_gpipe_sync": "rannc_gpipe", "rannc_1f1b_sync": "rannc_1f1b",
                "rannc_zb": "rannc_1f1b", "rannc_i1f1b": "rannc_1f1b", "pipe_zb": "rannc_zb",
-               "pipe_i1f1b": "rannc_i1f1b", "pipe_zbv": "rannc_i1f1b"}
+               "rannc_zbv": "rannc_1f1b", "pipe_i1f1b": "rannc_i1f1b", "pipe_zbv": "rannc_zbv"}
 LOSS_RTOL = 1e-3  # float32 sums in another order over a few steps
 
 
@@ -177,6 +179,25 @@ def batches(name: str, a: argparse.Namespace, n: int) -> list[tuple[Any, Any]]:
         return out
     return [(torch.randn(a.batch, 3, a.image, a.image, generator=g),
              torch.randint(0, 10, (a.batch,), generator=g)) for _ in range(n)]
+
+
+def v_plan(src: Path, dst: Path) -> Path:
+    """`src`'s plan of 2P stages on P pipeline positions (interleaved: stage s on position
+    s % P) under zero_bubble_v: the same stages, stage s on position s or 2P - 1 - s (a V)."""
+    import dataclasses
+
+    import rannc
+    from rannc.schedule import default_placement
+
+    if not dst.exists():
+        plan = rannc.Plan.load(src)
+        lanes = {plan.placement()[s]: st.ranks for s, st in enumerate(plan.stages)}
+        place = default_placement("zero_bubble_v", len(plan.stages))
+        stages = tuple(dataclasses.replace(st, ranks=lanes[place[s]],
+                                           shares=plan.stages[place[s]].shares)
+                       for s, st in enumerate(plan.stages))
+        dataclasses.replace(plan, schedule="zero_bubble_v", stages=stages).save(dst)
+    return dst
 
 
 def stage_bounds(plan_file: Path, n_layers: int) -> tuple[list[int], bool]:
@@ -288,9 +309,9 @@ def worker(a: argparse.Namespace) -> None:
         opts: dict[str, Any] = dict(save_deployment=True, load_deployment=True,
                                     deployment_file=a.plan_file)
         if v != "rannc_auto":
-            opts.update(partition_num=2 * world if v == "rannc_i1f1b" else world,
+            opts.update(partition_num=2 * world if v in ("rannc_i1f1b", "rannc_zbv") else world,
                         microbatches=a.microbatches, checkpointing="off",
-                        schedule=SCHEDULE[v.split("_")[1]])
+                        schedule="zero_bubble_v" if v == "rannc_zbv" else SCHEDULE[v.split("_")[1]])
         model = rannc.RaNNCModule(wrapper, opt, **opts)
 
         def step(x: Any, y: Any) -> float:
@@ -432,6 +453,8 @@ def driver(a: argparse.Namespace) -> None:
                         print(f"  {model} x{n} {v}: {note}", flush=True)
                         if not note.startswith("rannc's"):
                             moved.add((model, n, v))
+                    if v == "rannc_zbv":  # interleaved_1f1b's stages, in a V
+                        extra = [f"--plan-file={v_plan(plan_file, tmp / f'plan_{model}_{n}_zbv.json')}"]
                     if v.startswith("pipe"):
                         bounds, whole = stage_bounds(plan_file, n_layers(model, a))
                         extra.append("--bounds=" + ",".join(map(str, bounds)))

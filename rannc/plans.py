@@ -175,14 +175,14 @@ class Plan:
 
     def placement(self) -> tuple[int, ...]:
         """Per stage: its lane, the position of its ranks among the stages' distinct sets of
-        ranks in stage order. Stage s's own (s) but under an interleaved schedule, whose
-        stages s, s + P, ... run on the same ranks."""
+        ranks in stage order. Stage s's own (s) but under a schedule of several stages per rank,
+        whose stages s, s + P, ... (interleaved) or s, 2P - 1 - s (ZB-V) run on the same ranks."""
         seen: dict[tuple[int, ...], int] = {}
         return tuple(seen.setdefault(st.ranks, len(seen)) for st in self.stages)
 
     def stages_of_rank(self, rank: int) -> list[StagePlan]:
-        """The stages `rank` holds a replica of: one, or under an interleaved schedule several
-        (stages s, s + P, ...), first to last."""
+        """The stages `rank` holds a replica of: one, or under a schedule of several stages per
+        rank (interleaved 1F1B, ZB-V) several, first to last."""
         out = [st for st in self.stages if rank in st.ranks]
         if not out:
             raise RaNNCError(f"rank {rank} has no stage in this plan (world size {self.world_size})")
@@ -339,7 +339,7 @@ def plan_problem(plan: Plan, graph: TaskGraph, atomic: AtomicPartition,
     if not plan.stages:
         return "it has no stages"
     n_comp = len(atomic.components)
-    shared = SCHEDULES[plan.schedule].chunks > 1  # interleaved: stages s, s + P on the same ranks
+    shared = SCHEDULES[plan.schedule].chunks > 1  # several stages on the same ranks
     seen_rank: dict[int, int] = {}
     stage_of: dict[int, int] = {}
     for s, st in enumerate(plan.stages):

@@ -318,9 +318,10 @@ def check_devices(sig: CallSignature, device: torch.device) -> None:
 
 def check_config(config: Config, world_size: int) -> None:
     """What `Config` cannot check alone: the forced sizes against the number of ranks. Every
-    rank runs it before its first collective, with the same config, so all raise or none. An
-    interleaved schedule of v chunks puts v stages on each rank: its `replicas` are per rank
-    of a pipeline (stages s and s + P share them) and `partition_num` counts every stage."""
+    rank runs it before its first collective, with the same config, so all raise or none. A
+    schedule of v chunks (interleaved 1F1B, ZB-V) puts v stages on each rank: its `replicas`
+    are per rank of a pipeline (the stages sharing those ranks share them: s and s + P, or s
+    and 2P - 1 - s) and `partition_num` counts every stage."""
     from rannc.schedule.spec import get_spec
 
     per = get_spec(config.schedule).chunks if config.schedule != "auto" else 1

@@ -34,15 +34,16 @@ def test_schedules_benchmark(part: str) -> None:
 def test_new_schedules_benchmark() -> None:
     out = run("benchmarks/new_schedules.py")
     got = [(r[3], r[6]) for r in rows(out, "| BERT-Large")]
-    assert [g[0] for g in got] == ["1f1b", "zero_bubble", "interleaved_1f1b"], out
-    assert len(rows(out, "| 4 |")) == 9, out  # uniform: 3 schedules x 3 microbatch counts
+    assert [g[0] for g in got] == ["1f1b", "zero_bubble", "interleaved_1f1b", "zero_bubble_v"], out
+    assert len(rows(out, "| 4 |")) == 12, out  # uniform: 4 schedules x 3 microbatch counts
 
 
 @pytest.mark.layer("multi_rank")
 @pytest.mark.parametrize("model", [pytest.param("bert", marks=pytest.mark.full), "standin"])
 def test_new_schedules_measured_benchmark(model: str) -> None:
     out = run("benchmarks/new_schedules.py", "--only", "measured", "--ranks", "2", "--model", model)
-    assert [r[1] for r in rows(out, "| 2 |")] == ["1f1b", "zero_bubble", "interleaved_1f1b"], out
+    assert [r[1] for r in rows(out, "| 2 |")] == ["1f1b", "zero_bubble", "interleaved_1f1b",
+                                                  "zero_bubble_v"], out
 
 
 def test_hetero_benchmark() -> None:

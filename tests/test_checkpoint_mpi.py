@@ -51,10 +51,13 @@ CASES = {
     "exact-train": Case(2, _in("exact", "--phase", "exact"), group="first"),
     "interleaved-save": Case(2, _in("interleaved", "--phase", "save", "--layout",
                                     "gpt2=1,1/2/interleaved_1f1b/4"), group="first"),
+    "zbv-save": Case(2, _in("zbv", "--phase", "save", "--layout", "gpt2=1,1/2/zero_bubble_v/4"),
+                     group="first"),
     # (new processes; the bit-identical resume first, in processes that ran nothing before)
     "exact-resume": Case(2, _in("exact", "--phase", "exact", "--resume"), group="second"),
     "interleaved-resume": Case(2, _in("interleaved", "--phase", "resume", "--layout", "gpt2=1,1/2"),
                                group="second"),
+    "zbv-resume": Case(2, _in("zbv", "--phase", "resume", "--layout", "gpt2=1,1/2"), group="second"),
     "load": Case(2, _in("ckpt", "--phase", "load", *ON_2), {"RANNC_ZERO_STAGE": "1"}, group="second"),
 }
 launches = case_launches_fixture(SCRIPT, CASES)
@@ -76,7 +79,7 @@ def second(launches: CaseLaunches, request: pytest.FixtureRequest) -> CaseLaunch
             request.getfixturevalue("resumed")
         except (Exception, pytest.fail.Exception):
             pass
-    for c in ("exact-train", "interleaved-save"):
+    for c in ("exact-train", "interleaved-save", "zbv-save"):
         if c in launches.wanted:
             try:
                 launches.result(c)
@@ -143,15 +146,20 @@ def test_checkpoint_from_4_ranks_loads_on_2(loaded: subprocess.CompletedProcess[
         assert _passed(loaded.stdout, "load", model) == ["0", "1"], loaded.stdout
 
 
-@pytest.mark.cases("interleaved-save", "interleaved-resume")
-def test_interleaved_checkpoint_loads_on_one_stage_per_rank(second: CaseLaunches) -> None:
-    """Interleaved 1F1B, 4 stages on 2 ranks (each rank two non-adjacent stages): state dict,
-    optimizer state and checkpoint as in the save phase; new processes on 2 stages of one rank
-    each resume from it and continue exactly as the interleaved run did."""
-    save = second.result("interleaved-save")
+@pytest.mark.parametrize(("case", "schedule"), [
+    pytest.param("interleaved", "interleaved_1f1b",
+                 marks=pytest.mark.cases("interleaved-save", "interleaved-resume")),
+    pytest.param("zbv", "zero_bubble_v", marks=pytest.mark.cases("zbv-save", "zbv-resume"))])
+def test_interleaved_checkpoint_loads_on_one_stage_per_rank(case: str, schedule: str,
+                                                            second: CaseLaunches) -> None:
+    """Interleaved 1F1B or ZB-V, 4 stages on 2 ranks (each rank two non-adjacent stages: s and
+    s + 2, or s and 3 - s, so under ZB-V the embedding and the tied LM head are both rank 0's):
+    state dict, optimizer state and checkpoint as in the save phase; new processes on 2 stages
+    of one rank each resume from it and continue exactly as the two-stages-per-rank run did."""
+    save = second.result(f"{case}-save")
     assert _passed(save.stdout, "save", "gpt2") == ["0", "1"], save.stdout
-    assert "interleaved_1f1b" in save.stderr, save.stderr  # (the plan table rank 0 prints)
-    res = second.result("interleaved-resume")
+    assert schedule in save.stderr, save.stderr  # (the plan table rank 0 prints)
+    res = second.result(f"{case}-resume")
     assert _passed(res.stdout, "resume", "gpt2") == ["0", "1"], res.stdout
 
 

@@ -138,6 +138,13 @@ SCHEDULED = [
          "--schedule", "interleaved_1f1b", "--recompute-fraction", "0.5"], ALL),
     (2, ["--partition-num", "4", "--microbatches", "2", "--batch", "8", "--schedule",
          "interleaved_1f1b", "--grad-scaler"], "bert,gpt2"),
+    # ZB-V: stages d and 2P - 1 - d on the same ranks (the middle two hand their activations
+    # over within each rank), backward as B then W, replicas per pipeline position [1, 2],
+    # partial recomputation and a GradScaler; fewer microbatches than its 2P - 1 warm-up
+    (3, ["--replicas", "1,2", "--partition-num", "4", "--microbatches", "4", "--batch", "9",
+         "--schedule", "zero_bubble_v", "--recompute-fraction", "0.5", "--grad-scaler"], ALL),
+    (2, ["--partition-num", "4", "--microbatches", "2", "--batch", "8", "--schedule",
+         "zero_bubble_v", "--loss-scale", "0.5", "--extra-forward"], "bert,gpt2"),
 ]
 
 

@@ -31,6 +31,7 @@ from rannc.schedule import (
 )
 from rannc.schedule.predict import plan_costs, predict
 from rannc.schedule.spec import registered, require_runs
+from rannc.stage_dp import search
 
 pytestmark = pytest.mark.layer("pure")
 
@@ -41,15 +42,15 @@ GRID = list(itertools.product(SCHEDULES, [1, 2, 3, 4, 6], [1, 2, 5, 8], [False, 
 
 
 def _refused(name: str, S: int, M: int) -> str | None:
-    """What an interleaved schedule refuses: stages not a multiple of its chunks per lane, or
-    microbatches that are neither fewer than its lanes nor a multiple of them."""
-    c = get_spec(name).chunks
-    if c == 1:
+    """What a schedule of several stages per lane refuses: stages not a multiple of its chunks
+    per lane, or (interleaved 1F1B) microbatches that are neither fewer than its lanes nor a
+    multiple of them."""
+    spec = get_spec(name)
+    if spec.chunks == 1:
         return None
-    if S % c:
+    if S % spec.chunks:
         return "needs a multiple of"
-    lanes = S // c
-    return "rounds of" if M > lanes and M % lanes else None
+    return None if spec.runnable(S // spec.chunks, M) else "rounds of"
 
 
 @pytest.mark.parametrize(("name", "S", "M", "rc"), GRID)
@@ -181,11 +182,11 @@ def test_auto_picks_the_fastest_schedule_and_forcing_is_honoured(gpt2: tuple) ->
     assert auto.predicted_iteration_time == pytest.approx(min(runnable))
 
 
-def test_auto_takes_zero_bubble_or_interleaved_where_predicted_faster_within_memory(gpt2: tuple) -> None:
-    """Nothing forced but the microbatches: auto takes ZB-H1 at 8 microbatches and interleaved
-    1F1B at 4 (where its bubble, over two stages per rank, is the smaller) when each is the
-    fastest prediction; under a memory limit the interleaved plan's busiest device exceeds,
-    auto takes ZB-H1 instead, within the limit."""
+def test_auto_takes_zero_bubble_or_zbv_where_predicted_faster_within_memory(gpt2: tuple) -> None:
+    """Nothing forced but the microbatches: auto takes ZB-H1 at 16 microbatches and ZB-V at 4
+    (where its bubble, over two stages per rank, is the smaller) when each is the fastest
+    prediction, and interleaved 1F1B beats 1F1B there; under a memory limit the ZB-V plan's
+    busiest device exceeds, auto takes ZB-H1 instead, within the limit."""
     graph, atomic = gpt2
     cluster = rannc.Cluster.homogeneous(SPEC, n=4, per_node=4)
 
@@ -197,16 +198,47 @@ def test_auto_takes_zero_bubble_or_interleaved_where_predicted_faster_within_mem
         return max(sum(st.predicted["memory_bytes"] for st in p.stages if st.ranks == rs)
                    for rs in {st.ranks for st in p.stages})
 
-    for M, fastest in ((8, "zero_bubble"), (4, "interleaved_1f1b")):
+    for M, fastest in ((16, "zero_bubble"), (4, "zero_bubble_v")):
         times = {n: plan(schedule=n, microbatches=M).predicted_iteration_time for n in SCHEDULES}
         assert min(times, key=lambda n: times[n] or 0.0) == fastest, times
         assert plan(microbatches=M).schedule == fastest
-    zb, il = plan(schedule="zero_bubble", microbatches=4), plan(schedule="interleaved_1f1b", microbatches=4)
-    assert busiest(zb) < busiest(il)
+        if M == 4:
+            assert times["interleaved_1f1b"] < times["1f1b"], times
+    zb, zbv = plan(schedule="zero_bubble", microbatches=4), plan(schedule="zero_bubble_v", microbatches=4)
+    assert busiest(zb) < busiest(zbv)
     usable = 1.0 - rannc.Config().mem_margin  # (plans keep a margin below the limit)
-    limit = (busiest(zb) + busiest(il)) / 2 / usable
+    limit = (busiest(zb) + busiest(zbv)) / 2 / usable
     auto = plan(microbatches=4, mem_limit_gb=limit / 1e9)
     assert auto.schedule == "zero_bubble" and busiest(auto) <= usable * limit
+
+
+def test_a_devices_two_stages_split_its_memory_unevenly_where_that_is_faster(
+        gpt2: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ZB-V pairs the first stage of a device (many microbatches in flight) with a later one
+    (few): under a memory limit where half the device makes stage 3 recompute, giving it more
+    than half (its partner needs less) keeps everything and is faster, and every device's
+    stages still fit together; the even split is what the planner falls back to."""
+    graph, atomic = gpt2
+    cluster = rannc.Cluster.homogeneous(SPEC, n=4, per_node=4)
+
+    def plan() -> rannc.Plan:
+        return plan_graph(graph, atomic, cluster, rannc.Config(schedule="zero_bubble_v",
+                                                               microbatches=8, mem_limit_gb=0.002),
+                          batch_size=32)
+
+    usable = 0.002e9 * (1.0 - rannc.Config().mem_margin)
+    split = plan()
+    mem = [st.predicted["memory_bytes"] for st in split.stages]
+    assert split.placement() == (0, 1, 2, 3, 3, 2, 1, 0)
+    assert all(st.recompute == 0 for st in split.stages)
+    assert max(mem) > usable / 2
+    for d in range(4):  # a device's two stages together
+        assert sum(m for m, lane in zip(mem, split.placement(), strict=True) if lane == d) <= usable
+    monkeypatch.setattr(search, "lane_share_options", lambda *a: [])
+    even = plan()
+    assert max(st.predicted["memory_bytes"] for st in even.stages) <= usable / 2
+    assert any(st.recompute > 0 for st in even.stages)
+    assert split.predicted_iteration_time < even.predicted_iteration_time
 
 
 def test_stage_aware_recomputation_between_none_and_all(gpt2: tuple) -> None:
@@ -315,6 +347,45 @@ def test_interleaved_divides_the_1f1b_bubble_by_the_chunks(P: int, v: int, M: in
     one = simulate(make_schedule("1f1b", M, chain(P), [False] * P), StageCosts.uniform(P, tf, tb))
     assert one.iteration_time == pytest.approx(M * (tf + tb) + (P - 1) * (tf + tb))
     assert tl.iteration_time == pytest.approx(M * (tf + tb) + (P - 1) * (tf + tb) / v)
+
+
+@pytest.mark.parametrize("P", [1, 2, 3, 4, 6])
+def test_zbv_places_two_stages_per_lane_in_a_v_and_idles_only_while_filling(P: int) -> None:
+    """ZB-V (Qi et al. 2023, section 6): lane d runs stages d and 2P - 1 - d. With F, B and W of
+    one stage (half a 1F1B stage) all of length t, once there are at least 2P microbatches a
+    lane idles only until its first input arrives, at most (P - 1) t: the iteration is
+    2M 3t + (P - 1) t, against 1F1B's M 6t + (P - 1) 6t and ZB-H1's M 6t + (P - 1) 2t on the
+    same P lanes. Its busiest lane holds P + 1/2 1F1B stages' worth of microbatches (lane 0:
+    2P in its first stage, one in its last, each half a stage) against 1F1B's P. Fewer
+    microbatches than its warm-up still run (no deadlock)."""
+    S = 2 * P
+    for M in range(1, 3 * P + 2):
+        sched = make_schedule("zero_bubble_v", M, chain(S), [False] * S)
+        validate(sched)
+        assert Schedule.parse(str(sched)) == sched
+        assert sched.placement == (*range(P), *reversed(range(P)))
+        assert all(sched.stages_on(d) == [d, S - 1 - d] for d in range(P))
+        assert all(sched.splits_backward(s) for s in range(S))
+        tl = simulate(sched, StageCosts.uniform(S, 1.0, 2.0, wgrad=1.0))
+        if M >= 2 * P:
+            assert tl.iteration_time == pytest.approx(6 * M + (P - 1))
+            one = simulate(make_schedule("1f1b", M, chain(P), [False] * P),
+                           StageCosts.uniform(P, 2.0, 4.0)).iteration_time
+            zb = simulate(make_schedule("zero_bubble", M, chain(P), [False] * P),
+                          StageCosts.uniform(P, 2.0, 4.0, wgrad=2.0)).iteration_time
+            assert one == pytest.approx(6 * M + 6 * (P - 1))
+            assert zb == pytest.approx(6 * M + 2 * (P - 1))
+            held = in_flight(sched)
+            worth = max((held[d][0] + held[S - 1 - d][0]) / 2 for d in range(P))
+            assert worth == P + 0.5
+            assert get_spec("zero_bubble_v").in_flight(S, M) == max(n for n, _ in held)
+
+
+def test_zbv_refuses_what_it_cannot_place() -> None:
+    with pytest.raises(ScheduleError, match="multiple of 2 stages, got 3"):
+        make_schedule("zero_bubble_v", 4, chain(3), [False] * 3)
+    with pytest.raises(ScheduleError, match="two stages on each lane"):
+        make_schedule("zero_bubble_v", 4, chain(6), [False] * 6, [0, 1, 0, 1, 0, 1])
 
 
 def test_interleaved_memory_and_what_it_refuses() -> None:

@@ -42,6 +42,8 @@ LAYOUTS = [
     (4, ["--partition-num", "4", "--schedule", "zero_bubble"], "bert"),
     # interleaved: 4 stages on 2 ranks, the tied embedding in stages 0 (rank 0) and 3 (rank 1)
     (2, ["--partition-num", "4", "--schedule", "interleaved_1f1b"], "bert"),
+    # ZB-V: 4 stages on 2 ranks in a V, the tied embedding's stages 0 and 3 both on rank 0
+    (2, ["--partition-num", "4", "--schedule", "zero_bubble_v"], "bert"),
     # data parallelism alone (one stage x 2), its backward inside forward(): the ranks do not
     # meet after the buckets when every replica computed rows, also after no_sync() calls
     (2, ["--replicas", "2", "--schedule", "1f1b"], "bert,gpt2"),

@@ -1,10 +1,10 @@
 """The synchronous pipeline runtime, with a replica count per stage: the facade
 `rannc.module` calls (`forward`, `backward`, ZeRO-1's parameter sharing, `no_sync`).
 
-Every rank runs one replica of one stage (of several under an interleaved schedule: stages
-s, s + P, ... on the same ranks, one `Stage` each, their actions in one line). A call's global
-batch is the concatenation of the ranks' local batches; it is cut into microbatches, and
-each microbatch's rows are cut among each stage's replicas by their shares
+Every rank runs one replica of one stage (of several under interleaved 1F1B or ZB-V: stages
+s, s + P, ... or s, 2P - 1 - s on the same ranks, one `Stage` each, their actions in one
+line). A call's global batch is the concatenation of the ranks' local batches; it is cut
+into microbatches, and each microbatch's rows are cut among each stage's replicas by their shares
 (`rows.RowLayout`, computed identically on every rank, so a sender and a
 receiver always agree on a transfer without asking each other). Every value
 moves as rows: model inputs from the ranks that own them straight to the

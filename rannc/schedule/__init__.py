@@ -8,6 +8,7 @@ from rannc.schedule.spec import (
     SCHEDULES,
     ScheduleSpec,
     StageLine,
+    default_placement,
     get_spec,
     make_schedule,
     register,
@@ -17,5 +18,5 @@ from rannc.schedule.trace import TraceError, chrome_trace, load_chrome_trace, ti
 
 __all__ = ["FILL_DRAIN", "SCHEDULES", "Action", "Event", "Op", "Schedule", "ScheduleError",
            "ScheduleSpec", "StageCosts", "StageLine", "Timeline", "TraceError", "chain",
-           "chrome_trace", "get_spec", "in_flight", "load_chrome_trace", "make_schedule",
+           "chrome_trace", "default_placement", "get_spec", "in_flight", "load_chrome_trace", "make_schedule",
            "register", "registered", "simulate", "timeline_png", "validate"]

@@ -7,8 +7,9 @@ stage holds, and the runtime whether it runs eagerly and where it recomputes. Ad
 schedule is one `ScheduleSpec` (with its line generator) passed to `register`.
 
 Registered: fill-drain ("gpipe"), 1F1B, Merak's shifted critical path ("scp"), ZB-H1
-("zero_bubble": its lines carry W actions, so the runtime splits each backward into B and W)
-and interleaved 1F1B ("interleaved_1f1b": `chunks` stages per lane).
+("zero_bubble": its lines carry W actions, so the runtime splits each backward into B and W),
+interleaved 1F1B ("interleaved_1f1b": `chunks` stages per lane, looped) and ZB-V
+("zero_bubble_v": two stages per lane in a V, with B and W split).
 
 Index conventions: s stages; m microbatches; S, M their counts.
 """
@@ -16,6 +17,7 @@ Index conventions: s stages; m microbatches; S, M their counts.
 from __future__ import annotations
 
 import difflib
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -92,6 +94,22 @@ class StageLine:
         return self.recomputes[s] if self.recomputes else self.recompute
 
 
+def looped(s: int, lanes: int) -> int:
+    """Stage s's lane under a looped placement (Megatron's interleaving): s % lanes, so lane d
+    runs stages d, d + lanes, ..."""
+    return s % lanes
+
+
+def v_shape(s: int, lanes: int) -> int:
+    """Stage s's lane under a V-shaped placement (ZB-V): down the lanes and back up, so lane d
+    runs stages d and 2 * lanes - 1 - d, and the first and last stages share lane 0."""
+    return s if s < lanes else 2 * lanes - 1 - s
+
+
+def any_count(lanes: int, microbatches: int) -> bool:
+    return True
+
+
 @dataclass(frozen=True, slots=True)
 class HeldActivations:
     """What the memory model multiplies for one stage: microbatches whose activations are
@@ -128,9 +146,15 @@ class ScheduleSpec:
     """Whether its generator builds lines of several stages per lane (interleaved schedules,
     and fill-drain, which an interleaved plan falls back to without one scalar loss)."""
     chunks: int = 1
-    """Stages per lane (the ranks of one pipeline position) by default: 1, or more for an
-    interleaved schedule, whose stage s runs on lane s % (stages / chunks). A plan says its own
-    placement (`Plan.placement`); this is what `make_schedule` assumes without one."""
+    """Stages per lane (the ranks of one pipeline position) by default: 1, or more for a
+    schedule of several stages per rank, whose stage s runs on lane `lane_of(s, stages /
+    chunks)`. A plan says its own placement (`Plan.placement`); this is what `make_schedule`
+    assumes without one, and what the planner places."""
+    lane_of: Callable[[int, int], int] = looped
+    """(stage, lanes) -> the lane running it, where `chunks` > 1."""
+    runnable: Callable[[int, int], bool] = any_count
+    """(lanes, microbatches) -> whether its lines run that many microbatches on that many lanes
+    without deadlock (interleaved 1F1B's rounds need a multiple of the lanes)."""
 
     def held(self, stages: int, microbatches: int, late: bool) -> HeldActivations:
         """The planner's memory model for this schedule's activations: the in-flight bound,
@@ -240,6 +264,76 @@ def _interleaved_one_f_one_b(line: StageLine) -> list[Action]:
     return acts
 
 
+def _zero_bubble_v(line: StageLine) -> list[Action]:
+    """ZB-V (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", section 6): lane d of P runs
+    stage d (chunk 0, on the way down) and stage 2P - 1 - d (chunk 1, on the way back up), each
+    backward split into B and W. Warm-up: 2 (P - d) - 1 forwards of chunk 0, then d pairs of
+    (chunk 1 forward, chunk 0 forward), then P - d rounds of chunk 1's F, B, W; steady state:
+    chunk 0's F (while any is left), B and W, then chunk 1's F, B and W; cool-down: d pairs of
+    B (chunk 0, chunk 1), P - d of chunk 0's B and an outstanding W, then the remaining Ws.
+    With F, B and W of equal length the lanes never wait once the pipeline is full, and a
+    lane holds about as many microbatches as 1F1B's first stage (each over half the layers).
+    The order is worked out for at least 2P - 1 microbatches; with fewer, the actions of the
+    microbatches that do not exist are left out (what torch.distributed.pipelining's
+    ScheduleZBVZeroBubble does: the data flow still allows the rest)."""
+    M, P = line.microbatches, line.lanes
+    here = line.stages_here
+    if len(here) != 2:
+        raise ScheduleError(f"zero_bubble_v puts two stages on each lane (stage d and 2P - 1 - d "
+                            f"of P lanes); lane {line.lane} has {len(here)}")
+    d = line.lane
+    c0, c1 = here
+    n = max(M, 2 * P - 1)
+    acts: list[Action] = []
+    f = {c0: 0, c1: 0}
+    b = {c0: 0, c1: 0}
+    w = {c0: 0, c1: 0}
+
+    def fwd(s: int) -> None:
+        if f[s] < M:
+            acts.extend(line.forward(f[s], s))
+        f[s] += 1
+
+    def bwd(s: int) -> None:
+        if b[s] < M:
+            acts.extend(line.backward(b[s], s=s))
+        b[s] += 1
+
+    def wgt(s: int) -> None:
+        if w[s] < M:
+            acts.extend(line.weight(w[s], s))
+        w[s] += 1
+
+    for _ in range(2 * (P - d) - 1):
+        fwd(c0)
+    for _ in range(d):
+        fwd(c1)
+        fwd(c0)
+    for _ in range(P - d):
+        fwd(c1)
+        bwd(c1)
+        wgt(c1)
+    while f[c1] < f[c0] or f[c0] < n:
+        if f[c0] < n:
+            fwd(c0)
+        bwd(c0)
+        wgt(c0)
+        fwd(c1)
+        bwd(c1)
+        wgt(c1)
+    for _ in range(d):
+        bwd(c0)
+        bwd(c1)
+    for _ in range(P - d):
+        bwd(c0)
+        wgt(c0)
+    while w[c1] < b[c1]:
+        wgt(c1)
+    while w[c0] < b[c0]:
+        wgt(c0)
+    return acts
+
+
 SCHEDULES: dict[str, ScheduleSpec] = {}
 
 
@@ -288,9 +382,16 @@ register(ScheduleSpec("zero_bubble", _zero_bubble_h1, eager=True, recompute_last
                       summary="zero-bubble ZB-H1 (backward split into input and weight passes)"))
 # Interleaved 1F1B: stage s on lane s % P (the ranks of pipeline position s % P).
 register(ScheduleSpec("interleaved_1f1b", _interleaved_one_f_one_b, eager=True,
-                      recompute_last=True, in_flight=lambda S, M: _interleaved_in_flight(S, M),
+                      recompute_last=True,
+                      in_flight=lambda S, M: _shared_in_flight("interleaved_1f1b", S, M),
                       summary="interleaved 1F1B (several stages per rank)", shared_lanes=True,
-                      chunks=2))
+                      chunks=2, runnable=lambda P, M: M <= P or M % P == 0))
+# ZB-V: two stages per rank in a V (stage d and 2P - 1 - d), backward split into B and W.
+register(ScheduleSpec("zero_bubble_v", _zero_bubble_v, eager=True, recompute_last=True,
+                      in_flight=lambda S, M: _shared_in_flight("zero_bubble_v", S, M),
+                      summary="zero-bubble ZB-V (two stages per rank in a V, backward split "
+                              "into input and weight passes)",
+                      shared_lanes=True, chunks=2, lane_of=v_shape))
 
 
 def require_runs(name: str) -> None:
@@ -307,9 +408,17 @@ def make_schedule(name: str, microbatches: int, suppliers: Sequence[Sequence[int
     """Build schedule `name` (a key of `SCHEDULES`) for the stage graph `suppliers`, where
     `recompute[s]` says the plan has stage s drop activations in forward and recompute them
     (the schedule may decline, see `ScheduleSpec.recompute_last`); `placement[s]`: the lane
-    running stage s (default `default_placement`)."""
-    spec = get_spec(name)
-    sup = tuple(tuple(sorted(x)) for x in suppliers)
+    running stage s (default `default_placement`). Pure, so the planner's many calls with the
+    same arguments (each candidate is simulated under several memory splits) share one."""
+    return _make_schedule(get_spec(name), microbatches,
+                          tuple(tuple(sorted(x)) for x in suppliers), tuple(bool(r) for r in recompute),
+                          None if placement is None else tuple(placement))
+
+
+@functools.lru_cache(maxsize=4096)
+def _make_schedule(spec: ScheduleSpec, microbatches: int, sup: tuple[tuple[int, ...], ...],
+                   recompute: tuple[bool, ...], placement: tuple[int, ...] | None) -> Schedule:
+    name = spec.name
     n = len(sup)
     if len(recompute) != n:
         raise ScheduleError(f"recompute has {len(recompute)} entries for {n} stages")
@@ -334,9 +443,10 @@ def make_schedule(name: str, microbatches: int, suppliers: Sequence[Sequence[int
 
 def default_placement(name: str, n_stages: int) -> tuple[int, ...]:
     """Stage s's lane when a schedule is built without a placement: s, or for a schedule of
-    `chunks` stages per lane, s % (n_stages / chunks) (a ScheduleError where that does not
-    divide)."""
-    c = get_spec(name).chunks
+    `chunks` stages per lane, its `lane_of(s, n_stages / chunks)` (a ScheduleError where that
+    does not divide)."""
+    spec = get_spec(name)
+    c = spec.chunks
     if c == 1:
         return tuple(range(n_stages))
     if n_stages % c:
@@ -344,31 +454,36 @@ def default_placement(name: str, n_stages: int) -> tuple[int, ...]:
                             f"multiple of {c} stages, got {n_stages}; use partition_num "
                             f"{n_stages + c - n_stages % c} or another schedule")
     lanes = n_stages // c
-    return tuple(s % lanes for s in range(n_stages))
+    return tuple(spec.lane_of(s, lanes) for s in range(n_stages))
 
 
-def _interleaved_in_flight(S: int, M: int) -> int:
-    """The most microbatches any stage of an S-stage chain holds under interleaved 1F1B
-    (read off its lines, as the planner's memory model does); where it cannot run (stages not
-    a multiple of 2, or microbatches in an incomplete last round) all M, the most any
-    schedule holds, so a bound asked for there is never too small."""
-    lanes = S // 2
-    if S % 2 or (M > lanes and M % lanes):
+def _shared_in_flight(name: str, S: int, M: int) -> int:
+    """The most microbatches any stage of an S-stage chain holds under schedule `name` of
+    several stages per lane (read off its lines, as the planner's memory model does); where it
+    cannot run (stages not a multiple of its chunks, or a microbatch count its lines do not
+    run) all M, the most any schedule holds, so a bound asked for there is never too small."""
+    spec = get_spec(name)
+    if S % spec.chunks or not spec.runnable(S // spec.chunks, M):
         return M
-    return max(n for n, _ in in_flight(make_schedule("interleaved_1f1b", M, chain(S), [False] * S)))
+    return max(n for n, _ in in_flight(make_schedule(name, M, chain(S), [False] * S)))
 
 
-def _depth_to_end(sup: Sequence[Sequence[int]], s: int) -> int:
+def _depth_to_end(sup: tuple[tuple[int, ...], ...], s: int) -> int:
     """Longest chain of consumers after stage s (the last stage: 0)."""
+    return _depths(sup)[s]
+
+
+@functools.lru_cache(maxsize=1024)
+def _depths(sup: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:
     n = len(sup)
     depth = [0] * n
     for t in reversed(range(n)):
         for u in range(t + 1, n):
             if t in sup[u]:
                 depth[t] = max(depth[t], depth[u] + 1)
-    return depth[s]
+    return tuple(depth)
 
 
 __all__ = ["FILL_DRAIN", "SCHEDULES", "HeldActivations", "ScheduleSpec", "StageLine",
-           "default_placement", "get_spec", "make_schedule", "register", "registered",
-           "require_runs"]
+           "default_placement", "get_spec", "looped", "make_schedule", "register", "registered",
+           "require_runs", "v_shape"]

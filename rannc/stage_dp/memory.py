@@ -58,12 +58,15 @@ class MemoryModel:
         return static_memory(params, grad_params, self.opt_param_factor, ranks, zero_stage) + \
             self.overhead
 
-    def sharing(self, stages: int) -> MemoryModel:
+    def sharing(self, stages: int, share: float | None = None) -> MemoryModel:
         """The model for one of `stages` stages that share each device (an interleaved
-        schedule's chunks, `ScheduleSpec.chunks`): each planned within 1/stages of the limit,
-        so the device's stages fit together. (Each also counts its own gradient bucket, where
-        the rank's reducer holds one at a time: an over-estimate by the other stages' buckets.)"""
-        return self if stages == 1 else dataclasses.replace(self, limit=self.limit / stages)
+        schedule's chunks, `ScheduleSpec.chunks`): each planned within `share` of the limit
+        (default 1/stages), the shares of a device's stages summing to at most 1, so they fit
+        together. (Each also counts its own gradient bucket and the rank's overhead, where
+        the rank holds one of each: an over-estimate by the other stages'.)"""
+        if stages == 1:
+            return self
+        return dataclasses.replace(self, limit=self.limit * (1.0 / stages if share is None else share))
 
 
 def static_memory(params: Any, grad_params: Any, opt_param_factor: float, ranks: int,

@@ -229,6 +229,7 @@ class StageTables:
     allreduce: np.ndarray  # gradient all-reduce seconds per iteration the stage waits for
     memory: np.ndarray  # predicted bytes (of the chosen recompute option)
     memory_min: np.ndarray  # the smaller of the two options' memory (for "needs N GB")
+    memory_keep: np.ndarray  # bytes when nothing is recomputed, whatever the limit (inf: invalid)
     recompute: np.ndarray  # fraction of kept activation memory recomputed
     recompute_s: np.ndarray  # the seconds that recomputation adds (inside bwd)
     wgrad: np.ndarray  # the weight-gradient seconds inside bwd (a zero-bubble schedule's W)
@@ -262,7 +263,8 @@ def stage_tables(prof: BlockProfile, io: BlockIO, mem: MemoryModel, *, batch_siz
     returns (`memory.at_return_memory`; recomputation frees none of it)."""
     k = io.params.shape[0]
     shape = (k, k, devices + 1)
-    out = {n: np.full(shape, math.inf) for n in ("h", "fwd", "bwd", "allreduce", "memory", "memory_min")}
+    out = {n: np.full(shape, math.inf)
+           for n in ("h", "fwd", "bwd", "allreduce", "memory", "memory_min", "memory_keep")}
     recompute = np.zeros(shape)
     recompute_s = np.zeros(shape)
     wgrad = np.zeros(shape)
@@ -322,6 +324,7 @@ def stage_tables(prof: BlockProfile, io: BlockIO, mem: MemoryModel, *, batch_siz
         out["memory"][:, :, d] = np.where(ok, memory, math.inf)
         smallest = np.maximum(with_recompute(full, saved_per_f, f_max), at_return)
         out["memory_min"][:, :, d] = np.where(valid, smallest, math.inf)
+        out["memory_keep"][:, :, d] = np.where(valid, np.maximum(full, at_return), math.inf)
         recompute[:, :, d] = f
         recompute_s[:, :, d] = f * fwd
         wgrad[:, :, d] = np.where(ok, rng("wgrad"), 0.0)
@@ -355,7 +358,8 @@ def exposed_reduction(reduce_s: Any, last_backward_s: Any, grad_bytes: Any, buck
 
 
 def iteration_estimate(fwd: Sequence[float], bwd: Sequence[float], allreduce: Sequence[float],
-                       microbatches: int, eager: bool, chunks: int = 1) -> float:
+                       microbatches: int, eager: bool, chunks: int = 1,
+                       lanes: Sequence[int] = ()) -> float:
     """A closed form of the simulator's iteration time, to rank the DP's candidates before the
     few best are simulated: each stage's last backward ends at its own time and its gradient
     reduction (`allreduce`: the part it waits for) starts there, so a late stage's reduction
@@ -365,21 +369,26 @@ def iteration_estimate(fwd: Sequence[float], bwd: Sequence[float], allreduce: Se
     identical microbatches), then every stage starts backward from the barrier, and stage s's
     last backward ends at F + sum(bwd[s:]) + (m - 1) max(bwd[s:]). Eager (1F1B order): the
     first stage ends last, at sum(f + b) + (m - 1) max(f + b); stage s ends the backwards of the
-    stages before it earlier. Interleaved (`chunks` v > 1 stages per lane, stage s on lane
-    s % (S / v)): each lane as one stage doing its v stages' work, the bubble v times smaller
-    (Megatron's (p - 1) / v): (sum - max) / v + m max over the lanes' cycles."""
+    stages before it earlier. Several stages per lane (`chunks` v > 1, stage s on lane
+    `lanes[s]`, default s % (S / v)): each lane as one stage doing its v stages' work, the
+    bubble v times smaller (Megatron's (p - 1) / v): (sum - max) / v + m max over the lanes'
+    cycles (for ZB-V an upper bound: its W passes fill most of that bubble too)."""
     S, m = len(fwd), microbatches
     out = 0.0
     if chunks > 1:
         P = S // chunks
-        lane_f = [sum(fwd[s::P]) for s in range(P)]
-        lane_b = [sum(bwd[s::P]) for s in range(P)]
-        lane_ar = [sum(allreduce[s::P]) for s in range(P)]  # one reducer per rank, all its stages
+        lane = list(lanes) if lanes else [s % P for s in range(S)]
+
+        def per_lane(x: Sequence[float]) -> list[float]:
+            return [sum(x[s] for s in range(S) if lane[s] == d) for d in range(P)]
+
+        lane_f, lane_b = per_lane(fwd), per_lane(bwd)
+        lane_ar = per_lane(allreduce)  # one reducer per rank, all its stages
         cycle = [f + b for f, b in zip(lane_f, lane_b, strict=True)]
         end, drained = (sum(cycle) - max(cycle)) / chunks + m * max(cycle), 0.0
-        for lane in range(P):
-            out = max(out, end - drained + lane_ar[lane])
-            drained += lane_b[lane] / chunks
+        for d in range(P):
+            out = max(out, end - drained + lane_ar[d])
+            drained += lane_b[d] / chunks
         return out
     if eager:
         cycle = [f + b for f, b in zip(fwd, bwd, strict=True)]
