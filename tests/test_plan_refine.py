@@ -218,3 +218,36 @@ def test_the_boundaries_of_each_schedules_best_plans_are_refined(
     assert {id(s) for s in refined} == {id(s) for s in want}
     assert len(refined) == len({id(s) for s in want})  # each once
     assert {id(s) for s in refined[:REFINED]} == {id(s) for s in first[:REFINED]}
+
+
+def test_each_schedules_layer_aligned_plan_is_refined_when_close(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planner aligns the splits of each schedule's best plans to the model's layers and
+    refines an aligned plan that starts up to `ALIGNED_SLACK` slower than the plan so far
+    (the refinement only makes it faster): BERT 8 x 256 on 8 V100 with 4 stages gains 4 %
+    (12.91 -> 12.44 ms predicted) over refining only an aligned plan already faster, and every
+    schedule searched gets its own aligned plan (Llama-3-8B on 8 H100: ZB-V's, refined, is
+    the plan, 48.55 s against 49.14 s)."""
+    import rannc.planner as planner
+    from examples.models.bert_factory import bert
+
+    with torch.device("meta"):
+        model, kw = bert(8, 256, 64, seq=128, vocab=1024)
+    graph = capture(model, (), kw).graph
+    atomic = atomic_components(graph)
+    cluster = rannc.Cluster.homogeneous("V100-32GB", 8, 8)
+    pools: list[set[str]] = []
+    real = planner.aligned_best
+
+    def spy(sims: list[object], *a: object, **k: object) -> object:
+        pools.append({s.cand.schedule for s in sims})  # type: ignore[attr-defined]
+        return real(sims, *a, **k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(planner, "aligned_best", spy)
+    plan = plan_graph(graph, atomic, cluster, rannc.Config(partition_num=4), batch_size=64)
+    assert all(len(p) == 1 for p in pools)  # one schedule at a time
+    # (no schedule of two stages per rank: 4 stages forced count one per rank)
+    assert set().union(*pools) == {"gpipe", "1f1b", "scp", "zero_bubble"}
+    monkeypatch.setattr(planner, "ALIGNED_SLACK", 0.0)
+    strict = plan_graph(graph, atomic, cluster, rannc.Config(partition_num=4), batch_size=64)
+    assert plan.predicted_iteration_time < strict.predicted_iteration_time * 0.99
