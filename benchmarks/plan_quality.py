@@ -545,21 +545,25 @@ def llm_ceiling_table(results: list[dict[str, Any]], W: int) -> list[str]:
     return out
 
 
-def plot(results: list[dict[str, Any]], worlds: Sequence[int], path: Path, title: str) -> None:
+def plot(results: list[dict[str, Any]], worlds: Sequence[int], path: Path, title: str,
+         llm: bool = False) -> None:
+    """Each plan's predicted time over the bound, per model and device count: rannc's and the
+    peers' (or, `llm`, the LLM baselines')."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, axes = plt.subplots(len(worlds), 1, figsize=(11, 3.6 * len(worlds)), squeeze=False)
-    names = ["rannc", *PEERS]
+    names = ["rannc", *(LLM_BASELINES if llm else PEERS)]
     width = 0.8 / len(names)
     for ax, W in zip(axes[:, 0], worlds, strict=True):
         for j, who in enumerate(names):
             xs, ys = [], []
             for i, r in enumerate(results):
                 row = r["worlds"][str(W)]
-                if "time" in row[who]:
+                if "time" in row.get(who, {}):
                     xs.append(i + (j - (len(names) - 1) / 2) * width)
                     ys.append(row[who]["time"] / row["bound"])
             ax.bar(xs, ys, width, label=who)
@@ -567,6 +571,8 @@ def plot(results: list[dict[str, Any]], worlds: Sequence[int], path: Path, title
         ax.set_xticks(range(len(results)), [r["model"] for r in results], fontsize=8)
         ax.set_ylabel("predicted s/iter / bound")
         ax.set_yscale("log")
+        for axis in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
+            axis(matplotlib.ticker.FormatStrFormatter("%.2f"))  # (not 1.2 x 10^0)
         ax.set_title(f"{W} devices ({title})", fontsize=9)
         ax.legend(fontsize=7, ncol=len(names))
     fig.tight_layout()
@@ -659,7 +665,8 @@ def main() -> None:
                   + ", ".join(f"{W} devices {row['seconds']:.0f} s" for W, row in r["worlds"].items()))
     path = a.plot or (None if a.smoke or a.llm else str(ROOT / "docs" / "plan_quality.png"))
     if path:
-        plot(results, worlds, Path(path), f"{a.device}, estimate oracle, {datetime.date.today()}")
+        plot(results, worlds, Path(path), f"{a.device}, estimate oracle, {datetime.date.today()}",
+             llm=a.llm)
         print(f"\nplot: {path}")
 
 
