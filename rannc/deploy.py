@@ -24,7 +24,7 @@ import logging
 import math
 import os
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -332,13 +332,13 @@ def _group_state_factor(name: str, group: Mapping[str, Any]) -> float:
     return 2.0  # NAdam, RAdam, Adamax, Adadelta, Rprop (two tensors each) and unknown ones
 
 
-def host_malloc(cfg: Config, device: torch.device, stage: StagePlan | None) -> None:
-    """`Config.host_malloc` at deployment, for this rank's stage of the plan (None in one
-    process, which plans nothing): "auto" releases where the stage's forecast is close enough
-    to the memory the rank may use (`mem_limit_gb`, else the device's) for glibc's retention
-    to matter."""
-    forecast = stage.predicted.memory_bytes if stage is not None and stage.predicted is not None \
-        else None
+def host_malloc(cfg: Config, device: torch.device, stages: Sequence[StagePlan]) -> None:
+    """`Config.host_malloc` at deployment, for this rank's stages of the plan (one, or two under
+    interleaved 1F1B and ZB-V; none in one process, which plans nothing): "auto" releases
+    where their forecasts together are close enough to the memory the rank may use
+    (`mem_limit_gb`, else the device's) for glibc's retention to matter."""
+    forecast = sum(st.predicted.memory_bytes for st in stages if st.predicted is not None) \
+        if stages and all(st.predicted is not None for st in stages) else None
     memory = cfg.mem_limit_gb * 1e9 if cfg.mem_limit_gb is not None else math.inf
     if forecast is not None and cfg.mem_limit_gb is None and device.type == "cpu":
         from rannc.profile.device import measure_local_device

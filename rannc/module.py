@@ -164,7 +164,7 @@ class RaNNCModule(nn.Module):
                 _seed_at_deployment(self.rannc_config)
                 host_malloc(self.rannc_config,
                             next((p.device for p in self.module.parameters()), torch.device("cpu")),
-                            None)
+                            [])
         else:
             self._deployments.move_to_end(key)
         values = run_chain(dep.modules, dep.stages, dep.captured.bind(self.module, leaves))
@@ -220,7 +220,7 @@ class RaNNCModule(nn.Module):
             rt.sync = self._sync
             if not self._runtimes:
                 _seed_at_deployment(self.rannc_config)
-                host_malloc(self.rannc_config, ctx.device, plan.stage_of_rank(ctx.rank))
+                host_malloc(self.rannc_config, ctx.device, plan.stages_of_rank(ctx.rank))
             self._runtimes[key] = rt
             self._held.release(self.module, self.optimizer, self._runtimes.values(), rt)
             self._owned = None

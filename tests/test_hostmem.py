@@ -84,19 +84,25 @@ def test_the_release_is_logged_once_with_its_reason(monkeypatch: pytest.MonkeyPa
 
 def test_deployment_applies_host_malloc_against_the_rank_s_memory(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """`RaNNCModule` passes the rank's stage forecast and the memory it may use (mem_limit_gb
-    less mem_margin) to "auto"; one process (no plan) releases only when told to."""
+    """`RaNNCModule` passes the forecast of the rank's stages together (two under ZB-V) and the
+    memory it may use (mem_limit_gb less mem_margin) to "auto"; one process (no plan) releases
+    only when told to."""
     from rannc import deploy
 
     got: list[tuple[str, str, float | None, float]] = []
     monkeypatch.setattr(hostmem, "apply", lambda *a: got.append(a) or False)
-    stage = SimpleNamespace(predicted=StagePrediction(forward_s=0.0, backward_s=0.0,
-                                                      memory_bytes=0.6e9))
+
+    def stage(gb: float) -> SimpleNamespace:
+        return SimpleNamespace(predicted=StagePrediction(forward_s=0.0, backward_s=0.0,
+                                                         memory_bytes=gb * 1e9))
+
     cfg = rannc.Config(mem_limit_gb=1.0, mem_margin=0.1)
-    deploy.host_malloc(cfg, torch.device("cpu"), stage)  # type: ignore[arg-type]
-    deploy.host_malloc(rannc.Config(host_malloc="release"), torch.device("cpu"), None)
+    deploy.host_malloc(cfg, torch.device("cpu"), [stage(0.6)])  # type: ignore[list-item]
+    deploy.host_malloc(cfg, torch.device("cpu"), [stage(0.4), stage(0.2)])  # type: ignore[list-item]
+    deploy.host_malloc(rannc.Config(host_malloc="release"), torch.device("cpu"), [])
     assert got[0] == ("auto", "cpu", 0.6e9, pytest.approx(0.9e9))
-    assert got[1][:3] == ("release", "cpu", None)
+    assert got[1] == ("auto", "cpu", pytest.approx(0.6e9), pytest.approx(0.9e9))
+    assert got[2][:3] == ("release", "cpu", None)
 
 
 def test_the_rank_overhead_counts_on_cpu_devices_only() -> None:
