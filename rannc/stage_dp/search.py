@@ -470,7 +470,7 @@ def candidate(tabs: Sequence[StageTables], D: int, R: int, m: int, bounds: Seque
     return Candidate(t, D, R, m, tuple(bounds), tuple(reps), tabs[0], sched)
 
 
-def simulate_candidate(c: Candidate, table: Callable[..., StageTables],
+def simulate_candidate(c: Candidate, table: TableCache,
                        late: bool) -> Simulated | None:
     """`c` with each stage costed for the microbatches its schedule really holds in flight
     there (the DP may have budgeted a common bound), and its iteration simulated; None when a
@@ -483,7 +483,7 @@ def simulate_candidate(c: Candidate, table: Callable[..., StageTables],
     # the schedule's own in-flight counts (recomputation does not change them)
     counts = [n for n, _ in in_flight(make_schedule(sched, c.microbatches, chain(S), [False] * S,
                                                     place))]
-    uneven = get_spec(sched).chunks == 2 and getattr(table, "lane_shares", False)
+    uneven = get_spec(sched).chunks == 2 and table.lane_shares
     shares: list[float | None] = [0.5 if uneven else None] * S
     best = _costed(c, table, counts, saved, place, shares)
     # Greedily, device by device, the split of its memory the simulator finds fastest (the
@@ -501,7 +501,7 @@ def simulate_candidate(c: Candidate, table: Callable[..., StageTables],
     return best
 
 
-def _costed(c: Candidate, table: Callable[..., StageTables], counts: Sequence[int], saved: int,
+def _costed(c: Candidate, table: TableCache, counts: Sequence[int], saved: int,
             place: Sequence[int], shares: Sequence[float | None]) -> Simulated | None:
     """`simulate_candidate` for one split of the devices' memory among their stages."""
     S, sched = len(c.replicas), c.schedule
@@ -537,7 +537,7 @@ def _costed(c: Candidate, table: Callable[..., StageTables], counts: Sequence[in
 SHARE_GRAIN = 32
 
 
-def lane_share_options(c: Candidate, table: Callable[..., StageTables], counts: Sequence[int],
+def lane_share_options(c: Candidate, table: TableCache, counts: Sequence[int],
                        saved: int, place: Sequence[int], stages: Sequence[int]
                        ) -> list[tuple[int, int, list[float]]]:
     """Where two stages share each device (ZB-V, interleaved 1F1B over two chunks) and the
@@ -551,13 +551,13 @@ def lane_share_options(c: Candidate, table: Callable[..., StageTables], counts: 
     other half stands unused: Llama-3-8B on 8 H100 under ZB-V recomputed 4.5 s of a 49.7 s
     iteration with even halves and 3.8 s of 48.6 s with its devices split this way."""
     S = len(c.replicas)
-    if get_spec(c.schedule).chunks != 2 or not getattr(table, "lane_shares", False):
+    if get_spec(c.schedule).chunks != 2 or not table.lane_shares:
         return []
 
     def keeps_all(s: int) -> float | None:  # the share stage s needs to recompute nothing
         x = (c.bounds[s], c.bounds[s + 1] - 1, c.replicas[s])
         t = table(c.devices, c.copies, c.microbatches, counts[s], saved, c.schedule, 0.5)
-        need = float(t.memory_keep[x]) / float(table.mem.limit)  # type: ignore[attr-defined]
+        need = float(t.memory_keep[x]) / table.mem.limit
         return math.ceil(need * SHARE_GRAIN) / SHARE_GRAIN if math.isfinite(need) else None
 
     out = []
