@@ -131,8 +131,9 @@ class TableCache:
         """The tables; `share`: of the device's memory for each stage where several share a
         device (default 1/chunks)."""
         chunks = get_spec(sched).chunks
+        # (share None is 1/chunks: one key for both, so the search's tables serve the costing)
         key = (D, R, m, n_in, saved, reduction_overlaps_backward(sched), chunks,
-               None if chunks == 1 else share)
+               None if chunks == 1 else 1.0 / chunks if share is None else share)
         if key not in self.tables:
             c = self.cluster
             link = self.link_bw
@@ -546,10 +547,10 @@ def lane_share_options(c: Candidate, table: TableCache, counts: Sequence[int],
     all it needs to keep everything, or b given all it needs (in steps of 1/SHARE_GRAIN).
     Else none: each stage is planned within 1/chunks (`TableCache`). The stages of a device
     hold different counts of microbatches (ZB-V pairs its first stage, which holds 2P, with
-    its last, which holds one),
-    so an even split can leave one stage recomputing under half the device while part of the
-    other half stands unused: Llama-3-8B on 8 H100 under ZB-V recomputed 4.5 s of a 49.7 s
-    iteration with even halves and 3.8 s of 48.6 s with its devices split this way."""
+    its last, which holds one), so an even split can leave one stage recomputing under half
+    the device while part of the other half stands unused: Llama-3-8B on 8 H100 under ZB-V
+    recomputed 4.5 s of a 49.7 s iteration with even halves and 3.8 s of 48.6 s with its
+    devices split this way."""
     S = len(c.replicas)
     if get_spec(c.schedule).chunks != 2 or not table.lane_shares:
         return []
