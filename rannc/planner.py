@@ -55,7 +55,13 @@ from rannc.stage_dp.placement import (
     mixed_plans,
     place,
 )
-from rannc.stage_dp.refine import REFINED, Tabler, distinct, refine_best, refine_boundaries
+from rannc.stage_dp.refine import (
+    REFINED,
+    Tabler,
+    refine_best,
+    refine_boundaries,
+    with_each_schedule,
+)
 from rannc.stage_dp.search import (
     Simulated,
     TableCache,
@@ -278,11 +284,7 @@ def _layer_aligned(best: Simulated, plan_of: list[int], plan_io: BlockIO,
     its plans among the first `REFINED` distinct ones and its own best: a schedule whose plans
     rank behind at block level can win once aligned and refined (Llama-3-8B on 8 H100: ZB-V's
     best aligned plan, 1.0x the scp plan so far, refines to 48.55 s against 49.14 s)."""
-    pool = distinct(sims)
-    first = pool[:REFINED]
-    first += [next(r for r in pool if r.cand.schedule == sched)
-              for sched in dict.fromkeys(r.cand.schedule for r in pool)
-              if all(r.cand.schedule != sched for r in first)]
+    first = with_each_schedule(sims, REFINED, each=1)
     layer_io = BlockIO.of(graph, atomic, layers, uses)
     out = (best, plan_of, plan_io)
     for sched in dict.fromkeys(r.cand.schedule for r in first):

@@ -107,6 +107,7 @@ def v_shape(s: int, lanes: int) -> int:
 
 
 def any_count(lanes: int, microbatches: int) -> bool:
+    """A schedule whose lines run any microbatch count on any lanes."""
     return True
 
 
@@ -285,24 +286,19 @@ def _zero_bubble_v(line: StageLine) -> list[Action]:
     c0, c1 = here
     n = max(M, 2 * P - 1)
     acts: list[Action] = []
-    f = {c0: 0, c1: 0}
-    b = {c0: 0, c1: 0}
-    w = {c0: 0, c1: 0}
+    f, b, w = ({c0: 0, c1: 0} for _ in range(3))  # per stage: its F, B, W passes so far
 
-    def fwd(s: int) -> None:
-        if f[s] < M:
-            acts.extend(line.forward(f[s], s))
-        f[s] += 1
+    def passes(done: dict[int, int],
+               actions: Callable[[int, int], list[Action]]) -> Callable[[int], None]:
+        def run(s: int) -> None:  # stage s's next pass; counted but left out past the last
+            if done[s] < M:
+                acts.extend(actions(done[s], s))
+            done[s] += 1
+        return run
 
-    def bwd(s: int) -> None:
-        if b[s] < M:
-            acts.extend(line.backward(b[s], s=s))
-        b[s] += 1
-
-    def wgt(s: int) -> None:
-        if w[s] < M:
-            acts.extend(line.weight(w[s], s))
-        w[s] += 1
+    fwd = passes(f, lambda m, s: line.forward(m, s))
+    bwd = passes(b, lambda m, s: line.backward(m, s=s))
+    wgt = passes(w, lambda m, s: line.weight(m, s))
 
     for _ in range(2 * (P - d) - 1):
         fwd(c0)

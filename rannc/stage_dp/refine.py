@@ -134,9 +134,11 @@ def distinct(sims: Sequence[Simulated]) -> list[Simulated]:
     return out
 
 
-def with_each_schedule(sims: Sequence[Simulated], n: int = REFINED) -> list[Simulated]:
-    """The first `n` of `distinct(sims)`, then the first `n` of each schedule's not among
-    them: the plans `refine_best` refines. The block-level time can rank a schedule's plans far
+def with_each_schedule(sims: Sequence[Simulated], n: int = REFINED,
+                       each: int | None = None) -> list[Simulated]:
+    """The first `n` of `distinct(sims)`, then the first `each` (default `n`) of each
+    schedule's not among them: the plans `refine_best` refines (and, one each, the planner
+    aligns to the layers). The block-level time can rank a schedule's plans far
     behind the others where whole blocks suit it worst (zero_bubble, whose every stage holds S
     microbatches, fills the memory and recomputes on coarse blocks), while its refined plan
     wins: Llama-3-8B on 8 H100 with max_pipeline 64, whose 8 stages x 1 under zero_bubble are
@@ -146,7 +148,7 @@ def with_each_schedule(sims: Sequence[Simulated], n: int = REFINED) -> list[Simu
     first = distinct(sims)
     out = first[:n]
     for sched in dict.fromkeys(r.cand.schedule for r in first):
-        out += [r for r in first if r.cand.schedule == sched][:n]
+        out += [r for r in first if r.cand.schedule == sched][:n if each is None else each]
     return list({id(r): r for r in out}.values())
 
 

@@ -132,15 +132,15 @@ class TableCache:
         device (default 1/chunks)."""
         chunks = get_spec(sched).chunks
         # (share None is 1/chunks: one key for both, so the search's tables serve the costing)
-        key = (D, R, m, n_in, saved, reduction_overlaps_backward(sched), chunks,
-               None if chunks == 1 else 1.0 / chunks if share is None else share)
+        part = None if chunks == 1 else 1.0 / chunks if share is None else share
+        key = (D, R, m, n_in, saved, reduction_overlaps_backward(sched), chunks, part)
         if key not in self.tables:
             c = self.cluster
             link = self.link_bw
             cross_node = R > 1 or D > c.per_node
             ar_bw = c.inter_node_bandwidth if cross_node else link
             width = D if self.width is None else min(D, self.width)
-            self.tables[key] = stage_tables(self.prof, self.io, self.mem.sharing(chunks, key[7]),
+            self.tables[key] = stage_tables(self.prof, self.io, self.mem.sharing(chunks, part),
                                             batch_size=self.batch_size, devices=width, copies=R,
                                             microbatches=m, link_bw=link, allreduce_bw=ar_bw,
                                             inflight=n_in, saved_inputs=saved, only=self.only,
@@ -337,7 +337,7 @@ def interleaved(table: TableCache, D: int, R: int, m: int, config: Config, sched
         for lane_reps in sorted(options):
             if len(lane_reps) != P or sum(lane_reps) != D:
                 continue
-            reps = tuple(lane_reps[get_spec(sched).lane_of(s, P)] for s in range(S))
+            reps = tuple(lane_reps[d] for d in default_placement(sched, S))
             bounds = min_max_bounds([tab.h[:, :, d] for d in reps])
             if bounds is not None:
                 out.append(candidate([tab] * S, D, R, m, bounds, reps, sched))
@@ -484,15 +484,13 @@ def simulate_candidate(c: Candidate, table: TableCache,
     # the schedule's own in-flight counts (recomputation does not change them)
     counts = [n for n, _ in in_flight(make_schedule(sched, c.microbatches, chain(S), [False] * S,
                                                     place))]
-    uneven = get_spec(sched).chunks == 2 and table.lane_shares
-    shares: list[float | None] = [0.5 if uneven else None] * S
+    shares: list[float | None] = [None] * S  # (None: 1/chunks, the even split)
     best = _costed(c, table, counts, saved, place, shares)
     # Greedily, device by device, the split of its memory the simulator finds fastest (the
     # even split first: a plan never gets slower than with it), where a stage of the device
     # recomputes or does not fit (else more memory cannot make either faster).
     wanted = [s for s in range(S) if best is None or best.recompute[s] > 0]
-    options = lane_share_options(c, table, counts, saved, place, wanted) if uneven else []
-    for a, b, tries in options:
+    for a, b, tries in lane_share_options(c, table, counts, saved, place, wanted):
         for share in tries:
             trial = list(shares)
             trial[a], trial[b] = share, 1 - share
@@ -509,8 +507,7 @@ def _costed(c: Candidate, table: TableCache, counts: Sequence[int], saved: int,
     rows: list[StageCost] = []
     for s in range(S):
         x = (c.bounds[s], c.bounds[s + 1] - 1, c.replicas[s])
-        tab = table(c.devices, c.copies, c.microbatches, counts[s], saved, sched,
-                    *(() if shares[s] is None else (shares[s],)))
+        tab = table(c.devices, c.copies, c.microbatches, counts[s], saved, sched, shares[s])
         if not math.isfinite(float(tab.h[x])):
             return None
         rows.append(StageCost(recompute=float(tab.recompute[x]), fwd=float(tab.fwd[x]),
@@ -557,7 +554,7 @@ def lane_share_options(c: Candidate, table: TableCache, counts: Sequence[int],
 
     def keeps_all(s: int) -> float | None:  # the share stage s needs to recompute nothing
         x = (c.bounds[s], c.bounds[s + 1] - 1, c.replicas[s])
-        t = table(c.devices, c.copies, c.microbatches, counts[s], saved, c.schedule, 0.5)
+        t = table(c.devices, c.copies, c.microbatches, counts[s], saved, c.schedule)
         need = float(t.memory_keep[x]) / table.mem.limit
         return math.ceil(need * SHARE_GRAIN) / SHARE_GRAIN if math.isfinite(need) else None
 

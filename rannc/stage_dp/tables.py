@@ -370,14 +370,15 @@ def iteration_estimate(fwd: Sequence[float], bwd: Sequence[float], allreduce: Se
     last backward ends at F + sum(bwd[s:]) + (m - 1) max(bwd[s:]). Eager (1F1B order): the
     first stage ends last, at sum(f + b) + (m - 1) max(f + b); stage s ends the backwards of the
     stages before it earlier. Several stages per lane (`chunks` v > 1, stage s on lane
-    `lanes[s]`, default s % (S / v)): each lane as one stage doing its v stages' work, the
+    `lanes[s]`, given with them): each lane as one stage doing its v stages' work, the
     bubble v times smaller (Megatron's (p - 1) / v): (sum - max) / v + m max over the lanes'
     cycles (for ZB-V an upper bound: its W passes fill most of that bubble too)."""
     S, m = len(fwd), microbatches
     out = 0.0
     if chunks > 1:
         P = S // chunks
-        lane = list(lanes) if lanes else [s % P for s in range(S)]
+        lane = list(lanes)
+        assert len(lane) == S, "several stages per lane: give each stage's lane"
 
         def per_lane(x: Sequence[float]) -> list[float]:
             return [sum(x[s] for s in range(S) if lane[s] == d) for d in range(P)]
