@@ -283,7 +283,7 @@ def main() -> None:
     p.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     p.add_argument("--stages", nargs="+", type=int, default=[1, 2, 4])
     p.add_argument("--replicas", type=int, default=1, help="replicas of every stage (ranks: stages x this)")
-    p.add_argument("--checkpointing", default="auto", choices=("auto", "on", "off"))
+    p.add_argument("--checkpointing", default="auto", choices=("auto", "on", "off", "selective"))
     p.add_argument("--schedule", default="auto", help="Config.schedule of the pipelined runs")
     p.add_argument("--host-malloc", default="auto", choices=("auto", "release", "keep"),
                    help="Config.host_malloc of every rank")

@@ -416,7 +416,8 @@ def over_bound(plan: Any, bound: float) -> dict[str, float]:
     - microbatch: the devices' mean compute (forward + backward without recomputation, p2p
       transfers included, at the plan's rows per microbatch) less the bound (the same compute
       at the whole batch): kernels on small microbatches are less efficient;
-    - recompute: the devices' mean recomputation seconds;
+    - recompute: the devices' mean recomputation seconds (a recomputed prefix's and selective
+      recomputation's rebuilds);
     - imbalance: the busiest lane's compute less the devices' mean;
     - bubble: the simulated iteration without gradient reduction less the busiest lane's
       compute (the schedule's idle time on the critical lane);
@@ -427,7 +428,7 @@ def over_bound(plan: Any, bound: float) -> dict[str, float]:
     pr = [st.predicted for st in plan.stages]
     reps = [st.replicas for st in plan.stages]
     busy = [m * (p.forward_s + p.backward_s) for p in pr]  # per replica, recomputation in
-    rec = [m * p.recompute_s for p in pr]
+    rec = [m * (p.recompute_s + (p.selective_s or 0.0)) for p in pr]
     mean = sum(r * b for r, b in zip(reps, busy, strict=True)) / W
     mean_rec = sum(r * x for r, x in zip(reps, rec, strict=True)) / W
     lane = plan.placement()

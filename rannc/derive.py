@@ -53,7 +53,8 @@ def derive_plan(graph: TaskGraph, atomic: AtomicPartition, base: Plan, *,
         comps = tuple(c for c in range(len(stage_of)) if stage_of[c] == st.index)
         stages.append(dataclasses.replace(
             st, components=comps, param_names=param_names_of(graph, atomic, comps),
-            recompute=st.recompute if recompute else 0.0, predicted=None))
+            recompute=st.recompute if recompute else 0.0,
+            selective=st.selective and recompute, predicted=None))
     return dataclasses.replace(base, stages=tuple(stages), fingerprint=graph.fingerprint(),
                                predicted_iteration_time=None, source=(graph, atomic))
 

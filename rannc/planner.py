@@ -319,7 +319,9 @@ def _on_mixed_devices(out: Plan, graph: TaskGraph, atomic: AtomicPartition, prof
                       stats: PlanStats) -> Plan:
     """The plan made on the weakest device placed on the mixed cluster's devices (extra
     balance=False: equal shares in rank order, for benchmarks), or the mixed-cluster DP's plan
-    at about its microbatch count when that is predicted faster."""
+    at about its microbatch count (half to four times it: a plan made on the weakest device may
+    take few microbatches where its memory allows, as selective recomputation does, which the
+    mixed DP, planning every device within its own memory, may not) when predicted faster."""
     out = place(out, cluster, hetero_devices(cluster, config), plan_io, mem,
                 balance=bool(config.extra.get("balance", True)))
     if not mixed_dp_enabled(cluster, config):
@@ -327,7 +329,7 @@ def _on_mixed_devices(out: Plan, graph: TaskGraph, atomic: AtomicPartition, prof
     with _timed(stats, "hetero_dp"):
         m0 = out.microbatches
         for alt in mixed_plans(graph, atomic, prof, io, static, cluster, config,
-                               block_of, batch_size, sorted({max(1, m0 // 2), m0, 2 * m0}),
+                               block_of, batch_size, sorted({max(1, m0 // 2), m0, 2 * m0, 4 * m0}),
                                schedules, late, link_bw):
             if _time(alt) < _time(out) * (1 - 1e-9):
                 out = alt
@@ -340,10 +342,15 @@ def _time(p: Plan) -> float:
 
 def _experimental(out: Plan, config: Config) -> Plan:
     """Overrides for experiments (Config.extra): `recompute_fraction`, the same recomputed
-    fraction on every stage; `shares`, each stage's replicas' row shares, e.g. [[3, 1], [1]]."""
+    fraction on every stage; `selective`, selective recomputation on (True) or off (False) on
+    every stage; `shares`, each stage's replicas' row shares, e.g. [[3, 1], [1]]."""
     frac = config.extra.get("recompute_fraction")
     if frac is not None:
         out = dataclasses.replace(out, stages=tuple(dataclasses.replace(st, recompute=float(frac))
+                                                    for st in out.stages))
+    sel = config.extra.get("selective")
+    if sel is not None:
+        out = dataclasses.replace(out, stages=tuple(dataclasses.replace(st, selective=bool(sel))
                                                     for st in out.stages))
     shares = config.extra.get("shares")
     if shares is not None:

@@ -40,6 +40,10 @@ class StagePrediction:
     memory_bytes: float = 0.0  # the fullest replica's peak (rannc.stage_dp.memory)
     microbatch_rows: float = 0.0  # rows of each microbatch per replica (the fullest)
     recompute_s: float = 0.0  # the seconds recomputation adds inside backward_s
+    # of backward_s besides, the seconds selective recomputation's rebuilds add (not part of
+    # recompute_s, which a schedule runs before the backward as its own pass; None: unknown,
+    # as in plans made before it, taken as 0)
+    selective_s: float | None = None
     # the weight-gradient seconds inside backward_s (what a zero-bubble schedule runs as W;
     # None: not predicted, as in plans made before zero-bubble schedules, taken as 0)
     backward_weight_s: float | None = None
@@ -115,6 +119,9 @@ class StagePlan:
     predicted: StagePrediction | None = None  # the planner's cost estimates, when known
     modules: str = ""  # the user's modules it covers, "first .. last"
     devices: tuple[str, ...] = ()  # per replica, its device's name (when the cluster is mixed)
+    # selective recomputation: its cheap elementwise activations kept as recipes and rebuilt
+    # in backward (`rannc.profile.saved.recomputable`), besides the recomputed prefix
+    selective: bool = False
 
     @property
     def replicas(self) -> int:
@@ -219,7 +226,7 @@ class Plan:
                 _fmt_s(p.forward_s) if p is not None else "-",
                 _fmt_s(p.backward_s) if p is not None else "-",
                 f"{p.memory_bytes / 1e9:.2f} GB" if p is not None else "-",
-                _fmt_recompute(st.recompute),
+                _fmt_recompute(st.recompute, st.selective),
                 _fmt_stage_ranks(st),
                 st.modules or "-"))
         return "\n".join([head, *_table(header, rows, left={"ranks", "modules"})])
@@ -260,7 +267,8 @@ class Plan:
                       param_names=tuple(s["param_names"]),
                       predicted=StagePrediction.from_dict(s["predicted"], f"stage {i}")
                       if s.get("predicted") else None,
-                      modules=s.get("modules", ""), devices=tuple(s.get("devices", ())))
+                      modules=s.get("modules", ""), devices=tuple(s.get("devices", ())),
+                      selective=bool(s.get("selective", False)))
             for i, s in enumerate(d["stages"])
         )
         return cls(stages=stages, microbatches=d["microbatches"], world_size=d["world_size"],
@@ -428,8 +436,11 @@ def fmt_ranks(ranks: Sequence[int]) -> str:
                     for run in runs) or "-"
 
 
-def _fmt_recompute(frac: float) -> str:
-    return "all" if frac >= 1 else "no" if frac <= 0 else f"{frac:.0%}"
+def _fmt_recompute(frac: float, selective: bool = False) -> str:
+    prefix = "all" if frac >= 1 else "no" if frac <= 0 else f"{frac:.0%}"
+    if not selective:
+        return prefix
+    return "sel" if frac <= 0 else f"sel+{prefix}"
 
 
 def _fmt_s(seconds: float) -> str:

@@ -49,6 +49,19 @@ def _bert(batch: int) -> Case:
     return Case("bert", model, (), kw, lambda out: out.loss)
 
 
+def _llama(batch: int) -> Case:
+    """Llama: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU (what selective
+    recomputation drops most of), untied head."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                      use_cache=False)
+    model = LlamaForCausalLM(cfg)
+    ids = torch.randint(0, 97, (batch, 10))
+    return Case("llama", model, (), dict(input_ids=ids, labels=ids), lambda out: out.loss)
+
+
 def _gpt2(batch: int) -> Case:
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -140,7 +153,7 @@ def _writes(batch: int) -> Case:
 
 
 BUILDERS: dict[str, Callable[[int], Case]] = {
-    "bert": _bert, "gpt2": _gpt2, "t5": _t5, "resnet": _resnet, "fork_join": _fork_join,
+    "bert": _bert, "gpt2": _gpt2, "llama": _llama, "t5": _t5, "resnet": _resnet, "fork_join": _fork_join,
     "shared_param": _shared, "kwargs": _kwargs, "writes": _writes,
 }
 

@@ -253,3 +253,9 @@ def test_host_malloc_benchmark() -> None:
     out = run("benchmarks/host_malloc.py")
     assert [r[0] for r in rows(out, "| release") + rows(out, "| keep")] == ["release", "keep"], out
     assert "release / keep" in out, out
+
+
+def test_selective_benchmark() -> None:
+    out = run("benchmarks/selective.py")
+    rows = [ln for ln in out.splitlines() if ln.startswith("| llama")]
+    assert len(rows) == 1 and rows[0].rstrip().endswith("| yes |"), out

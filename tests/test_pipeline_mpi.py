@@ -145,6 +145,13 @@ SCHEDULED = [
          "--schedule", "zero_bubble_v", "--recompute-fraction", "0.5", "--grad-scaler"], ALL),
     (2, ["--partition-num", "4", "--microbatches", "2", "--batch", "8", "--schedule",
          "zero_bubble_v", "--loss-scale", "0.5", "--extra-forward"], "bert,gpt2"),
+    # selective recomputation (recipes rebuilt when backward reads them): in B and again in W
+    # of ZB-V's split backward, on top of a recomputed prefix, with replicas; and under 1F1B
+    # with a GradScaler, T5 included (a write into a tensor forward made)
+    (3, ["--replicas", "1,2", "--partition-num", "4", "--microbatches", "4", "--batch", "9",
+         "--schedule", "zero_bubble_v", "--recompute-fraction", "0.5", "--selective"], ALL),
+    (2, ["--partition-num", "2", "--microbatches", "4", "--batch", "8", "--schedule", "1f1b",
+         "--selective", "--grad-scaler"], "bert,gpt2,t5,llama"),
 ]
 
 
@@ -175,6 +182,10 @@ def test_every_schedule_equals_the_unwrapped_model(n: int, args: list[str], mode
     for model in models.split(","):
         got = sorted(re.findall(rf"PASS {model} rank (\d+)", res.stdout))
         assert got == [str(r) for r in range(n)], (model, res.stdout)
+    if "--selective" in args:  # every rank's stages keep recipes, and autograd used some
+        for model in ("bert", "gpt2", *(("llama",) if "llama" in models else ())):
+            dropped = re.findall(rf"SELECTIVE {model} rank \d+ parts (\d+) dropped (\d+)", res.stdout)
+            assert len(dropped) == n and all(int(p) > 0 and int(d) > 0 for p, d in dropped), dropped
     if "--new-seq" in args:  # eval and a new sequence length re-captured, placed, run twice
         for what in ("eval", "new sequence"):
             assert len(re.findall(rf"OK {what} bert rank", res.stdout)) == 2 * n

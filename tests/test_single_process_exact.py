@@ -14,15 +14,20 @@ import rannc
 pytestmark = pytest.mark.layer("single_process")
 
 RTOL, ATOL = 1e-6, 1e-7
+# Llama: the capture (torch.export) builds the causal mask as a tensor, so Hugging Face's SDPA
+# path repeats the key/value heads (repeat_kv) where the eager model passes enable_gqa=True
+# without a mask: the same sums in another order, 1.5e-8 apart in the value projection's
+# gradient after one backward, grown by AdamW (eps 1e-8) to 2.7e-7 on the logits by step 3.
+LOOSER = {"llama": (1e-5, 1e-6)}
 
 
-def assert_tree_close(a: object, b: object) -> None:
+def assert_tree_close(a: object, b: object, rtol: float = RTOL, atol: float = ATOL) -> None:
     la, sa = pytree.tree_flatten(a)
     lb, sb = pytree.tree_flatten(b)
     assert str(sa) == str(sb), f"output structure differs: {sa} vs {sb}"
     for x, y in zip(la, lb, strict=True):
         if isinstance(x, torch.Tensor):
-            torch.testing.assert_close(x, y, rtol=RTOL, atol=ATOL)
+            torch.testing.assert_close(x, y, rtol=rtol, atol=atol)
         else:
             assert x == y
 
@@ -30,6 +35,7 @@ def assert_tree_close(a: object, b: object) -> None:
 @pytest.mark.parametrize("name", sorted(BUILDERS))
 def test_forward_backward_and_adamw_steps(name: str) -> None:
     case = make_case(name)
+    rtol, atol = LOOSER.get(name, (RTOL, ATOL))
     ref = copy.deepcopy(case.model)
     wrapped = rannc.RaNNCModule(case.model)
     opt_w = torch.optim.AdamW(case.model.parameters(), lr=1e-2)
@@ -38,19 +44,19 @@ def test_forward_backward_and_adamw_steps(name: str) -> None:
         out_w = wrapped(*case.args, **case.kwargs)
         out_r = ref(*case.args, **case.kwargs)
         assert type(out_w) is type(out_r)
-        assert_tree_close(out_w, out_r)
+        assert_tree_close(out_w, out_r, rtol, atol)
         case.loss(out_w).backward()
         case.loss(out_r).backward()
         for (n, p), (_, q) in zip(wrapped.named_parameters(), ref.named_parameters(), strict=True):
             assert (p.grad is None) == (q.grad is None), n
             if p.grad is not None:
-                torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL, msg=f"{n} step {step}")
+                torch.testing.assert_close(p.grad, q.grad, rtol=rtol, atol=atol, msg=f"{n} step {step}")
         opt_w.step()
         opt_r.step()
         opt_w.zero_grad()
         opt_r.zero_grad()
     for (n, p), (_, q) in zip(wrapped.state_dict().items(), ref.state_dict().items(), strict=True):
-        torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL, msg=n)
+        torch.testing.assert_close(p, q, rtol=rtol, atol=atol, msg=n)
     assert list(wrapped.state_dict()) == list(ref.state_dict())
 
 

@@ -139,7 +139,9 @@ class PipelineRuntime:
             n_rec = plan.stages[s].recomputed_components
             if not self.spec.recomputes(s, len(self.stages), True):
                 n_rec = 0  # e.g. scp's last stage holds one microbatch at a time: nothing to save
-            self.parts[s] = build_parts(captured, atomic, self.stages, groups, s, n_rec, wrap_stage)
+            self.parts[s] = build_parts(captured, atomic, self.stages, groups, s, n_rec, wrap_stage,
+                                        selective=plan.stages[s].selective,
+                                        fused=torch.device(device).type == "cuda")
         self.rec_part, self.keep_part = self.parts[self.s]  # the first stage's
         self.grads = GradReducer(self.held, param_groups, self.routes.first_use(),
                                  int(bucket_mb * 2**20), self._accumulations(),

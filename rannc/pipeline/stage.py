@@ -20,6 +20,7 @@ Index conventions: m microbatches; v value names.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,7 +35,9 @@ from rannc.graph.extract import StageGraph, build_stage_module, split_graph
 from rannc.pipeline import batchnorm as bnorm
 from rannc.pipeline.routes import Routes
 from rannc.pipeline.rows import Range
+from rannc.pipeline.selective import Recorder, instrument
 from rannc.pipeline.split_backward import WeightPass, backward_input
+from rannc.profile.saved import recomputable
 
 
 @dataclass
@@ -64,18 +67,32 @@ class Part:
 
     graph: StageGraph
     module: Any
+    recorder: Recorder | None = None  # selective recomputation's (None: every saved tensor kept)
+
+    def saving(self) -> contextlib.AbstractContextManager[None]:
+        """The context its forward with autograd runs in (selective recomputation's hooks)."""
+        return self.recorder.saving() if self.recorder is not None else contextlib.nullcontext()
 
 
 def build_parts(captured: CapturedModel, atomic: AtomicPartition, stages: Sequence[StageGraph],
                 groups: Sequence[Sequence[int]], s: int, n_rec: int,
-                wrap: Callable[[fx.GraphModule], Any] | None) -> tuple[Part | None, Part | None]:
+                wrap: Callable[[fx.GraphModule], Any] | None, selective: bool = False,
+                fused: bool = False) -> tuple[Part | None, Part | None]:
     """Split stage s into the prefix of its first `n_rec` components, whose activations are
-    dropped in forward and rebuilt before backward, and the suffix that keeps them."""
+    dropped in forward and rebuilt before backward, and the suffix that keeps them; with
+    `selective` (and no `wrap`: a compiler chooses what it saves), each part keeps the values
+    `recomputable` names as recipes (`fused`: the device runs fused attention, `saved`)."""
     comps = list(groups[s])
 
     def part(st: StageGraph) -> Part:
         gm = build_stage_module(captured.gm, captured.graph, st)
-        return Part(st, gm if wrap is None else wrap(gm))
+        if wrap is not None:
+            return Part(st, wrap(gm))
+        if not selective:
+            return Part(st, gm)
+        rule = recomputable(captured.graph, fused=fused, tasks=st.tasks, held=st.outputs)
+        rec = Recorder()
+        return Part(st, gm, rec if instrument(gm, rule.values, rec) else None)
 
     if n_rec in (0, len(comps)):
         whole = part(stages[s])
@@ -149,7 +166,8 @@ class Stage:
                     mic.links[v] = o
                 env[v] = o
         if self.keep_part is not None:
-            with torch.set_grad_enabled(grad):
+            saving = self.keep_part.saving() if grad else contextlib.nullcontext()
+            with torch.set_grad_enabled(grad), saving:
                 outs = self.keep_part.module(*[env[v] for v in self.keep_part.graph.inputs])
             env.update(zip(self.keep_part.graph.outputs, outs, strict=True))
             mic.kept = list(outs) if grad else None
@@ -161,7 +179,7 @@ class Stage:
         assert part is not None and mic.ins is not None and mic.rng is not None
         env = dict(zip(self.inputs, mic.ins, strict=True))
         ins = [env[v].clone() if self.routes.is_buffer(v) else env[v] for v in part.graph.inputs]
-        with torch.random.fork_rng(devices=[]), torch.enable_grad():
+        with torch.random.fork_rng(devices=[]), torch.enable_grad(), part.saving():
             torch.set_rng_state(mic.rng)
             mic.rec = list(part.module(*ins))
 

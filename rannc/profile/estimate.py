@@ -27,7 +27,7 @@ import numpy as np
 from rannc.atomic.components import AtomicPartition
 from rannc.graph.task_graph import TaskGraph, Value, ValueKind, eval_dim
 from rannc.profile.device import Cluster, DeviceSpec
-from rannc.profile.saved import saved
+from rannc.profile.saved import recomputable, saved
 
 DTYPE_BYTES = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
@@ -78,6 +78,10 @@ class GraphCosts:
     pair_comp: np.ndarray  # (P,) its component
     comp_params: np.ndarray  # (C,) bytes of the parameters/buffers each component reads
     n_components: int
+    # selective recomputation (`saved.recomputable`): of `kept`, the bytes dropped, and the
+    # times each task runs again in one microbatch's backward
+    freed: np.ndarray | None = None  # (T, 2)
+    evals: np.ndarray | None = None  # (T,)
 
     @classmethod
     def of(cls, graph: TaskGraph, atomic: AtomicPartition, *,
@@ -110,6 +114,7 @@ class GraphCosts:
             has_grad[t] = bool(act_out)
             has_weight[t] = any(v.kind is ValueKind.PARAM and v.dtype in FLOAT_DTYPES for v in ins)
         kept, bwd_work = saved(graph, fused=fused)
+        sel = recomputable(graph, fused=fused)
         work = np.maximum(work, bwd_work)
         pairs = [(t, c.index) for c in atomic.components for t in c.tasks]
         comp_params = np.zeros(len(atomic.components))
@@ -125,7 +130,8 @@ class GraphCosts:
                    has_grad=has_grad, has_weight=has_weight, half=half,
                    pair_task=np.array([p[0] for p in pairs], dtype=np.int64),
                    pair_comp=np.array([p[1] for p in pairs], dtype=np.int64),
-                   comp_params=comp_params, n_components=len(atomic.components))
+                   comp_params=comp_params, n_components=len(atomic.components),
+                   freed=sel.freed, evals=sel.evals)
 
     # -- per task ----------------------------------------------------------------------------
     def task_times(self, spec: DeviceSpec, batch: float) -> tuple[np.ndarray, np.ndarray]:
@@ -164,7 +170,7 @@ class GraphCosts:
         blk = np.asarray(block_of, dtype=np.int64)[self.pair_comp]
         nb = int(blk.max()) + 1 if len(blk) else 0
         shape = (nb, len(batch_sizes))
-        fwd, bwd, wgrad, kept, work = (np.zeros(shape) for _ in range(5))
+        fwd, bwd, wgrad, kept, work, kept_sel, sel = (np.zeros(shape) for _ in range(7))
         for i, b in enumerate(batch_sizes):
             f, g = self.task_times(spec, b)
             fwd[:, i] = np.bincount(blk, weights=f[self.pair_task], minlength=nb)
@@ -174,7 +180,14 @@ class GraphCosts:
             kept[:, i] = np.bincount(blk, weights=k[self.pair_task], minlength=nb)
             w = self.work[:, 0] + self.work[:, 1] * b
             np.maximum.at(work[:, i], blk, w[self.pair_task])
-        return BlockProfile(tuple(batch_sizes), fwd, bwd, kept, work, wgrad)
+            if self.freed is not None and self.evals is not None:
+                dropped = self.freed[:, 0] + self.freed[:, 1] * b
+                kept_sel[:, i] = kept[:, i] - np.bincount(blk, weights=dropped[self.pair_task],
+                                                          minlength=nb)
+                sel[:, i] = np.bincount(blk, weights=(self.evals * f)[self.pair_task], minlength=nb)
+        if self.freed is None:
+            return BlockProfile(tuple(batch_sizes), fwd, bwd, kept, work, wgrad)
+        return BlockProfile(tuple(batch_sizes), fwd, bwd, kept, work, wgrad, kept_sel, sel)
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,6 +200,10 @@ class BlockProfile:
     kept: np.ndarray  # activation bytes kept for backward by one microbatch
     work: np.ndarray  # the largest single task's live bytes
     wgrad: np.ndarray | None = None  # the weight-gradient seconds within bwd (None: unknown)
+    # selective recomputation (`saved.recomputable`; None: not offered): the bytes kept for
+    # backward when its recipes are dropped, and the seconds rebuilding them adds to backward
+    kept_sel: np.ndarray | None = None
+    selective: np.ndarray | None = None
 
     def column(self, batch: int) -> int:
         return self.batch_sizes.index(batch)

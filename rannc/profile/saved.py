@@ -35,8 +35,10 @@ Index conventions: t indexes graph tasks.
 
 from __future__ import annotations
 
+import collections
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -151,6 +153,19 @@ def saved(graph: TaskGraph, *, fused: bool = True) -> tuple[np.ndarray, np.ndarr
     """(kept, bwd_work), arrays (T, 2) of bytes as c0 + c1 * batch: `kept[t]` what autograd
     keeps for backward that task t made (or, for a batch-sized constant, first saved);
     `bwd_work[t]` the gradients and temporaries alive while t's backward runs."""
+    s = _saves(graph, fused)
+    return s.kept, s.bwd
+
+
+@dataclass(frozen=True, slots=True)
+class _Saves:
+    kept: np.ndarray  # (T, 2), as `saved`
+    bwd: np.ndarray  # (T, 2), as `saved`
+    edges: tuple[tuple[int, str], ...]  # (task, graph value) for every value a task saves
+    base: dict[str, str]
+
+
+def _saves(graph: TaskGraph, fused: bool) -> _Saves:
     T = len(graph.tasks)
     kept = np.zeros((T, 2))
     bwd = np.zeros((T, 2))
@@ -158,8 +173,10 @@ def saved(graph: TaskGraph, *, fused: bool = True) -> tuple[np.ndarray, np.ndarr
     base = bases(graph)
     vb = {n: bytes_lin(v) for n, v in graph.values.items()}
     counted: set[str] = set()
+    edges: list[tuple[int, str]] = []
 
     def keep(name: str, saver: int) -> None:
+        edges.append((saver, name))
         b = base[name]
         val = graph.values[b]
         if b in counted or not val.is_tensor or val.kind in (ValueKind.PARAM, ValueKind.BUFFER,
@@ -222,7 +239,126 @@ def saved(graph: TaskGraph, *, fused: bool = True) -> tuple[np.ndarray, np.ndarr
                 keep(v, t)
             for v in f_outs:
                 keep(v, t)
-    return kept, bwd
+    return _Saves(kept, bwd, tuple(edges), base)
+
+
+# Ops that are cheap to run again (memory-bound: elementwise ops and norms), draw no random
+# numbers and give the same bits every time: the candidates of selective recomputation
+# (`recomputable`).
+_RECOMPUTABLE = re.compile(
+    r"aten\.(add|sub|rsub|mul|div|neg|silu|gelu|relu|tanh|sigmoid|rsqrt|sqrt|exp|pow|square|"
+    r"reciprocal|_to_copy|to|contiguous|clone|layer_norm|rms_norm)\.")
+
+
+# The most ops one rebuild may run (a recipe's own and those of the recipes it is made from):
+# every read of a saved value rebuilds its whole chain, so a long chain (GPT-2's tanh gelu, 8
+# ops, read three times) costs as much as the forward it spares; two or three ops (SwiGLU's
+# product, RMSNorm's scaling) cost a few per cent of a Llama layer's forward.
+MAX_CHAIN = 3
+
+
+@dataclass(frozen=True, slots=True)
+class Recomputable:
+    """What selective recomputation drops (`recomputable`)."""
+
+    values: frozenset[str]  # graph values autograd keeps as a recipe (the dropped and their views)
+    freed: np.ndarray  # (T, 2) bytes as c0 + c1 * batch: of `saved`'s kept[t], what is dropped
+    evals: np.ndarray  # (T,) times task t runs again in one microbatch's backward
+
+
+def recomputable(graph: TaskGraph, *, fused: bool = True, tasks: Collection[int] | None = None,
+                 held: Collection[str] = ()) -> Recomputable:
+    """Selective recomputation: the saved activations autograd can keep as a recipe (op and
+    inputs) and rebuild when backward reads them, freeing their memory at no risk: each is the
+    output of a cheap op (`_RECOMPUTABLE`: elementwise, a norm) whose inputs are held anyway
+    (parameters, model or stage inputs, values saved for backward) or are such recipes. What
+    `tasks` (default all; a stage's) save counts; `held`: values the caller keeps regardless (a
+    stage's outputs), never dropped, nor is a model output. The runtime
+    (`rannc.pipeline.selective`) and the memory model read this one rule.
+
+    A view of a recipe (one output: `view`, `reshape`, a no-op `to` ...) is a recipe too, so a
+    value saved through such views is still dropped; one saved through any other view, or held,
+    keeps its storage and is not dropped (nor is what was chosen because of it: the choice runs
+    again without it until nothing changes). Each read in backward rebuilds the value and the
+    recipes it is made from: `evals` counts those runs, charged at the ops' forward seconds."""
+    s = _saves(graph, fused)
+    T = len(graph.tasks)
+    sub = sorted(range(T) if tasks is None else set(tasks))
+    base = s.base
+    edges = [(t, n) for t, n in s.edges if t in set(sub)]
+    saved_bases = {base[n] for _, n in edges}
+    made = {v for t in sub for v in graph.tasks[t].outputs}
+    held = {v for v in (*held, *graph.outputs) if v is not None}
+    blocked = {base[v] for v in held if v in base}
+    while True:
+        chosen, recipe = _choose(graph, sub, base, saved_bases, made, held, blocked)
+        lost = {base[n] for _, n in edges if base[n] in chosen and n not in recipe}
+        if not lost:
+            break
+        blocked |= lost
+    freed = np.zeros((T, 2))
+    evals = np.zeros(T)
+    runs = collections.Counter(n for _, n in edges if n in recipe)
+    for t in reversed(sub):  # a recipe's runs also run the recipes it reads
+        outs = graph.tasks[t].outputs
+        if not outs or outs[0] not in recipe:
+            continue
+        v = outs[0]
+        if v in chosen:
+            if v in saved_bases:  # (else it was never kept)
+                freed[t] += bytes_lin(graph.values[v])
+            evals[t] += runs[v]
+        for u in graph.tasks[t].inputs:
+            if u in recipe:
+                runs[u] += runs[v]
+    # (a recipe nothing saved is made from is not needed: an unsaved value is left alone)
+    return Recomputable(frozenset(v for v in recipe if runs[v] > 0), freed, evals)
+
+
+def _choose(graph: TaskGraph, tasks: Sequence[int], base: dict[str, str], saved_bases: set[str],
+            made: set[str], held: set[str], blocked: set[str]) -> tuple[set[str], set[str]]:
+    """(the values made by recipes, and those with the views of them: every value that is a
+    recipe); of the first, those saved are dropped."""
+    chosen: set[str] = set()
+    recipe: set[str] = set()
+    ops: dict[str, int] = {}  # ops one rebuild of a recipe runs (its own and its inputs')
+
+    written = {v for task in graph.tasks for v in task.mutates}  # (a buffer a write changes)
+
+    def available(u: str) -> bool:
+        val = graph.values[u]
+        if u in written:
+            return False
+        if not val.is_tensor or val.kind in (ValueKind.PARAM, ValueKind.BUFFER, ValueKind.INPUT):
+            return True
+        if u not in made or u in recipe or u in held:  # a stage input or output, a recipe
+            return True
+        return base[u] not in chosen and base[u] in saved_bases
+
+    for t in tasks:
+        task = graph.tasks[t]
+        outs = [v for v in task.outputs if graph.values[v].is_tensor]
+        if len(outs) != 1 or len(task.outputs) != 1:
+            continue
+        v = outs[0]
+        ins = [u for u in task.inputs if graph.values[u].is_tensor]
+        if base[v] != v:  # a view or a no-op: a recipe where what it views is one
+            if ins and ins[0] in recipe and v not in held:
+                recipe.add(v)
+                ops[v] = ops[ins[0]]
+            continue
+        val = graph.values[v]
+        if (not _RECOMPUTABLE.match(task.op) or v in blocked
+                or val.kind is not ValueKind.ACTIVATION or val.dtype not in _FLOAT):
+            continue
+        # (a value nothing saves is a recipe too, so that one that is saved can be made from
+        # it: the product in `gelu(x) * 0.5`, whose gelu nobody keeps)
+        n_ops = 1 + sum(ops.get(u, 0) for u in task.inputs)
+        if n_ops <= MAX_CHAIN and all(available(u) for u in task.inputs):
+            chosen.add(v)
+            recipe.add(v)
+            ops[v] = n_ops
+    return chosen, recipe
 
 
 def _attention_matrix(graph: TaskGraph, ins: list[str]) -> np.ndarray:
@@ -248,4 +384,4 @@ def _attention_saved(graph: TaskGraph, ins: list[str], outs: list[str], fused: b
         3 * _attention_matrix(graph, ins)
 
 
-__all__ = ["bases", "bytes_lin", "requires_grad", "saved"]
+__all__ = ["Recomputable", "bases", "bytes_lin", "recomputable", "requires_grad", "saved"]

@@ -80,7 +80,8 @@ def hetero_stages(prof: BlockProfile, io: BlockIO, static: np.ndarray, dev: Hete
     slow = min(dev.speed)
     zero = np.zeros((1, prof.fwd.shape[1]))
     pre = {x: np.vstack([zero, np.cumsum(getattr(prof, x), axis=0)]) for x in ("fwd", "bwd", "kept")}
-    options = [False, True] if checkpointing == "auto" else [checkpointing == "on"]
+    # (selective recomputation is planned on one kind of device only: "selective" is "auto" here)
+    options = [False, True] if checkpointing in ("auto", "selective") else [checkpointing == "on"]
     if checkpointing == "stage_aware":
         options = [False, True]
     cache: dict[tuple[int, int, int, int], HeteroStage | None] = {}

@@ -51,6 +51,7 @@ class MemoryModel:
     zero_stage: int = 0  # 1: a stage's optimizer state is spread over its replicas (ZeRO-1)
     bucket_bytes: float = 0.0  # the gradient reduction's bucket (Config.bucket_mb)
     overhead: float = 0.0  # bytes each rank needs beyond its tensors (`rank_overhead`)
+    selective: bool = False  # selective recomputation may be chosen (Config.selective_recompute)
 
     def static(self, params: Any, grad_params: Any, ranks: int, zero_stage: int) -> Any:
         """What one replica of a stage holds whatever the batch: `static_memory` and the

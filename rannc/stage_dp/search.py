@@ -88,6 +88,8 @@ class StageCost:
     memory: float
     recompute_s: float
     wgrad: float  # the weight-gradient seconds within bwd (a zero-bubble schedule's W)
+    selective: bool = False  # selective recomputation
+    selective_s: float = 0.0  # its seconds (in bwd)
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +106,8 @@ class Simulated:
     in_flight: tuple[int, ...]
     recompute_s: tuple[float, ...]
     wgrad: tuple[float, ...]  # the weight-gradient seconds within bwd
+    selective: tuple[bool, ...] = ()  # per stage, selective recomputation (empty: none)
+    selective_s: tuple[float, ...] = ()  # its seconds, in bwd
 
 
 class TableCache:
@@ -159,6 +163,9 @@ def memory_model(cluster: Cluster, config: Config, tasks: int) -> tuple[DeviceSp
     return spec, MemoryModel(opt_param_factor=opt, limit=limit, checkpointing=config.checkpointing,
                              zero_stage=1 if config.zero_stage == 1 else 0,
                              bucket_bytes=config.bucket_mb * MB,
+                             selective=config.checkpointing == "selective" or (
+                                 config.selective_recompute and not config.compile
+                                 and config.checkpointing not in ("off", "on")),
                              overhead=rank_overhead([d.name for d in cluster.devices], tasks))
 
 
@@ -489,7 +496,8 @@ def simulate_candidate(c: Candidate, table: TableCache,
     # Greedily, device by device, the split of its memory the simulator finds fastest (the
     # even split first: a plan never gets slower than with it), where a stage of the device
     # recomputes or does not fit (else more memory cannot make either faster).
-    wanted = [s for s in range(S) if best is None or best.recompute[s] > 0]
+    wanted = [s for s in range(S) if best is None or best.recompute[s] > 0
+              or (best.selective and best.selective[s])]
     for a, b, tries in lane_share_options(c, table, counts, saved, place, wanted):
         for share in tries:
             trial = list(shares)
@@ -513,7 +521,8 @@ def _costed(c: Candidate, table: TableCache, counts: Sequence[int], saved: int,
         rows.append(StageCost(recompute=float(tab.recompute[x]), fwd=float(tab.fwd[x]),
                               bwd=float(tab.bwd[x]), allreduce=float(tab.allreduce[x]),
                               memory=float(tab.memory[x]), recompute_s=float(tab.recompute_s[x]),
-                              wgrad=float(tab.wgrad[x])))
+                              wgrad=float(tab.wgrad[x]), selective=bool(tab.selective[x]),
+                              selective_s=float(tab.selective_s[x])))
     if not get_spec(sched).recompute_last:  # e.g. scp: its last stage holds one microbatch
         last = rows[-1]
         rows[-1] = dataclasses.replace(last, recompute=0.0, bwd=last.bwd - last.recompute_s,
@@ -527,7 +536,8 @@ def _costed(c: Candidate, table: TableCache, counts: Sequence[int], saved: int,
     return Simulated(c, timeline.iteration_time, tuple(rc), tuple(r.fwd for r in rows),
                      tuple(r.bwd for r in rows), tuple(r.allreduce for r in rows),
                      tuple(r.memory for r in rows), tuple(counts), tuple(r.recompute_s for r in rows),
-                     tuple(r.wgrad for r in rows))
+                     tuple(r.wgrad for r in rows), tuple(r.selective for r in rows),
+                     tuple(r.selective_s for r in rows))
 
 
 # The grain of the shares of a device's memory that `lane_share_options` gives its stages

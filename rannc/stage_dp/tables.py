@@ -232,6 +232,8 @@ class StageTables:
     memory_keep: np.ndarray  # bytes when nothing is recomputed, whatever the limit (inf: invalid)
     recompute: np.ndarray  # fraction of kept activation memory recomputed
     recompute_s: np.ndarray  # the seconds that recomputation adds (inside bwd)
+    selective: np.ndarray  # bool: selective recomputation too (`saved.recomputable`)
+    selective_s: np.ndarray  # the seconds its rebuilds add (inside bwd, not in recompute_s)
     wgrad: np.ndarray  # the weight-gradient seconds inside bwd (a zero-bubble schedule's W)
     batch: np.ndarray  # (D+1,) rows per replica per microbatch
 
@@ -275,13 +277,20 @@ def stage_tables(prof: BlockProfile, io: BlockIO, mem: MemoryModel, *, batch_siz
         local_rows(batch_size, copies, devices)
     zero = np.zeros((1, prof.fwd.shape[1]))
     pre = {n: np.vstack([zero, np.cumsum(getattr(prof, n), axis=0)]) for n in ("fwd", "bwd", "kept")}
+    sel_ok = mem.selective and prof.kept_sel is not None and prof.selective is not None
+    if prof.kept_sel is not None and prof.selective is not None:
+        pre["kept_sel"] = np.vstack([zero, np.cumsum(prof.kept_sel, axis=0)])
+        pre["sel"] = np.vstack([zero, np.cumsum(prof.selective, axis=0)])
+    selective = np.zeros(shape, dtype=bool)
+    selective_s = np.zeros(shape)
     pre["wgrad"] = np.vstack([zero, np.cumsum(prof.wgrad if prof.wgrad is not None
                                               else np.zeros_like(prof.fwd), axis=0)])
     work_max = np.zeros((k, k, prof.work.shape[1]))
     for lo in range(k):
         work_max[lo, lo:] = np.maximum.accumulate(prof.work[lo:], axis=0)
     f_min = 1.0 if mem.checkpointing == "on" else 0.0
-    f_max = 0.0 if mem.checkpointing == "off" else 1.0
+    f_max = 0.0 if mem.checkpointing in ("off", "selective") else 1.0
+    only_sel = mem.checkpointing == "selective"  # (every stage selective, nothing else)
     for d in range(1, devices + 1):
         b = batch_per_replica(batch_size, copies, microbatches, d)
         batch[d] = b
@@ -312,8 +321,26 @@ def stage_tables(prof: BlockProfile, io: BlockIO, mem: MemoryModel, *, batch_siz
         ok = valid & (f <= f_max) & (at_return <= mem.limit)
         f = np.where(ok, f, 0.0)
         memory = np.maximum(with_recompute(full, saved_per_f, f), at_return)
+        extra = f * fwd  # recomputation's seconds
+        if sel_ok:  # selective recomputation, with a prefix recomputed on top where needed
+            full_s, per_s = memory_terms(static + bucket, work_max[:, :, i], inb, outb,
+                                         rng("kept_sel"), in_flight=n_in,
+                                         saved_inputs=saved_inputs, held_outputs=ret.held)
+            f_s = np.maximum(fraction_to_fit(full_s, per_s, mem.limit), f_min)
+            ok_s = valid & (f_s <= f_max) & (at_return <= mem.limit)
+            f_s = np.where(ok_s, f_s, 0.0)
+            extra_s = rng("sel") + f_s * fwd
+            use = ok_s & (~ok | ((f > 0) & (extra_s < extra)))  # (only where memory asks)
+            if only_sel:
+                ok, use = ok_s, ok_s
+            selective[:, :, d] = use
+            selective_s[:, :, d] = np.where(use, rng("sel"), 0.0)
+            ok = ok | use
+            f = np.where(use, f_s, f)
+            extra = np.where(use, extra_s, extra)
+            memory = np.where(use, np.maximum(with_recompute(full_s, per_s, f_s), at_return), memory)
         fw = fwd + comm / 2
-        g = bwd + comm / 2 + f * fwd
+        g = bwd + comm / 2 + extra
         ar = exposed_reduction(reduce_s, g, io.grad_params, mem.bucket_bytes, overlap)
         if mem.zero_stage:  # the owners' new parameters go to the other replicas after the step
             ar = ar + 0.5 * reduce_s  # an all-gather: half an all-reduce
@@ -323,12 +350,16 @@ def stage_tables(prof: BlockProfile, io: BlockIO, mem: MemoryModel, *, batch_siz
         out["h"][:, :, d] = np.where(ok, fw + g + ar / microbatches, math.inf)
         out["memory"][:, :, d] = np.where(ok, memory, math.inf)
         smallest = np.maximum(with_recompute(full, saved_per_f, f_max), at_return)
+        if sel_ok:
+            smallest = np.minimum(smallest, np.maximum(with_recompute(full_s, per_s, f_max), at_return))
         out["memory_min"][:, :, d] = np.where(valid, smallest, math.inf)
         out["memory_keep"][:, :, d] = np.where(valid, np.maximum(full, at_return), math.inf)
         recompute[:, :, d] = f
         recompute_s[:, :, d] = f * fwd
         wgrad[:, :, d] = np.where(ok, rng("wgrad"), 0.0)
-    return StageTables(recompute=recompute, recompute_s=recompute_s, wgrad=wgrad, batch=batch, **out)
+    return StageTables(recompute=recompute, recompute_s=recompute_s, selective=selective,
+                       selective_s=selective_s,
+                       wgrad=wgrad, batch=batch, **out)
 
 
 def reduction_overlaps_backward(schedule: str) -> bool:

@@ -61,6 +61,9 @@ LAYOUTS = [
     # interleaved: 4 stages on 3 ranks, stages s and s + 2 sharing ranks (replicas [1, 2])
     Layout("3r-rep12-pn4-m4-il", 3, ("--replicas", "1,2", "--partition-num", "4", "--microbatches",
                                     "4", "--schedule", "interleaved_1f1b"), 9),
+    # selective recomputation on every stage: recipes rebuilt in B and again in W
+    Layout("2r-pn2-m4-zb-sel", 2, ("--partition-num", "2", "--microbatches", "4", "--schedule",
+                                  "zero_bubble", '--option=checkpointing="selective"'), 8),
 ]
 BY_ID = {lay.id: lay for lay in LAYOUTS}
 
@@ -80,6 +83,7 @@ CI_MODELS: dict[str, tuple[str, ...]] = {
     "4r-rep22-m2-1f1b-zero1": ("llama", "t5", "albert"),  # (also in another layout each)
     "4r-rep211-m4-zb": ("gpt2", "bert"),  # (also in another layout each)
     "3r-rep12-pn4-m4-il": ("llama", "t5"),  # (also in another layout each)
+    "2r-pn2-m4-zb-sel": ("llama", "gpt2", "t5", "bart", "whisper", "mixtral"),  # (likewise)
 }
 
 # Known library bugs: (model, where) -> reason; where is a layout id, "1p" (one process),

@@ -162,6 +162,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--schedule", default="auto")
     p.add_argument("--recompute-fraction", type=float, default=None,
                    help="force this fraction of each stage's components to be recomputed")
+    p.add_argument("--selective", action="store_true",
+                   help="force selective recomputation on every stage")
     p.add_argument("--cluster-file", default="", help="a JSON cluster description (mixed devices)")
     p.add_argument("--shares", default="", help="row shares per stage, e.g. '3,1;1'")
     p.add_argument("--loss-scale", type=float, default=1.0, help="backward of loss * this")
@@ -234,6 +236,8 @@ def check_model(a: argparse.Namespace, name: str, ctx: rdist.DistContext) -> Non
     extra: dict[str, Any] = {}
     if a.recompute_fraction is not None:
         extra["recompute_fraction"] = a.recompute_fraction
+    if a.selective:
+        extra["selective"] = True
     if a.shares:
         extra["shares"] = [[float(x) for x in st.split(",")] for st in a.shares.split(";")]
     if extra:
@@ -328,6 +332,10 @@ def check_model(a: argparse.Namespace, name: str, ctx: rdist.DistContext) -> Non
     rts = list(model._runtimes.values())
     print(f"GUESSES {name} rank {rank} guessed {sum(r.guessed_calls for r in rts)} "
           f"rerun {sum(r.rerun_calls for r in rts)}", flush=True)
+    recorders = [part.recorder for r in rts for parts in r.parts.values() for part in parts
+                 if part is not None and part.recorder is not None]
+    print(f"SELECTIVE {name} rank {rank} parts {len(recorders)} "
+          f"dropped {sum(x.dropped for x in recorders)}", flush=True)
     if a.trace:
         files = model.write_trace(f"{a.trace}_{name}")
         if rank == 0:

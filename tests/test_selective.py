@@ -1,0 +1,213 @@
+"""Selective recomputation: the rule (`rannc.profile.saved.recomputable`) on models nobody here
+wrote, what the runtime's hooks really save against what the memory model counts, exact
+gradients (one backward, and B then W of a split one), and the planner choosing it."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import rannc
+from rannc.graph.capture import capture, flatten_inputs
+from rannc.pipeline.selective import Recorder, instrument
+from rannc.pipeline.split_backward import backward_input
+from rannc.profile.saved import recomputable, saved
+
+pytestmark = pytest.mark.layer("pure")
+
+B, S, H = 4, 16, 32
+
+
+class RMSNorm(nn.Module):
+    """As Hugging Face's Llama writes it (elementwise ops the capture sees one by one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(H))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        var = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(var + 1e-6)).to(x.dtype)
+
+
+class SwiGLU(nn.Module):
+    """A Llama layer without attention: RMSNorm, gate/up/down projections, residuals."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = RMSNorm()
+        self.gate = nn.Linear(H, 4 * H, bias=False)
+        self.up = nn.Linear(H, 4 * H, bias=False)
+        self.down = nn.Linear(4 * H, H, bias=False)
+        self.norm2 = RMSNorm()
+        self.gate2 = nn.Linear(H, 4 * H, bias=False)
+        self.down2 = nn.Linear(4 * H, H, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        x = x + self.down(F.silu(self.gate(h)) * self.up(h))
+        x = x + self.down2(F.gelu(self.gate2(self.norm2(x)), approximate="tanh"))
+        return x.pow(2).mean()
+
+
+class BertLike(nn.Module):
+    """Attention with dropout (random: never recomputed), layer norms, gelu, residuals."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(H, 3 * H)
+        self.out = nn.Linear(H, H)
+        self.ln1 = nn.LayerNorm(H)
+        self.fc = nn.Linear(H, 4 * H)
+        self.proj = nn.Linear(4 * H, H)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).split(H, dim=-1)
+        q, k, v = (t.view(x.shape[0], S, 2, H // 2).transpose(1, 2) for t in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
+        a = a.transpose(1, 2).contiguous().view(x.shape[0], S, H)
+        x = self.ln1(x + self.drop(self.out(a)))
+        return (x + self.proj(F.gelu(self.fc(x)) * 0.5)).sum()
+
+
+def _captured(model: nn.Module, x: torch.Tensor) -> tuple[Any, list[Any]]:
+    cap = capture(model, (x,), {})
+    leaves, _ = flatten_inputs((x,), {})
+    env = cap.bind(model, leaves)
+    return cap, [env.get(n.name) for n in cap.gm.graph.nodes if n.op == "placeholder"]
+
+
+def _kept(graph: Any, freed: bool) -> float:
+    kept, _ = saved(graph, fused=False)
+    k = kept[:, 0] + kept[:, 1] * B
+    if freed:
+        r = recomputable(graph, fused=False)
+        k = k - (r.freed[:, 0] + r.freed[:, 1] * B)
+    return float(k.sum())
+
+
+@pytest.mark.parametrize("make", [SwiGLU, BertLike], ids=["swiglu", "bert_like"])
+def test_the_runtime_saves_what_the_memory_model_counts(make: Any) -> None:
+    torch.manual_seed(0)
+    model = make().train()
+    x = torch.randn(B, S, H)
+    cap, ph = _captured(model, x)
+    skip = {p.untyped_storage().data_ptr() for p in model.parameters()} | {x.untyped_storage().data_ptr()}
+    rule = recomputable(cap.graph, fused=False)
+    assert rule.values
+    rec = Recorder(track=True)
+    assert instrument(cap.gm, rule.values, rec) > 0
+    out = _run(rec, cap.gm, ph)
+    real_sel = rec.kept_bytes(skip)
+    del out
+    assert real_sel == pytest.approx(_kept(cap.graph, freed=True), rel=0.01)
+    assert real_sel < 0.85 * _kept(cap.graph, freed=False)
+    assert rec.dropped > 0
+
+
+def _run(rec: Recorder, gm: Any, ph: list[Any]) -> Any:
+    with rec.saving():
+        return gm(*ph)
+
+
+def test_a_swiglu_layer_drops_its_activations_and_norm_outputs() -> None:
+    cap, _ = _captured(SwiGLU().train(), torch.randn(B, S, H))
+    rule = recomputable(cap.graph, fused=False)
+    ops = {cap.graph.tasks[cap.graph.producer(v)].op for v in rule.values}  # type: ignore[index]
+    assert {"aten.silu.default", "aten.mul.Tensor", "aten.gelu.default"} <= ops
+    # the projections' outputs are kept: no matrix product runs again
+    assert not any("linear" in op or "mm" in op for op in ops)
+    kept, _ = saved(cap.graph, fused=False)
+    fwd_runs = rule.evals[rule.evals > 0]
+    assert rule.freed.sum() > 0.4 * kept.sum() and fwd_runs.max() <= 3
+
+
+def test_dropout_and_what_it_reads_stay_saved() -> None:
+    cap, _ = _captured(BertLike().train(), torch.randn(B, S, H))
+    rule = recomputable(cap.graph, fused=False)
+    for v in rule.values:
+        op = cap.graph.tasks[cap.graph.producer(v)].op  # type: ignore[index]
+        assert "dropout" not in op and "rand" not in op and "bernoulli" not in op
+
+
+@pytest.mark.parametrize("make", [SwiGLU, BertLike], ids=["swiglu", "bert_like"])
+@pytest.mark.parametrize("split", [False, True], ids=["one_pass", "b_then_w"])
+def test_gradients_are_bit_exact(make: Any, split: bool) -> None:
+    grads = []
+    for sel in (False, True):
+        torch.manual_seed(0)
+        model = make().train()
+        x = torch.randn(B, S, H)
+        cap, ph = _captured(model, x)
+        rec = Recorder()
+        if sel:
+            assert instrument(cap.gm, recomputable(cap.graph, fused=False).values, rec) > 0
+        torch.manual_seed(1)
+        out = _run(rec, cap.gm, ph)
+        loss = out[0] if isinstance(out, (tuple, list)) else out
+        weights = [p for p in model.parameters()]
+        if split:  # B (nothing upstream needs an input gradient here), then W, as zero-bubble
+            wp = backward_input([loss], [torch.ones_like(loss)], [], weights)
+            assert all(p.grad is None for p in weights)
+            wp.run()
+        else:
+            loss.backward()
+        grads.append([p.grad.clone() for p in weights])
+        if sel:
+            assert rec.dropped > 0
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)
+
+
+def _gpt2(layers: int = 4) -> tuple[nn.Module, dict[str, Any]]:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    with torch.device("meta"):
+        m = GPT2LMHeadModel(GPT2Config(n_layer=layers, n_embd=256, n_head=4, n_positions=128,
+                                       vocab_size=512, use_cache=False))
+    ids = torch.zeros(16, 128, dtype=torch.long, device="meta")
+    return m, {"input_ids": ids, "labels": ids}
+
+
+def test_the_planner_recomputes_selectively_where_memory_is_short() -> None:
+    """GPT-2 on 2 devices with memory for about half its kept activations: selective
+    recomputation (about 2 % of forward) instead of recomputing a prefix of each stage (a
+    third of its forward or more), predicted faster; off with `selective_recompute=False`."""
+    model, kw = _gpt2()
+    cluster = rannc.Cluster.homogeneous("V100-32GB", 2, 2)
+    free = rannc.plan(model, (), kw, cluster=cluster, config=rannc.Config(partition_num=2))
+    assert not any(st.selective or st.recompute for st in free.stages)
+    need = max(st.predicted.memory_bytes for st in free.stages if st.predicted)
+    cfg = rannc.Config(partition_num=2, mem_limit_gb=0.75 * need / 1e9, mem_margin=0.0)
+    sel = rannc.plan(model, (), kw, cluster=cluster, config=cfg)
+    off = rannc.plan(model, (), kw, cluster=cluster,
+                     config=dataclasses.replace(cfg, selective_recompute=False))
+    assert any(st.selective for st in sel.stages), sel.summary()
+    assert not any(st.selective for st in off.stages)
+    assert any(st.recompute > 0 for st in off.stages), off.summary()
+    assert sel.predicted_iteration_time is not None and off.predicted_iteration_time is not None
+    assert sel.predicted_iteration_time < off.predicted_iteration_time
+    for st in sel.stages:
+        assert st.predicted is not None and st.predicted.memory_bytes <= 0.75 * need * 1.0001
+    assert "sel" in sel.summary()
+    assert [st.selective for st in rannc.Plan.from_dict(sel.to_dict()).stages] == \
+        [st.selective for st in sel.stages]
+
+
+def test_checkpointing_selective_makes_every_stage_selective_and_nothing_else() -> None:
+    model, kw = _gpt2()
+    cluster = rannc.Cluster.homogeneous("V100-32GB", 2, 2)
+    plan = rannc.plan(model, (), kw, cluster=cluster,
+                      config=rannc.Config(partition_num=2, checkpointing="selective"))
+    assert all(st.selective and st.recompute == 0 for st in plan.stages), plan.summary()
+    assert all(st.predicted is not None and (st.predicted.selective_s or 0) > 0 for st in plan.stages)
+    with pytest.raises(rannc.ConfigError, match="compile=True"):
+        rannc.Config(checkpointing="selective", compile=True)
