@@ -261,8 +261,14 @@ def test_stage_aware_recomputation_between_none_and_all(gpt2: tuple) -> None:
     keep = plan_graph(graph, atomic, cluster, rannc.Config(checkpointing="off", **base), batch_size=32)
     full = plan_graph(graph, atomic, cluster, rannc.Config(checkpointing="on", mem_limit_gb=limit / 1e9,
                                                            **base), batch_size=32)
-    aware = plan_graph(graph, atomic, cluster, rannc.Config(mem_limit_gb=limit / 1e9, **base),
+    # (the prefix's fraction alone: selective recomputation, which "auto" also weighs, is
+    # test_selective's)
+    aware = plan_graph(graph, atomic, cluster, rannc.Config(mem_limit_gb=limit / 1e9,
+                                                            selective_recompute=False, **base),
                        batch_size=32)
+    sel = plan_graph(graph, atomic, cluster, rannc.Config(mem_limit_gb=limit / 1e9, **base),
+                     batch_size=32)
+    assert sel.predicted_iteration_time <= aware.predicted_iteration_time
     fr = [st.predicted["recompute_memory_fraction"] for st in aware.stages]
     # not all-or-nothing: some stage recomputes part of its activations, and the last stage,
     # which holds one microbatch at a time under 1F1B, recomputes nothing

@@ -51,7 +51,7 @@ def rows_of(x: Any, rows: tuple[int, int], n: int) -> Any:
 
 def user_loss(name: str, out: Any, y: torch.Tensor | None) -> torch.Tensor:
     """The per-rank loss a training script would compute from the model's output."""
-    if name in ("bert", "gpt2", "t5"):
+    if name in ("bert", "gpt2", "t5", "llama"):
         return out.loss
     if name == "resnet":
         return F.cross_entropy(out, y)
