@@ -136,7 +136,7 @@ class Config:
     recomputes all of its forward), "off" (never), "stage_aware" (as auto; the name of the
     original RaNNC's option), "selective" (every stage recomputes selectively, as
     selective_recompute describes, and nothing else: torchtitan's selective activation
-    checkpointing; not with compile=True; a mixed cluster's plan recomputes as under auto)."""
+    checkpointing; not with compile=True)."""
     selective_recompute: bool = _f(True)
     """Under checkpointing "auto": let the planner also choose, per stage, selective
     recomputation, which keeps a recipe instead of a saved activation made by a cheap op (an

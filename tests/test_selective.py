@@ -211,3 +211,39 @@ def test_checkpointing_selective_makes_every_stage_selective_and_nothing_else() 
     assert all(st.predicted is not None and (st.predicted.selective_s or 0) > 0 for st in plan.stages)
     with pytest.raises(rannc.ConfigError, match="compile=True"):
         rannc.Config(checkpointing="selective", compile=True)
+
+
+def test_the_mixed_cluster_dp_recomputes_selectively_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One fast and one slow device, memory for 80 % of the keep-everything plan: the
+    mixed-cluster DP's plans keep recipes too, and the plan is faster than without them."""
+    from model_zoo import make_case
+    from test_hetero import FAST, SLOW
+
+    import rannc.planner as planner
+    from rannc.atomic.components import atomic_components
+    from rannc.planner import plan_graph
+
+    case = make_case("gpt2", batch=32)
+    g = capture(case.model, case.args, case.kwargs).graph
+    atomic = atomic_components(g)
+    cluster = rannc.Cluster([rannc.DeviceSpec(**FAST), rannc.DeviceSpec(**SLOW)], per_node=2)
+    base = dict(partition_num=2, microbatches=4, schedule="1f1b")
+    free = plan_graph(g, atomic, cluster, rannc.Config(**base), batch_size=32)
+    need = max(st.predicted.memory_bytes for st in free.stages if st.predicted)
+    cfg = rannc.Config(mem_limit_gb=0.8 * need / 0.9 / 1e9, **base)  # (mem_margin 0.1)
+    made: list[rannc.Plan] = []
+    orig = planner.mixed_plans
+
+    def mixed(*a: Any, **k: Any) -> list[rannc.Plan]:
+        out = orig(*a, **k)
+        made.extend(out)
+        return out
+
+    monkeypatch.setattr(planner, "mixed_plans", mixed)
+    sel = plan_graph(g, atomic, cluster, cfg, batch_size=32)
+    assert made and any(st.selective for p in made for st in p.stages)
+    off = plan_graph(g, atomic, cluster, dataclasses.replace(cfg, selective_recompute=False),
+                     batch_size=32)
+    assert any(st.selective for st in sel.stages) and not any(st.selective for st in off.stages)
+    assert sel.predicted_iteration_time is not None and off.predicted_iteration_time is not None
+    assert sel.predicted_iteration_time < off.predicted_iteration_time

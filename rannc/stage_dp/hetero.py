@@ -46,6 +46,8 @@ class HeteroStage:
     allreduce_s: float
     memory_bytes: float  # the fullest replica's
     recompute: bool
+    selective: bool = False  # selective recomputation (`saved.recomputable`)
+    selective_s: float = 0.0  # its rebuilds' seconds (in backward_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +64,8 @@ def hetero_stages(prof: BlockProfile, io: BlockIO, static: np.ndarray, dev: Hete
                   rows: float, batch_of: Sequence[int], in_flight: int, saved: int,
                   link_bw: float, allreduce_bw: float, microbatches: int, checkpointing: str,
                   stages: int | None = None, replicas: Sequence[int] | None = None,
-                  bucket_bytes: float = 0.0, overlap: bool = False) -> list[HeteroStage] | None:
+                  bucket_bytes: float = 0.0, overlap: bool = False,
+                  selective: bool = False) -> list[HeteroStage] | None:
     """The best split of all blocks over all devices (or into exactly `stages` stages, or with
     stage s on exactly `replicas[s]` devices), or None.
 
@@ -71,7 +74,10 @@ def hetero_stages(prof: BlockProfile, io: BlockIO, static: np.ndarray, dev: Hete
     device's, scaled here by each device's speed. `bucket_bytes` and `overlap`: the gradient
     reduction's bucket (memory) and whether it runs during the last backward
     (`tables.reduction_overlaps_backward`). `static`: what a replica of [l, r] holds whatever
-    the batch (`MemoryModel.static`, the rank's overhead included; the bucket apart)."""
+    the batch (`MemoryModel.static`, the rank's overhead included; the bucket apart).
+    `selective`: a stage may also recompute selectively (`MemoryModel.selective`), where the
+    profile has its figures: instead of recomputing its whole forward, or alone under
+    checkpointing "selective"."""
     k = io.params.shape[0]
     order = dev.order()
     n = len(order)
@@ -80,10 +86,15 @@ def hetero_stages(prof: BlockProfile, io: BlockIO, static: np.ndarray, dev: Hete
     slow = min(dev.speed)
     zero = np.zeros((1, prof.fwd.shape[1]))
     pre = {x: np.vstack([zero, np.cumsum(getattr(prof, x), axis=0)]) for x in ("fwd", "bwd", "kept")}
-    # (selective recomputation is planned on one kind of device only: "selective" is "auto" here)
-    options = [False, True] if checkpointing in ("auto", "selective") else [checkpointing == "on"]
-    if checkpointing == "stage_aware":
-        options = [False, True]
+    # (recompute the whole forward, keep a recipe of the cheap ops' activations) per option
+    options = [(False, False), (True, False)] if checkpointing in ("auto", "stage_aware") else \
+        [(checkpointing == "on", False)]
+    if selective and prof.kept_sel is not None and prof.selective is not None:
+        pre["kept_sel"] = np.vstack([zero, np.cumsum(prof.kept_sel, axis=0)])
+        pre["sel"] = np.vstack([zero, np.cumsum(prof.selective, axis=0)])
+        options = [(False, True)] if checkpointing == "selective" else [*options, (False, True)]
+    elif checkpointing == "selective":
+        options = [(False, False)]
     cache: dict[tuple[int, int, int, int], HeteroStage | None] = {}
 
     def stage(lo: int, r: int, i: int, d: int) -> HeteroStage | None:
@@ -122,12 +133,14 @@ def hetero_stages(prof: BlockProfile, io: BlockIO, static: np.ndarray, dev: Hete
         v = [dev.speed[x] for x in ranks]
         reduce_s = 2.0 * grads * (d - 1) / d / allreduce_bw
         best: HeteroStage | None = None
-        for rc in options:
+        for rc, sel in options:
+            k_row = (pre["kept_sel"][r + 1, c] - pre["kept_sel"][lo, c]) / b if sel else kept
+            sel_row = (pre["sel"][r + 1, c] - pre["sel"][lo, c]) / b if sel else 0.0
             # the memory model is affine in the rows a replica computes: fixed + per_row * rows
             fixed = stage_memory(float(static[lo, r]) + bucket, work, in0, out0, 0.0,
                                  in_flight=in_flight, saved_inputs=saved, recompute=float(rc),
                                  held_outputs=held0.held)
-            per_row = stage_memory(0.0, 0.0, in1, out1, kept, in_flight=in_flight,
+            per_row = stage_memory(0.0, 0.0, in1, out1, k_row, in_flight=in_flight,
                                    saved_inputs=saved, recompute=float(rc), held_outputs=held1.held)
             caps = [min(_rows_within(dev.memory[x], fixed, per_row), _rows_within(dev.memory[x], at0, at1))
                     for x in ranks]
@@ -138,10 +151,13 @@ def hetero_stages(prof: BlockProfile, io: BlockIO, static: np.ndarray, dev: Hete
             pairs = list(zip(x, v, strict=True))
             fw = max(xj * (f * slow / vj + comm_row / 2) for xj, vj in pairs) + comm0 / 2
             rec = max(xj * f * slow / vj for xj, vj in pairs) if rc else 0.0
-            bw = max(xj * (g * slow / vj + comm_row / 2) for xj, vj in pairs) + comm0 / 2 + rec
+            rebuild = max(xj * sel_row * slow / vj for xj, vj in pairs) if sel else 0.0
+            bw = max(xj * (g * slow / vj + comm_row / 2) for xj, vj in pairs) + comm0 / 2 + rec \
+                + rebuild
             mem = max(max(fixed + per_row * xj, at0 + at1 * xj) for xj in x)
             ar = float(exposed_reduction(reduce_s, bw, grads, bucket_bytes, overlap))
-            cand = HeteroStage(lo, r, tuple(ranks), tuple(x), fw, bw, rec, ar, mem, rc)
+            cand = HeteroStage(lo, r, tuple(ranks), tuple(x), fw, bw, rec, ar, mem, rc, sel,
+                               rebuild)
             if best is None or _h(cand, microbatches) < _h(best, microbatches):
                 best = cand
         cache[key] = best

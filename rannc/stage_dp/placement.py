@@ -34,6 +34,7 @@ from rannc.stage_dp.memory import (
     rows_scaled,
     rows_that_fit,
 )
+from rannc.stage_dp.search import selective_allowed
 from rannc.stage_dp.shares import finish_time, whale_shares
 from rannc.stage_dp.tables import BlockIO, batch_per_replica, reduction_overlaps_backward
 
@@ -86,7 +87,8 @@ def mixed_plans(graph: TaskGraph, atomic: AtomicPartition, prof: BlockProfile, i
                                allreduce_bw=ar_bw, microbatches=m,
                                checkpointing=config.checkpointing, stages=config.partition_num,
                                replicas=config.replicas, bucket_bytes=config.bucket_mb * MB,
-                               overlap=reduction_overlaps_backward(sched))
+                               overlap=reduction_overlaps_backward(sched),
+                               selective=selective_allowed(config))
             if hs is None:
                 continue
             stages = []
@@ -101,9 +103,10 @@ def mixed_plans(graph: TaskGraph, atomic: AtomicPartition, prof: BlockProfile, i
                         forward_s=h.forward_s, backward_s=h.backward_s, recompute_s=h.recompute_s,
                         allreduce_s=h.allreduce_s, memory_bytes=h.memory_bytes,
                         microbatch_rows=max(h.rows), first_block=h.first_block,
-                        last_block=h.last_block),
+                        last_block=h.last_block, selective_s=h.selective_s),
                     modules=module_range(graph, atomic, comps),
-                    devices=tuple(cluster.devices[r].name for r in h.devices)))
+                    devices=tuple(cluster.devices[r].name for r in h.devices),
+                    selective=h.selective))
             plan = Plan(stages=tuple(stages), microbatches=m, world_size=world,
                         fingerprint=graph.fingerprint(), schedule=sched, batch_size=batch_size,
                         blocks=max(block_of) + 1, source=(graph, atomic))

@@ -152,6 +152,15 @@ class TableCache:
         return self.tables[key]
 
 
+def selective_allowed(config: Config) -> bool:
+    """Whether plans may recompute selectively (`rannc.profile.saved.recomputable`): forced by
+    checkpointing "selective", else under "auto" / "stage_aware" unless turned off or
+    compiled (the compiler chooses what it saves)."""
+    return config.checkpointing == "selective" or (
+        config.selective_recompute and not config.compile
+        and config.checkpointing not in ("off", "on"))
+
+
 def memory_model(cluster: Cluster, config: Config, tasks: int) -> tuple[DeviceSpec, MemoryModel]:
     """The device every stage is planned on (the smallest memory, then the slowest) and the
     memory model on it, for a graph of `tasks` tasks (a CPU rank holds it in the memory it
@@ -163,9 +172,7 @@ def memory_model(cluster: Cluster, config: Config, tasks: int) -> tuple[DeviceSp
     return spec, MemoryModel(opt_param_factor=opt, limit=limit, checkpointing=config.checkpointing,
                              zero_stage=1 if config.zero_stage == 1 else 0,
                              bucket_bytes=config.bucket_mb * MB,
-                             selective=config.checkpointing == "selective" or (
-                                 config.selective_recompute and not config.compile
-                                 and config.checkpointing not in ("off", "on")),
+                             selective=selective_allowed(config),
                              overhead=rank_overhead([d.name for d in cluster.devices], tasks))
 
 
@@ -591,4 +598,4 @@ __all__ = ["SIMULATED", "Candidate", "Infeasible", "Simulated", "TableCache", "c
            "fmt_bytes", "in_flight_by_position", "infeasible_error", "interleaved",
            "lane_share_options", "late_pass", "memory_model", "microbatch_counts", "min_max_bounds",
            "pipeline_layouts", "placement", "ranked", "runnable_lanes", "search",
-           "searched_schedules", "simulate_best", "simulate_candidate", "solutions"]
+           "searched_schedules", "selective_allowed", "simulate_best", "simulate_candidate", "solutions"]
