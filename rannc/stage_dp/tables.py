@@ -262,7 +262,12 @@ def stage_tables(prof: BlockProfile, io: BlockIO, mem: MemoryModel, *, batch_siz
     smallest f that fits, so a stage keeps all it can afford. f costs f * forward seconds more;
     memory = static + inflight * (inputs + outputs + (1 - f) * kept) + f * kept + working +
     the batch outputs held to be returned, or, if larger, what the stage holds when the call
-    returns (`memory.at_return_memory`; recomputation frees none of it)."""
+    returns (`memory.at_return_memory`; recomputation frees none of it).
+
+    Selective recomputation (`mem.selective`, `saved.recomputable`) replaces `kept` by the
+    profile's `kept_sel` and adds its rebuild seconds to the backward, with a prefix fraction on
+    top if that still does not fit; it is chosen where keeping everything does not fit and it
+    costs fewer seconds than the prefix alone (under checkpointing "selective": everywhere)."""
     k = io.params.shape[0]
     shape = (k, k, devices + 1)
     out = {n: np.full(shape, math.inf)
