@@ -283,9 +283,10 @@ def recomputable(graph: TaskGraph, *, fused: bool = True, tasks: Collection[int]
     recipes it is made from: `evals` counts those runs, charged at the ops' forward seconds."""
     s = _saves(graph, fused)
     T = len(graph.tasks)
-    sub = sorted(range(T) if tasks is None else set(tasks))
+    subset = set(range(T)) if tasks is None else set(tasks)
+    sub = sorted(subset)
     base = s.base
-    edges = [(t, n) for t, n in s.edges if t in set(sub)]
+    edges = [(t, n) for t, n in s.edges if t in subset]
     saved_bases = {base[n] for _, n in edges}
     made = {v for t in sub for v in graph.tasks[t].outputs}
     held = {v for v in (*held, *graph.outputs) if v is not None}
