@@ -208,6 +208,13 @@ class BlockProfile:
     def column(self, batch: int) -> int:
         return self.batch_sizes.index(batch)
 
+    def prefix_sums(self, names: Sequence[str]) -> dict[str, np.ndarray]:
+        """Per field name, its sums over blocks 0..i-1 as row i (row 0 zeros), so blocks l..r
+        sum to row r + 1 less row l; a field that is None is left out."""
+        zero = np.zeros((1, self.fwd.shape[1]))
+        return {n: np.vstack([zero, np.cumsum(getattr(self, n), axis=0)]) for n in names
+                if getattr(self, n) is not None}
+
 
 def runs_fused_kernels(cluster: Cluster) -> bool:
     """Whether every device of `cluster` runs fused attention and dropout kernels: not a CPU

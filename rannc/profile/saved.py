@@ -291,8 +291,9 @@ def recomputable(graph: TaskGraph, *, fused: bool = True, tasks: Collection[int]
     made = {v for t in sub for v in graph.tasks[t].outputs}
     held = {v for v in (*held, *graph.outputs) if v is not None}
     blocked = {base[v] for v in held if v in base}
+    written = {v for task in graph.tasks for v in task.mutates}  # (a buffer a write changes)
     while True:
-        chosen, recipe = _choose(graph, sub, base, saved_bases, made, held, blocked)
+        chosen, recipe = _choose(graph, sub, base, saved_bases, made, held, blocked, written)
         lost = {base[n] for _, n in edges if base[n] in chosen and n not in recipe}
         if not lost:
             break
@@ -317,14 +318,13 @@ def recomputable(graph: TaskGraph, *, fused: bool = True, tasks: Collection[int]
 
 
 def _choose(graph: TaskGraph, tasks: Sequence[int], base: dict[str, str], saved_bases: set[str],
-            made: set[str], held: set[str], blocked: set[str]) -> tuple[set[str], set[str]]:
+            made: set[str], held: set[str], blocked: set[str],
+            written: set[str]) -> tuple[set[str], set[str]]:
     """(the values made by recipes, and those with the views of them: every value that is a
     recipe); of the first, those saved are dropped."""
     chosen: set[str] = set()
     recipe: set[str] = set()
     ops: dict[str, int] = {}  # ops one rebuild of a recipe runs (its own and its inputs')
-
-    written = {v for task in graph.tasks for v in task.mutates}  # (a buffer a write changes)
 
     def available(u: str) -> bool:
         val = graph.values[u]

@@ -40,9 +40,8 @@ def to_plan(graph: TaskGraph, atomic: AtomicPartition, costs: GraphCosts, best: 
                 memory_bytes=best.memory[s], microbatch_rows=rows, in_flight=best.in_flight[s],
                 recompute_memory_fraction=best.recompute[s], recompute_s=best.recompute_s[s],
                 backward_weight_s=best.wgrad[s], first_block=lo, last_block=hi,
-                selective_s=best.selective_s[s] if best.selective_s else 0.0),
-            modules=module_range(graph, atomic, comps),
-            selective=bool(best.selective and best.selective[s])))
+                selective_s=best.selective_s[s]),
+            modules=module_range(graph, atomic, comps), selective=best.selective[s]))
     return Plan(stages=tuple(stages), microbatches=c.microbatches, world_size=world,
                 fingerprint=graph.fingerprint(), schedule=c.schedule,
                 predicted_iteration_time=best.time, batch_size=batch_size,

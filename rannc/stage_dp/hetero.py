@@ -84,14 +84,11 @@ def hetero_stages(prof: BlockProfile, io: BlockIO, static: np.ndarray, dev: Hete
     # this rank's rows of every batch output, assembled when the call returns
     mine = io.returned_bytes(0, local_rows(round(rows * microbatches), 1, n))[1]
     slow = min(dev.speed)
-    zero = np.zeros((1, prof.fwd.shape[1]))
-    pre = {x: np.vstack([zero, np.cumsum(getattr(prof, x), axis=0)]) for x in ("fwd", "bwd", "kept")}
+    pre = prof.prefix_sums(("fwd", "bwd", "kept", "kept_sel", "selective"))
     # (recompute the whole forward, keep a recipe of the cheap ops' activations) per option
     options = [(False, False), (True, False)] if checkpointing in ("auto", "stage_aware") else \
         [(checkpointing == "on", False)]
-    if selective and prof.kept_sel is not None and prof.selective is not None:
-        pre["kept_sel"] = np.vstack([zero, np.cumsum(prof.kept_sel, axis=0)])
-        pre["sel"] = np.vstack([zero, np.cumsum(prof.selective, axis=0)])
+    if selective and "kept_sel" in pre and "selective" in pre:
         options = [(False, True)] if checkpointing == "selective" else [*options, (False, True)]
     elif checkpointing == "selective":
         options = [(False, False)]
@@ -135,7 +132,7 @@ def hetero_stages(prof: BlockProfile, io: BlockIO, static: np.ndarray, dev: Hete
         best: HeteroStage | None = None
         for rc, sel in options:
             k_row = (pre["kept_sel"][r + 1, c] - pre["kept_sel"][lo, c]) / b if sel else kept
-            sel_row = (pre["sel"][r + 1, c] - pre["sel"][lo, c]) / b if sel else 0.0
+            sel_row = (pre["selective"][r + 1, c] - pre["selective"][lo, c]) / b if sel else 0.0
             # the memory model is affine in the rows a replica computes: fixed + per_row * rows
             fixed = stage_memory(float(static[lo, r]) + bucket, work, in0, out0, 0.0,
                                  in_flight=in_flight, saved_inputs=saved, recompute=float(rc),

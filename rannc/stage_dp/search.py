@@ -106,8 +106,8 @@ class Simulated:
     in_flight: tuple[int, ...]
     recompute_s: tuple[float, ...]
     wgrad: tuple[float, ...]  # the weight-gradient seconds within bwd
-    selective: tuple[bool, ...] = ()  # per stage, selective recomputation (empty: none)
-    selective_s: tuple[float, ...] = ()  # its seconds, in bwd
+    selective: tuple[bool, ...]  # per stage, selective recomputation
+    selective_s: tuple[float, ...]  # its seconds, in bwd
 
 
 class TableCache:

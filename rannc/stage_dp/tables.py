@@ -280,16 +280,11 @@ def stage_tables(prof: BlockProfile, io: BlockIO, mem: MemoryModel, *, batch_siz
     n_in = microbatches if inflight is None else inflight
     local = local_rows(batch_size, 1, world) if world is not None else \
         local_rows(batch_size, copies, devices)
-    zero = np.zeros((1, prof.fwd.shape[1]))
-    pre = {n: np.vstack([zero, np.cumsum(getattr(prof, n), axis=0)]) for n in ("fwd", "bwd", "kept")}
-    sel_ok = mem.selective and prof.kept_sel is not None and prof.selective is not None
-    if prof.kept_sel is not None and prof.selective is not None:
-        pre["kept_sel"] = np.vstack([zero, np.cumsum(prof.kept_sel, axis=0)])
-        pre["sel"] = np.vstack([zero, np.cumsum(prof.selective, axis=0)])
+    pre = prof.prefix_sums(("fwd", "bwd", "kept", "wgrad", "kept_sel", "selective"))
+    pre.setdefault("wgrad", np.zeros_like(pre["fwd"]))  # (unknown: no W split out)
+    sel_ok = mem.selective and "kept_sel" in pre and "selective" in pre
     selective = np.zeros(shape, dtype=bool)
     selective_s = np.zeros(shape)
-    pre["wgrad"] = np.vstack([zero, np.cumsum(prof.wgrad if prof.wgrad is not None
-                                              else np.zeros_like(prof.fwd), axis=0)])
     work_max = np.zeros((k, k, prof.work.shape[1]))
     for lo in range(k):
         work_max[lo, lo:] = np.maximum.accumulate(prof.work[lo:], axis=0)
@@ -334,12 +329,12 @@ def stage_tables(prof: BlockProfile, io: BlockIO, mem: MemoryModel, *, batch_siz
             f_s = np.maximum(fraction_to_fit(full_s, per_s, mem.limit), f_min)
             ok_s = valid & (f_s <= f_max) & (at_return <= mem.limit)
             f_s = np.where(ok_s, f_s, 0.0)
-            extra_s = rng("sel") + f_s * fwd
+            extra_s = rng("selective") + f_s * fwd
             use = ok_s & (~ok | ((f > 0) & (extra_s < extra)))  # (only where memory asks)
             if only_sel:
                 ok, use = ok_s, ok_s
             selective[:, :, d] = use
-            selective_s[:, :, d] = np.where(use, rng("sel"), 0.0)
+            selective_s[:, :, d] = np.where(use, rng("selective"), 0.0)
             ok = ok | use
             f = np.where(use, f_s, f)
             extra = np.where(use, extra_s, extra)
