@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rannc.atomic.components import atomic_components
-from rannc.graph.capture import capture, flatten_inputs
+from rannc.graph.capture import CapturedModel, capture, flatten_inputs
 from rannc.graph.task_graph import TaskGraph
 from rannc.profile.device import Cluster, DeviceSpec
 from rannc.profile.estimate import GraphCosts, runs_fused_kernels
@@ -74,13 +74,18 @@ class Head(nn.Module):
         return F.cross_entropy(logits.view(-1, 100), ids.view(-1))
 
 
-def autograd_saves(model: nn.Module, args: tuple[Any, ...]) -> tuple[TaskGraph, float]:
-    """The captured graph and the bytes autograd saves running it forward once (distinct
-    storages, parameters and inputs left out)."""
+def captured(model: nn.Module, args: tuple[Any, ...]) -> tuple[CapturedModel, list[Any]]:
+    """`model(*args)` captured, and the values its graph module's placeholders take."""
     cap = capture(model, args, {})
     leaves, _ = flatten_inputs(args, {})
     env = cap.bind(model, leaves)
-    ph = [env.get(n.name) for n in cap.gm.graph.nodes if n.op == "placeholder"]
+    return cap, [env.get(n.name) for n in cap.gm.graph.nodes if n.op == "placeholder"]
+
+
+def autograd_saves(model: nn.Module, args: tuple[Any, ...]) -> tuple[TaskGraph, float]:
+    """The captured graph and the bytes autograd saves running it forward once (distinct
+    storages, parameters and inputs left out)."""
+    cap, ph = captured(model, args)
     skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
     skip |= {a.untyped_storage().data_ptr() for a in args}
     seen: dict[int, int] = {}

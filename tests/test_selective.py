@@ -11,17 +11,16 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from test_saved import B, Block, H, S, captured  # (the same sizes and BERT-like layer)
 from torch import nn
 
 import rannc
-from rannc.graph.capture import capture, flatten_inputs
+from rannc.graph.capture import capture
 from rannc.pipeline.selective import Recorder, instrument
 from rannc.pipeline.split_backward import backward_input
 from rannc.profile.saved import recomputable, saved
 
 pytestmark = pytest.mark.layer("pure")
-
-B, S, H = 4, 16, 32
 
 
 class RMSNorm(nn.Module):
@@ -57,31 +56,19 @@ class SwiGLU(nn.Module):
 
 
 class BertLike(nn.Module):
-    """Attention with dropout (random: never recomputed), layer norms, gelu, residuals."""
+    """test_saved's BERT-like layer (attention with dropout, which is never recomputed; layer
+    norms, gelu, residuals), then a gelu nobody saves scaled by a constant, the product's
+    recipe made from it; summed."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.qkv = nn.Linear(H, 3 * H)
-        self.out = nn.Linear(H, H)
-        self.ln1 = nn.LayerNorm(H)
+        self.block = Block()
         self.fc = nn.Linear(H, 4 * H)
         self.proj = nn.Linear(4 * H, H)
-        self.drop = nn.Dropout(0.1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv(x).split(H, dim=-1)
-        q, k, v = (t.view(x.shape[0], S, 2, H // 2).transpose(1, 2) for t in (q, k, v))
-        a = F.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
-        a = a.transpose(1, 2).contiguous().view(x.shape[0], S, H)
-        x = self.ln1(x + self.drop(self.out(a)))
+        x = self.block(x)
         return (x + self.proj(F.gelu(self.fc(x)) * 0.5)).sum()
-
-
-def _captured(model: nn.Module, x: torch.Tensor) -> tuple[Any, list[Any]]:
-    cap = capture(model, (x,), {})
-    leaves, _ = flatten_inputs((x,), {})
-    env = cap.bind(model, leaves)
-    return cap, [env.get(n.name) for n in cap.gm.graph.nodes if n.op == "placeholder"]
 
 
 def _kept(graph: Any, freed: bool) -> float:
@@ -98,7 +85,7 @@ def test_the_runtime_saves_what_the_memory_model_counts(make: Any) -> None:
     torch.manual_seed(0)
     model = make().train()
     x = torch.randn(B, S, H)
-    cap, ph = _captured(model, x)
+    cap, ph = captured(model, (x,))
     skip = {p.untyped_storage().data_ptr() for p in model.parameters()} | {x.untyped_storage().data_ptr()}
     rule = recomputable(cap.graph, fused=False)
     assert rule.values
@@ -118,7 +105,7 @@ def _run(rec: Recorder, gm: Any, ph: list[Any]) -> Any:
 
 
 def test_a_swiglu_layer_drops_its_activations_and_norm_outputs() -> None:
-    cap, _ = _captured(SwiGLU().train(), torch.randn(B, S, H))
+    cap, _ = captured(SwiGLU().train(), (torch.randn(B, S, H),))
     rule = recomputable(cap.graph, fused=False)
     ops = {cap.graph.tasks[cap.graph.producer(v)].op for v in rule.values}  # type: ignore[index]
     assert {"aten.silu.default", "aten.mul.Tensor", "aten.gelu.default"} <= ops
@@ -130,7 +117,7 @@ def test_a_swiglu_layer_drops_its_activations_and_norm_outputs() -> None:
 
 
 def test_dropout_and_what_it_reads_stay_saved() -> None:
-    cap, _ = _captured(BertLike().train(), torch.randn(B, S, H))
+    cap, _ = captured(BertLike().train(), (torch.randn(B, S, H),))
     rule = recomputable(cap.graph, fused=False)
     for v in rule.values:
         op = cap.graph.tasks[cap.graph.producer(v)].op  # type: ignore[index]
@@ -145,7 +132,7 @@ def test_gradients_are_bit_exact(make: Any, split: bool) -> None:
         torch.manual_seed(0)
         model = make().train()
         x = torch.randn(B, S, H)
-        cap, ph = _captured(model, x)
+        cap, ph = captured(model, (x,))
         rec = Recorder()
         if sel:
             assert instrument(cap.gm, recomputable(cap.graph, fused=False).values, rec) > 0
