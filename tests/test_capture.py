@@ -190,6 +190,61 @@ def test_value_kinds_bert(bert: tuple[Any, CapturedModel]) -> None:
     assert g.values_of_kind(ValueKind.CONSTANT)  # e.g. position-id slices computed from buffers
 
 
+def _tiny_bert_without_mask() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(0)
+    model = BertForMaskedLM(BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                                       num_attention_heads=2, intermediate_size=64,
+                                       hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    ids = torch.randint(0, 64, (3, 10))
+    return model, {"input_ids": ids, "labels": ids}
+
+
+def _attention_masks(cap: CapturedModel) -> list[torch.Tensor]:
+    sdpa = torch.ops.aten.scaled_dot_product_attention.default
+    nodes = [n for n in cap.gm.graph.nodes if n.op == "call_function" and n.target is sdpa]
+    masks = [n.args[3] if len(n.args) > 3 else n.kwargs.get("attn_mask") for n in nodes]
+    return [m.meta["val"] for m in masks if m is not None]
+
+
+def test_attention_masks_are_dense_along_the_keys() -> None:
+    """BERT called without an attention mask: traced, Hugging Face builds `arange >= 0`
+    expanded across the keys (stride 0), which every fused attention kernel off the CPU refuses
+    (a GPU then ran the math attention: 1.49x plain PyTorch's memory). The captured graph hands
+    the kernels one contiguous copy, with the same values: losses and gradients unchanged."""
+    model, kw = _tiny_bert_without_mask()
+    cap = capture(model, (), kw)
+    masks = _attention_masks(cap)
+    assert len(masks) == 2 and all(m.stride()[-1] == 1 for m in masks)
+    clones = [n for n in cap.gm.graph.nodes if n.target is torch.ops.aten.clone.default]
+    assert len(clones) == 1  # one copy, read by both layers
+    ref = copy.deepcopy(model)
+    out = run_captured(cap, model, (), kw)
+    expected = ref(**kw)
+    torch.testing.assert_close(out.loss, expected.loss, rtol=0, atol=0)
+    out.loss.backward()
+    expected.loss.backward()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=n)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_captured_bert_runs_the_fused_attention_on_a_gpu() -> None:
+    """With only the memory-efficient kernel allowed, a mask strided 0 along the keys raises
+    'No available kernel'; the captured graph runs forward and backward."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    model, kw = _tiny_bert_without_mask()
+    model = model.cuda()
+    kw = {k: v.cuda() for k, v in kw.items()}
+    cap = capture(model, (), kw)
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+        out = run_captured(cap, model, (), kw)
+        out.loss.backward()
+    assert torch.isfinite(out.loss)
+
+
 # -- batch dims ---------------------------------------------------------------------------------
 def test_batch_dims_bert(bert: tuple[Any, CapturedModel]) -> None:
     _, cap = bert

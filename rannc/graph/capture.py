@@ -396,6 +396,44 @@ def _runnable_in_eager(gm: fx.GraphModule) -> None:
             node.target = aten.reshape.default
 
 
+def _dense_attention_masks(gm: fx.GraphModule) -> None:
+    """Give every `scaled_dot_product_attention` a mask that is dense along the keys.
+
+    Traced, Hugging Face's bidirectional mask (BERT's, where eager passes no mask at all) is
+    `arange(S) >= 0` expanded across the keys: stride 0 in its last dimension. On any device
+    but the CPU, PyTorch's fused attention kernels refuse a mask whose last dimension is not
+    stride 1 (`check_last_dim_stride_equals_1_dense`, pytorch/pytorch#158424), so such a graph
+    ran the unfused math attention on a GPU, saving the probabilities, the dropout mask and the
+    dropped probabilities of every layer: 1.49x plain PyTorch's peak memory (H100,
+    BertForMaskedLM L12 H768, 32 x 512, fp32: 27.5 against 18.4 GiB; `benchmarks/gpu_memory.py`).
+    One contiguous copy of each such mask (booleans: batch x queries x keys bytes, shared by
+    every layer reading it) holds the same values; the CPU kernels, which accept either, copy
+    such a mask themselves."""
+    sdpa = torch.ops.aten.scaled_dot_product_attention.default
+    dense: dict[fx.Node, fx.Node] = {}
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not sdpa:
+            continue
+        in_args = len(node.args) > 3
+        mask = node.args[3] if in_args else node.kwargs.get("attn_mask")
+        val = mask.meta.get("val") if isinstance(mask, fx.Node) else None
+        if not isinstance(val, torch.Tensor) or val.dim() == 0:
+            continue
+        last, size = val.stride()[-1], val.shape[-1]
+        if not (isinstance(last, int) and last != 1 and not (isinstance(size, int) and size <= 1)):
+            continue
+        if mask not in dense:
+            with gm.graph.inserting_after(mask):
+                copy = gm.graph.call_function(torch.ops.aten.clone.default, (mask,),
+                                              {"memory_format": torch.contiguous_format})
+            copy.meta = {**mask.meta, "val": val.clone(memory_format=torch.contiguous_format)}
+            dense[mask] = copy
+        if in_args:
+            node.args = (*node.args[:3], dense[mask], *node.args[4:])
+        else:
+            node.kwargs = {**node.kwargs, "attn_mask": dense[mask]}
+
+
 def _alias_base(node: fx.Node) -> fx.Node:
     """The tensor a view (slice, select, transpose, view, ...) of a view ... aliases."""
     while node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
@@ -539,6 +577,7 @@ def _from_exported(ep: ExportedProgram, layout: InputLayout, seconds: float,
     user_outputs = _write_back_mutations(ep)
     if functional:
         _runnable_in_eager(gm)
+    _dense_attention_masks(gm)
     _drop_dead_code(gm, {str(getattr(spec.arg, "name", "")) for spec in sig.input_specs
                          if spec.kind is InputKind.BUFFER})
     gm.recompile()
