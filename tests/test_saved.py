@@ -4,6 +4,7 @@ and model inputs left out (the memory model holds those as parameters and stage 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -168,3 +169,17 @@ def test_backward_work_of_the_loss_holds_two_logit_sized_gradients() -> None:
     costs = GraphCosts.of(cap.graph, atomic_components(cap.graph), fused=False)
     t = next(i for i, task in enumerate(cap.graph.tasks) if "cross_entropy" in task.op)
     assert costs.work[t, 0] + costs.work[t, 1] * B >= 2 * B * S * 100 * 4
+
+
+def test_one_rule_says_which_devices_run_fused_kernels() -> None:
+    """The planner asks with DeviceSpec names, the runtime with torch device types: one rule,
+    so that both drop the same recipes (any device but a CPU runs fused attention)."""
+    from rannc.profile.device import KNOWN_DEVICES
+    from rannc.profile.saved import fused_kernels
+
+    assert [fused_kernels(d) for d in ("cpu", "local-cpu", "cuda", "xpu", "H100")] == [
+        False, False, True, True, True]
+    h100 = KNOWN_DEVICES["H100"]
+    cpu = dataclasses.replace(h100, name="local-cpu")
+    assert runs_fused_kernels(Cluster.homogeneous(h100, n=2, per_node=2))
+    assert not runs_fused_kernels(Cluster([h100, cpu], per_node=2))

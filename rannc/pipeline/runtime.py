@@ -78,6 +78,7 @@ from rannc.pipeline.rows import RowLayout
 from rannc.pipeline.stage import Part, Stage, build_parts
 from rannc.pipeline.transport import Guess, LayoutChanged, Tags, Transport
 from rannc.plans import Plan
+from rannc.profile.saved import fused_kernels
 from rannc.schedule import (
     FILL_DRAIN,
     Action,
@@ -141,7 +142,7 @@ class PipelineRuntime:
                 n_rec = 0  # e.g. scp's last stage holds one microbatch at a time: nothing to save
             self.parts[s] = build_parts(captured, atomic, self.stages, groups, s, n_rec, wrap_stage,
                                         selective=plan.stages[s].selective,
-                                        fused=torch.device(device).type == "cuda")
+                                        fused=fused_kernels(torch.device(device).type))
         self.rec_part, self.keep_part = self.parts[self.s]  # the first stage's
         self.grads = GradReducer(self.held, param_groups, self.routes.first_use(),
                                  int(bucket_mb * 2**20), self._accumulations(),

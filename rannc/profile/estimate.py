@@ -27,7 +27,7 @@ import numpy as np
 from rannc.atomic.components import AtomicPartition
 from rannc.graph.task_graph import TaskGraph, Value, ValueKind, eval_dim
 from rannc.profile.device import Cluster, DeviceSpec
-from rannc.profile.saved import recomputable, saved
+from rannc.profile.saved import fused_kernels, recomputable, saved
 
 DTYPE_BYTES = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
@@ -217,9 +217,9 @@ class BlockProfile:
 
 
 def runs_fused_kernels(cluster: Cluster) -> bool:
-    """Whether every device of `cluster` runs fused attention and dropout kernels: not a CPU
-    (`rannc.profile.saved`)."""
-    return not any(d.name.endswith("cpu") for d in cluster.devices)  # (rannc.hostmem.is_host)
+    """Whether every device of `cluster` runs fused attention and dropout kernels
+    (`rannc.profile.saved.fused_kernels`)."""
+    return all(fused_kernels(d.name) for d in cluster.devices)
 
 
 def _shape(v: Value, batch: int) -> list[int]:

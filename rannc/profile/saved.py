@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from rannc.graph.task_graph import TaskGraph, Value, ValueKind, eval_dim
+from rannc.hostmem import is_host
 
 _FLOAT = {"float64", "float32", "float16", "bfloat16"}
 
@@ -147,6 +148,14 @@ def _cuts_inner(src: Value, out: Value, op: str) -> bool:
     cut = [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
     lead = next((i for i, x in enumerate(a) if x > 1), len(a))
     return bool(cut) and cut[0] > lead
+
+
+def fused_kernels(device: str) -> bool:
+    """Whether `device` (a `DeviceSpec` name such as "H100" or "local-cpu", or a torch device
+    type such as "cuda") runs fused attention and dropout kernels, which save other tensors
+    than the CPU's (`saved`'s `fused`): any device but a CPU. The one rule for the planner's
+    estimate and the runtime's selective recomputation, so that both drop the same values."""
+    return not is_host(device)
 
 
 def saved(graph: TaskGraph, *, fused: bool = True) -> tuple[np.ndarray, np.ndarray]:
@@ -385,4 +394,5 @@ def _attention_saved(graph: TaskGraph, ins: list[str], outs: list[str], fused: b
         3 * _attention_matrix(graph, ins)
 
 
-__all__ = ["Recomputable", "bases", "bytes_lin", "recomputable", "requires_grad", "saved"]
+__all__ = ["Recomputable", "bases", "bytes_lin", "fused_kernels", "recomputable", "requires_grad",
+           "saved"]
