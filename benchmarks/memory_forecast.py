@@ -109,8 +109,9 @@ def tensor_peak(prof: Any) -> tuple[float, dict[str, float], str]:
     return float(sum(sizes[i])), by_cat, at
 
 
-def forecast_terms(plan: Any, st: Any, opt_factor: float) -> dict[str, float]:
-    """The memory model's terms for stage `st` of `plan` (bytes), from the estimate on this CPU."""
+def forecast_terms(plan: Any, st: Any, opt_factor: float, fused: bool = False) -> dict[str, float]:
+    """The memory model's terms for stage `st` of `plan` (bytes), from the estimate on a CPU, or
+    on a device running fused attention and dropout kernels (`fused`: a GPU)."""
     from rannc.profile.estimate import GraphCosts
     from rannc.schedule import get_spec
     from rannc.stage_dp.memory import local_rows, rank_overhead, returned_memory
@@ -118,7 +119,7 @@ def forecast_terms(plan: Any, st: Any, opt_factor: float) -> dict[str, float]:
 
     graph, atomic = plan.source
     comps = set(st.components)
-    costs = GraphCosts.of(graph, atomic, fused=False)
+    costs = GraphCosts.of(graph, atomic, fused=fused)
     # blocks: 0 the components before the stage (maybe none), 1 the stage, 2 those after
     io = BlockIO.of(graph, atomic, [0 if c < min(comps) else 1 if c in comps else 2
                                     for c in range(len(atomic.components))])
@@ -137,7 +138,7 @@ def forecast_terms(plan: Any, st: Any, opt_factor: float) -> dict[str, float]:
                 optimizer=opt_factor * float(io.grad_params[j, j]), kept=n * kept,
                 inputs_outputs=n * (inb + outb), saved_inputs=saved * inb, work=work,
                 returned_held=float(ret.held[j, j]), at_return=float(ret.at_return[j, j]),
-                overhead=rank_overhead(["local-cpu"], len(graph.tasks)))
+                overhead=0.0 if fused else rank_overhead(["local-cpu"], len(graph.tasks)))
 
 
 def worker(a: argparse.Namespace) -> None:

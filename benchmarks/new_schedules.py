@@ -181,6 +181,8 @@ def measured(a: argparse.Namespace) -> None:
     import json
     import subprocess
 
+    from benchmarks.pipeline_memory import cores_note
+
     mpiexec = str(Path(sys.executable).parent / "mpiexec")
     env = dict(os.environ, PYTHONPATH=str(ROOT), RANNC_BACKEND="gloo", OMP_NUM_THREADS="1")
     if a.smoke and a.model == "standin":  # the smoke checks the script runs: 1 ms sleeps
@@ -201,7 +203,7 @@ def measured(a: argparse.Namespace) -> None:
         for name in MEASURED:
             r = out[name]
             mem = " / ".join(f"{x:.0f}" for x in r["saved_mb"])
-            print(f"| {n}{' (2 cores)' if n > 2 else ''} | {name} | {r['layout']} | "
+            print(f"| {n}{cores_note(n)} | {name} | {r['layout']} | "
                   f"{r['median_s']:.3f} | {r['ratio']:.3f}x | "
                   f"{'- (nothing saved)' if a.model == 'standin' else mem} |", flush=True)
 

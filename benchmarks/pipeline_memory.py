@@ -62,6 +62,13 @@ _TAG = "_RANNC_BENCH_LAUNCH"
 
 
 # -- measuring --------------------------------------------------------------------------------
+def cores_note(ranks: int) -> str:
+    """' (oversubscribed: C cores)' where `ranks` processes share fewer cores than that (this
+    process's CPU affinity, which the ranks inherit), else ''."""
+    cores = len(os.sched_getaffinity(0))
+    return f" (oversubscribed: {cores} cores)" if ranks > cores else ""
+
+
 def status_kb(field: str) -> int:
     """A ``/proc/self/status`` field in KiB (VmRSS: current resident set, VmHWM: its peak)."""
     for line in Path("/proc/self/status").read_text().splitlines():

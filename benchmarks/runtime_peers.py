@@ -511,7 +511,7 @@ def report(a: argparse.Namespace, cases: list[tuple[str, int]], variants: tuple[
             cpus = [statistics.median(runs[r].get("cpu_ms_step", 0.0) for runs in results[key])
                     for r in range(n)]
             reps = ", ".join(f"{runs[0]['samples_s']:.1f}" for runs in results[key])
-            over = " (oversubscribed: 2 cores)" if n > 2 else ""
+            over = pm.cores_note(n)
             lines.append("| " + " | ".join([
                 model, f"{n}{over}", NAMES[v], first["layout"] + (
                     "*" if key in split_layer else ""), str(first["microbatches"]),
@@ -548,7 +548,7 @@ def plot(path: str, cases: list[tuple[str, int]], variants: tuple[str, ...], spe
                                                   if v.startswith("pipe") else "C2" for v in variants])
         ax.set_xticks(range(len(variants)), [NAMES[v].replace("pipelining Schedule", "pipe ").replace(
             " (2 stages per rank)", ", 2/rank") for v in variants], fontsize=7, rotation=35, ha="right")
-        ax.set_title(f"{model}, {n} ranks" + (" (2 cores)" if n > 2 else ""), fontsize=9)
+        ax.set_title(f"{model}, {n} ranks{pm.cores_note(n)}", fontsize=9)
         ax.set_ylabel("samples/s")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

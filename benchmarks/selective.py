@@ -1,9 +1,13 @@
 """Selective recomputation measured on this machine: what autograd keeps for backward and what a
 forward + backward costs, with and without the recipes (`rannc.pipeline.selective`), on Hugging
-Face decoder models built from configs (random weights), one process, CPU. Also checks that the
-gradients are bit-identical, and prints the memory model's figures for the same graph.
+Face decoder models built from configs (random weights), one process, CPU (or `--device cuda`:
+fused attention, times between synchronisations, and the peak each variant's forward and
+backward allocate). Also checks that the gradients are bit-identical, and prints the memory
+model's figures for the same graph.
 
     OMP_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python benchmarks/selective.py
+    PYTHONPATH=. python benchmarks/selective.py --device cuda --dtype bf16 --layers 8 \
+        --hidden 2048 --seq 2048 --batch 4
 
 The two variants alternate (ABBA) so the machine's load hits both alike; times are medians.
 """
@@ -57,14 +61,17 @@ def build(kind: str, layers: int, hidden: int, seq: int) -> torch.nn.Module:
 
 def one(kind: str, a: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(0)
-    model = LossOnly(build(kind, a.layers, a.hidden, a.seq)).train()
-    ids = torch.randint(0, 4096, (a.batch, a.seq))
+    dev = torch.device(a.device)
+    cuda = dev.type == "cuda"
+    dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
+    model = LossOnly(build(kind, a.layers, a.hidden, a.seq)).to(dev, dtype).train()
+    ids = torch.randint(0, 4096, (a.batch, a.seq), device=dev)
     kw = {"input_ids": ids, "labels": ids}
     cap = capture(model, (), kw)
     leaves, _ = flatten_inputs((), kw)
     env = cap.bind(model, leaves)
     ph = [env.get(n.name) for n in cap.gm.graph.nodes if n.op == "placeholder"]
-    rule = recomputable(cap.graph, fused=False)
+    rule = recomputable(cap.graph, fused=cuda)  # fused attention and dropout on a GPU
     plain_gm = cap.gm
     sel_gm = copy.deepcopy(cap.gm)
     rec = Recorder()
@@ -83,14 +90,28 @@ def one(kind: str, a: argparse.Namespace) -> dict[str, Any]:
     fwd(counting_gm, counted["selective"])
     bytes_plain, bytes_sel = (counted[n].kept_bytes(skip) for n in ("plain", "selective"))
 
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(dev)
+
+    peaks: dict[str, float] = {}
+
     def step(gm: Any, r: Recorder) -> tuple[float, float, list[torch.Tensor]]:
         for p in params:
             p.grad = None
+        sync()
+        if cuda:
+            start = torch.cuda.memory_allocated(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
         t0 = time.perf_counter()
         loss = fwd(gm, r)
+        sync()
         t1 = time.perf_counter()
         loss.backward()
+        sync()
         t2 = time.perf_counter()
+        if cuda:
+            peaks["plain" if r is off else "selective"] = torch.cuda.max_memory_allocated(dev) - start
         return t1 - t0, t2 - t1, [p.grad.clone() if p.grad is not None else None for p in params]
 
     step(plain_gm, off)
@@ -102,10 +123,18 @@ def one(kind: str, a: argparse.Namespace) -> dict[str, Any]:
         for name in order:
             f, b, g = step(plain_gm if name == "plain" else sel_gm, off if name == "plain" else rec)
             times[name].append((f, b))
+            grads.setdefault(f"first {name}", g)
             grads[name] = g
-    exact = all((x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
-                for x, y in zip(grads["plain"], grads["selective"], strict=True))
-    kept, _ = saved(cap.graph, fused=False)
+
+    def same(x: list[Any], y: list[Any]) -> bool:
+        return all((p is None and q is None) or (p is not None and q is not None and torch.equal(p, q))
+                   for p, q in zip(x, y, strict=True))
+
+    exact = same(grads["plain"], grads["selective"])
+    # A GPU's kernels may sum in a different order from run to run (atomic adds): then the
+    # unchanged graph run twice differs as well, and "exact" above says nothing of selective
+    repeatable = same(grads["plain"], grads["first plain"])
+    kept, _ = saved(cap.graph, fused=cuda)
     k = kept[:, 0] + kept[:, 1] * a.batch
     fr = rule.freed[:, 0] + rule.freed[:, 1] * a.batch
     med = {n: (statistics.median(f for f, _ in v), statistics.median(b for _, b in v))
@@ -114,7 +143,10 @@ def one(kind: str, a: argparse.Namespace) -> dict[str, Any]:
             "model_plain_mib": float(k.sum()) / 2**20,
             "model_sel_mib": float((k - fr).sum()) / 2**20, "values": len(rule.values),
             "fwd_plain": med["plain"][0], "bwd_plain": med["plain"][1],
-            "fwd_sel": med["selective"][0], "bwd_sel": med["selective"][1], "exact": exact}
+            "fwd_sel": med["selective"][0], "bwd_sel": med["selective"][1], "exact": exact,
+            "repeatable": repeatable,
+            "peak_plain_mib": peaks.get("plain", float("nan")) / 2**20,
+            "peak_sel_mib": peaks.get("selective", float("nan")) / 2**20}
 
 
 def main() -> None:
@@ -126,24 +158,30 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--repeats", type=int, default=8)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--smoke", action="store_true", help="a tiny Llama, two repeats (seconds)")
     a = p.parse_args()
     if a.smoke:
         a.models, a.layers, a.hidden, a.seq, a.batch, a.repeats = ["llama"], 1, 64, 16, 2, 2
-    print(f"{a.layers} layers, hidden {a.hidden}, sequence {a.seq}, batch {a.batch}, fp32, "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads, {a.repeats} repeats")
+    where = (torch.cuda.get_device_name(a.device) if a.device.startswith("cuda")
+             else f"{torch.get_num_threads()} threads")
+    print(f"{a.layers} layers, hidden {a.hidden}, sequence {a.seq}, batch {a.batch}, {a.dtype}, "
+          f"torch {torch.__version__}, {where}, {a.repeats} repeats")
     print()
     print("| model | recipes | saved MiB, all kept | saved MiB, selective | selective / all | "
           "forecast MiB, all / selective | fwd ms | bwd ms, all kept | bwd ms, selective | "
-          "added / forward | gradients bit-identical |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "added / forward | gradients bit-identical (plain run twice) | peak MiB fwd+bwd, all / selective |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for kind in a.models:
         r = one(kind, a)
         added = (r["fwd_sel"] + r["bwd_sel"] - r["fwd_plain"] - r["bwd_plain"]) / r["fwd_plain"]
+        exact = f"{'yes' if r['exact'] else 'NO'} ({'yes' if r['repeatable'] else 'no'})"
         print(f"| {kind} | {r['values']} | {r['plain_mib']:.1f} | {r['sel_mib']:.1f} | "
               f"{r['sel_mib'] / r['plain_mib']:.3f} | {r['model_plain_mib']:.1f} / "
               f"{r['model_sel_mib']:.1f} | {r['fwd_plain'] * 1e3:.1f} | {r['bwd_plain'] * 1e3:.1f} | "
-              f"{r['bwd_sel'] * 1e3:.1f} | {added:+.3f} | {'yes' if r['exact'] else 'NO'} |",
+              f"{r['bwd_sel'] * 1e3:.1f} | {added:+.3f} | {exact} | "
+              f"{r['peak_plain_mib']:.0f} / {r['peak_sel_mib']:.0f} |",
               flush=True)
 
 
