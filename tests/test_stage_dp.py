@@ -143,3 +143,49 @@ def test_bad_positional_tables_are_refused() -> None:
         stage_dp_by_position([h], [0, 1], devices=2, s_max=2)
     with pytest.raises(ValueError, match="shape"):
         stage_dp_by_position([h, np.ones((3, 3, 3))], [0, 1], devices=2, s_max=2)
+
+
+# -- several stages per lane (ZB-V, interleaved): balance the lanes, not the stages -------------
+def _run_costs(block_costs: list[float]) -> np.ndarray:
+    """h[l, r]: the sum of blocks l..r (inf below the diagonal), as the stage tables give it."""
+    k = len(block_costs)
+    c = np.concatenate([[0.0], np.cumsum(block_costs)])
+    h = np.full((k, k), math.inf)
+    for lo in range(k):
+        h[lo, lo:] = c[lo + 1:] - c[lo]
+    return h
+
+
+def _lane_loads(h: np.ndarray, bounds: tuple[int, ...], lanes: tuple[int, ...]) -> list[float]:
+    out = [0.0] * (max(lanes) + 1)
+    for s, lane in enumerate(lanes):
+        out[lane] += float(h[bounds[s], bounds[s + 1] - 1])
+    return out
+
+
+def test_zero_bubble_v_bounds_balance_each_device_not_each_stage() -> None:
+    """An LLM-like chain: a light embedding, 12 equal layers, a head of 6. ZB-V runs stage d
+    and 2P - 1 - d on device d, so stage 0 (embedding) and stage 3 (head) share a device; the
+    slowest-stage split leaves that device far busier than the other, the lane split evens them
+    out, and the best split under exhaustive search has the same slowest device."""
+    import itertools
+
+    from rannc.schedule import default_placement
+    from rannc.stage_dp.search import balance_lanes, min_max_bounds, split_options
+
+    h = _run_costs([0.2] + [1.0] * 12 + [6.0])
+    hs = [h] * 4
+    lanes = default_placement("zero_bubble_v", 4)
+    assert lanes == (0, 1, 1, 0)
+    first = min_max_bounds(hs)
+    assert first is not None
+    balanced = balance_lanes(hs, lanes, first)
+    before, after = max(_lane_loads(h, first, lanes)), max(_lane_loads(h, balanced, lanes))
+    assert after < before
+    k = h.shape[0]
+    exhaustive = min(max(_lane_loads(h, (0, *cuts, k), lanes))
+                     for cuts in itertools.combinations(range(1, k), 3))
+    assert after == pytest.approx(exhaustive)
+    assert split_options(hs, "zero_bubble_v") == [first, balanced]
+    # one stage per lane: the slowest stage is the slowest device, one option
+    assert split_options(hs, "1f1b") == [first]

@@ -42,8 +42,8 @@ from rannc.stage_dp.search import (
     Simulated,
     TableCache,
     candidate,
-    min_max_bounds,
     simulate_candidate,
+    split_options,
 )
 from rannc.stage_dp.tables import BlockIO, ValueUses, batch_per_replica
 
@@ -179,15 +179,18 @@ def refine_boundaries(best: Simulated, block_of: Sequence[int], io: BlockIO,
         # fewer and recomputes less
         tabs = [table(c.devices, c.copies, c.microbatches, n, saved, c.schedule)
                 for n in best.in_flight]
-        bounds = min_max_bounds([t.h[:, :, d] for t, d in zip(tabs, c.replicas, strict=True)])
         mine = tuple(points.index(x) for x in cuts)
-        if bounds is not None and bounds != mine:
-            ref = simulate_candidate(candidate(tabs, c.devices, c.copies, c.microbatches, bounds,
-                                               c.replicas, c.schedule), table, late)
+        options = [b for b in split_options([t.h[:, :, d] for t, d in zip(tabs, c.replicas, strict=True)],
+                                            c.schedule) if b != mine]
+        if options:
+            refs = [(r, b) for b in options
+                    if (r := simulate_candidate(candidate(tabs, c.devices, c.copies, c.microbatches,
+                                                          b, c.replicas, c.schedule), table, late))]
             # the plan so far, costed on these same groups unless that cannot change its cost
             now = out[0] if tabler.oracle.additive else simulate_candidate(candidate(
                 tabs, c.devices, c.copies, c.microbatches, mine, c.replicas, c.schedule),
                 table, late)
+            ref, bounds = min(refs, key=lambda rb: rb[0].time) if refs else (None, mine)
             if ref is not None and (now is None or ref.time < now.time * (1 - 1e-9)):
                 out = (ref, seg_of, seg_io)
                 cuts = [points[b] for b in bounds]
