@@ -1,5 +1,6 @@
 """What rannc's captured graph runs for attention, against eager PyTorch: the attention
-operators each dispatches to, the bytes autograd saves and the peak of a forward and backward.
+operators each dispatches to, the bytes autograd saves and the peak of a forward and backward;
+then, per dtype and form of mask, what one attention call keeps (`kernels`).
 
     PYTHONPATH=. python benchmarks/attention_probe.py            # one CUDA GPU (else the CPU)
     PYTHONPATH=. .venv/bin/python benchmarks/attention_probe.py --smoke
@@ -107,6 +108,59 @@ def probe(kind: str, a: argparse.Namespace, dev: torch.device) -> None:
           flush=True)
 
 
+MASKS = ("none", "is_causal", "bool", "bool broadcast", "float")
+
+
+def kernels(a: argparse.Namespace, dev: torch.device) -> None:
+    """One `scaled_dot_product_attention` per (dtype, form of the mask): the kernel it
+    dispatches to and the bytes autograd keeps beyond q, k, v and the output, in units of one
+    batch x queries x keys element table. What `rannc.profile.saved` needs to know before it
+    counts a mask: a captured graph passes a materialised boolean mask where eager passes none
+    or `is_causal`, and if the kernel keeps that mask converted to an additive bias, every
+    layer holds one more such table (the GPT-2 probe of 2026-11-27 saved one float32 table a
+    layer more than eager; a bf16 Llama none)."""
+    heads, d = max(1, a.hidden // 64), 64
+    b, s = a.batch, a.seq
+    table = b * s * s  # elements of one batch x queries x keys table
+    dtypes = [torch.float32] + ([torch.bfloat16] if dev.type == "cuda" else [])
+    print(f"\nOne attention call, batch {b}, {heads} heads, {s} queries and keys, head dim {d}: "
+          f"what autograd keeps beyond q, k, v and the output, in tables of {b} x {s} x {s} "
+          "elements (bytes / elements)\n")
+    print("| dtype | mask | kernel | kept bytes / table elements |\n|---|---|---|---|")
+    for dt in dtypes:
+        for form in MASKS:
+            q, k, v = (torch.randn(b, heads, s, d, device=dev, dtype=dt, requires_grad=True)
+                       for _ in range(3))
+            causal = torch.ones(s, s, dtype=torch.bool, device=dev).tril()
+            mask: torch.Tensor | None = None
+            if form == "bool":
+                mask = causal.expand(b, 1, s, s).contiguous()
+            elif form == "bool broadcast":
+                mask = causal[None, None]
+            elif form == "float":
+                mask = torch.zeros(b, 1, s, s, device=dev, dtype=dt).masked_fill(~causal, float("-inf"))
+            skip = {t.untyped_storage().data_ptr() for t in (q, k, v)}
+            if mask is not None:
+                skip.add(mask.untyped_storage().data_ptr())
+            kept: dict[int, int] = {}
+
+            def pack(t: torch.Tensor, skip: set[int] = skip, kept: dict[int, int] = kept) -> torch.Tensor:
+                st = t.untyped_storage()
+                if st.data_ptr() not in skip:
+                    kept[st.data_ptr()] = st.nbytes()
+                return t
+
+            with OpLog() as log, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, is_causal=form == "is_causal")
+            skip.add(out.untyped_storage().data_ptr())
+            kept.pop(out.untyped_storage().data_ptr(), None)
+            kernel = next((k for k in log.ops if "attention" in k and "scaled_dot_product_attention."
+                           not in k), "math (" + ", ".join(k for k in log.ops if "softmax" in k) + ")")
+            print(f"| {str(dt).replace('torch.', '')} | {form} | {kernel} | "
+                  f"{sum(kept.values()) / table:.2f} |", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", choices=g.MODELS, default=list(g.MODELS))
@@ -116,6 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--smoke", action="store_true", help="tiny models on the CPU (seconds)")
+    p.add_argument("--no-kernels", action="store_true", help="skip the one-call kernel table")
     a = p.parse_args(argv)
     if a.smoke:
         a.models, a.layers, a.hidden, a.vocab, a.seq, a.batch = ["bert"], 1, 64, 128, 16, 2
@@ -124,6 +179,8 @@ def main(argv: list[str] | None = None) -> None:
           f"torch {torch.__version__}; L{a.layers} H{a.hidden}, batch {a.batch} x {a.seq}\n")
     for kind in a.models:
         probe(kind, a, dev)
+    if not a.no_kernels:
+        kernels(a, dev)
 
 if __name__ == "__main__":
     main()
