@@ -208,17 +208,54 @@ def _attention_masks(cap: CapturedModel) -> list[torch.Tensor]:
     return [m.meta["val"] for m in masks if m is not None]
 
 
+class KeyBroadcastMask(nn.Module):
+    """Attention under a mask computed from the input and expanded across the keys (stride 0
+    in its last dimension): one value of the mask per query."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (t.view(b, s, 2, 4).transpose(1, 2) for t in self.qkv(x).split(8, -1))
+        rows = x[:, :, 0] > -100.0  # every query, but from the data: not known at capture
+        mask = rows[:, None, :, None].expand(b, 1, s, s)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return a.square().sum()
+
+
 def test_attention_masks_are_dense_along_the_keys() -> None:
-    """BERT called without an attention mask: traced, Hugging Face builds `arange >= 0`
-    expanded across the keys (stride 0), which every fused attention kernel off the CPU refuses
-    (a GPU then ran the math attention: 1.49x plain PyTorch's memory). The captured graph hands
-    the kernels one contiguous copy, with the same values: losses and gradients unchanged."""
+    """Off the CPU, every fused attention kernel refuses a mask strided 0 along the keys (a GPU
+    then ran the math attention: BERT at 1.49x plain PyTorch's memory). The captured graph
+    hands the kernels one contiguous copy, with the same values: results unchanged, and a mask
+    computed from the input is kept even where it is all True."""
+    torch.manual_seed(0)
+    model = KeyBroadcastMask()
+    x = torch.randn(3, 16, 8)
+    cap = capture(model, (x,), {})
+    masks = _attention_masks(cap)
+    assert len(masks) == 1 and masks[0].stride()[-1] == 1
+    assert [n for n in cap.gm.graph.nodes if n.target is torch.ops.aten.clone.default]
+    ref = copy.deepcopy(model)
+    out, expected = run_captured(cap, model, (x,), {}), ref(x)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    out.backward()
+    expected.backward()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=n)
+
+
+def test_an_all_true_mask_made_from_literals_is_dropped_as_eager_does() -> None:
+    """BERT called without an attention mask: traced, Hugging Face builds `arange(S) >= 0`
+    expanded over the batch and the keys, where eager passes no mask. The capture evaluates it,
+    finds every key taking part and passes no mask either (a mask costs the GPU's kernels an
+    additive bias per layer); losses and gradients as eager's."""
     model, kw = _tiny_bert_without_mask()
     cap = capture(model, (), kw)
-    masks = _attention_masks(cap)
-    assert len(masks) == 2 and all(m.stride()[-1] == 1 for m in masks)
-    clones = [n for n in cap.gm.graph.nodes if n.target is torch.ops.aten.clone.default]
-    assert len(clones) == 1  # one copy, read by both layers
+    sdpa = [n for n in cap.gm.graph.nodes if n.target is torch.ops.aten.scaled_dot_product_attention.default]
+    assert len(sdpa) == 2 and not _attention_masks(cap)
+    assert not [n for n in cap.gm.graph.nodes if n.target is torch.ops.aten.arange.default]  # dead, erased
     ref = copy.deepcopy(model)
     out = run_captured(cap, model, (), kw)
     expected = ref(**kw)
@@ -235,14 +272,14 @@ def test_captured_bert_runs_the_fused_attention_on_a_gpu() -> None:
     'No available kernel'; the captured graph runs forward and backward."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    model, kw = _tiny_bert_without_mask()
-    model = model.cuda()
-    kw = {k: v.cuda() for k, v in kw.items()}
-    cap = capture(model, (), kw)
+    torch.manual_seed(0)
+    model = KeyBroadcastMask().cuda()
+    x = torch.randn(3, 16, 8, device="cuda")
+    cap = capture(model, (x,), {})
     with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
-        out = run_captured(cap, model, (), kw)
-        out.loss.backward()
-    assert torch.isfinite(out.loss)
+        out = run_captured(cap, model, (x,), {})
+        out.backward()
+    assert torch.isfinite(out)
 
 
 # -- batch dims ---------------------------------------------------------------------------------

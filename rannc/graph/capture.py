@@ -396,6 +396,59 @@ def _runnable_in_eager(gm: fx.GraphModule) -> None:
             node.target = aten.reshape.default
 
 
+def _constant(node: fx.Node, memo: dict[fx.Node, torch.Tensor | None]) -> torch.Tensor | None:
+    """The value of `node` where it is computed from literals alone (no graph input, parameter,
+    buffer or symbolic size), else None; evaluated once, on the device the graph names."""
+    if node in memo:
+        return memo[node]
+    memo[node] = None
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload) \
+            or torch.Tag.nondeterministic_seeded in node.target.tags:
+        return None
+    if any(isinstance(x, torch.SymInt | torch.SymFloat | torch.SymBool)
+           for x in pytree.tree_leaves((node.args, node.kwargs))):
+        return None
+    inputs = {}
+    for n in node.all_input_nodes:
+        value = _constant(n, memo)
+        if value is None:
+            return None
+        inputs[n] = value
+    args, kwargs = pytree.tree_map_only(fx.Node, inputs.__getitem__, (node.args, node.kwargs))
+    out = node.target(*args, **kwargs)
+    memo[node] = out if isinstance(out, torch.Tensor) else None
+    return memo[node]
+
+
+def _drop_all_true_attention_masks(gm: fx.GraphModule) -> None:
+    """Pass no mask to a `scaled_dot_product_attention` whose boolean mask is all True and
+    made from literals alone (an expansion of such a tensor included): every key takes part
+    either way, so the attention is the same, and eager PyTorch passes none there.
+
+    Traced, Hugging Face's bidirectional mask for a call without an attention mask (BERT's) is
+    `arange(S) >= 0` expanded over the batch and the keys, where eager decides from the data that
+    no mask is needed. With it the GPU's fused kernels take a mask (the memory-efficient one, or
+    none at all: see `_dense_attention_masks`) and keep it as an additive bias per layer, batch
+    x S x S elements in the query's dtype (`benchmarks/attention_probe.py`)."""
+    sdpa = torch.ops.aten.scaled_dot_product_attention.default
+    memo: dict[fx.Node, torch.Tensor | None] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not sdpa:
+            continue
+        in_args = len(node.args) > 3
+        mask = node.args[3] if in_args else node.kwargs.get("attn_mask")
+        if not isinstance(mask, fx.Node):
+            continue
+        base = mask.args[0] if mask.target is torch.ops.aten.expand.default else mask
+        value = _constant(base, memo) if isinstance(base, fx.Node) else None
+        if value is None or value.dtype != torch.bool or not bool(value.all()):
+            continue
+        if in_args:
+            node.args = (*node.args[:3], None, *node.args[4:])
+        else:
+            node.kwargs = {**node.kwargs, "attn_mask": None}
+
+
 def _dense_attention_masks(gm: fx.GraphModule) -> None:
     """Give every `scaled_dot_product_attention` a mask that is dense along the keys.
 
@@ -577,6 +630,7 @@ def _from_exported(ep: ExportedProgram, layout: InputLayout, seconds: float,
     user_outputs = _write_back_mutations(ep)
     if functional:
         _runnable_in_eager(gm)
+    _drop_all_true_attention_masks(gm)
     _dense_attention_masks(gm)
     _drop_dead_code(gm, {str(getattr(spec.arg, "name", "")) for spec in sig.input_specs
                          if spec.kind is InputKind.BUFFER})
