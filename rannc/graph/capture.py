@@ -452,16 +452,17 @@ def _drop_all_true_attention_masks(gm: fx.GraphModule) -> None:
 def _dense_attention_masks(gm: fx.GraphModule) -> None:
     """Give every `scaled_dot_product_attention` a mask that is dense along the keys.
 
-    Traced, Hugging Face's bidirectional mask (BERT's, where eager passes no mask at all) is
-    `arange(S) >= 0` expanded across the keys: stride 0 in its last dimension. On any device
-    but the CPU, PyTorch's fused attention kernels refuse a mask whose last dimension is not
-    stride 1 (`check_last_dim_stride_equals_1_dense`, pytorch/pytorch#158424), so such a graph
-    ran the unfused math attention on a GPU, saving the probabilities, the dropout mask and the
-    dropped probabilities of every layer: 1.49x plain PyTorch's peak memory (H100,
-    BertForMaskedLM L12 H768, 32 x 512, fp32: 27.5 against 18.4 GiB; `benchmarks/gpu_memory.py`).
-    One contiguous copy of each such mask (booleans: batch x queries x keys bytes, shared by
-    every layer reading it) holds the same values; the CPU kernels, which accept either, copy
-    such a mask themselves."""
+    A mask expanded across the keys has stride 0 in its last dimension, and on any device but
+    the CPU PyTorch's fused attention kernels refuse a mask whose last dimension is not stride
+    1 (`check_last_dim_stride_equals_1_dense`, pytorch/pytorch#158424): the graph then runs the
+    unfused math attention on a GPU, saving the probabilities, the dropout mask and the dropped
+    probabilities of every layer. Found on BERT called without a mask (traced, `arange(S) >= 0`
+    expanded so; now dropped by `_drop_all_true_attention_masks`): 1.49x plain PyTorch's peak
+    memory (H100, BertForMaskedLM L12 H768, 32 x 512, fp32: 27.5 against 18.4 GiB;
+    `benchmarks/gpu_memory.py`). Masks computed from the data can take that shape too. One
+    contiguous copy of each such mask (batch x queries x keys elements, shared by every layer
+    reading it) holds the same values; the CPU kernels, which accept either, copy such a mask
+    themselves."""
     sdpa = torch.ops.aten.scaled_dot_product_attention.default
     dense: dict[fx.Node, fx.Node] = {}
     for node in list(gm.graph.nodes):
