@@ -580,3 +580,14 @@ def test_a_write_rannc_cannot_keep_is_a_capture_error_naming_the_line(model: typ
     with pytest.raises(CaptureError, match=rf"writes into its {what} .*test_capture.py:\d+") as e:
         capture(model(), (torch.randn(3, 4),))
     assert "clone" in str(e.value)
+
+
+def test_a_meta_model_drops_the_same_all_true_masks() -> None:
+    """The masks are evaluated on the CPU, so a meta-device capture (rannc.plan's, which
+    cannot compute a value) drops them as a real capture does."""
+    with torch.device("meta"):
+        model, _ = _tiny_bert_without_mask()
+    _, kw = _tiny_bert_without_mask()
+    cap = capture(model, (), kw)
+    sdpa = [n for n in cap.gm.graph.nodes if n.target is torch.ops.aten.scaled_dot_product_attention.default]
+    assert len(sdpa) == 2 and not _attention_masks(cap)

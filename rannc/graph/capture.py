@@ -398,7 +398,9 @@ def _runnable_in_eager(gm: fx.GraphModule) -> None:
 
 def _constant(node: fx.Node, memo: dict[fx.Node, torch.Tensor | None]) -> torch.Tensor | None:
     """The value of `node` where it is computed from literals alone (no graph input, parameter,
-    buffer or symbolic size), else None; evaluated once, on the device the graph names."""
+    buffer or symbolic size), else None; evaluated once, on the CPU whatever device the graph
+    names (a meta-device capture, which `rannc.plan` makes, must give the same graph as a real
+    one: a plan is checked against the graph it was made for)."""
     if node in memo:
         return memo[node]
     memo[node] = None
@@ -415,6 +417,8 @@ def _constant(node: fx.Node, memo: dict[fx.Node, torch.Tensor | None]) -> torch.
             return None
         inputs[n] = value
     args, kwargs = pytree.tree_map_only(fx.Node, inputs.__getitem__, (node.args, node.kwargs))
+    if "device" in kwargs:
+        kwargs = {**kwargs, "device": torch.device("cpu")}
     out = node.target(*args, **kwargs)
     memo[node] = out if isinstance(out, torch.Tensor) else None
     return memo[node]
