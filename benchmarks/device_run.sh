@@ -8,6 +8,13 @@
 #   bash benchmarks/device_run.sh            # on the device machine, from the repository root
 #
 # Needs the mpich and mpi4py wheels for its Python in .whl/ (README of the device tool).
+#
+# As run on 2026-11-27 (BENCHMARKS.md, "One H100 and 16 cores"). Left for the next lease, in
+# this order: gpu_memory.py again (BERT after the capture's mask fixes: expect it near plain
+# PyTorch); attention_probe.py (its one-call table in bf16: which kernel keeps a boolean mask
+# as a bias); gpu_study.py (never reached); runtime_peers.py for ResNet at 4 ranks and both
+# models at 2 (cut by their lanes' time). Build rannc._C first (setup.py build_ext): the
+# planner needs it.
 set -u
 OUT=${OUT:-/tmp/device_out}
 mkdir -p "$OUT"
