@@ -15,7 +15,7 @@ from torch import nn
 
 from examples.models.toy import DataDependent
 from rannc.errors import CaptureError
-from rannc.graph.capture import CapturedModel, capture, flatten_inputs
+from rannc.graph.capture import CapturedModel, _sdpa_masks, capture, flatten_inputs
 from rannc.graph.task_graph import TaskGraph, Value, ValueKind
 from rannc.module import RaNNCModule
 
@@ -202,10 +202,7 @@ def _tiny_bert_without_mask() -> tuple[nn.Module, dict[str, torch.Tensor]]:
 
 
 def _attention_masks(cap: CapturedModel) -> list[torch.Tensor]:
-    sdpa = torch.ops.aten.scaled_dot_product_attention.default
-    nodes = [n for n in cap.gm.graph.nodes if n.op == "call_function" and n.target is sdpa]
-    masks = [n.args[3] if len(n.args) > 3 else n.kwargs.get("attn_mask") for n in nodes]
-    return [m.meta["val"] for m in masks if m is not None]
+    return [mask.meta["val"] for _, mask in _sdpa_masks(cap.gm)]
 
 
 class KeyBroadcastMask(nn.Module):

@@ -424,6 +424,33 @@ def _constant(node: fx.Node, memo: dict[fx.Node, torch.Tensor | None]) -> torch.
     return memo[node]
 
 
+def _sdpa_masks(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node]]:
+    """(each `scaled_dot_product_attention` node given a mask, that mask's node): positional
+    (argument 3) or by keyword."""
+    sdpa = torch.ops.aten.scaled_dot_product_attention.default
+    out = []
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is sdpa:
+            mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+            if isinstance(mask, fx.Node):
+                out.append((node, mask))
+    return out
+
+
+def _set_attention_mask(node: fx.Node, mask: fx.Node | None) -> None:
+    """Make the attention `node` read `mask` instead of the one it was given."""
+    if len(node.args) > 3:
+        node.args = (*node.args[:3], mask, *node.args[4:])
+    else:
+        node.kwargs = {**node.kwargs, "attn_mask": mask}
+
+
+# The most elements of a literal mask the capture evaluates (`_drop_all_true_attention_masks`):
+# BERT's is batch-free, one per query (S); a causal S x S mask of a long sequence (Llama at
+# 32k: 2^30) is not worth the host memory, and it is never all True anyway.
+_LITERAL_MASK_ELEMENTS = 1 << 20
+
+
 def _drop_all_true_attention_masks(gm: fx.GraphModule) -> None:
     """Pass no mask to a `scaled_dot_product_attention` whose boolean mask is all True and
     made from literals alone (an expansion of such a tensor included): every key takes part
@@ -434,23 +461,16 @@ def _drop_all_true_attention_masks(gm: fx.GraphModule) -> None:
     no mask is needed. With it the GPU's fused kernels take a mask (the memory-efficient one, or
     none at all: see `_dense_attention_masks`) and keep it as an additive bias per layer, batch
     x S x S elements in the query's dtype (`benchmarks/attention_probe.py`)."""
-    sdpa = torch.ops.aten.scaled_dot_product_attention.default
     memo: dict[fx.Node, torch.Tensor | None] = {}
-    for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target is not sdpa:
-            continue
-        in_args = len(node.args) > 3
-        mask = node.args[3] if in_args else node.kwargs.get("attn_mask")
-        if not isinstance(mask, fx.Node):
-            continue
+    for node, mask in _sdpa_masks(gm):
         base = mask.args[0] if mask.target is torch.ops.aten.expand.default else mask
-        value = _constant(base, memo) if isinstance(base, fx.Node) else None
-        if value is None or value.dtype != torch.bool or not bool(value.all()):
+        val = base.meta.get("val") if isinstance(base, fx.Node) else None
+        if not isinstance(base, fx.Node) or not isinstance(val, torch.Tensor) \
+                or not isinstance(n := val.numel(), int) or n > _LITERAL_MASK_ELEMENTS:
             continue
-        if in_args:
-            node.args = (*node.args[:3], None, *node.args[4:])
-        else:
-            node.kwargs = {**node.kwargs, "attn_mask": None}
+        value = _constant(base, memo)
+        if value is not None and value.dtype == torch.bool and bool(value.all()):
+            _set_attention_mask(node, None)
 
 
 def _dense_attention_masks(gm: fx.GraphModule) -> None:
@@ -467,14 +487,9 @@ def _dense_attention_masks(gm: fx.GraphModule) -> None:
     contiguous copy of each such mask (batch x queries x keys elements, shared by every layer
     reading it) holds the same values; the CPU kernels, which accept either, copy such a mask
     themselves."""
-    sdpa = torch.ops.aten.scaled_dot_product_attention.default
     dense: dict[fx.Node, fx.Node] = {}
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target is not sdpa:
-            continue
-        in_args = len(node.args) > 3
-        mask = node.args[3] if in_args else node.kwargs.get("attn_mask")
-        val = mask.meta.get("val") if isinstance(mask, fx.Node) else None
+    for node, mask in _sdpa_masks(gm):
+        val = mask.meta.get("val")
         if not isinstance(val, torch.Tensor) or val.dim() == 0:
             continue
         last, size = val.stride()[-1], val.shape[-1]
@@ -486,10 +501,7 @@ def _dense_attention_masks(gm: fx.GraphModule) -> None:
                                               {"memory_format": torch.contiguous_format})
             copy.meta = {**mask.meta, "val": val.clone(memory_format=torch.contiguous_format)}
             dense[mask] = copy
-        if in_args:
-            node.args = (*node.args[:3], dense[mask], *node.args[4:])
-        else:
-            node.kwargs = {**node.kwargs, "attn_mask": dense[mask]}
+        _set_attention_mask(node, dense[mask])
 
 
 def _alias_base(node: fx.Node) -> fx.Node:
