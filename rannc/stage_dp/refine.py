@@ -180,18 +180,17 @@ def refine_boundaries(best: Simulated, block_of: Sequence[int], io: BlockIO,
         tabs = [table(c.devices, c.copies, c.microbatches, n, saved, c.schedule)
                 for n in best.in_flight]
         mine = tuple(points.index(x) for x in cuts)
-        options = [b for b in split_options([t.h[:, :, d] for t, d in zip(tabs, c.replicas, strict=True)],
-                                            c.schedule) if b != mine]
-        if options:
-            refs = [(r, b) for b in options
-                    if (r := simulate_candidate(candidate(tabs, c.devices, c.copies, c.microbatches,
-                                                          b, c.replicas, c.schedule), table, late))]
+        hs = [t.h[:, :, d] for t, d in zip(tabs, c.replicas, strict=True)]
+        refs = [(r, b) for b in split_options(hs, c.schedule) if b != mine
+                and (r := simulate_candidate(candidate(tabs, c.devices, c.copies, c.microbatches,
+                                                       b, c.replicas, c.schedule), table, late))]
+        if refs:
+            ref, bounds = min(refs, key=lambda rb: rb[0].time)
             # the plan so far, costed on these same groups unless that cannot change its cost
             now = out[0] if tabler.oracle.additive else simulate_candidate(candidate(
                 tabs, c.devices, c.copies, c.microbatches, mine, c.replicas, c.schedule),
                 table, late)
-            ref, bounds = min(refs, key=lambda rb: rb[0].time) if refs else (None, mine)
-            if ref is not None and (now is None or ref.time < now.time * (1 - 1e-9)):
+            if now is None or ref.time < now.time * (1 - 1e-9):
                 out = (ref, seg_of, seg_io)
                 cuts = [points[b] for b in bounds]
         # the next level looks between the segments on either side of each boundary
