@@ -9,12 +9,14 @@
 #
 # Needs the mpich and mpi4py wheels for its Python in .whl/ (README of the device tool).
 #
-# As run on 2026-11-27 (BENCHMARKS.md, "One H100 and 16 cores"). Left for the next lease, in
-# this order: gpu_memory.py again (BERT after the capture's mask fixes: expect it near plain
-# PyTorch); attention_probe.py (its one-call table in bf16: which kernel keeps a boolean mask
-# as a bias); gpu_study.py (never reached); runtime_peers.py for ResNet at 4 ranks and both
-# models at 2 (cut by their lanes' time). Build rannc._C first (setup.py build_ext): the
-# planner needs it.
+# The second lease (2026-11-27, BENCHMARKS.md "The second lease"): what the first left, in its
+# order: gpu_memory.py on BERT after the capture's mask fixes (expect it near plain PyTorch);
+# attention_probe.py on the GPU (its one-call table in fp32 and bf16: which kernel keeps a
+# boolean mask as a bias); gpu_study.py (never reached); beside them, runtime_peers.py for
+# ResNet at 4 ranks, both models at 2, and the zero-bubble and interleaved schedules against
+# torch.distributed.pipelining's at 4 ranks. (The first lease's lanes, gpu_memory on all
+# models, selective.py, new_schedules.py and data_parallel.py: git history.) Build rannc._C
+# first (setup.py build_ext): the planner needs it.
 set -u
 OUT=${OUT:-/tmp/device_out}
 mkdir -p "$OUT"
@@ -38,19 +40,17 @@ lane() {  # lane NAME CORES SECONDS COMMAND...: one lane's commands, each under 
   done >"$OUT/$name.log" 2>&1
 }
 
-gpu="python3 benchmarks/gpu_memory.py --jsonl $OUT/gpu_memory.jsonl"
-sel="python3 benchmarks/selective.py --device cuda --dtype bf16 --layers 8 --hidden 2048 --seq 2048 --batch 4 --repeats 6"
+gpu="python3 benchmarks/gpu_memory.py --models bert --jsonl $OUT/gpu_memory.jsonl"
+probe="python3 benchmarks/attention_probe.py"
 study="python3 benchmarks/gpu_study.py --iters 10 --measure-seconds 1 --plot $OUT/gpu_study.png"
 cpu="CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1"
-sched="$cpu python3 benchmarks/new_schedules.py --only measured --ranks 4 --model bert"
-peers="$cpu python3 benchmarks/runtime_peers.py --repeats 4 --variants rannc_gpipe rannc_1f1b pipe_gpipe pipe_1f1b"
-dp="$cpu python3 benchmarks/data_parallel.py --iters 24"
-B=${LANE_SECONDS:-470}
+peers="$cpu python3 benchmarks/runtime_peers.py --repeats 3"
+classic="--variants rannc_gpipe rannc_1f1b pipe_gpipe pipe_1f1b"
+B=${LANE_SECONDS:-330}
 
-lane gpu 0-1 "$B" "$gpu" "$sel" "$study" &
-lane schedules 2-5 "$B" "$sched --microbatches 8 --steps 8" "$sched --microbatches 16 --steps 6" &
-lane ddp 6-9 "$B" "$dp --launch 4 --model resnet" "$dp --launch 4 --model bert" "$dp --launch 2 --model resnet bert" &
-lane peers4 10-13 "$B" "$peers --models bert --ranks 4" "$peers --models resnet --ranks 4" &
-lane peers2 14-15 "$B" "$peers --models bert resnet --ranks 2" &
+lane gpu 0-3 "$B" "$gpu" "$probe" "$study" &
+lane peers4 4-7 "$B" "$peers $classic --models resnet --ranks 4" &
+lane peers2 8-9 "$B" "$peers $classic --models bert resnet --ranks 2" &
+lane newsched 10-13 "$B" "$peers --new-schedules --models bert --ranks 4" &
 wait
 tail -n 40 "$OUT"/*.log

@@ -470,6 +470,9 @@ def driver(a: argparse.Namespace) -> None:
                                *model_args(model, a), *extra], a.timeout)
                     rows = [json.loads(p.read_text()) for p in sorted(tmp.glob(f"{label}.rank*.json"))]
                     results.setdefault((model, n, v), []).append(rows)
+            if rep < a.repeats - 1:  # a run cut short by its caller's time still reports
+                print(f"\nafter round {rep + 1} of {a.repeats}:", flush=True)
+                report(a, cases, variants, results, split_layer | moved, final=False)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     report(a, cases, variants, results, split_layer | moved)
@@ -477,7 +480,7 @@ def driver(a: argparse.Namespace) -> None:
 
 def report(a: argparse.Namespace, cases: list[tuple[str, int]], variants: tuple[str, ...],
            results: dict[tuple[str, int, str], list[list[dict[str, Any]]]],
-           split_layer: set[tuple[str, int, str]]) -> None:
+           split_layer: set[tuple[str, int, str]], final: bool = True) -> None:
     def speed(key: tuple[str, int, str]) -> float:
         return statistics.median(runs[0]["samples_s"] for runs in results[key])
 
@@ -518,7 +521,9 @@ def report(a: argparse.Namespace, cases: list[tuple[str, int]], variants: tuple[
                 f"{speed(key):.2f}", reps, f"{ratio:.2f}" if ref[2] != v else "1 (reference)", paired,
                 f"{loss:.5f}", " / ".join(f"{p:.0f}" for p in peaks),
                 " / ".join(f"{c:.0f}" for c in cpus)]) + " |")
-    print("\n" + "\n".join(lines))
+    print("\n" + "\n".join(lines), flush=True)
+    if not final:
+        return
     if split_layer:
         print("\n\\* rannc's own cut fell inside a layer; these rows run its plan with the cut moved "
               "to the nearest layer boundary (rannc) and the same layer split (pipelining)")
