@@ -39,7 +39,7 @@ from rannc.deploy import Holdings, OneProcess, capture_signature, deployment_pla
 from rannc.deploy import optimizer_state_factor as optimizer_state_factor  # (its old home)
 from rannc.derive import derive_plan
 from rannc.errors import RaNNCError
-from rannc.graph.capture import flatten_inputs
+from rannc.graph.capture import autocast_state, flatten_inputs
 from rannc.graph.extract import run_chain
 from rannc.pipeline.runtime import COUNT_KWARG, PipelineFunction, PipelineRuntime
 from rannc.plans import Plan
@@ -142,7 +142,7 @@ class RaNNCModule(nn.Module):
             with health.phase("forward", self._calls):
                 return self._forward_distributed(ctx, args, kwargs)
         leaves, layout = flatten_inputs(args, kwargs)
-        key = (layout.signature, self.training, _autocast_state())
+        key = (layout.signature, self.training, autocast_state())
         dep = self._deployments.get(key)
         if dep is None:
             first = not self._deployments
@@ -180,7 +180,7 @@ class RaNNCModule(nn.Module):
         if self._plan is None:
             validate.check_config(self.rannc_config, ctx.world_size)
         leaves, layout = flatten_inputs(args, kwargs)
-        key = (layout.signature, self.training, _autocast_state())
+        key = (layout.signature, self.training, autocast_state())
         # Before anything a rank might do alone: every rank raises at `resolve`, or none does.
         # A call like the last one runs on its row layout before the ranks agree (see
         # PipelineRuntime.forward); any other waits for the agreement here.
@@ -633,13 +633,3 @@ def _grad_inputs_text(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
     want = [pytree.keystr(path) for path, x in named
             if isinstance(x, torch.Tensor) and x.is_floating_point() and x.requires_grad]
     return f", inputs requiring grad {want}" if want else ""
-
-
-def _autocast_state() -> tuple[Any, ...]:
-    """What torch.autocast is doing now: part of the capture key, since the captured graph has
-    autocast's casts baked in."""
-    out: list[Any] = []
-    for dev in ("cpu", "cuda"):
-        on = torch.is_autocast_enabled(dev)
-        out.append((dev, on, torch.get_autocast_dtype(dev) if on else None))
-    return tuple(out)

@@ -343,3 +343,31 @@ def test_estimate_prices_autocast_products_at_the_half_precision_peak() -> None:
     assert fp32 == pytest.approx(2 * 2 * 64 * 512 * 512 / 1e12, rel=0.05)
     assert bf16 == pytest.approx(fp32 / 8, rel=0.05)
     assert matmul_seconds(True, no_tc) == pytest.approx(fp32, rel=0.05)  # no tensor cores: fp32 peak
+
+
+def test_the_oracle_measures_under_the_autocast_the_graph_was_captured_under() -> None:
+    """A graph captured under autocast holds no casts (its products give bfloat16 only under
+    autocast): measured from outside an autocast block (rannc.plan, a benchmark), it must still
+    run as captured, keeping what autograd keeps under autocast (bfloat16 activations and the
+    weights' bfloat16 copies), not what the float32 graph keeps."""
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(),
+                          nn.Linear(256, 8))
+    x = torch.randn(32, 64)
+    skip = {p.untyped_storage().data_ptr() for p in model.parameters()} | {x.untyped_storage().data_ptr()}
+    for half in (False, True):
+        seen: dict[int, int] = {}
+
+        def pack(t: torch.Tensor, seen: dict[int, int] = seen) -> torch.Tensor:
+            st = t.untyped_storage()
+            if st.data_ptr() not in skip:
+                seen[st.data_ptr()] = st.nbytes()
+            return t
+
+        with torch.autocast("cpu", torch.bfloat16, enabled=half):
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = model(x)
+            oracle, n = _oracle(model, (x,), {}, batch=32)
+        del out
+        assert oracle.cap.autocast[0] == ("cpu", half, torch.bfloat16 if half else None)
+        kept = float(oracle.block_profile([0] * n, [32]).kept.sum())  # (outside autocast)
+        assert kept == pytest.approx(sum(seen.values()), rel=0.02), (half, kept, seen)

@@ -244,9 +244,10 @@ def test_small_gradient_buckets_equal_the_unwrapped_model(n: int, args: list[str
         assert got == [str(r) for r in range(n)], (model, res.stdout)
 
 
-# Mixed precision (issue 6): bf16 autocast with recomputation under 1F1B, a model cast to bf16,
-# and GradScaler with an inf gradient injected on one rank (every rank must skip that step and
-# keep the same scale; kwargs leaves two ranks without parameters).
+# Mixed precision (issue 6): bf16 autocast with recomputation under 1F1B (fill-drain's, exact:
+# test_recomputation_replays_dropout), a model cast to bf16, and GradScaler with an inf gradient
+# injected on one rank (every rank must skip that step and keep the same scale; kwargs leaves two
+# ranks without parameters).
 PRECISION = [
     (2, ["--partition-num", "2", "--microbatches", "2", "--batch", "8", "--schedule", "1f1b",
          "--autocast", "bf16", "--recompute-fraction", "1"], "bert,gpt2"),
@@ -443,9 +444,13 @@ def test_each_rank_holds_only_its_parameters(launches: CaseLaunches) -> None:
     assert max(held) < total
 
 
-@pytest.mark.cases(_case("recompute-dropout", 2, [], script="recompute_check"))
-def test_recomputation_replays_dropout(launches: CaseLaunches) -> None:
-    res = launches.result("recompute-dropout")
+@pytest.mark.parametrize("case", [
+    pytest.param(c, id=c, marks=pytest.mark.cases(_case(c, 2, args, script="recompute_check")))
+    for c, args in (("recompute-dropout", []),
+                    ("recompute-autocast", ["--autocast", "--schedule", "gpipe"]))])
+def test_recomputation_replays_dropout(launches: CaseLaunches, case: str) -> None:
+    """(recompute-autocast: fill-drain recomputes in backward(), outside the autocast block)"""
+    res = launches.result(case)
     assert len(re.findall(r"PASS rank", res.stdout)) == 2, res.stdout
 
 

@@ -153,6 +153,34 @@ def test_gradients_are_bit_exact(make: Any, split: bool) -> None:
         assert torch.equal(a, b)
 
 
+def test_a_recipe_rebuilds_under_the_autocast_its_forward_ran_under() -> None:
+    """A fill-drain schedule's backward runs outside the user's autocast block: a dropped value
+    rebuilt there must be cast as in forward (here a bfloat16 product of float32 weights, which
+    outside autocast would come back in float32), so the gradients equal those of the forward
+    that kept it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(H, H), nn.Linear(H, H))
+    x = torch.randn(B, H)
+    with torch.autocast("cpu", torch.bfloat16):
+        cap, ph = captured(model, (x,))
+    first = next(n.name for n in cap.gm.graph.nodes if "linear" in str(n.target))
+    grads = []
+    for sel in (False, True):
+        rec = Recorder()
+        if sel:  # (the rule never drops a product; any op shows the casting)
+            assert instrument(cap.gm, {first}, rec) == 1
+        for p in model.parameters():
+            p.grad = None
+        with torch.autocast("cpu", torch.bfloat16):
+            out = _run(rec, cap.gm, ph)
+        assert out[0].dtype == torch.bfloat16
+        out[0].float().pow(2).sum().backward()  # outside autocast, as a pipeline's backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        assert rec.dropped == (1 if sel else 0)
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)
+
+
 def _gpt2(layers: int = 4) -> tuple[nn.Module, dict[str, Any]]:
     from transformers import GPT2Config, GPT2LMHeadModel
 

@@ -47,6 +47,38 @@ _DROPPED_OPS = {
 }
 
 
+# per device type: (device type, autocast on, its dtype or None)
+AutocastState = tuple[tuple[str, bool, Any], ...]
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def autocast_state() -> AutocastState:
+    """What torch.autocast is doing now, per device type. A captured graph does not hold
+    autocast's casts (an `aten.linear` of float32 weights gives bfloat16 only when it runs
+    under autocast), so it must run under the state it was captured under: the state is part of
+    the capture key, and recorded with the graph (`CapturedModel.autocast`)."""
+    out: list[tuple[str, bool, Any]] = []
+    for dev in _AUTOCAST_DEVICES:
+        on = torch.is_autocast_enabled(dev)
+        out.append((dev, on, torch.get_autocast_dtype(dev) if on else None))
+    return tuple(out)
+
+
+@contextlib.contextmanager
+def running_as(state: AutocastState) -> Iterator[None]:
+    """Run under autocast `state` whatever the caller's (a pipeline's backward() runs outside
+    the user's `torch.autocast` block, and recomputes forwards there). Enters a context only
+    for a device type whose state differs: the common case costs two checks."""
+    with contextlib.ExitStack() as stack:
+        for dev, on, dtype in state:
+            if torch.is_autocast_enabled(dev) == on and (
+                    not on or torch.get_autocast_dtype(dev) == dtype):
+                continue
+            stack.enter_context(torch.autocast(dev, dtype=dtype, enabled=on) if on
+                                else torch.autocast(dev, enabled=False))
+        yield
+
+
 @dataclass(frozen=True, slots=True)
 class InputLayout:
     """How a call's (args, kwargs) were laid out when the model was captured."""
@@ -69,6 +101,9 @@ class CapturedModel:
     output_constants: list[Any]  # flat outputs that are not values (None where they are)
     constants: dict[str, torch.Tensor]  # lifted tensor constants, by value name
     seconds: float  # how long torch.export took
+    # torch.autocast as it was when captured (`autocast_state`): whatever runs the graph later
+    # (recomputation in backward, the measure oracle) runs it under this (`running_as`)
+    autocast: AutocastState = ()
 
     def bind(self, model: nn.Module, leaves: Sequence[Any]) -> dict[str, Any]:
         """The graph's input values for one call: the model's own parameters and buffers
@@ -740,7 +775,7 @@ def _from_exported(ep: ExportedProgram, layout: InputLayout, seconds: float,
                       inputs=[u for u in user_inputs if u is not None], outputs=outputs)
     return CapturedModel(graph=graph, gm=gm, layout=layout, out_spec=ep.call_spec.out_spec,
                          leaf_values=user_inputs, output_constants=output_constants,
-                         constants=constants, seconds=seconds)
+                         constants=constants, seconds=seconds, autocast=autocast_state())
 
 
 def _make_value(name: str, val: Any, kind: ValueKind, producer: str | None,
@@ -754,4 +789,5 @@ def _make_value(name: str, val: Any, kind: ValueKind, producer: str | None,
     raise CaptureError(f"value {name} has unsupported type {type(val).__name__}")
 
 
-__all__ = ["CapturedModel", "InputLayout", "capture", "flatten_inputs"]
+__all__ = ["AutocastState", "CapturedModel", "InputLayout", "autocast_state", "capture",
+           "flatten_inputs", "running_as"]

@@ -154,7 +154,8 @@ class PipelineRuntime:
                            if len(self.plan.stages[t].ranks) > 1 and set(st.tasks) & bn_tasks]
         params = dict(self.model.named_parameters(remove_duplicate=False))
         self.stage_runs = [Stage(s, self.j, self.stages[s], *self.parts[s], self.routes, self._bn,
-                                 [params[n] for n in plan.stages[s].param_names]) for s in self.mine]
+                                 [params[n] for n in plan.stages[s].param_names],
+                                 captured.autocast) for s in self.mine]
         self.stage = self.stage_runs[0]
         self.executor = Executor(self.stage_runs, self.routes, plan, self.schedule, self.grads,
                                  self._summed, rank, world_size, trace)

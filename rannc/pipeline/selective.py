@@ -26,6 +26,8 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_map
 
+from rannc.graph.capture import AutocastState, autocast_state, running_as
+
 
 class Recipe:
     """An op and its inputs (tensors, detached, or other recipes) to rebuild a dropped value."""
@@ -69,6 +71,10 @@ class Recorder:
         self._on = False
         self.dropped = 0  # tensors saved as recipes (for tests and logs)
         self._kept: dict[int, int] | None = {} if track else None  # storage address -> bytes
+        # autocast as the forward ran: a recipe rebuilds in backward, outside the user's autocast
+        # block, where an op autocast runs in float32 (CUDA: pow, exp, ...) would otherwise
+        # rebuild in the input's lower precision
+        self._autocast: AutocastState = ()
 
     def note(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
              out: Any) -> None:
@@ -123,14 +129,17 @@ class Recorder:
         assert self._kept is not None, "Recorder(track=True) records what is kept"
         return sum(n for ptr, n in self._kept.items() if ptr not in skip)
 
-    @staticmethod
-    def _unpack(x: Any) -> torch.Tensor:
-        return x.build() if isinstance(x, (Recipe, ViewOf)) else x
+    def _unpack(self, x: Any) -> torch.Tensor:
+        if not isinstance(x, (Recipe, ViewOf)):
+            return x
+        with running_as(self._autocast):
+            return x.build()
 
     @contextlib.contextmanager
     def saving(self) -> Iterator[None]:
         """Run a forward whose dropped values autograd keeps as recipes."""
         self._on = True
+        self._autocast = autocast_state()
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield

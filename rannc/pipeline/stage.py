@@ -30,7 +30,7 @@ import torch.fx as fx
 from torch import nn
 
 from rannc.atomic.components import AtomicPartition
-from rannc.graph.capture import CapturedModel
+from rannc.graph.capture import AutocastState, CapturedModel, running_as
 from rannc.graph.extract import StageGraph, build_stage_module, split_graph
 from rannc.pipeline import batchnorm as bnorm
 from rannc.pipeline.routes import Routes
@@ -107,9 +107,12 @@ class Stage:
 
     def __init__(self, index: int, replica: int, graph: StageGraph, rec_part: Part | None,
                  keep_part: Part | None, routes: Routes, bn: bnorm.BatchNormState,
-                 weights: Sequence[nn.Parameter] = ()) -> None:
-        """`weights`: the parameters this stage holds (what a split backward's W computes)."""
+                 weights: Sequence[nn.Parameter] = (), autocast: AutocastState = ()) -> None:
+        """`weights`: the parameters this stage holds (what a split backward's W computes);
+        `autocast`: the state the graph was captured under, which its forwards run under (a
+        fill-drain schedule recomputes in backward(), outside the user's autocast block)."""
         self.index, self.replica, self.graph = index, replica, graph
+        self.autocast = autocast
         self.rec_part, self.keep_part = rec_part, keep_part
         self.routes, self._bn = routes, bn
         self.weights = list({id(p): p for p in weights}.values())
@@ -149,7 +152,8 @@ class Stage:
             mic.saved = list(mic.ins)
         self._bn.accumulate = True  # BatchNorm statistics count in this first forward only
         try:
-            self._forward_parts(mic, env, grad)
+            with running_as(self.autocast):
+                self._forward_parts(mic, env, grad)
         finally:
             self._bn.accumulate = False
         mic.outs = [env[v] for v in self.outputs]
@@ -179,7 +183,8 @@ class Stage:
         assert part is not None and mic.ins is not None and mic.rng is not None
         env = dict(zip(self.inputs, mic.ins, strict=True))
         ins = [env[v].clone() if self.routes.is_buffer(v) else env[v] for v in part.graph.inputs]
-        with torch.random.fork_rng(devices=[]), torch.enable_grad(), part.saving():
+        with torch.random.fork_rng(devices=[]), torch.enable_grad(), running_as(self.autocast), \
+                part.saving():
             torch.set_rng_state(mic.rng)
             mic.rec = list(part.module(*ins))
 

@@ -73,7 +73,7 @@ from torch import nn
 
 from rannc.atomic.components import AtomicPartition
 from rannc.errors import ConfigError
-from rannc.graph.capture import CapturedModel
+from rannc.graph.capture import CapturedModel, running_as
 from rannc.graph.extract import StageGraph, build_stage_module, split_graph
 from rannc.graph.task_graph import Value, ValueKind, eval_dim
 from rannc.profile.cache import Entry, ProfileCache, block_key
@@ -255,7 +255,10 @@ class MeasureOracle(BlockOracle):
                      what: str) -> None:
         stages = split_graph(self.graph, self.atomic, groups)
         need = {v for j, _ in todo for v in stages[j].inputs if v not in self.env}
-        with self._no_side_effects(), self.progress.phase(what, total=len(todo)) as step:
+        # (under the autocast the graph was captured under, whoever calls: its ops are cast as
+        # they run, so outside it a bf16 graph would be timed in float32)
+        with self._no_side_effects(), running_as(self.cap.autocast), \
+                self.progress.phase(what, total=len(todo)) as step:
             self._record(need)
             by_block: dict[int, list[int]] = {}
             for j, i in todo:

@@ -1,7 +1,8 @@
 """Dropout on: a pipeline that recomputes each stage in backward gives exactly the results of
-one that keeps its activations (same dropout masks, BatchNorm statistics updated once).
+one that keeps its activations (same dropout masks, BatchNorm statistics updated once); with
+`--autocast`, under bf16 autocast too (the recomputation, in backward(), casts as forward did).
 
-    mpiexec -n 2 python tests/scripts/recompute_check.py
+    mpiexec -n 2 python tests/scripts/recompute_check.py [--autocast --schedule gpipe]
 """
 
 from __future__ import annotations
@@ -24,7 +25,10 @@ from rannc import dist as rdist  # noqa: E402
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    return argparse.ArgumentParser().parse_args(argv)  # (no options)
+    p = argparse.ArgumentParser()
+    p.add_argument("--autocast", action="store_true", help="forward under bf16 autocast")
+    p.add_argument("--schedule", default="auto")
+    return p.parse_args(argv)
 
 
 def run(a: argparse.Namespace, ctx: rdist.DistContext) -> None:
@@ -44,7 +48,8 @@ def run(a: argparse.Namespace, ctx: rdist.DistContext) -> None:
     for mode in ("off", "on"):
         model = copy.deepcopy(case.model)
         if mode == "off":
-            opts = dict(partition_num=2, microbatches=2, checkpointing="off", save_deployment=True)
+            opts = dict(partition_num=2, microbatches=2, checkpointing="off", save_deployment=True,
+                        schedule=a.schedule)
         else:
             if ctx.rank == 0:
                 d = json.loads(plan_file.read_text())
@@ -55,8 +60,9 @@ def run(a: argparse.Namespace, ctx: rdist.DistContext) -> None:
             opts = dict(load_deployment=True)
         wrapped = rannc.RaNNCModule(model, deployment_file=str(plan_file), **opts)
         torch.manual_seed(123)
-        out = wrapped(**kw)
-        out.loss.backward()
+        with torch.autocast("cpu", torch.bfloat16, enabled=a.autocast):
+            out = wrapped(**kw)
+        out.loss.backward()  # (outside autocast, as PyTorch's recipe has it)
         runs[mode] = (out.loss.detach(), {n: p.grad.clone() for n, p in wrapped.named_parameters()})
         assert wrapped.plan is not None and wrapped.plan.stages[0].recompute == (mode == "on")
     (l_on, g_on), (l_off, g_off) = runs["on"], runs["off"]
