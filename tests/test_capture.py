@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from model_zoo import Case, make_case
 from torch import nn
@@ -261,6 +262,54 @@ def test_an_all_true_mask_made_from_literals_is_dropped_as_eager_does() -> None:
     expected.loss.backward()
     for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=n)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_a_causal_mask_made_from_shapes_becomes_is_causal_as_eager_does(name: str) -> None:
+    """GPT-2 and Llama called without an attention mask: traced, transformers builds the causal
+    mask from position ids expanded over the symbolic batch, where eager passes `is_causal`.
+    The capture evaluates the mask for batches of 1 and 2, finds the lower triangle, and makes
+    eager's call (a mask costs the kernels an additive bias per layer, and FlashAttention takes
+    none); the loss bit-exact against eager, at the capture's batch size and another, and the
+    gradients so on GPT-2 (Llama's differ from eager's in the last bits with a mask too: its
+    backward sums a tensor's gradients in another order)."""
+    case = make_case(name, batch=3)
+    cap = capture(case.model, case.args, case.kwargs)
+    sdpa = [n for n in cap.gm.graph.nodes if n.target is torch.ops.aten.scaled_dot_product_attention.default]
+    assert len(sdpa) == 2 and not _attention_masks(cap)
+    assert all(n.kwargs.get("is_causal") is True for n in sdpa), [n.kwargs for n in sdpa]
+    for rows in (3, 5):
+        model = copy.deepcopy(case.model)
+        ref = copy.deepcopy(case.model)
+        kw = {k: torch.randint(0, 97, (rows, 10)) for k in ("input_ids",)}
+        kw["labels"] = kw["input_ids"]
+        out, expected = run_captured(cap, model, (), kw), ref(**kw)
+        torch.testing.assert_close(out.loss, expected.loss, rtol=0, atol=0)
+        out.loss.backward()
+        expected.loss.backward()
+        exact = {"rtol": 0, "atol": 0} if name == "gpt2" else {}
+        for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, **exact, msg=n)
+
+
+def test_masks_from_the_data_or_not_causal_stay() -> None:
+    """A padding mask the caller passes, and a literal mask that is not the lower triangle (a
+    sliding window), reach the attention as given."""
+    case = make_case("llama", batch=3)
+    kw = {**case.kwargs, "attention_mask": torch.ones_like(case.kwargs["input_ids"])}
+    kw["attention_mask"][0, :2] = 0
+    assert len(_attention_masks(capture(case.model, case.args, kw))) == 2
+
+    class Window(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            i = torch.arange(x.shape[1])
+            band = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < 4)
+            return F.scaled_dot_product_attention(x, x, x, attn_mask=band)
+
+    x = torch.randn(2, 16, 8)
+    cap = capture(Window(), (x,), {})
+    assert len(_attention_masks(cap)) == 1
+    torch.testing.assert_close(run_captured(cap, Window(), (x,), {}), Window()(x), rtol=0, atol=0)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

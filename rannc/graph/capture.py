@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 import operator
 import re
 import time
@@ -431,23 +432,30 @@ def _runnable_in_eager(gm: fx.GraphModule) -> None:
             node.target = aten.reshape.default
 
 
-def _constant(node: fx.Node, memo: dict[fx.Node, torch.Tensor | None]) -> torch.Tensor | None:
+def _constant(node: fx.Node, memo: dict[fx.Node, Any], batch: int | None = None) -> Any:
     """The value of `node` where it is computed from literals alone (no graph input, parameter,
     buffer or symbolic size), else None; evaluated once, on the CPU whatever device the graph
     names (a meta-device capture, which `rannc.plan` makes, must give the same graph as a real
-    one: a plan is checked against the graph it was made for)."""
+    one: a plan is checked against the graph it was made for). With `batch`, a model input's
+    size along dim 0 (the one symbolic size rannc's capture makes) counts as that literal: the
+    value for a call of `batch` rows, of what depends on the inputs' shapes alone."""
     if node in memo:
         return memo[node]
     memo[node] = None
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload) \
             or torch.Tag.nondeterministic_seeded in node.target.tags:
         return None
+    if node.target is torch.ops.aten.sym_size.int:
+        if batch is not None and node.args[1] == 0 and isinstance(node.args[0], fx.Node) \
+                and node.args[0].op == "placeholder":
+            memo[node] = batch
+        return memo[node]
     if any(isinstance(x, torch.SymInt | torch.SymFloat | torch.SymBool)
            for x in pytree.tree_leaves((node.args, node.kwargs))):
         return None
     inputs = {}
     for n in node.all_input_nodes:
-        value = _constant(n, memo)
+        value = _constant(n, memo, batch)
         if value is None:
             return None
         inputs[n] = value
@@ -506,6 +514,56 @@ def _drop_all_true_attention_masks(gm: fx.GraphModule) -> None:
         value = _constant(base, memo)
         if value is not None and value.dtype == torch.bool and bool(value.all()):
             _set_attention_mask(node, None)
+
+
+# The most elements of a mask the capture evaluates to find it causal (`_causal_attention_masks`),
+# per batch size tried: a sequence of 8k at batch 2 (the host memory of a few such tensors).
+_CAUSAL_MASK_ELEMENTS = 1 << 27
+
+
+def _causal_attention_masks(gm: fx.GraphModule) -> None:
+    """Pass `is_causal=True` and no mask to a `scaled_dot_product_attention` whose boolean
+    mask depends on the inputs' shapes alone and is the lower triangle (query i sees keys up to
+    i, queries and keys of one length) in every row and head.
+
+    Traced, Hugging Face's causal masks (GPT-2's, Llama's, ... in transformers 5) are built from
+    position ids (an `arange` expanded over the symbolic batch) and compared in the graph, where
+    eager finds from the data that no mask is needed and passes `is_causal` instead. With the
+    mask, the attention kernels keep it as an additive bias per layer (batch x S x S elements in
+    the query's dtype: `benchmarks/attention_probe.py` on the H100), and FlashAttention, which
+    takes no mask, is out of reach. The mask is evaluated for a batch of 1 and of 2 rows (its
+    rows must not differ: nothing in it depends on the data); where both are causal, the call
+    is what eager makes."""
+    memos: dict[int, dict[fx.Node, Any]] = {1: {}, 2: {}}
+    tril: dict[int, torch.Tensor] = {}
+    for node, mask in _sdpa_masks(gm):
+        q, k = (a.meta.get("val") if isinstance(a, fx.Node) else None for a in node.args[:2])
+        if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor):
+            continue
+        lq, lk = q.shape[-2], k.shape[-2]
+        causal_given = node.args[5] if len(node.args) > 5 else node.kwargs.get("is_causal", False)
+        val = mask.meta.get("val")
+        if not (isinstance(lq, int) and lq == lk and lq > 1) or causal_given \
+                or not isinstance(val, torch.Tensor) or val.dtype != torch.bool \
+                or math.prod(d if isinstance(d, int) else 2 for d in val.shape) > _CAUSAL_MASK_ELEMENTS:
+            continue
+        if lq not in tril:
+            tril[lq] = torch.ones(lq, lq, dtype=torch.bool).tril()
+        ok = True
+        for b, memo in memos.items():
+            value = _constant(mask, memo, b)
+            ok = isinstance(value, torch.Tensor) and value.dim() >= 2 \
+                and tuple(value.shape[-2:]) == (lq, lq) and bool((value == tril[lq]).all())
+            if not ok:
+                break
+        if ok:
+            args = [*node.args[:3], None, *node.args[4:]]
+            kwargs = {k_: v for k_, v in node.kwargs.items() if k_ not in ("attn_mask", "is_causal")}
+            if len(args) > 5:
+                args[5] = True
+            else:
+                kwargs["is_causal"] = True
+            node.args, node.kwargs = tuple(args), kwargs
 
 
 def _dense_attention_masks(gm: fx.GraphModule) -> None:
@@ -683,6 +741,7 @@ def _from_exported(ep: ExportedProgram, layout: InputLayout, seconds: float,
     if functional:
         _runnable_in_eager(gm)
     _drop_all_true_attention_masks(gm)
+    _causal_attention_masks(gm)
     _dense_attention_masks(gm)
     _drop_dead_code(gm, {str(getattr(spec.arg, "name", "")) for spec in sig.input_specs
                          if spec.kind is InputKind.BUFFER})
