@@ -183,3 +183,32 @@ def test_one_rule_says_which_devices_run_fused_kernels() -> None:
     cpu = dataclasses.replace(h100, name="local-cpu")
     assert runs_fused_kernels(Cluster.homogeneous(h100, n=2, per_node=2))
     assert not runs_fused_kernels(Cluster([h100, cpu], per_node=2))
+
+
+class MaskedAttention(nn.Module):
+    """Attention without dropout (the CPU runs its fused flash kernel) under a padding mask
+    computed from the data: a boolean (batch, 1, S, S) mask, or the same as an additive bias."""
+
+    def __init__(self, float_mask: bool) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(H, 3 * H)
+        self.float_mask = float_mask
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (t.view(x.shape[0], S, 2, H // 2).transpose(1, 2)
+                   for t in self.qkv(x).split(H, dim=-1))
+        keys = (x[:, :, 0] > -1.0)[:, None, None, :].expand(-1, 1, S, -1)  # (from the data)
+        mask = torch.zeros(keys.shape).masked_fill(~keys, -1e4) if self.float_mask else keys
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).sum()
+
+
+@pytest.mark.parametrize("float_mask", [False, True], ids=["bool", "float"])
+def test_a_fused_kernel_keeps_a_boolean_mask_as_a_bias_in_the_query_dtype(float_mask: bool) -> None:
+    """The fused kernels (this CPU's flash, the H100's memory-efficient and cuDNN ones:
+    benchmarks/attention_probe.py) convert a boolean mask to an additive bias of its shape in
+    q's dtype and keep it for backward, one per call; a float mask is kept as it is."""
+    torch.manual_seed(0)
+    graph, real = autograd_saves(MaskedAttention(float_mask), (torch.randn(B, S, H),))
+    assert real == pytest.approx(kept_bytes(graph, B, fused=True), rel=0.01)
+    if not float_mask:  # (the bias, float32 B x 1 x S x S, is most of what it keeps)
+        assert real > B * S * S * 4

@@ -25,7 +25,8 @@ the logits, alive together).
 
 Two ops save by kernel (`fused`: what CUDA runs; else the composite path a CPU runs).
 Attention (`scaled_dot_product_attention`): a fused kernel (flash or memory-efficient) keeps q,
-k, v, its output and the log-sum-exp; the math path (the CPU's under attention dropout) keeps
+k, v, its output and the log-sum-exp, and a mask as an additive bias (a boolean one converted
+to q's dtype, one per call); the math path (the CPU's under attention dropout) keeps
 copies of q, k and v and three (batch, heads, queries, keys) matrices: the softmax, the dropout
 mask and the dropped weights. Dropout: the fused kernel keeps a one-byte mask, the composite one
 a mask in the input's dtype (it multiplies the input by it).
@@ -387,7 +388,16 @@ def _attention_saved(graph: TaskGraph, ins: list[str], outs: list[str], fused: b
         for v in (*ins[:3], *outs):
             keep(v, t)
         d = eval_dim(q.shape[-1], 1) if q.shape else 1
-        return bytes_lin(q) / max(d, 1) / _ITEM.get(q.dtype, 4) * 4  # log-sum-exp, float32
+        lse = bytes_lin(q) / max(d, 1) / _ITEM.get(q.dtype, 4) * 4  # log-sum-exp, float32
+        mask = graph.values[ins[3]] if len(ins) > 3 else None
+        if mask is None or mask.dtype != "bool":
+            if mask is not None:
+                keep(ins[3], t)  # (a float mask is the bias the kernel reads again)
+            return lse
+        # a boolean mask is kept as an additive bias of its own shape in q's dtype (H100: the
+        # memory-efficient kernel's float32, cuDNN's bfloat16; the CPU's flash kernel likewise:
+        # benchmarks/attention_probe.py), one per call
+        return lse + bytes_lin(mask) * _ITEM.get(q.dtype, 4)
     # math path: scaled copies of q and k, a contiguous v, the softmax, the dropout mask (as
     # floats) and the dropped weights
     return sum((bytes_lin(graph.values[v]) for v in ins[:3]), np.zeros(2)) + \
