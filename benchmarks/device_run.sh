@@ -9,14 +9,14 @@
 #
 # Needs the mpich and mpi4py wheels for its Python in .whl/ (README of the device tool).
 #
-# The second lease (2026-11-27, BENCHMARKS.md "The second lease"): what the first left, in its
-# order: gpu_memory.py on BERT after the capture's mask fixes (expect it near plain PyTorch);
-# attention_probe.py on the GPU (its one-call table in fp32 and bf16: which kernel keeps a
-# boolean mask as a bias); gpu_study.py (never reached); beside them, runtime_peers.py for
-# ResNet at 4 ranks, both models at 2, and the zero-bubble and interleaved schedules against
-# torch.distributed.pipelining's at 4 ranks. (The first lease's lanes, gpu_memory on all
-# models, selective.py, new_schedules.py and data_parallel.py: git history.) Build rannc._C
-# first (setup.py build_ext): the planner needs it.
+# The second lease's second call (2026-11-27, BENCHMARKS.md "The second lease"): GPT-2 and
+# Llama after the capture made their causal masks is_causal (memory against plain PyTorch,
+# what attention saves), gpu_study's bf16 stage times now that the measure oracle runs under
+# the capture's autocast; beside them the zero-bubble and interleaved schedules against
+# torch.distributed.pipelining's at 4 ranks (without ScheduleZBVZeroBubble, killed in the
+# first call), and torch.profiler op counts of rannc and pipelining 1F1B at 2 ranks with a
+# core each ($OUT/prof). (The earlier calls' lanes: git history.) Build rannc._C first
+# (setup.py build_ext): the planner needs it.
 set -u
 OUT=${OUT:-/tmp/device_out}
 mkdir -p "$OUT"
@@ -40,17 +40,18 @@ lane() {  # lane NAME CORES SECONDS COMMAND...: one lane's commands, each under 
   done >"$OUT/$name.log" 2>&1
 }
 
-gpu="python3 benchmarks/gpu_memory.py --models bert --jsonl $OUT/gpu_memory.jsonl"
-probe="python3 benchmarks/attention_probe.py"
-study="python3 benchmarks/gpu_study.py --iters 10 --measure-seconds 1 --plot $OUT/gpu_study.png"
+gpu="python3 benchmarks/gpu_memory.py --models gpt2 llama --rows 32 --jsonl $OUT/gpu_memory.jsonl"
+probe="python3 benchmarks/attention_probe.py --models gpt2 llama --no-kernels"
+study="python3 benchmarks/gpu_study.py --dtypes bf16 --iters 10 --measure-seconds 1"
 cpu="CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1"
-peers="$cpu python3 benchmarks/runtime_peers.py --repeats 3"
-classic="--variants rannc_gpipe rannc_1f1b pipe_gpipe pipe_1f1b"
-B=${LANE_SECONDS:-330}
+peers="$cpu python3 benchmarks/runtime_peers.py"
+new="--variants rannc_1f1b rannc_zb rannc_i1f1b rannc_zbv pipe_1f1b pipe_zb pipe_i1f1b"
+prof="RUNTIME_PEERS_PROFILE=$OUT/prof $peers --repeats 1 --steps 8 --variants rannc_1f1b pipe_1f1b"
+B=${LANE_SECONDS:-300}
 
+mkdir -p "$OUT/prof"
 lane gpu 0-3 "$B" "$gpu" "$probe" "$study" &
-lane peers4 4-7 "$B" "$peers $classic --models resnet --ranks 4" &
-lane peers2 8-9 "$B" "$peers $classic --models bert resnet --ranks 2" &
-lane newsched 10-13 "$B" "$peers --new-schedules --models bert --ranks 4" &
+lane newsched 4-7 "$B" "$peers --repeats 2 $new --models bert --ranks 4" &
+lane prof2 8-9 "$B" "$prof --models resnet --ranks 2" "$prof --models bert --ranks 2" &
 wait
 tail -n 40 "$OUT"/*.log
