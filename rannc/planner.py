@@ -161,7 +161,19 @@ def plan_graph(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, conf
                 if auto and z == 0 and any(st.replicas > 1 for st in plan.stages):
                     plan = _faster(plan, _zero_1_plan(graph, atomic, cluster, config,
                                                       batch_size=batch_size, oracle=oracle,
-                                                      costs=costs, stats=stats, progress=progress))
+                                                      costs=costs, stats=stats, progress=progress),
+                                   "ZeRO-1")
+                if any(st.selective for st in plan.stages) and config.checkpointing != "selective":
+                    # Selective recomputation is chosen per stage where it costs fewer seconds than
+                    # recomputing a prefix; the search that follows can then find a slower whole
+                    # (another schedule fits the prefix's memory): where a stage took it, the
+                    # search without it runs too and the faster prediction is kept
+                    plan = _faster(plan, _plan_or_none(
+                        graph, atomic, cluster,
+                        dataclasses.replace(config, zero_stage=plan.zero_stage,
+                                            selective_recompute=False),
+                        batch_size=batch_size, oracle=oracle, costs=costs, stats=stats,
+                        progress=progress), "without selective recomputation")
                 return plan
             except PlanInfeasibleError:
                 finer = min(2 * k, len(atomic.components))
@@ -180,20 +192,28 @@ def _zero_1_plan(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, co
                  batch_size: int, oracle: BlockOracle | None, costs: GraphCosts | None,
                  stats: PlanStats | None, progress: Progress) -> Plan | None:
     """The plan with ZeRO-1 at `config.blocks`, or None when none fits."""
+    return _plan_or_none(graph, atomic, cluster, dataclasses.replace(config, zero_stage=1),
+                         batch_size=batch_size, oracle=oracle, costs=costs, stats=stats,
+                         progress=progress)
+
+
+def _plan_or_none(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, config: Config, *,
+                  batch_size: int, oracle: BlockOracle | None, costs: GraphCosts | None,
+                  stats: PlanStats | None, progress: Progress) -> Plan | None:
+    """The plan under `config` (its zero_stage recorded), or None when none fits."""
     try:
-        plan = _plan_graph(graph, atomic, cluster, dataclasses.replace(config, zero_stage=1),
-                           batch_size=batch_size, oracle=oracle, costs=costs, stats=stats,
-                           progress=progress)
+        plan = _plan_graph(graph, atomic, cluster, config, batch_size=batch_size, oracle=oracle,
+                           costs=costs, stats=stats, progress=progress)
     except PlanInfeasibleError:
         return None
-    return dataclasses.replace(plan, zero_stage=1)
+    return dataclasses.replace(plan, zero_stage=int(config.zero_stage))
 
 
-def _faster(plan: Plan, other: Plan | None) -> Plan:
-    """`other` when it is predicted faster (ties to `plan`)."""
+def _faster(plan: Plan, other: Plan | None, what: str) -> Plan:
+    """`other` when it is predicted faster (ties to `plan`); `what` names it in the log."""
     if other is None or _time(other) >= _time(plan) * (1 - 1e-9):
         return plan
-    log.info("rannc: ZeRO-1 predicted faster (%.4g s against %.4g s per iteration)",
+    log.info("rannc: %s predicted faster (%.4g s against %.4g s per iteration)", what,
              _time(other), _time(plan))
     return other
 
