@@ -17,6 +17,13 @@
 # first call), and torch.profiler op counts of rannc and pipelining 1F1B at 2 ranks with a
 # core each ($OUT/prof). (The earlier calls' lanes: git history.) Build rannc._C first
 # (setup.py build_ext): the planner needs it.
+#
+# Left for the next lease, in this order: a torch.profiler trace of one bf16 BERT-Large stage
+# (gpu_study's shape: why bf16 stages take 1.5-2x the estimate: host issue rate, tensor-core
+# efficiency, autocast's casts); runtime_peers --new-schedules at 8 and 16 microbatches (issue
+# 19's zero-bubble target is for 8+); the ResNet 2-rank profile again with the heap and the
+# input-row exchange in view. The device tool returns at most 8 files from $OUT: pack
+# anything larger (profiles) into one tarball.
 set -u
 OUT=${OUT:-/tmp/device_out}
 mkdir -p "$OUT"
@@ -54,4 +61,5 @@ lane gpu 0-3 "$B" "$gpu" "$probe" "$study" &
 lane newsched 4-7 "$B" "$peers --repeats 2 $new --models bert --ranks 4" &
 lane prof2 8-9 "$B" "$prof --models resnet --ranks 2" "$prof --models bert --ranks 2" &
 wait
+(cd "$OUT" && tar czf prof.tgz prof && rm -rf prof)  # (the tool returns at most 8 files)
 tail -n 40 "$OUT"/*.log
