@@ -75,8 +75,7 @@ def running_as(state: AutocastState) -> Iterator[None]:
             if torch.is_autocast_enabled(dev) == on and (
                     not on or torch.get_autocast_dtype(dev) == dtype):
                 continue
-            stack.enter_context(torch.autocast(dev, dtype=dtype, enabled=on) if on
-                                else torch.autocast(dev, enabled=False))
+            stack.enter_context(torch.autocast(dev, dtype=dtype, enabled=on))
         yield
 
 
@@ -549,21 +548,14 @@ def _causal_attention_masks(gm: fx.GraphModule) -> None:
             continue
         if lq not in tril:
             tril[lq] = torch.ones(lq, lq, dtype=torch.bool).tril()
-        ok = True
-        for b, memo in memos.items():
-            value = _constant(mask, memo, b)
-            ok = isinstance(value, torch.Tensor) and value.dim() >= 2 \
-                and tuple(value.shape[-2:]) == (lq, lq) and bool((value == tril[lq]).all())
-            if not ok:
-                break
-        if ok:
-            args = [*node.args[:3], None, *node.args[4:]]
-            kwargs = {k_: v for k_, v in node.kwargs.items() if k_ not in ("attn_mask", "is_causal")}
-            if len(args) > 5:
-                args[5] = True
+        if all(isinstance(value := _constant(mask, memo, b), torch.Tensor) and value.dim() >= 2
+               and tuple(value.shape[-2:]) == (lq, lq) and bool((value == tril[lq]).all())
+               for b, memo in memos.items()):
+            _set_attention_mask(node, None)
+            if len(node.args) > 5:
+                node.args = (*node.args[:5], True, *node.args[6:])
             else:
-                kwargs["is_causal"] = True
-            node.args, node.kwargs = tuple(args), kwargs
+                node.kwargs = {**node.kwargs, "is_causal": True}
 
 
 def _dense_attention_masks(gm: fx.GraphModule) -> None:
