@@ -1,16 +1,18 @@
-"""Config.host_malloc on CPU ranks: step time and resident peak, "release" against "keep".
+"""Config.host_malloc on CPU ranks: step time and resident peak, "reuse" and "release" against "keep".
 
     PYTHONPATH=. .venv/bin/python benchmarks/host_malloc.py                # the table in BENCHMARKS.md
     PYTHONPATH=. .venv/bin/python benchmarks/host_malloc.py --smoke        # seconds
 
-"release" fixes glibc's mmap threshold at 128 KiB ("auto", the default, does so only on a CPU
-rank whose forecast is near its memory), so every tensor from
-that size up is its own mapping, returned when freed: the resident peak follows the live
-tensors, at the price of fresh zero-filled pages for those allocations. "keep" leaves glibc's
-defaults. Each repeat trains the model of `benchmarks/memory_forecast.py` (`BertForMaskedLM` or
-`GPT2LMHeadModel` from a small config, random weights) under `rannc.RaNNCModule` on S ranks
-(`partition_num=S`, 4 microbatches, AdamW) for `--steps` steps, in fresh processes; the two
-settings alternate (release, keep, release, keep, ...), and each pair gives one ratio. Per run:
+"release" fixes glibc's mmap and trim thresholds at 128 KiB ("auto", the default, does so only
+on a CPU rank whose forecast is near its memory), so every tensor from that size up is its own
+mapping, returned when freed: the resident peak follows the live tensors, at the price of fresh
+zero-filled pages for those allocations. "reuse" ("auto" elsewhere on a CPU) raises both to
+1 GiB: freed blocks stay in the heap for the next tensors, without page faults. "keep" leaves
+glibc's defaults. Each repeat trains the model of `benchmarks/memory_forecast.py`
+(`BertForMaskedLM` or `GPT2LMHeadModel` from a small config, random weights) under
+`rannc.RaNNCModule` on S ranks (`partition_num=S`, 4 microbatches, AdamW) for `--steps` steps,
+in fresh processes; the settings alternate (reuse, release, keep, reuse, ...), and each round
+gives one ratio per setting against "keep". Per run:
 the median step time over steps 2 to the last (rank 0's wall clock around model(), backward()
 and step(); the pipeline is synchronous, so every rank's is alike) and rank 0's CPU time per
 step (user and system, all its threads: what the page faults cost, whatever else the host
@@ -89,7 +91,7 @@ def driver(a: argparse.Namespace) -> None:
                                         ("vocab", a.vocab), ("batch", a.batch), ("seq", a.seq),
                                         ("steps", a.steps), ("microbatches", a.microbatches),
                                         ("model", a.model), ("out", out))]
-    modes = ("release", "keep")
+    modes = ("reuse", "release", "keep")
     try:
         for i in range(a.repeats):
             for mode in modes:
@@ -115,9 +117,10 @@ def driver(a: argparse.Namespace) -> None:
               f"{statistics.median(step(m, i, 'cpu_s') for i in range(a.repeats)):.3f} | "
               + ", ".join(f"{p:.0f}" for p in peaks) + " |")
     for key, what in (("step_s", "step time"), ("cpu_s", "CPU time")):
-        ratios = [step("release", i, key) / step("keep", i, key) for i in range(a.repeats)]
-        print(f"\n{what} release / keep, pair by pair: {', '.join(f'{x:.3f}' for x in ratios)}; "
-              f"median {statistics.median(ratios):.3f}")
+        for m in modes[:-1]:
+            ratios = [step(m, i, key) / step("keep", i, key) for i in range(a.repeats)]
+            print(f"\n{what} {m} / keep, round by round: {', '.join(f'{x:.3f}' for x in ratios)}; "
+                  f"median {statistics.median(ratios):.3f}")
 
 
 def main() -> None:
@@ -132,9 +135,9 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--microbatches", type=int, default=4)
-    p.add_argument("--repeats", type=int, default=3, help="pairs (release, keep)")
+    p.add_argument("--repeats", type=int, default=3, help="rounds (reuse, release, keep)")
     p.add_argument("--timeout", type=float, default=900)
-    p.add_argument("--smoke", action="store_true", help="2 layers H64, one process, 1 pair, 3 steps")
+    p.add_argument("--smoke", action="store_true", help="2 layers H64, one process, 1 round, 3 steps")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--host-malloc", help=argparse.SUPPRESS)
     p.add_argument("--repeat", type=int, help=argparse.SUPPRESS)

@@ -286,7 +286,7 @@ def main() -> None:
     p.add_argument("--replicas", type=int, default=1, help="replicas of every stage (ranks: stages x this)")
     p.add_argument("--checkpointing", default="auto", choices=("auto", "on", "off", "selective"))
     p.add_argument("--schedule", default="auto", help="Config.schedule of the pipelined runs")
-    p.add_argument("--host-malloc", default="auto", choices=("auto", "release", "keep"),
+    p.add_argument("--host-malloc", default="auto", choices=("auto", "reuse", "release", "keep"),
                    help="Config.host_malloc of every rank")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=256)

@@ -29,7 +29,10 @@ between barriers), and the peak resident memory during the measured steps above 
 after imports and data, before the model is built (``VmHWM`` reset after warm-up, as in
 ``benchmarks/pipeline_memory.py``), and the CPU time each rank's process used per measured step
 (its own work and its threads', not its waits: less sensitive than wall time to other tenants of
-a shared machine). The loss of the last measured step is printed per variant: rannc and
+a shared machine), and the minor page faults per measured step (a fresh zero-filled page per
+4 KiB wherever the C allocator maps a freed block afresh: rannc's ``host_malloc`` "auto" keeps
+freed blocks in the heap on a CPU, ``--malloc reuse`` gives every variant the same setting).
+The loss of the last measured step is printed per variant: rannc and
 pipelining on the same stages must agree (they train the same thing).
 
 ``RUNTIME_PEERS_PROFILE=DIR`` runs the measured steps under torch.profiler and writes, per
@@ -380,12 +383,17 @@ def worker(a: argparse.Namespace) -> None:
     pm.reset_peak()
     prof_dir = os.environ.get("RUNTIME_PEERS_PROFILE")  # a folder: torch.profiler tables per rank
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if prof_dir else None
+    import resource
+    ru0 = resource.getrusage(resource.RUSAGE_SELF)
     t0, c0 = time.perf_counter(), time.process_time()
     with prof or contextlib.nullcontext():
         losses += [step(x, y) for x, y in data[a.warmup:]]
     dist.barrier()
     elapsed = time.perf_counter() - t0
     cpu_s = time.process_time() - c0  # this rank's own work (and gloo's threads), not its waits
+    # minor page faults: a fresh zero-filled page per 4 KiB wherever the C allocator maps a
+    # freed block afresh (`Config.host_malloc`, `--malloc`)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - ru0.ru_minflt
     if prof is not None and prof_dir:
         Path(prof_dir, f"{a.label}.rank{rank}.txt").write_text(
             prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
@@ -405,8 +413,8 @@ def worker(a: argparse.Namespace) -> None:
         mbs, sched_name = a.microbatches, NAMES[v].split()[1]
     out = dict(variant=v, rank=rank, world=world, elapsed=elapsed,
                samples_s=a.batch * a.steps / elapsed,
-               cpu_ms_step=1e3 * cpu_s / a.steps, peak_mb=peak_kb / 1024, layout=layout,
-               microbatches=mbs, schedule=sched_name, losses=losses)
+               cpu_ms_step=1e3 * cpu_s / a.steps, faults_step=faults / a.steps,
+               peak_mb=peak_kb / 1024, layout=layout, microbatches=mbs, schedule=sched_name, losses=losses)
     Path(a.out, f"{a.label}.rank{rank}.json").write_text(json.dumps(out))
     rdist.shutdown()
 
@@ -426,6 +434,10 @@ def driver(a: argparse.Namespace) -> None:
     mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
     if mpiexec is None:
         sys.exit("no mpiexec next to the interpreter or on PATH (pip install mpi4py mpich)")
+    if a.malloc == "reuse":  # the environment the launched ranks inherit (`pm.launch`)
+        from rannc.hostmem import REUSE_THRESHOLD
+
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = os.environ["MALLOC_TRIM_THRESHOLD_"] = str(REUSE_THRESHOLD)
     tmp = Path(tempfile.mkdtemp(prefix="rannc_runtime_peers_"))
     me = [sys.executable, str(Path(__file__).resolve())]
     variants = SMOKE_VARIANTS if a.smoke else tuple(v for v in VARIANTS if v in a.variants)
@@ -486,7 +498,8 @@ def report(a: argparse.Namespace, cases: list[tuple[str, int]], variants: tuple[
 
     head = ["model", "ranks", "variant", "stages x replicas", "microbatches", "samples/s (median)",
             "all repeats", "rannc row / this row", "paired ratio (median, range)", "loss, last step",
-            "per-rank peak MB (median)", "per-rank CPU ms/step (median)"]
+            "per-rank peak MB (median)", "per-rank CPU ms/step (median)",
+            "per-rank page faults/step (median)"]
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     bad = []
     for model, n in cases:
@@ -513,6 +526,8 @@ def report(a: argparse.Namespace, cases: list[tuple[str, int]], variants: tuple[
             peaks = [statistics.median(runs[r]["peak_mb"] for runs in results[key]) for r in range(n)]
             cpus = [statistics.median(runs[r].get("cpu_ms_step", 0.0) for runs in results[key])
                     for r in range(n)]
+            faults = [statistics.median(runs[r].get("faults_step", 0.0) for runs in results[key])
+                      for r in range(n)]
             reps = ", ".join(f"{runs[0]['samples_s']:.1f}" for runs in results[key])
             over = pm.cores_note(n)
             lines.append("| " + " | ".join([
@@ -520,7 +535,7 @@ def report(a: argparse.Namespace, cases: list[tuple[str, int]], variants: tuple[
                     "*" if key in split_layer else ""), str(first["microbatches"]),
                 f"{speed(key):.2f}", reps, f"{ratio:.2f}" if ref[2] != v else "1 (reference)", paired,
                 f"{loss:.5f}", " / ".join(f"{p:.0f}" for p in peaks),
-                " / ".join(f"{c:.0f}" for c in cpus)]) + " |")
+                " / ".join(f"{c:.0f}" for c in cpus), " / ".join(f"{f:.0f}" for f in faults)]) + " |")
     print("\n" + "\n".join(lines), flush=True)
     if not final:
         return
@@ -587,6 +602,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--malloc", choices=("default", "reuse"), default="default",
+                   help="default: each variant's ranks as its users get them (rannc's host_malloc "
+                        "'auto' reuses freed heap blocks on a CPU, the others run glibc's "
+                        "defaults); reuse: every variant's ranks on glibc's thresholds raised as "
+                        "rannc's 'reuse' raises them (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_), "
+                        "so the runtimes are compared on the same allocator")
     p.add_argument("--size-sync", action="store_true",
                    help="diagnostic: pipelining steps start with rannc's all-gather of row counts")
     add_model_args(p)

@@ -108,18 +108,19 @@ class Config:
     """Per-device memory to plan for in GB, > 0 (None: the device's own)."""
     mem_margin: float = _f(0.1, lo=0, hi=1, open_hi=True)
     """Fraction of device memory kept free, in [0, 1)."""
-    host_malloc: str = _f("auto", choices=("auto", "release", "keep"))
+    host_malloc: str = _f("auto", choices=("auto", "reuse", "release", "keep"))
     """How glibc's allocator treats freed tensor memory where ranks train on the CPU (whose
-    memory the planner budgets as the device's): "release" fixes its mmap threshold at 128 KiB,
-    so every tensor from that size up is mapped on its own and returned when freed, and a
-    rank's resident peak follows its live tensors, which is what the planner forecasts, at the
-    cost of a fresh zero-filled page per allocation (slower steps: BENCHMARKS.md); "keep"
-    leaves glibc's defaults, which keep freed blocks resident (a resident peak up to 1.6x the
-    forecast); "auto": "release" on a CPU rank whose stage's forecast times 1.75 exceeds the
-    memory it may use (mem_limit_gb, else the device's, less mem_margin), else "keep".
-    Process-wide (the user's own allocations follow it too), set at deployment and logged once
-    at INFO when it acts; a CUDA device or a C library other than glibc is left alone
-    (rannc.hostmem)."""
+    memory the planner budgets as the device's): "reuse" raises its mmap and trim thresholds to
+    1 GiB, so freed blocks stay in the heap and the next microbatch's tensors reuse them
+    without page faults (the fastest steps; the resident memory stays at its peak, up to 1.6x
+    the forecast); "release" fixes both at 128 KiB, so every tensor from that size up is
+    mapped on its own and returned when freed, and a rank's resident peak follows its live
+    tensors, which is what the planner forecasts, at the cost of a fresh zero-filled page per
+    allocation (slower steps: BENCHMARKS.md); "keep" leaves glibc's defaults, which do some of
+    each; "auto": "release" on a CPU rank whose stage's forecast times 1.75 exceeds the memory
+    it may use (mem_limit_gb, else the device's, less mem_margin), else "reuse". Process-wide
+    (the user's own allocations follow it too), set at deployment and logged once at INFO when
+    it acts; a CUDA device or a C library other than glibc is left alone (rannc.hostmem)."""
     opt_param_factor: float | None = _f(None, lo=0)
     """Optimizer state per parameter element, >= 0 (None: read from the optimizer, Adam = 2)."""
     schedule: str = _f("auto", choices=_schedules)

@@ -334,9 +334,10 @@ def _group_state_factor(name: str, group: Mapping[str, Any]) -> float:
 
 def host_malloc(cfg: Config, device: torch.device, stages: Sequence[StagePlan]) -> None:
     """`Config.host_malloc` at deployment, for this rank's stages of the plan (one, or two under
-    interleaved 1F1B and ZB-V; none in one process, which plans nothing): "auto" releases
-    where their forecasts together are close enough to the memory the rank may use
-    (`mem_limit_gb`, else the device's) for glibc's retention to matter."""
+    interleaved 1F1B and ZB-V; none in one process, which plans nothing): on a CPU, "auto"
+    releases where their forecasts together are close enough to the memory the rank may use
+    (`mem_limit_gb`, else the device's) for the heap's retention to matter, and reuses freed
+    blocks elsewhere (`rannc.hostmem`)."""
     forecast = sum(st.predicted.memory_bytes for st in stages if st.predicted is not None) \
         if stages and all(st.predicted is not None for st in stages) else None
     memory = cfg.mem_limit_gb * 1e9 if cfg.mem_limit_gb is not None else math.inf

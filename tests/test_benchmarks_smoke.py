@@ -249,10 +249,11 @@ def test_kept_activations_benchmark() -> None:
 
 @pytest.mark.layer("single_process")
 def test_host_malloc_benchmark() -> None:
-    """Both settings' rows and the ratio (one process, one pair)."""
+    """The three settings' rows and the ratios against "keep" (one process, one round)."""
     out = run("benchmarks/host_malloc.py")
-    assert [r[0] for r in rows(out, "| release") + rows(out, "| keep")] == ["release", "keep"], out
-    assert "release / keep" in out, out
+    got = [r[0] for m in ("reuse", "release", "keep") for r in rows(out, f"| {m}")]
+    assert got == ["reuse", "release", "keep"], out
+    assert "release / keep" in out and "reuse / keep" in out, out
 
 
 def test_selective_benchmark() -> None:
