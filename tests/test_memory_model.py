@@ -117,6 +117,27 @@ def test_placement_scales_what_is_not_static_with_the_rows() -> None:
     assert rows_that_fit(4.0, 4.0, 3.0, 16.0) == float("inf")  # nothing scales: any rows fit
 
 
+def test_a_stage_captured_under_autocast_holds_its_weights_half_copies_once() -> None:
+    """Autocast keeps a bfloat16 copy of every weight a product reads (where its input needs
+    a gradient), one per call, which the microbatches share: a stage's `params` count them
+    beside the weights, its gradients (and so the optimizer state and the reduction) do not."""
+    import torch
+    from torch import nn
+
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(),
+                          nn.Linear(256, 8))
+    x = torch.randn(32, 64)
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    for half in (False, True):
+        with torch.autocast("cpu", torch.bfloat16, enabled=half):
+            g = capture(model, (x,), {}).graph
+        atomic = atomic_components(g)
+        whole = BlockIO.of(g, atomic, [0] * len(atomic.components))
+        # (the first product's input, the model input, needs no gradient: no copy kept)
+        assert whole.params[0, 0] == weights + ((256 * 256 + 8 * 256) * 2 if half else 0)
+        assert whole.grad_params[0, 0] == weights
+
+
 def test_static_memory_spreads_only_the_optimizer_state_under_zero_1() -> None:
     params, grads = np.array([100.0]), np.array([80.0])
     assert static_memory(params, grads, 2.0, 4, 0)[0] == 100 + 80 * 3

@@ -372,7 +372,7 @@ class MeasureOracle(BlockOracle):
         for w in range(max(1, st.warmup)):
             inputs = make_inputs()
             if w == 0 and not cuda:
-                kept = self._saved_bytes(functools.partial(run, inputs, False), inputs)
+                kept = self._saved_bytes(functools.partial(run, inputs, False), inputs, pleaves)
             else:
                 run(inputs, False)
         if cuda:
@@ -430,15 +430,19 @@ class MeasureOracle(BlockOracle):
         self.last_runs = len(fs)
         return statistics.median(fs), statistics.median(bs), kept, work
 
-    def _saved_bytes(self, fn: Callable[[], object], inputs: Sequence[Any]) -> float:
+    def _saved_bytes(self, fn: Callable[[], object], inputs: Sequence[Any],
+                     params: Sequence[torch.Tensor] = ()) -> float:
         """Bytes of the distinct storages autograd saves while `fn` runs, other than those of
-        the block's inputs, parameters and buffers."""
+        the block's inputs, parameters and buffers, and of the half-precision copies autocast
+        makes of `params` (one per autocast region, shared by a call's microbatches: the memory
+        model counts them with the parameters, `saved.autocast_copies`)."""
         exclude = {_storage_key(x) for x in inputs if isinstance(x, torch.Tensor)}
+        leaves = {id(p) for p in params}
         seen: dict[int, int] = {}
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             k = _storage_key(t)
-            if k not in exclude and k not in seen:
+            if k not in exclude and k not in seen and not _cast_of(t, leaves):
                 seen[k] = _storage_bytes(t)
             return t
 
@@ -609,6 +613,23 @@ def _is_oom(e: BaseException) -> bool:
     text = str(e)
     return isinstance(e, RuntimeError) and ("can't allocate memory" in text
                                             or "out of memory" in text.lower())
+
+
+# autograd nodes of views, through which a saved transpose of a weight's cast reaches the cast
+_VIEW_NODES = frozenset({"TBackward0", "ViewBackward0", "UnsafeViewBackward0", "TransposeBackward0",
+                         "PermuteBackward0", "ExpandBackward0", "AliasBackward0"})
+
+
+def _cast_of(t: torch.Tensor, leaves: set[int]) -> bool:
+    """Whether `t` is (a view of) a dtype cast of one of the leaf tensors `leaves`: what
+    autocast makes of a parameter."""
+    fn = t.grad_fn
+    while fn is not None and fn.name() in _VIEW_NODES and fn.next_functions:
+        fn = fn.next_functions[0][0]
+    if fn is None or fn.name() != "ToCopyBackward0" or not fn.next_functions:
+        return False
+    src = fn.next_functions[0][0]
+    return id(getattr(src, "variable", None)) in leaves
 
 
 def _storage_key(t: torch.Tensor) -> int:

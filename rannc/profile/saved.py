@@ -80,6 +80,12 @@ _MUL = re.compile(r"aten\.(mul|mul_|multiply)\.")
 _DIV = re.compile(r"aten\.(div|div_|true_divide)\.")
 _DROPOUT = re.compile(r"aten\.(dropout|feature_dropout|alpha_dropout|native_dropout)\.")
 _CROSS_ENTROPY = re.compile(r"aten\.cross_entropy_loss\.")
+# Ops autocast runs in half precision (CUDA's and the CPU's lists agree on these): they cast
+# every floating input to half first, and autograd saves the casts.
+_AUTOCAST_HALF = re.compile(
+    r"aten\.(linear|mm|matmul|bmm|addmm|baddbmm|addbmm|addmv|mv|addr|einsum|conv\w*|convolution|"
+    r"_convolution|prelu|chain_matmul|linalg_vecdot|linalg_multi_dot)\.")
+_HALF = {"float16", "bfloat16"}
 _ATTENTION = re.compile(r"aten\.(_?scaled_dot_product\w*attention\w*)\.")
 
 
@@ -233,23 +239,77 @@ def _saves(graph: TaskGraph, fused: bool) -> _Saves:
                     if fused else vb[f_outs[0]]
         elif _CROSS_ENTROPY.match(op):
             logits = ins[0]
-            kept[t] += vb[logits]  # its log-softmax
+            # its log-softmax, in the loss's dtype (float32 from half logits under autocast)
+            wide = _widened(graph, logits, f_outs)
+            kept[t] += vb[logits] * wide
             for v in ins[1:]:
                 keep(v, t)
-            bwd[t] += vb[logits]  # the log-softmax's gradient beside the logits'
+            bwd[t] += vb[logits] * wide  # the log-softmax's gradient beside the logits'
         elif _ATTENTION.match(op) and len(ins) >= 3:
             kept[t] += _attention_saved(graph, ins, f_outs, fused, keep, t)
             if not fused:
-                bwd[t] += 2 * _attention_matrix(graph, ins)
+                bwd[t] += 2 * _attention_matrix(graph, ins) * _math_widening(graph.values[ins[0]])
         elif _SAVES_INPUTS.match(op):
+            half = _autocast_half(graph, op, f_outs)
             for v in ins:
-                keep(v, t)
+                val = graph.values[v]
+                if half is None or val.dtype not in _FLOAT or val.dtype == half:
+                    keep(v, t)
+                elif val.kind is ValueKind.ACTIVATION or val.kind is ValueKind.INPUT:
+                    # autocast casts v and saves the cast: a new tensor of v's shape (another
+                    # op casting v makes its own), whatever else keeps v itself. (A parameter's
+                    # cast is one per autocast region, which autocast's cache shares among the
+                    # microbatches of a call: not a microbatch's activation.)
+                    kept[t] += vb[v] * _ITEM[half] / _ITEM.get(val.dtype, 4)
         else:  # no rule: everything it could keep
             for v in ins:
                 keep(v, t)
             for v in f_outs:
                 keep(v, t)
     return _Saves(kept, bwd, tuple(edges), base)
+
+
+def _autocast_half(graph: TaskGraph, op: str, f_outs: Sequence[str]) -> str | None:
+    """The half dtype an autocast op computes in (its floating output's, where that is half
+    and the op is one autocast casts to half), else None. A captured graph holds no casts:
+    under autocast `linear` of float32 tensors gives a bfloat16 value."""
+    if not f_outs or not _AUTOCAST_HALF.match(op):
+        return None
+    dt = graph.values[f_outs[0]].dtype
+    return dt if dt in _HALF else None
+
+
+def autocast_copies(graph: TaskGraph) -> dict[str, float]:
+    """Bytes of the half-precision copy autocast keeps of each parameter, by parameter: an op
+    autocast runs in half casts its float32 weight and autograd saves the cast where the op's
+    backward computes an input gradient (not a bias's). Autocast's cache makes one copy per parameter and
+    autocast region, which every microbatch of a call shares (their forwards run inside the
+    user's autocast block), so it is no microbatch's activation: it belongs with the stage's
+    parameters, once (`ValueUses.of`). Empty for a graph captured without autocast."""
+    grad = requires_grad(graph)
+    out: dict[str, float] = {}
+    for task in graph.tasks:
+        f_outs = [v for v in task.outputs if graph.values[v].is_tensor and graph.values[v].dtype in _FLOAT]
+        half = _autocast_half(graph, task.op, f_outs)
+        if half is None or not any(v in grad and graph.values[v].kind is not ValueKind.PARAM
+                                   for v in task.inputs):
+            continue
+        for v in task.inputs:
+            val = graph.values[v]
+            # (a bias, 1-D, is cast too but not saved: its gradient is a sum of the output's)
+            if val.kind is ValueKind.PARAM and val.dtype in _FLOAT and val.dtype != half \
+                    and len(val.shape) >= 2:
+                out[v] = float(bytes_lin(val)[0]) * _ITEM[half] / _ITEM.get(val.dtype, 4)
+    return out
+
+
+def _widened(graph: TaskGraph, v: str, f_outs: Sequence[str]) -> float:
+    """How much larger an op's result dtype is than its input v's (float32 from bfloat16: 2,
+    autocast running a float32 op on half values), else 1."""
+    if not f_outs:
+        return 1.0
+    wide, narrow = _ITEM.get(graph.values[f_outs[0]].dtype, 4), _ITEM.get(graph.values[v].dtype, 4)
+    return wide / narrow if wide > narrow else 1.0
 
 
 # Ops that are cheap to run again (memory-bound: elementwise ops and norms), draw no random
@@ -399,10 +459,17 @@ def _attention_saved(graph: TaskGraph, ins: list[str], outs: list[str], fused: b
         # benchmarks/attention_probe.py), one per call
         return lse + bytes_lin(mask) * _ITEM.get(q.dtype, 4)
     # math path: scaled copies of q and k, a contiguous v, the softmax, the dropout mask (as
-    # floats) and the dropped weights
-    return sum((bytes_lin(graph.values[v]) for v in ins[:3]), np.zeros(2)) + \
-        3 * _attention_matrix(graph, ins)
+    # floats) and the dropped weights, all in float32 where q is half (the math path computes
+    # half inputs in float32)
+    return (sum((bytes_lin(graph.values[v]) for v in ins[:3]), np.zeros(2)) +
+            3 * _attention_matrix(graph, ins)) * _math_widening(q)
 
 
-__all__ = ["Recomputable", "bases", "bytes_lin", "fused_kernels", "recomputable", "requires_grad",
-           "saved"]
+def _math_widening(q: Value) -> float:
+    """Attention's math path computes half-precision q, k and v in float32: its copies and
+    matrices are twice q's item size there."""
+    return 4 / _ITEM[q.dtype] if q.dtype in _HALF else 1.0
+
+
+__all__ = ["Recomputable", "autocast_copies", "bases", "bytes_lin", "fused_kernels", "recomputable",
+           "requires_grad", "saved"]

@@ -22,6 +22,7 @@ import numpy as np
 from rannc.atomic.components import AtomicPartition
 from rannc.graph.task_graph import TaskGraph, ValueKind
 from rannc.profile.estimate import BlockProfile, _bytes
+from rannc.profile.saved import autocast_copies
 from rannc.schedule.spec import get_spec
 from rannc.stage_dp.memory import (
     MemoryModel,
@@ -41,7 +42,9 @@ class BlockIO:
 
     inputs: np.ndarray  # (2, k, k): bytes a stage receives per microbatch (model inputs included)
     outputs: np.ndarray  # (2, k, k): bytes it sends on (or returns as model outputs)
-    params: np.ndarray  # (k, k): bytes of the parameters and buffers it holds, each once
+    # (k, k): bytes of the parameters and buffers it holds, each once, and of the
+    # half-precision copies autocast keeps of its parameters (`saved.autocast_copies`)
+    params: np.ndarray
     grad_params: np.ndarray  # (k, k): bytes of the trainable parameters among them
     cut_ok: np.ndarray  # (k+1,): a stage may start or end at this block boundary
     # (k, k): bytes of its trainable parameters that a block outside it also reads (tied
@@ -87,7 +90,8 @@ class ValueUses:
     """What `BlockIO` reads from the graph, independent of the grouping, as flat arrays: built
     once per graph, so the planner's boundary refinement can table many groupings.
 
-    Parameters and buffers (index i): `par_bytes`, `par_grad` (trainable); inputs and
+    Parameters and buffers (index i): `par_bytes` (with their autocast copies), `par_grad`
+    (trainable), `par_own` (their own bytes, which the gradients mirror); inputs and
     activations a stage may receive or send (index j): `act_bytes` (c0, c1), `act_prod` (the
     producing component, -1 for a model input), `act_output` (a model output), `act_rows` (split
     by batch rows; a cut across one that is not is refused). `*_use` are (value, consumer
@@ -95,6 +99,7 @@ class ValueUses:
 
     par_bytes: np.ndarray  # (P,)
     par_grad: np.ndarray  # (P,) bool
+    par_own: np.ndarray  # (P,)
     par_use: np.ndarray  # (2, U) int64
     act_bytes: np.ndarray  # (A, 2)
     act_prod: np.ndarray  # (A,) int64
@@ -105,7 +110,8 @@ class ValueUses:
     @classmethod
     def of(cls, graph: TaskGraph, atomic: AtomicPartition) -> ValueUses:
         out_names = {v for v in graph.outputs if v is not None}
-        par: list[tuple[float, bool]] = []
+        copies = autocast_copies(graph)
+        par: list[tuple[float, bool, float]] = []
         act: list[tuple[float, float, int, bool, bool]] = []
         par_use: list[tuple[int, int]] = []
         act_use: list[tuple[int, int]] = []
@@ -113,7 +119,8 @@ class ValueUses:
             consumers = sorted({c for t in graph.consumers(name) for c in atomic.holders[t]})
             if val.kind in (ValueKind.PARAM, ValueKind.BUFFER):
                 par_use += [(len(par), c) for c in consumers]
-                par.append((sum(_bytes(val)), val.kind is ValueKind.PARAM))
+                own = sum(_bytes(val))
+                par.append((own + copies.get(name, 0.0), val.kind is ValueKind.PARAM, own))
                 continue
             if val.kind not in (ValueKind.INPUT, ValueKind.ACTIVATION) or not val.is_tensor:
                 continue
@@ -128,9 +135,9 @@ class ValueUses:
         def pairs(x: list[tuple[int, int]]) -> np.ndarray:
             return np.array(x, dtype=np.int64).reshape(-1, 2).T
 
-        pa = np.array(par, dtype=np.float64).reshape(-1, 2)
+        pa = np.array(par, dtype=np.float64).reshape(-1, 3)
         aa = np.array(act, dtype=np.float64).reshape(-1, 5)
-        return cls(par_bytes=pa[:, 0], par_grad=pa[:, 1] > 0, par_use=pairs(par_use),
+        return cls(par_bytes=pa[:, 0], par_grad=pa[:, 1] > 0, par_own=pa[:, 2], par_use=pairs(par_use),
                    act_bytes=aa[:, :2], act_prod=aa[:, 2].astype(np.int64),
                    act_output=aa[:, 3] > 0, act_rows=aa[:, 4] > 0, act_use=pairs(act_use))
 
@@ -143,8 +150,8 @@ class ValueUses:
         p_par = np.full(len(self.par_bytes), -1, dtype=np.int64)
         p_act = np.where(self.act_prod >= 0, blk[np.maximum(self.act_prod, 0)], -1)
         # parameters: every stage l..r holding a consumer block holds them
-        w_par = np.stack([self.par_bytes, self.par_bytes * self.par_grad, self.par_grad * 1.0],
-                         axis=1)  # bytes, trainable bytes, trainable count
+        w_par = np.stack([self.par_bytes, self.par_own * self.par_grad, self.par_grad * 1.0],
+                         axis=1)  # bytes (autocast copies too), trainable bytes, trainable count
         d_par = _upto_next(k, blk, self.par_use, p_par, w_par)
         # inputs: a stage starting after the producer's block receives the value when it holds
         # a consumer block
@@ -184,7 +191,7 @@ class ValueUses:
         np.maximum.at(final, pv, blk[pc])
         used = np.flatnonzero(final >= 0)
         d_in_only = np.zeros((2, k + 1, k + 1))
-        for i, w in enumerate(((self.par_bytes * self.par_grad)[used], self.par_grad[used] * 1.0)):
+        for i, w in enumerate(((self.par_own * self.par_grad)[used], self.par_grad[used] * 1.0)):
             np.add.at(d_in_only[i], (np.zeros_like(used), final[used]), w)
             np.add.at(d_in_only[i], (first[used] + 1, final[used]), -w)
         in_only = total(d_in_only)
