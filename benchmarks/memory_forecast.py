@@ -161,11 +161,16 @@ def worker(a: argparse.Namespace) -> None:
     # (torch.export's among them: tens of MiB) are not counted as the run's memory.
     from rannc.module import optimizer_state_factor
 
-    with torch.device("meta"):
+    # (on the CPU under --autocast: autocast does not act on meta tensors, whose graph would be
+    # float32; freed before the baseline all the same)
+    with torch.device("cpu" if a.autocast else "meta"):
         meta = build(a.model, a)
     factor = optimizer_state_factor(torch.optim.AdamW(meta.parameters(), lr=1e-4))
-    one = rannc.plan(meta, kwargs=batch, config=rannc.Config(
-        partition_num=1, microbatches=1, opt_param_factor=factor, progress=False))
+    # `--autocast`: every forward (capture and planning included) under CPU bfloat16 autocast
+    casting = torch.autocast("cpu", torch.bfloat16, enabled=a.autocast)
+    with casting:
+        one = rannc.plan(meta, kwargs=batch, config=rannc.Config(
+            partition_num=1, microbatches=1, opt_param_factor=factor, progress=False))
     del meta
     gc.collect()
     trim()
@@ -193,7 +198,8 @@ def worker(a: argparse.Namespace) -> None:
             prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
                            with_stack=True)
             prof.__enter__()
-        loss = model(**batch).loss
+        with casting:
+            loss = model(**batch).loss
         losses.append(float(loss))
         loss.backward()
         opt.step()
@@ -232,6 +238,7 @@ def driver(a: argparse.Namespace) -> None:
                                         ("out", out), ("replicas", a.replicas),
                                         ("checkpointing", a.checkpointing),
                                         ("host-malloc", a.host_malloc), ("schedule", a.schedule))]
+    common += ["--autocast"] if a.autocast else []
     try:
         for model in a.models:
             for s in a.stages:
@@ -246,7 +253,8 @@ def driver(a: argparse.Namespace) -> None:
         shutil.rmtree(out, ignore_errors=True)
     print(f"\nL{a.layers} H{a.hidden} A{a.heads} vocab {a.vocab}, global batch {a.batch} x {a.seq}, "
           f"{a.microbatches} microbatches, AdamW, {a.steps} steps, checkpointing {a.checkpointing}, "
-          f"host_malloc {a.host_malloc}, schedule {a.schedule}\n")
+          f"host_malloc {a.host_malloc}, schedule {a.schedule}"
+          f"{', bfloat16 autocast' if a.autocast else ''}\n")
     head = ["model", "stages x replicas", "rank", "schedule, in flight, recompute", "forecast MiB",
             "measured peak MiB", "measured / forecast", "tensor peak MiB", "tensors / forecast",
             "live tensors at rest MiB", "RSS at rest (trimmed) MiB", "loss, last step"]
@@ -288,6 +296,8 @@ def main() -> None:
     p.add_argument("--schedule", default="auto", help="Config.schedule of the pipelined runs")
     p.add_argument("--host-malloc", default="auto", choices=("auto", "reuse", "release", "keep"),
                    help="Config.host_malloc of every rank")
+    p.add_argument("--autocast", action="store_true",
+                   help="train (and capture and plan) under CPU bfloat16 autocast")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--heads", type=int, default=4)

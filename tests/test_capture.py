@@ -637,3 +637,26 @@ def test_a_meta_model_drops_the_same_all_true_masks() -> None:
     cap = capture(model, (), kw)
     sdpa = [n for n in cap.gm.graph.nodes if n.target is torch.ops.aten.scaled_dot_product_attention.default]
     assert len(sdpa) == 2 and not _attention_masks(cap)
+
+
+def test_capturing_on_meta_under_autocast_says_the_graph_is_not_autocast() -> None:
+    """Autocast does not act on meta tensors: a meta model captured under autocast traces in
+    float32 (its products are not bfloat16), so planning it under autocast estimates another
+    run; a warning says so and what to do. On a real device, or without autocast, nothing."""
+    import warnings
+
+    for dev, casting, warns in (("meta", True, True), ("cpu", True, False), ("meta", False, False)):
+        with torch.device(dev):
+            m = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 2))
+            x = torch.randn(4, 8)
+        with warnings.catch_warnings(record=True) as got, \
+                torch.autocast("cpu", torch.bfloat16, enabled=casting):
+            warnings.simplefilter("always")
+            cap = capture(m, (x,), {})
+        said = [w for w in got if "meta device under torch.autocast" in str(w.message)]
+        assert len(said) == (1 if warns else 0), (dev, casting, [str(w.message) for w in got])
+        linear = [t for t in cap.graph.tasks if t.op == "aten.linear.default"][0]
+        half = dev == "cpu" and casting
+        assert cap.graph.values[linear.outputs[0]].dtype == ("bfloat16" if half else "float32")
+        if warns:
+            assert "model.to(torch.bfloat16)" in str(said[0].message)

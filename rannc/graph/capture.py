@@ -20,6 +20,7 @@ import operator
 import re
 import time
 import traceback
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -159,6 +160,7 @@ def capture(
             "split the batch; the model was called with none. Pass the batch as a tensor."
         )
     device = _model_device(model)
+    _warn_autocast_on_meta(device)
     leaves = [_prepare_leaf(x, b, device) for x, b in zip(leaves, layout.batch_leaves, strict=True)]
     ex_args, ex_kwargs = pytree.tree_unflatten(leaves, layout.spec)
     named = _signature_naming(model, ex_kwargs)
@@ -245,6 +247,24 @@ def _keywords_in_signature(model: nn.Module, named: inspect.Signature | None) ->
             del model.forward
         else:
             model.forward = own  # type: ignore[method-assign]
+
+
+def _warn_autocast_on_meta(device: torch.device | None) -> None:
+    """Autocast acts on the tensors of its own device type only: a model on the meta device
+    (planned without allocating) is traced in its own dtype under any autocast, so its graph,
+    and the plan's time and memory, are float32 where the run will compute in half. Said
+    once, with the ways out."""
+    on = [f"{dev}, {str(dtype).removeprefix('torch.')}" for dev, enabled, dtype in autocast_state()
+          if enabled]
+    if device is not None and device.type == "meta" and on:
+        warnings.warn(
+            f"rannc: captured the model on the meta device under torch.autocast({'; '.join(on)}): "
+            "autocast does not act on meta tensors, so the graph computes in the parameters' "
+            "dtype and the plan's times and memory are those of a float32 run, not of the "
+            "autocast run (half-precision products, their casts kept for backward). Plan with "
+            "the model on its device, or build the meta model in the half dtype "
+            "(model.to(torch.bfloat16)) for an estimate of the products; the weights' float32 "
+            "copies and optimizer state are then under-counted.", stacklevel=3)
 
 
 def _model_device(model: nn.Module) -> torch.device | None:
