@@ -147,8 +147,8 @@ def plan_graph(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, conf
     k = config.blocks
     # zero_stage "auto": without ZeRO-1 first, then with it, which frees the replicas' copies of
     # the optimizer state but all-gathers the parameters after each step. A plan with replicas
-    # is planned both ways and the faster prediction kept: the memory freed may spare
-    # recomputation or allow fewer stages.
+    # or recomputation is planned both ways and the faster prediction kept: the memory freed
+    # may spare recomputation or allow fewer stages.
     auto = config.zero_stage == "auto" and cluster.size > 1
     zeros = [0, 1] if auto else [int(config.zero_stage) if config.zero_stage != "auto" else 0]
     for attempt in range(_FINER_BLOCKS + 1):
@@ -158,7 +158,11 @@ def plan_graph(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, conf
                                    batch_size=batch_size, oracle=oracle, costs=costs, stats=stats,
                                    progress=progress)
                 plan = dataclasses.replace(plan, zero_stage=z)
-                if auto and z == 0 and any(st.replicas > 1 for st in plan.stages):
+                # (ZeRO-1 only frees memory: it can help where the plan has replicas, whose
+                # copies of the state it shares out, or where memory bound it, a stage
+                # recomputing; with ZeRO-1 a plan may then take replicas this one did not)
+                if auto and z == 0 and any(st.replicas > 1 or st.recompute > 0 or st.selective
+                                           for st in plan.stages):
                     plan = _faster(plan, _zero_1_plan(graph, atomic, cluster, config,
                                                       batch_size=batch_size, oracle=oracle,
                                                       costs=costs, stats=stats, progress=progress),
@@ -167,13 +171,16 @@ def plan_graph(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, conf
                     # Selective recomputation is chosen per stage where it costs fewer seconds than
                     # recomputing a prefix; the search that follows can then find a slower whole
                     # (another schedule fits the prefix's memory): where a stage took it, the
-                    # search without it runs too and the faster prediction is kept
-                    plan = _faster(plan, _plan_or_none(
-                        graph, atomic, cluster,
-                        dataclasses.replace(config, zero_stage=plan.zero_stage,
-                                            selective_recompute=False),
-                        batch_size=batch_size, oracle=oracle, costs=costs, stats=stats,
-                        progress=progress), "without selective recomputation")
+                    # search without it runs too, at each ZeRO stage "auto" weighs (the memory
+                    # ZeRO-1 frees may replace what the recipes saved), and the faster
+                    # prediction is kept
+                    for z_off in (zeros if auto else [plan.zero_stage]):
+                        plan = _faster(plan, _plan_or_none(
+                            graph, atomic, cluster,
+                            dataclasses.replace(config, zero_stage=z_off, selective_recompute=False),
+                            batch_size=batch_size, oracle=oracle, costs=costs, stats=stats,
+                            progress=progress), "without selective recomputation"
+                            + (" with ZeRO-1" if z_off else ""))
                 return plan
             except PlanInfeasibleError:
                 finer = min(2 * k, len(atomic.components))
