@@ -165,14 +165,14 @@ def worker(a: argparse.Namespace) -> None:
     # (on the CPU under --autocast: autocast does not act on meta tensors, whose graph would be
     # float32; freed before the baseline all the same)
     with torch.device("cpu" if a.autocast else "meta"):
-        meta = build(a.model, a)
-    factor = optimizer_state_factor(torch.optim.AdamW(meta.parameters(), lr=1e-4))
+        planned = build(a.model, a)
+    factor = optimizer_state_factor(torch.optim.AdamW(planned.parameters(), lr=1e-4))
     # `--autocast`: every forward (capture and planning included) under CPU bfloat16 autocast
     casting = torch.autocast("cpu", torch.bfloat16, enabled=a.autocast)
     with casting:
-        one = rannc.plan(meta, kwargs=batch, config=rannc.Config(
+        one = rannc.plan(planned, kwargs=batch, config=rannc.Config(
             partition_num=1, microbatches=1, opt_param_factor=factor, progress=False))
-    del meta
+    del planned
     gc.collect()
     trim()
     base_kb = pm.status_kb("VmRSS")

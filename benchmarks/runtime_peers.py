@@ -46,6 +46,7 @@ import argparse
 import contextlib
 import json
 import os
+import resource
 import shutil
 import statistics
 import sys
@@ -383,7 +384,6 @@ def worker(a: argparse.Namespace) -> None:
     pm.reset_peak()
     prof_dir = os.environ.get("RUNTIME_PEERS_PROFILE")  # a folder: torch.profiler tables per rank
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if prof_dir else None
-    import resource
     ru0 = resource.getrusage(resource.RUSAGE_SELF)
     t0, c0 = time.perf_counter(), time.process_time()
     with prof or contextlib.nullcontext():

@@ -83,31 +83,13 @@ def captured(model: nn.Module, args: tuple[Any, ...]) -> tuple[CapturedModel, li
     return cap, [env.get(n.name) for n in cap.gm.graph.nodes if n.op == "placeholder"]
 
 
-def autograd_saves(model: nn.Module, args: tuple[Any, ...]) -> tuple[TaskGraph, float]:
-    """The captured graph and the bytes autograd saves running it forward once (distinct
+def _saved_storages(model: nn.Module, args: tuple[Any, ...]) -> tuple[TaskGraph, float, float]:
+    """`model(*args)` captured and run forward once, under the caller's autocast: (graph,
+    bytes autograd saves other than the weights' casts, bytes of those casts) (distinct
     storages, parameters and inputs left out)."""
-    cap, ph = captured(model, args)
-    skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    skip |= {a.untyped_storage().data_ptr() for a in args}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        st = t.untyped_storage()
-        if st.data_ptr() not in skip:
-            seen[st.data_ptr()] = st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        cap.gm(*ph)
-    return cap.graph, float(sum(seen.values()))
-
-
-def autograd_saves_under_autocast(model: nn.Module, args: tuple[Any, ...]) -> tuple[TaskGraph, float, float]:
-    """The graph captured under CPU bfloat16 autocast and what autograd saves running it
-    forward once under it: (graph, bytes of the activations, bytes of the weights' casts)
-    (distinct storages, parameters and inputs left out)."""
     from rannc.profile.measure import _cast_of
 
+    cap, ph = captured(model, args)
     params = {id(p) for p in model.parameters()}
     skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
     skip |= {a.untyped_storage().data_ptr() for a in args}
@@ -119,12 +101,24 @@ def autograd_saves_under_autocast(model: nn.Module, args: tuple[Any, ...]) -> tu
             seen[st.data_ptr()] = (st.nbytes(), _cast_of(t, params))
         return t
 
-    with torch.autocast("cpu", torch.bfloat16):
-        cap, ph = captured(model, args)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            cap.gm(*ph)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        cap.gm(*ph)
     return (cap.graph, float(sum(b for b, cast in seen.values() if not cast)),
             float(sum(b for b, cast in seen.values() if cast)))
+
+
+def autograd_saves(model: nn.Module, args: tuple[Any, ...]) -> tuple[TaskGraph, float]:
+    """The captured graph and the bytes autograd saves running it forward once (distinct
+    storages, parameters and inputs left out; the weights' autocast casts included)."""
+    graph, acts, casts = _saved_storages(model, args)
+    return graph, acts + casts
+
+
+def autograd_saves_under_autocast(model: nn.Module, args: tuple[Any, ...]) -> tuple[TaskGraph, float, float]:
+    """The graph captured under CPU bfloat16 autocast and what autograd saves running it
+    forward once under it: (graph, bytes of the activations, bytes of the weights' casts)."""
+    with torch.autocast("cpu", torch.bfloat16):
+        return _saved_storages(model, args)
 
 
 def kept_bytes(graph: TaskGraph, batch: int, fused: bool = False) -> float:
