@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -25,6 +26,7 @@ from rannc.stage_dp.memory import (
     Returned,
     bucket_memory,
     local_rows,
+    posted_ahead,
     returned_memory,
     rows_scaled,
     rows_that_fit,
@@ -276,6 +278,20 @@ def test_fill_drain_holds_the_activations_when_the_outputs_arrive() -> None:
     assert got == pytest.approx(static + held + 2 * local_rows(8, 2, 1) * LOGITS)
 
 
+def test_the_next_microbatchs_inputs_count_where_not_every_microbatch_is_in_flight() -> None:
+    """The runtime posts a receive while the action before it runs (`Transport.expect`): under
+    1F1B the next microbatch's inputs arrive while the oldest one's backward runs, one stage
+    input beyond the in-flight ones; under fill-drain (all in flight) or with every input kept
+    for a late pass they are counted already."""
+    assert posted_ahead(2, 0, 4) == 1
+    assert posted_ahead(4, 0, 4) == 0 and posted_ahead(2, 4, 4) == 0
+    kw: dict[str, Any] = dict(saved_inputs=0, microbatches=4)
+    one_f_one_b = stage_peak(0.0, 0.0, 3.0, 5.0, 7.0, Returned(0.0, 0.0, 0.0), in_flight=2, **kw)
+    assert one_f_one_b == 3 * 3.0 + 2 * 5.0 + 2 * 7.0  # three microbatches' inputs, two alive
+    fill_drain = stage_peak(0.0, 0.0, 3.0, 5.0, 7.0, Returned(0.0, 0.0, 0.0), in_flight=4, **kw)
+    assert fill_drain == 4 * (3.0 + 5.0 + 7.0)
+
+
 def test_the_overhead_is_on_every_stage() -> None:
     prof, io = two_blocks()
     base = memory(io, prof, inflight=1)
@@ -286,7 +302,7 @@ def test_the_overhead_is_on_every_stage() -> None:
 
 def test_a_stage_whose_outputs_do_not_fit_at_return_is_infeasible() -> None:
     """Recomputation cannot free what the call returns: the head fits 120 MiB while it runs
-    (112 MiB) but not when the call returns its 4 rows' logits beside all 4 microbatches' (132)."""
+    (113 MiB) but not when the call returns its 4 rows' logits beside all 4 microbatches' (132)."""
 
     def head(io: BlockIO) -> float:
         mem = MemoryModel(opt_param_factor=2.0, limit=120 * MiB, checkpointing="auto")
@@ -296,7 +312,9 @@ def test_a_stage_whose_outputs_do_not_fit_at_return_is_infeasible() -> None:
 
     prof, io = two_blocks()
     assert math.isinf(head(io))
-    assert head(two_blocks(returned=False)[1]) == pytest.approx(4 * MiB + 2 * (17 + 5) * MiB + 32 * MiB)
+    # (and a third microbatch's 1 MiB input, posted ahead: `posted_ahead`)
+    assert head(two_blocks(returned=False)[1]) == pytest.approx(
+        4 * MiB + 2 * (17 + 5) * MiB + 32 * MiB + 1 * MiB)
 
 
 def test_an_eager_schedule_returns_with_its_activations_freed() -> None:

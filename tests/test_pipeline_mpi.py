@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mpi_harness import TESTS, Case, CaseLaunches, case_launches_fixture, case_of, run_torchrun
+from mpi_harness import TESTS, Case, CaseLaunches, case_launches_fixture, case_of, run_mpi, run_torchrun
 
 # (timeout: the first test of a rank count waits for its whole launch, and relaunches after a
 # crash; each launch is killed by its own limit, 120 s + 150 s per case)
@@ -429,6 +429,18 @@ def test_zero_bubble_runs_weight_gradients_apart(launches: CaseLaunches) -> None
 
 @pytest.mark.cases(_case("holdings", 4, ["--model", "bert", "--partition-num", "4", "--microbatches", "2",
                                           "--steps", "1"]))
+def test_receives_are_posted_ahead_of_the_actions_that_take_them() -> None:
+    """A gloo transfer moves only once its receive is posted: each receive is posted while the
+    action before it runs, or with the other pieces of its action where that action settles a
+    guessed layout; none is a blocking recv (tests/scripts/prefetch_check.py; exact against
+    the unwrapped model)."""
+    res = run_mpi(TESTS / "scripts" / "prefetch_check.py", 2, [])
+    got = re.findall(r"PASS (\S+) rank (\d) calls (\d+) blocking (\d+) posted (\d+)", res.stdout)
+    assert len(got) == 6, res.stdout
+    for _sched, _rank, calls, blocking, posted in got:
+        assert int(blocking) == 0 < int(calls) < int(posted), got
+
+
 def test_each_rank_holds_only_its_parameters(launches: CaseLaunches) -> None:
     """4 stages on 4 ranks: the parameter elements stored over all ranks add up to the model's,
     plus one copy of the word embedding tied between the first and the last stage."""

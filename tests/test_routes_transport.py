@@ -207,3 +207,67 @@ def test_a_wrong_guess_sends_nothing_and_says_the_new_sizes(monkeypatch: Any) ->
     with pytest.raises(LayoutChanged) as e:
         t.settle()
     assert e.value.sizes == [4, 3] and sent == []
+
+
+class _Work:
+    def __init__(self, buf: torch.Tensor, fill: float, log: list[str]) -> None:
+        self.buf, self.fill, self.log = buf, fill, log
+
+    def wait(self) -> None:
+        self.log.append("wait")
+        self.buf.fill_(self.fill)  # the data lands when the receive is waited for
+
+
+def _posting(monkeypatch: Any) -> list[str]:
+    """irecv fills its buffer with the source rank when waited for; recv must not be called."""
+    log: list[str] = []
+
+    def irecv(buf: torch.Tensor, src: int, tag: int) -> _Work:
+        log.append(f"irecv {src} {tag} {tuple(buf.shape)}")
+        return _Work(buf, float(src), log)
+
+    def recv(buf: torch.Tensor, src: int, tag: int) -> None:
+        log.append(f"recv {src}")
+        buf.fill_(float(src))
+    monkeypatch.setattr(tp.dist, "irecv", irecv)
+    monkeypatch.setattr(tp.dist, "recv", recv)
+    return log
+
+
+def test_a_receive_posted_ahead_is_taken_by_recv_rows_in_row_order(monkeypatch: Any) -> None:
+    """`expect` posts one irecv per remote piece at once; `recv_rows` then waits for those
+    (no blocking recv) and assembles them with this rank's own piece in row order."""
+    log = _posting(monkeypatch)
+    tags = Tags([Channel("x", Kind.FWD, 1)], 2)
+    t = Transport(1, tags, _values(), torch.device("cpu"))
+    key = Key("x", 0, Kind.FWD, 1)
+    src = [(0, (0, 2)), (1, (2, 3)), (2, (3, 6))]  # rows 0..6 from ranks 0, 1 (this one), 2
+    t.expect(key, (1, 5), src)
+    assert log == [f"irecv 0 {tags(key)} (1, 3)", f"irecv 2 {tags(key)} (2, 3)"]
+    t.send(torch.full((1, 3), 1.0), 1, key)  # this rank's own row 2, handed over in memory
+    got = t.recv_rows(key, (1, 5), src)
+    assert got[:, 0].tolist() == [0.0, 1.0, 2.0, 2.0]
+    assert log[2:] == ["wait", "wait"]
+    t.check_drained()
+
+
+def test_nothing_is_posted_twice_on_a_guess_or_for_this_rank_alone(monkeypatch: Any) -> None:
+    log = _posting(monkeypatch)
+    tags = Tags([Channel("x", Kind.FWD, 1)], 2)
+    t = Transport(0, tags, _values(), torch.device("cpu"),
+                  Guess(_Agreement([4, 4]), [4, 4]))  # type: ignore[arg-type]
+    k0, k1 = Key("x", 0, Kind.FWD, 1), Key("x", 1, Kind.FWD, 1)
+    t.expect(k0, (0, 2), [(1, (0, 4))])  # a guessed layout: its rows may change
+    assert log == []
+    t.settle()
+    t.expect(k0, (0, 2), [(0, (0, 4))])  # all from this rank: nothing to post
+    assert log == []
+    t.expect(k0, (0, 2), [(1, (0, 4))])
+    t.expect(k0, (0, 2), [(1, (0, 4))])  # already posted
+    assert len(log) == 1
+    t.recv_rows(k0, (0, 2), [(1, (0, 4))])
+    t.expect(k0, (0, 2), [(1, (0, 4))])  # already received in this call
+    t.expect(k1, (0, 2), [(1, (0, 4))])
+    assert [e.split()[0] for e in log] == ["irecv", "wait", "irecv"]
+    with pytest.raises(RaNNCError, match="posted and never taken"):
+        t.check_drained()  # k1 was posted and never received

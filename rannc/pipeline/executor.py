@@ -91,6 +91,11 @@ class Executor:
         layout is agreed), so that the ranks do not meet for it at the end of the call."""
         last = max((i for i, a in enumerate(acts) if a.op is Op.F and a.stage in self._scalar_stages
                     and not call.micro[(a.stage, a.micro)].empty), default=-1)
+        # the actions that receive from other ranks, by index: each one's receives are posted
+        # while the action before it runs (`_expect`)
+        receiving = [i for i, a in enumerate(acts) if a.op in _RECEIVING
+                     and not call.micro[(a.stage, a.micro)].empty]
+        ahead = 0  # receiving[ahead]: the next receiving action not yet posted
         for i, a in enumerate(acts):
             if (scalars and call.scalar_share is None and i > last and call.transport.guess is None
                     and not self.scalars_at_end):
@@ -98,6 +103,12 @@ class Executor:
             mic = call.micro[(a.stage, a.micro)]
             if mic.empty:
                 continue
+            while ahead < len(receiving) and receiving[ahead] <= i:
+                ahead += 1
+            if a.op in _RECEIVING:  # all its pieces at once (the first settles a guessed layout)
+                self._expect(call, a, settle=True)
+            if ahead < len(receiving):
+                self._expect(call, acts[receiving[ahead]])
             if a == arm:
                 call.transport.settle()  # (the buckets are collectives: not on a guessed layout)
                 self.grads.arm()
@@ -108,6 +119,34 @@ class Executor:
             if self.trace:
                 self.events.append(Event(a, t0 - call.t0, time.perf_counter() - call.t0))
             call.transport.poll()  # the held-back transfers go as soon as they can
+        call.transport.check_drained()
+
+    def _expect(self, call: Call, a: Action, settle: bool = False) -> None:
+        """Post the receives from other ranks that action `a` will make (`Transport.expect`):
+        a stage's inputs (RF; F of a stage whose inputs no RF received) and its outputs'
+        gradients from the stages reading them (RB; B of a stage without an RB). A model
+        output's gradient from its owners (a late pass's) is received when it is needed. On
+        a guessed layout nothing is posted, unless `settle` (`a` runs now): then the layout
+        is settled first, as its first receive from another rank would."""
+        st, m = self.stages[a.stage], a.micro
+        mic = call.micro[(a.stage, m)]
+        msgs: list[tuple[Key, list[tuple[int, Range]]]] = []
+        if a.op in (Op.RF, Op.F):
+            if mic.ins is None:
+                for v in st.inputs:
+                    src = self._input_sources(call, st, v, m)
+                    if src is not None:
+                        msgs.append((Key(v, m, Kind.FWD, st.index), src))
+        elif mic.out_grads is None:  # RB, or B
+            for v in st.outputs:
+                msgs += self._grad_sources(call, st, v, m)
+        if call.transport.guess is not None:
+            if not settle or not any(r != self.rank and intersect(mic.rows, have) is not None
+                                     for _key, src in msgs for r, have in src):
+                return
+            call.transport.settle()
+        for key, src in msgs:
+            call.transport.expect(key, mic.rows, src)
 
     def share_scalars(self, call: Call, scalars: Mapping[str, torch.Tensor],
                       extra: torch.Tensor | None = None) -> tuple[torch.Tensor, Any] | None:
@@ -187,11 +226,18 @@ class Executor:
         val = self.routes.graph.values[v]
         if val.dtype == "sym_int":
             return eval_dim(val.sym_expr or "batch", rows[1] - rows[0])
-        if not self.routes.moves(v):
+        src = self._input_sources(call, st, v, m)
+        if src is None:
             return call.env[v]
-        g = self.routes.supplier(v, st.index)
-        src = self._owners(call) if g == OWNERS else self.replicas(g, m, call.layout)
         return call.transport.recv_rows(Key(v, m, Kind.FWD, st.index), rows, src)
+
+    def _input_sources(self, call: Call, st: Stage, v: str, m: int) -> list[tuple[int, Range]] | None:
+        """(rank, rows) of the senders of stage input v in microbatch m (None: not sent, a
+        parameter, a constant or a size)."""
+        if self.routes.graph.values[v].dtype == "sym_int" or not self.routes.moves(v):
+            return None
+        g = self.routes.supplier(v, st.index)
+        return self._owners(call) if g == OWNERS else self.replicas(g, m, call.layout)
 
     def _send_outputs(self, call: Call, st: Stage, m: int, scalars: dict[str, torch.Tensor]) -> None:
         mic = call.micro[(st.index, m)]
@@ -247,13 +293,9 @@ class Executor:
             return None
         s, rows = st.index, call.micro[(st.index, m)].rows
         total: torch.Tensor | None = None
-        if self.routes.moves(v):
-            for t in self.routes.consumers(v, s):
-                if (v, t) not in self.routes.grad_edges:
-                    continue
-                g = call.transport.recv_rows(Key(v, m, Kind.GRAD, t), rows,
-                                             self.replicas(t, m, call.layout))
-                total = g if total is None else total + g
+        for key, src in self._grad_sources(call, st, v, m):
+            g = call.transport.recv_rows(key, rows, src)
+            total = g if total is None else total + g
         if self.routes.out_stage.get(v) == s:
             if val.batch_dim is None:
                 seed = torch.ones((), dtype=torch.float64) if scalar_g is None else scalar_g[v]
@@ -265,6 +307,15 @@ class Executor:
                 g = call.transport.recv_rows(Key(v, m, Kind.OUT_GRAD, s), rows, self._owners(call))
             total = g if total is None else total + g
         return total
+
+    def _grad_sources(self, call: Call, st: Stage, v: str,
+                      m: int) -> list[tuple[Key, list[tuple[int, Range]]]]:
+        """The messages carrying stage output v's gradient back from the stages reading it in
+        microbatch m: (key, (rank, rows) of its senders) per reading stage."""
+        if not self.routes.is_float(v) or not self.routes.moves(v):
+            return []
+        return [(Key(v, m, Kind.GRAD, t), self.replicas(t, m, call.layout))
+                for t in self.routes.consumers(v, st.index) if (v, t) in self.routes.grad_edges]
 
     def _send_input_grads(self, call: Call, st: Stage, m: int, model_inputs: bool = False) -> None:
         """Stage input gradients back to their senders: a model input's to the ranks owning
@@ -348,6 +399,10 @@ class Executor:
 
     def _dim(self, v: str) -> int:
         return self.routes.graph.values[v].batch_dim or 0
+
+
+# the actions whose stage may receive from other ranks: RF and F (inputs), RB and B (gradients)
+_RECEIVING = frozenset({Op.RF, Op.F, Op.RB, Op.B})
 
 
 def _cat(pieces: Sequence[torch.Tensor], d: int) -> torch.Tensor:

@@ -136,9 +136,10 @@ def hetero_stages(prof: BlockProfile, io: BlockIO, static: np.ndarray, dev: Hete
             # the memory model is affine in the rows a replica computes: fixed + per_row * rows
             fixed = stage_memory(float(static[lo, r]) + bucket, work, in0, out0, 0.0,
                                  in_flight=in_flight, saved_inputs=saved, recompute=float(rc),
-                                 held_outputs=held0.held)
+                                 microbatches=microbatches, held_outputs=held0.held)
             per_row = stage_memory(0.0, 0.0, in1, out1, k_row, in_flight=in_flight,
-                                   saved_inputs=saved, recompute=float(rc), held_outputs=held1.held)
+                                   saved_inputs=saved, recompute=float(rc),
+                                   microbatches=microbatches, held_outputs=held1.held)
             caps = [min(_rows_within(dev.memory[x], fixed, per_row), _rows_within(dev.memory[x], at0, at1))
                     for x in ranks]
             try:

@@ -10,6 +10,8 @@ added here reaches all of them.
            + overhead                     what a rank holds beyond tensors (a CPU rank: host memory)
            + buckets                      the gradient reduction's one bucket beyond the gradients
            + in_flight * (inputs + outputs)   each microbatch alive: what it received and sends on
+           + ahead * inputs               the next microbatch's inputs, whose receive is posted
+                                          while the stage still computes (`posted_ahead`)
            + saved_inputs * inputs        eager schedules: stage inputs kept for the late pass
            + work                         the largest single task's live bytes
            + alive(f) * kept              activations kept for backward
@@ -111,14 +113,25 @@ def bucket_memory(grad_params: Any, shared_grad: Any, shared_params: Any, replic
     return np.minimum(np.where(replicated, grad_params, several), bucket_bytes)
 
 
+def posted_ahead(in_flight: int, saved_inputs: int, microbatches: int) -> int:
+    """Microbatches whose stage inputs are received beyond the `in_flight` ones: the runtime
+    posts each receive while the action before it runs (`Transport.expect`), so while the
+    oldest microbatch's backward runs the next one's inputs arrive. None where every
+    microbatch's inputs are counted already (all in flight, or all kept for a late pass)."""
+    return 0 if in_flight >= microbatches or saved_inputs >= microbatches else 1
+
+
 def memory_terms(static: Any, work: Any, inputs: Any, outputs: Any, kept: Any, *,
-                 in_flight: int, saved_inputs: int, held_outputs: Any = 0.0) -> tuple[Any, Any]:
+                 in_flight: int, saved_inputs: int, microbatches: int,
+                 held_outputs: Any = 0.0) -> tuple[Any, Any]:
     """(the stage's memory with nothing recomputed, the bytes one unit of recomputed fraction
     frees): memory(f) = full - f * per_fraction (`with_recompute`). `static` includes the
     gradient bucket (`bucket_memory`); inputs, outputs and kept are one microbatch's bytes;
     `held_outputs` the batch outputs kept to be returned while microbatches run
     (`Returned.held`)."""
-    base = static + in_flight * (inputs + outputs) + saved_inputs * inputs + work + held_outputs
+    ahead = posted_ahead(in_flight, saved_inputs, microbatches)
+    base = static + (in_flight + ahead) * inputs + in_flight * outputs + saved_inputs * inputs \
+        + work + held_outputs
     full = base + in_flight * kept
     return full, (in_flight - 1) * kept
 
@@ -129,12 +142,13 @@ def with_recompute(full: Any, per_fraction: Any, fraction: Any) -> Any:
 
 
 def stage_memory(static: Any, work: Any, inputs: Any, outputs: Any, kept: Any, *,
-                 in_flight: int, saved_inputs: int, recompute: Any = 0.0,
+                 in_flight: int, saved_inputs: int, microbatches: int, recompute: Any = 0.0,
                  held_outputs: Any = 0.0) -> Any:
     """The stage's memory while microbatches run, with `recompute` (a fraction in [0, 1]) of
     its kept activations recomputed."""
     full, per = memory_terms(static, work, inputs, outputs, kept, in_flight=in_flight,
-                             saved_inputs=saved_inputs, held_outputs=held_outputs)
+                             saved_inputs=saved_inputs, microbatches=microbatches,
+                             held_outputs=held_outputs)
     return with_recompute(full, per, recompute)
 
 
@@ -197,7 +211,8 @@ def stage_peak(static: Any, work: Any, inputs: Any, outputs: Any, kept: Any, ret
     (an upper bound when the call returns: the bucket's buffer lives while gradients are
     reduced)."""
     running = stage_memory(static, work, inputs, outputs, kept, in_flight=in_flight,
-                           saved_inputs=saved_inputs, recompute=recompute, held_outputs=ret.held)
+                           saved_inputs=saved_inputs, microbatches=microbatches,
+                           recompute=recompute, held_outputs=ret.held)
     return np.maximum(running, at_return_memory(static, inputs, outputs, kept, ret,
                                                 in_flight=in_flight, saved_inputs=saved_inputs,
                                                 microbatches=microbatches))
@@ -225,6 +240,6 @@ def rows_that_fit(memory: float, static: float, rows: float, capacity: float) ->
 
 
 __all__ = ["MB", "RANK_BYTES", "TASK_BYTES", "MemoryModel", "Returned", "at_return_memory",
-           "bucket_memory", "fraction_to_fit", "held_outputs", "local_rows", "memory_terms",
+           "bucket_memory", "fraction_to_fit", "held_outputs", "local_rows", "memory_terms", "posted_ahead",
            "rank_overhead", "returned_memory", "rows_scaled", "rows_that_fit", "stage_memory",
            "stage_peak", "static_memory", "with_recompute"]

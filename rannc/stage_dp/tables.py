@@ -321,7 +321,7 @@ def stage_tables(prof: BlockProfile, io: BlockIO, mem: MemoryModel, *, batch_siz
         ret = returned_memory(*io.returned_bytes(b, local), microbatches, n_in)
         full, saved_per_f = memory_terms(static + bucket, work_max[:, :, i], inb, outb, kept,
                                          in_flight=n_in, saved_inputs=saved_inputs,
-                                         held_outputs=ret.held)
+                                         microbatches=microbatches, held_outputs=ret.held)
         at_return = at_return_memory(static + bucket, inb, outb, kept, ret, in_flight=n_in,
                                      saved_inputs=saved_inputs, microbatches=microbatches)
         f = np.maximum(fraction_to_fit(full, saved_per_f, mem.limit), f_min)
@@ -332,7 +332,8 @@ def stage_tables(prof: BlockProfile, io: BlockIO, mem: MemoryModel, *, batch_siz
         if sel_ok:  # selective recomputation, with a prefix recomputed on top where needed
             full_s, per_s = memory_terms(static + bucket, work_max[:, :, i], inb, outb,
                                          rng("kept_sel"), in_flight=n_in,
-                                         saved_inputs=saved_inputs, held_outputs=ret.held)
+                                         saved_inputs=saved_inputs, microbatches=microbatches,
+                                         held_outputs=ret.held)
             f_s = np.maximum(fraction_to_fit(full_s, per_s, mem.limit), f_min)
             ok_s = valid & (f_s <= f_max) & (at_return <= mem.limit)
             f_s = np.where(ok_s, f_s, 0.0)
