@@ -4,6 +4,7 @@ device, error reporting, and the graph fingerprint."""
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -502,13 +503,30 @@ def test_fixed_batch_size_raises_capture_error() -> None:
     assert "fixes the batch size" in str(info.value)  # the hint among the usual causes
 
 
-@pytest.mark.xfail(strict=True, reason="known limitation: torch.export reports the batch "
-                   "specialisation after tracing, so capture cannot name the module yet")
 def test_fixed_batch_size_error_names_the_module() -> None:
+    """torch.export reports the batch pinned to a constant only after tracing, with no stack:
+    capture exports again watching the guards and names the module whose code pinned it."""
     with pytest.raises(CaptureError) as info:
         capture(_Outer(), (torch.randn(4, 4),))
     assert info.value.module_path == "body.1"
-    assert "'body.1'" in str(info.value)
+    assert "'body.1'" in str(info.value) and "_FixesBatch.forward" in str(info.value)
+    # the shape environment's logger is as it was (nothing printed, nothing left attached)
+    log = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    assert not any(type(h).__name__ == "Watch" for h in log.handlers)
+
+
+def test_fixed_batch_size_in_a_hugging_face_style_buffer_names_the_module() -> None:
+    """A constant-sized tensor made in forward and combined with the batch (a common way to
+    pin it) is found the same way."""
+
+    class Pads(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + torch.zeros(6, x.shape[1])
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.ReLU(), Pads()))
+    with pytest.raises(CaptureError) as info:
+        capture(model, (torch.randn(6, 4),))
+    assert info.value.module_path == "1.1", str(info.value)
 
 
 def test_data_dependent_control_flow_names_the_child_module() -> None:

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import math
 import operator
 import re
+import sys
 import time
 import traceback
 import warnings
@@ -166,15 +168,16 @@ def capture(
     named = _signature_naming(model, ex_kwargs)
     dynamic_shapes = _dynamic_shapes(model, layout, named)
     t0 = time.perf_counter()
-    try:
+
+    def export() -> ExportedProgram:
         with _keywords_in_signature(model, named):
-            ep = torch.export.export(
-                model, tuple(ex_args), dict(ex_kwargs),
-                dynamic_shapes=dynamic_shapes,
-                strict=False,
-            )
+            return torch.export.export(model, tuple(ex_args), dict(ex_kwargs),
+                                       dynamic_shapes=dynamic_shapes, strict=False)
+    try:
+        ep = export()
     except Exception as e:  # torch.export raises many types; all become a CaptureError
-        raise _capture_error(model, e) from e
+        site = _specialising_site(model, e, export) if _BATCH_FIXED in str(e) else None
+        raise _capture_error(model, e, site) from e
     _refuse_writes_into_inputs_or_parameters(ep)
     functional = _writes_through_a_view(ep.graph_module)
     if functional:
@@ -286,23 +289,79 @@ def _prepare_leaf(x: Any, batched: bool, device: torch.device | None) -> Any:
     return x
 
 
-def _capture_error(model: nn.Module, e: BaseException) -> CaptureError:
-    """Name the innermost user module on the failing stack, and say what usually causes it."""
+# torch.export's words when the model's code pinned a dynamic dimension (the batch) to a constant
+_BATCH_FIXED = "specialized it to be a constant"
+_SHAPES_LOG = "torch.fx.experimental.symbolic_shapes"
+
+
+def _innermost_module(frames: Iterator[Any], names: dict[int, str]) -> tuple[str, str] | None:
+    """(module path, "Class.method (file:line)") of the innermost of `frames` (outermost
+    first) running a method of one of the model's modules (`names`: id -> path)."""
+    found = None
+    for frame in frames:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, nn.Module) and id(owner) in names:
+            code = frame.f_code
+            found = (names[id(owner)] or "<root>",
+                     f"{type(owner).__name__}.{code.co_name} ({code.co_filename}:{frame.f_lineno})")
+    return found
+
+
+def _specialising_site(model: nn.Module, e: BaseException,
+                       export: Any) -> tuple[str, str] | None:
+    """Where the model's code pinned the batch size to a constant: torch.export says so only
+    after tracing, with no stack. Export once more (a failure costs it) while the shape
+    environment logs each guard it adds, and take the module on the Python stack when the
+    guard pinning a symbol to the constant of `e`'s message was added."""
+    constant = re.search(r"specialized it to be a constant \((-?\d+)\)", str(e))
+    if constant is None:
+        return None
+    pin = re.compile(rf"\[guard added\]|set_replacement \S+ = {constant.group(1)}\b")
+    eq = re.compile(rf"Eq\(\w+, {constant.group(1)}\)")
+    names = {id(m): n for n, m in model.named_modules()}
+    sites: list[tuple[str, str]] = []
+
+    class Watch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            msg = record.getMessage()
+            if pin.search(msg) and (eq.search(msg) or "set_replacement" in msg) and not sites:
+                frames = []
+                f = sys._getframe()
+                while f is not None:
+                    frames.append(f)
+                    f = f.f_back  # type: ignore[assignment]
+                site = _innermost_module(reversed(frames), names)
+                if site is not None:
+                    sites.append(site)
+
+    log = logging.getLogger(_SHAPES_LOG)
+    saved = (log.level, log.propagate, list(log.handlers))
+    log.setLevel(logging.INFO)  # (the guards are logged at INFO; shown to no one here)
+    log.propagate = False
+    log.handlers = [Watch()]
+    try:
+        export()
+    except Exception:  # the same failure, expected
+        pass
+    finally:
+        log.setLevel(saved[0])
+        log.propagate = saved[1]
+        log.handlers = saved[2]
+    return sites[0] if sites else None
+
+
+def _capture_error(model: nn.Module, e: BaseException,
+                   site: tuple[str, str] | None = None) -> CaptureError:
+    """Name the innermost user module on the failing stack (or at `site`, where the failure
+    is found after tracing), and say what usually causes it."""
     wrong_output = output_type_error(type(model).__name__, e)
     if wrong_output is not None:  # found after tracing: no module to name, the type says it all
         return wrong_output
     names = {id(m): n for n, m in model.named_modules()}
-    path: str | None = None
-    where = ""
-    for frame, _ in traceback.walk_tb(e.__traceback__):
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, nn.Module) and id(owner) in names:
-            path = names[id(owner)] or "<root>"
-            code = frame.f_code
-            where = f"{type(owner).__name__}.{code.co_name} ({code.co_filename}:{frame.f_lineno})"
+    path, where = site or _innermost_module(
+        (frame for frame, _ in traceback.walk_tb(e.__traceback__)), names) or (None, "")
     reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-    if "specialized it to be a constant" in str(e):
-        # Found after tracing, so the stack names no module: say what it means instead.
+    if _BATCH_FIXED in str(e):
         reason += (" The model's code fixes the batch size (e.g. x.view(4, -1) or a "
                    "torch.zeros(4, ...)); derive it from the input with x.size(0) or -1.")
     text = (
