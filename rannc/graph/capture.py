@@ -14,6 +14,7 @@ input's dim 0 is taken to be batched along dim 0.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import math
@@ -115,15 +116,21 @@ class CapturedModel:
         params = dict(model.named_parameters(remove_duplicate=False))
         buffers = dict(model.named_buffers(remove_duplicate=False))
         env: dict[str, Any] = dict(self.constants)
-        for name, v in self.graph.values.items():
-            if v.kind is ValueKind.PARAM:
-                env[name] = params[v.target or ""]
-            elif v.kind is ValueKind.BUFFER and v.producer is None:
-                env[name] = buffers[v.target or ""]
+        for name, is_param, target in self._state_values:
+            env[name] = params[target] if is_param else buffers[target]
         for leaf_name, leaf in zip(self.leaf_values, leaves, strict=True):
             if leaf_name is not None:
                 env[leaf_name] = leaf
         return env
+
+    @functools.cached_property
+    def _state_values(self) -> list[tuple[str, bool, str]]:
+        """(value name, is a parameter, its name in the model) of each parameter and input
+        buffer the graph reads: `bind`'s list, once (the graph's values are thousands, and
+        bind runs every call)."""
+        return [(name, v.kind is ValueKind.PARAM, v.target or "")
+                for name, v in self.graph.values.items()
+                if v.kind is ValueKind.PARAM or (v.kind is ValueKind.BUFFER and v.producer is None)]
 
     def unflatten_outputs(self, values: Mapping[str, Any]) -> Any:
         """The model's output structure from the computed values."""

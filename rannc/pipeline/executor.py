@@ -67,6 +67,17 @@ class Executor:
         self._has_consumers = {s: bool(schedule.consumers(s)) for s in self.stages}
         self._split = {s: schedule.splits_backward(s) for s in self.stages}  # B and W apart
         self._keeps_inputs = routes.has_batch_grad_outputs()
+        # per stage: the inputs other stages or the input owners send (`_input_sources`), and
+        # the outputs whose gradients come back (`_grad_sources`); a stage's inputs also name
+        # every parameter and buffer it reads, so `_expect` looks only at these
+        self._sent_inputs = {s: tuple(v for v in st.inputs if routes.moves(v)
+                                      and routes.graph.values[v].dtype != "sym_int")
+                             for s, st in self.stages.items()}
+        self._own_inputs = {s: frozenset(v for v in st.inputs if not routes.moves(v)
+                                         and routes.graph.values[v].dtype != "sym_int")
+                            for s, st in self.stages.items()}
+        self._grad_outputs = {s: tuple(v for v in st.outputs if routes.moves(v) and routes.is_float(v))
+                              for s, st in self.stages.items()}
         # the stages of this rank computing a scalar output (a loss): its pieces add up there
         self._scalar_stages = {routes.out_stage[v] for v in routes.scalar_outputs()} & set(self.stages)
         self.trace = trace
@@ -133,12 +144,12 @@ class Executor:
         msgs: list[tuple[Key, list[tuple[int, Range]]]] = []
         if a.op in (Op.RF, Op.F):
             if mic.ins is None:
-                for v in st.inputs:
+                for v in self._sent_inputs[st.index]:
                     src = self._input_sources(call, st, v, m)
-                    if src is not None:
-                        msgs.append((Key(v, m, Kind.FWD, st.index), src))
+                    assert src is not None
+                    msgs.append((Key(v, m, Kind.FWD, st.index), src))
         elif mic.out_grads is None:  # RB, or B
-            for v in st.outputs:
+            for v in self._grad_outputs[st.index]:
                 msgs += self._grad_sources(call, st, v, m)
         if call.transport.guess is not None:
             if not settle or not any(r != self.rank and intersect(mic.rows, have) is not None
@@ -219,7 +230,9 @@ class Executor:
 
     def _receive_inputs(self, call: Call, st: Stage, m: int) -> None:
         mic = call.micro[(st.index, m)]
-        ins = [self._stage_input(call, st, v, m, mic.rows) for v in st.inputs]
+        own = self._own_inputs[st.index]  # (parameters, buffers, constants: the call's own)
+        ins = [call.env[v] if v in own else self._stage_input(call, st, v, m, mic.rows)
+               for v in st.inputs]
         mic.ins = st.as_leaves(ins, call.grad_inputs) if call.mode != "forward" else ins
 
     def _stage_input(self, call: Call, st: Stage, v: str, m: int, rows: Range) -> Any:
