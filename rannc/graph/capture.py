@@ -20,7 +20,6 @@ import logging
 import math
 import operator
 import re
-import sys
 import time
 import traceback
 import warnings
@@ -323,23 +322,20 @@ def _specialising_site(model: nn.Module, e: BaseException,
     constant = re.search(r"specialized it to be a constant \((-?\d+)\)", str(e))
     if constant is None:
         return None
-    pin = re.compile(rf"\[guard added\]|set_replacement \S+ = {constant.group(1)}\b")
-    eq = re.compile(rf"Eq\(\w+, {constant.group(1)}\)")
+    eq = re.compile(rf"Eq\(\w+, {constant.group(1)}\)")  # with "[guard added]"
+    replaced = re.compile(rf"set_replacement \S+ = {constant.group(1)}\b")
     names = {id(m): n for n, m in model.named_modules()}
     sites: list[tuple[str, str]] = []
 
     class Watch(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
             msg = record.getMessage()
-            if pin.search(msg) and (eq.search(msg) or "set_replacement" in msg) and not sites:
-                frames = []
-                f = sys._getframe()
-                while f is not None:
-                    frames.append(f)
-                    f = f.f_back  # type: ignore[assignment]
-                site = _innermost_module(reversed(frames), names)
-                if site is not None:
-                    sites.append(site)
+            if sites or not (("[guard added]" in msg and eq.search(msg)) or replaced.search(msg)):
+                return
+            stack = [frame for frame, _ in traceback.walk_stack(None)]  # innermost first
+            site = _innermost_module(reversed(stack), names)
+            if site is not None:
+                sites.append(site)
 
     log = logging.getLogger(_SHAPES_LOG)
     saved = (log.level, log.propagate, list(log.handlers))

@@ -106,7 +106,8 @@ class Executor:
         # while the action before it runs (`_expect`)
         receiving = [i for i, a in enumerate(acts) if a.op in _RECEIVING
                      and not call.micro[(a.stage, a.micro)].empty]
-        ahead = 0  # receiving[ahead]: the next receiving action not yet posted
+        ahead = 0  # receiving[ahead]: the next receiving action after the one running
+        posted = -1  # the last receiving action whose receives are posted (by its index)
         for i, a in enumerate(acts):
             if (scalars and call.scalar_share is None and i > last and call.transport.guess is None
                     and not self.scalars_at_end):
@@ -116,10 +117,11 @@ class Executor:
                 continue
             while ahead < len(receiving) and receiving[ahead] <= i:
                 ahead += 1
-            if a.op in _RECEIVING:  # all its pieces at once (the first settles a guessed layout)
-                self._expect(call, a, settle=True)
-            if ahead < len(receiving):
-                self._expect(call, acts[receiving[ahead]])
+            if a.op in _RECEIVING and posted != i:  # all its pieces at once (the first
+                self._expect(call, a, settle=True)  # settles a guessed layout)
+            if ahead < len(receiving) and posted != receiving[ahead] and call.transport.guess is None:
+                posted = receiving[ahead]
+                self._expect(call, acts[posted])
             if a == arm:
                 call.transport.settle()  # (the buckets are collectives: not on a guessed layout)
                 self.grads.arm()
@@ -151,13 +153,8 @@ class Executor:
         elif mic.out_grads is None:  # RB, or B
             for v in self._grad_outputs[st.index]:
                 msgs += self._grad_sources(call, st, v, m)
-        if call.transport.guess is not None:
-            if not settle or not any(r != self.rank and intersect(mic.rows, have) is not None
-                                     for _key, src in msgs for r, have in src):
-                return
-            call.transport.settle()
         for key, src in msgs:
-            call.transport.expect(key, mic.rows, src)
+            call.transport.expect(key, mic.rows, src, settle)
 
     def share_scalars(self, call: Call, scalars: Mapping[str, torch.Tensor],
                       extra: torch.Tensor | None = None) -> tuple[torch.Tensor, Any] | None:

@@ -170,16 +170,22 @@ class Transport:
         d = self.values[key.value].batch_dim or 0
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, d)
 
-    def expect(self, key: Key, rows: Range, sources: Iterable[tuple[int, Range]]) -> None:
+    def expect(self, key: Key, rows: Range, sources: Iterable[tuple[int, Range]],
+               settle: bool = False) -> None:
         """Post now the receives of a `recv_rows(key, rows, sources)` to come in this call, so
         their data moves while this rank computes. Nothing on a guessed layout (the rows may
-        change), nothing twice: every key posted must be received in the same call (a receive
-        left posted would take the next call's message; `check_drained`)."""
-        if self.guess is not None or key in self._posted or key in self._received:
+        change) unless `settle` (the receive is taken now: the layout is settled first, as
+        `recv_rows` would), nothing twice: every key posted must be received in the same call
+        (a receive left posted would take the next call's message; `check_drained`)."""
+        if key in self._posted or key in self._received:
             return
         parts = _parts(rows, sources)
         if all(r == self.rank for r, _ in parts):
             return
+        if self.guess is not None:
+            if not settle:
+                return
+            self.settle()
         tag = self.tags(key)
         posted: list[tuple[torch.Tensor, Any] | None] = []
         for r, have in parts:
