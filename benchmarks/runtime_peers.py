@@ -37,13 +37,15 @@ pipelining on the same stages must agree (they train the same thing).
 
 ``RUNTIME_PEERS_PROFILE=DIR`` runs the measured steps under torch.profiler and writes, per
 variant and rank, the table of the top operators and every operator's calls and self time
-(``*.counts.tsv``).
+(``*.counts.tsv``). ``RUNTIME_PEERS_CPROFILE=DIR`` runs them under cProfile and writes each
+rank's stats (``*.prof``, for ``pstats``): the Python each library runs around the operators.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import json
 import os
 import resource
@@ -395,8 +397,12 @@ def worker(a: argparse.Namespace) -> None:
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if prof_dir else None
     ru0 = resource.getrusage(resource.RUSAGE_SELF)
     t0, c0 = time.perf_counter(), time.process_time()
-    with prof or contextlib.nullcontext():
+    cprof_dir = os.environ.get("RUNTIME_PEERS_CPROFILE")  # a folder: Python's profile per rank
+    cprof = cProfile.Profile() if cprof_dir else None
+    with prof or contextlib.nullcontext(), cprof or contextlib.nullcontext():
         losses += [step(x, y) for x, y in data[a.warmup:]]
+    if cprof is not None and cprof_dir:
+        cprof.dump_stats(str(Path(cprof_dir, f"{a.label}.rank{rank}.prof")))
     dist.barrier()
     elapsed = time.perf_counter() - t0
     cpu_s = time.process_time() - c0  # this rank's own work (and gloo's threads), not its waits

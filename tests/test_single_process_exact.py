@@ -123,3 +123,23 @@ def test_released_parameter_memory_goes_back_to_the_os() -> None:
     del blocks
     return_freed_heap()
     assert rss_mib() < full - 100, (full, rss_mib())
+
+
+def test_a_parameter_replaced_between_calls_is_used() -> None:
+    """A call binds the graph to the model's parameters as they are now (rannc keeps the
+    lookup between calls, `ModelState`): one assigned anew is read, and gets the gradient."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    ref = copy.deepcopy(model)
+    wrapped = rannc.RaNNCModule(model)
+    x = torch.randn(5, 4)
+    wrapped(x).sum().backward()
+    new = torch.nn.Parameter(torch.randn(2, 3))
+    model[2].weight = new
+    ref[2].weight = torch.nn.Parameter(new.detach().clone())
+    out = wrapped(x)
+    torch.testing.assert_close(out, ref(x), rtol=RTOL, atol=ATOL)
+    out.sum().backward()
+    ref(x).sum().backward()
+    assert new.grad is not None
+    torch.testing.assert_close(new.grad, ref[2].weight.grad, rtol=RTOL, atol=ATOL)

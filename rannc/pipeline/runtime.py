@@ -393,7 +393,7 @@ class PipelineRuntime:
         put back when a call on a guessed layout runs again."""
         if not self._written:
             return []
-        buffers = dict(self.model.named_buffers(remove_duplicate=False))
+        buffers = self.cap.state_of(self.model).buffers()
         return [(buffers[n], buffers[n].detach().clone()) for n in self._written if n in buffers]
 
     @staticmethod
@@ -407,7 +407,7 @@ class PipelineRuntime:
         self._check_sync_rows(layout)
         buffers: dict[str, torch.Tensor] = {}
         if self._bn.sites:
-            buffers = dict(self.model.named_buffers(remove_duplicate=False))
+            buffers = self.cap.state_of(self.model).buffers()
             self._bn.begin_call(buffers)
         grad = torch.is_grad_enabled()
         mode = "forward" if not grad else "eager" if self.spec.eager else "split"

@@ -1,0 +1,83 @@
+"""The model's parameters and buffers by name, for every call, without walking the module tree.
+
+Why: a call binds the graph's parameter and buffer inputs to the model's own tensors (so that
+autograd and in-place updates reach them), and BatchNorm's deferred statistics read the
+running buffers. `named_parameters()` / `named_buffers()` walk every module through generators
+each time: on a ResNet stage 237 walks a step, about 1 ms of each rank's CPU (cProfile,
+BENCHMARKS.md "Per-call lookups"). The tree almost never changes between calls.
+
+How: the dictionaries are built once, with each tensor's slot (the module and the key in its
+`_parameters` / `_buffers`) and every parent-child link of the tree. A call checks those by
+identity (a few hundred dict lookups, no generators) and builds the dictionaries again where
+anything was replaced: a parameter reassigned (`m.weight = nn.Parameter(...)`), a buffer
+re-registered, a submodule swapped or removed. So a call sees exactly what
+`named_parameters(remove_duplicate=False)` would give it, as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True, slots=True)
+class _Slot:
+    owner: nn.Module
+    table: str  # "_parameters" or "_buffers"
+    key: str
+    value: torch.Tensor | None
+
+
+class ModelState:
+    """`params()` and `buffers()` of one model: `dict(model.named_parameters(
+    remove_duplicate=False))` and the same for buffers, kept between calls while the module
+    tree holds the same tensors (see the module docstring). Callers read the dictionaries and
+    must not change them."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self._params: dict[str, torch.Tensor] = {}
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._slots: list[_Slot] = []
+        self._links: list[tuple[nn.Module, str, nn.Module]] = []  # (parent, name, child)
+        self.builds = 0  # how often the dictionaries were built (tests read it)
+        self._build()
+
+    def params(self) -> dict[str, torch.Tensor]:
+        self._check()
+        return self._params
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        self._check()
+        return self._buffers
+
+    def _check(self) -> None:
+        for parent, name, child in self._links:
+            if parent._modules.get(name) is not child:
+                self._build()
+                return
+        for s in self._slots:
+            if getattr(s.owner, s.table).get(s.key) is not s.value:
+                self._build()
+                return
+
+    def _build(self) -> None:
+        self.builds += 1
+        self._params = dict(self.model.named_parameters(remove_duplicate=False))
+        self._buffers = dict(self.model.named_buffers(remove_duplicate=False))
+        modules = dict(self.model.named_modules(remove_duplicate=False))
+        self._links = []
+        for path, mod in modules.items():
+            if path:
+                parent_path, _, name = path.rpartition(".")
+                self._links.append((modules[parent_path], name, mod))
+        self._slots = []
+        for table, found in (("_parameters", self._params), ("_buffers", self._buffers)):
+            for full, t in found.items():
+                owner_path, _, key = full.rpartition(".")
+                self._slots.append(_Slot(modules[owner_path], table, key, t))
+
+
+__all__ = ["ModelState"]

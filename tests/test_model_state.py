@@ -1,0 +1,65 @@
+"""ModelState: the model's parameters and buffers by name, kept between calls, rebuilt where the
+module tree changed (a call must see what named_parameters() would give it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from rannc.graph.model_state import ModelState
+
+pytestmark = pytest.mark.layer("pure")
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(2, 3), nn.BatchNorm1d(3), nn.Sequential(nn.Linear(3, 3)))
+    return m
+
+
+def _same(state: ModelState, m: nn.Module) -> None:
+    assert state.params() == dict(m.named_parameters(remove_duplicate=False))
+    assert state.buffers() == dict(m.named_buffers(remove_duplicate=False))
+
+
+def test_kept_while_nothing_changes() -> None:
+    m = _model()
+    state = ModelState(m)
+    for _ in range(3):
+        _same(state, m)
+    with torch.no_grad():  # in-place updates keep the same tensors
+        m[0].weight.add_(1.0)
+        m[1].running_mean.fill_(2.0)
+    _same(state, m)
+    assert state.builds == 1
+
+
+@pytest.mark.parametrize("change", ["parameter", "buffer", "submodule", "removed"])
+def test_rebuilt_where_the_tree_changed(change: str) -> None:
+    m = _model()
+    state = ModelState(m)
+    state.params()
+    if change == "parameter":
+        m[0].weight = nn.Parameter(torch.zeros(3, 2))
+    elif change == "buffer":
+        m[1].register_buffer("running_mean", torch.ones(3))
+    elif change == "submodule":
+        m[2] = nn.Sequential(nn.Linear(3, 3))
+    else:
+        del m[2][0].bias
+        m[2][0].bias = None
+    _same(state, m)
+    assert state.builds == 2
+    _same(state, m)
+    assert state.builds == 2
+
+
+def test_a_shared_parameter_under_two_names() -> None:
+    lin = nn.Linear(3, 3)
+    m = nn.ModuleDict({"a": lin, "b": nn.Sequential(lin)})
+    state = ModelState(m)
+    assert set(state.params()) == {"a.weight", "a.bias", "b.0.weight", "b.0.bias"}
+    m["b"][0] = nn.Linear(3, 3)  # untied under one name only
+    assert state.params()["b.0.weight"] is not state.params()["a.weight"]
+    _same(state, m)
