@@ -41,6 +41,7 @@ from rannc.derive import derive_plan
 from rannc.errors import RaNNCError
 from rannc.graph.capture import autocast_state, flatten_inputs
 from rannc.graph.extract import run_chain
+from rannc.graph.model_state import model_state, replaced
 from rannc.pipeline.runtime import COUNT_KWARG, PipelineFunction, PipelineRuntime
 from rannc.plans import Plan
 from rannc.progress import NO_PROGRESS, progress_for
@@ -104,6 +105,9 @@ class RaNNCModule(nn.Module):
         self._calls = 0  # forward() calls: the "step" a failure report names
         self._last_rt: PipelineRuntime | None = None
         self._owned: list[nn.Parameter] | None = None  # the parameters this rank counts in norms
+        # the model's parameters by name when it was deployed (several ranks), which the stages,
+        # the gradient reduction and the optimizer hold from then on (`_check_kept`)
+        self._deployed: dict[str, torch.Tensor] | None = None
         rclip.register(self)  # torch.nn.utils.clip_grad_norm_ recognises model.parameters()
         me = weakref.ref(self)
         # What this rank holds once deployed (released parameters, pruned optimizer groups,
@@ -175,10 +179,35 @@ class RaNNCModule(nn.Module):
         `RaNNCModule(model, opt, compile=True)` to torch.compile each stage's graph."""
         raise RaNNCError(_NO_OUTER_COMPILE)
 
+    def _check_kept(self) -> None:
+        """Raise (on every rank that replaced one, before the call's first collective) where a
+        parameter of the deployed model is no longer the tensor deployed: the stages, the
+        gradient reduction and the optimizer hold the deployed ones, so a new one would be
+        neither trained nor summed over the replicas (DDP would not notice either). In one
+        process nothing holds them, and a replaced parameter is simply used."""
+        if self._deployed is None:
+            return
+        now = model_state(self.module).params()
+        if now is self._deployed:
+            return
+        gone = replaced(now, self._deployed)
+        if not gone:  # rebuilt for another reason (a buffer or a module swapped alike)
+            self._deployed = now
+            return
+        more = f" and {len(gone) - 3} more" if len(gone) > 3 else ""
+        raise RaNNCError(
+            f"parameter(s) {', '.join(repr(n) for n in gone[:3])}{more} of the model were "
+            "replaced by other tensors after rannc deployed it (e.g. module.weight = "
+            "nn.Parameter(...)): its stages, gradient reduction and optimizer hold the tensors "
+            "deployed, so the new ones would be neither trained nor summed over the replicas. "
+            "Fix: change a parameter in place (with torch.no_grad(): param.copy_(new)), or "
+            "make the change before wrapping the model in RaNNCModule and building its optimizer")
+
     def _forward_distributed(self, ctx: rdist.DistContext, args: tuple[Any, ...],
                              kwargs: dict[str, Any]) -> Any:
         if self._plan is None:
             validate.check_config(self.rannc_config, ctx.world_size)
+        self._check_kept()
         leaves, layout = flatten_inputs(args, kwargs)
         key = (layout.signature, self.training, autocast_state())
         # Before anything a rank might do alone: every rank raises at `resolve`, or none does.
@@ -224,6 +253,7 @@ class RaNNCModule(nn.Module):
             self._runtimes[key] = rt
             self._held.release(self.module, self.optimizer, self._runtimes.values(), rt)
             self._owned = None
+            self._deployed = model_state(self.module).params()
             # The runtime of the planned deployment stays: the parameters this rank holds are
             # its stage's (a derived plan's stages hold a subset of them). (Not the first key:
             # move_to_end reorders the cache at every call.)

@@ -57,6 +57,10 @@ CASES: dict[str, tuple[str, list[str]]] = {
     "backward_twice_on_a_pipelined_output": ("RaNNCError", [
         "backward() through the outputs of step", "a second time (retain_graph=True)",
         "Fix: add the losses and call backward() once"]),
+    "parameter_replaced_after_deployment": ("RaNNCError", [
+        "parameter(s) 'b.weight' of the model were replaced by other tensors after rannc "
+        "deployed it", "neither trained nor summed over the replicas",
+        "Fix: change a parameter in place (with torch.no_grad(): param.copy_(new))"]),
     "zero_rows_at_the_first_call": ("InputMismatchError", [
         "rank 1 passed a batch of 0 rows (local batch sizes [3, 0])", "captures the model",
         "Fix: give every rank at least one row"]),

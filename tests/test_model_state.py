@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from rannc.graph.model_state import ModelState
+from rannc.graph.model_state import ModelState, model_state, replaced
 
 pytestmark = pytest.mark.layer("pure")
 
@@ -63,3 +63,13 @@ def test_a_shared_parameter_under_two_names() -> None:
     m["b"][0] = nn.Linear(3, 3)  # untied under one name only
     assert state.params()["b.0.weight"] is not state.params()["a.weight"]
     _same(state, m)
+
+
+def test_one_state_per_model_and_what_was_replaced() -> None:
+    m = _model()
+    state = model_state(m)
+    assert model_state(m) is state and model_state(_model()) is not state
+    deployed = state.params()
+    assert replaced(state.params(), deployed) == []
+    m[0].weight = nn.Parameter(torch.zeros(3, 2))
+    assert replaced(state.params(), deployed) == ["0.weight"]

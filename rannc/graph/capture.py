@@ -36,7 +36,7 @@ from torch.export import Dim, ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind, OutputSpec, TensorArgument
 
 from rannc.errors import CaptureError, output_type_error
-from rannc.graph.model_state import ModelState
+from rannc.graph.model_state import model_state
 from rannc.graph.native import forward_reachable
 from rannc.graph.task_graph import COPY_OP, WRITE_BACK_OP, Task, TaskGraph, Value, ValueKind
 
@@ -113,7 +113,7 @@ class CapturedModel:
         """The graph's input values for one call: the model's own parameters and buffers
         (so autograd and in-place updates reach them), the lifted constants, and the
         call's flat input leaves, by value name."""
-        state = self.state_of(model)
+        state = model_state(model)
         params, buffers = state.params(), state.buffers()
         env: dict[str, Any] = dict(self.constants)
         for name, is_param, target in self._state_values:
@@ -122,13 +122,6 @@ class CapturedModel:
             if leaf_name is not None:
                 env[leaf_name] = leaf
         return env
-
-    def state_of(self, model: nn.Module) -> ModelState:
-        """`model`'s parameters and buffers by name, kept between calls (`ModelState`)."""
-        held = self.__dict__.get("_model_state")
-        if held is None or held.model is not model:
-            held = self.__dict__["_model_state"] = ModelState(model)
-        return held
 
     @functools.cached_property
     def _state_values(self) -> list[tuple[str, bool, str]]:

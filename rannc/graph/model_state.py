@@ -16,6 +16,7 @@ re-registered, a submodule swapped or removed. So a call sees exactly what
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +38,7 @@ class ModelState:
     must not change them."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.model = model
+        self._model = weakref.ref(model)  # (held by `model_state` beside the model: not kept alive)
         self._params: dict[str, torch.Tensor] = {}
         self._buffers: dict[str, torch.Tensor] = {}
         self._slots: list[_Slot] = []
@@ -64,10 +65,12 @@ class ModelState:
                 return
 
     def _build(self) -> None:
+        model = self._model()
+        assert model is not None, "ModelState of a model that is gone"
         self.builds += 1
-        self._params = dict(self.model.named_parameters(remove_duplicate=False))
-        self._buffers = dict(self.model.named_buffers(remove_duplicate=False))
-        modules = dict(self.model.named_modules(remove_duplicate=False))
+        self._params = dict(model.named_parameters(remove_duplicate=False))
+        self._buffers = dict(model.named_buffers(remove_duplicate=False))
+        modules = dict(model.named_modules(remove_duplicate=False))
         self._links = []
         for path, mod in modules.items():
             if path:
@@ -80,4 +83,21 @@ class ModelState:
                 self._slots.append(_Slot(modules[owner_path], table, key, t))
 
 
-__all__ = ["ModelState"]
+_STATES: weakref.WeakKeyDictionary[nn.Module, ModelState] = weakref.WeakKeyDictionary()
+
+
+def model_state(model: nn.Module) -> ModelState:
+    """The one `ModelState` of `model` (shared by every captured signature's calls and the
+    wrapper's check that nothing it deployed was replaced)."""
+    state = _STATES.get(model)
+    if state is None:
+        state = _STATES[model] = ModelState(model)
+    return state
+
+
+def replaced(now: dict[str, torch.Tensor], deployed: dict[str, torch.Tensor]) -> list[str]:
+    """Names whose tensor in `now` is not the one in `deployed` (or is gone)."""
+    return [n for n, t in deployed.items() if now.get(n) is not t]
+
+
+__all__ = ["ModelState", "model_state", "replaced"]

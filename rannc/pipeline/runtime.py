@@ -69,6 +69,7 @@ from rannc.atomic.components import AtomicPartition
 from rannc.errors import ConfigError, InputMismatchError, RaNNCError
 from rannc.graph.capture import CapturedModel
 from rannc.graph.extract import StageGraph, check_buffer_writes_stay_in_one_stage, split_graph
+from rannc.graph.model_state import model_state
 from rannc.graph.task_graph import ValueKind
 from rannc.pipeline import batchnorm as bnorm
 from rannc.pipeline.executor import Call, Executor
@@ -393,7 +394,7 @@ class PipelineRuntime:
         put back when a call on a guessed layout runs again."""
         if not self._written:
             return []
-        buffers = self.cap.state_of(self.model).buffers()
+        buffers = model_state(self.model).buffers()
         return [(buffers[n], buffers[n].detach().clone()) for n in self._written if n in buffers]
 
     @staticmethod
@@ -407,7 +408,7 @@ class PipelineRuntime:
         self._check_sync_rows(layout)
         buffers: dict[str, torch.Tensor] = {}
         if self._bn.sites:
-            buffers = self.cap.state_of(self.model).buffers()
+            buffers = model_state(self.model).buffers()
             self._bn.begin_call(buffers)
         grad = torch.is_grad_enabled()
         mode = "forward" if not grad else "eager" if self.spec.eager else "split"

@@ -117,6 +117,18 @@ def backward_twice(model: nn.Module, n: int) -> None:
     loss.backward(retain_graph=True)
 
 
+def replaced_parameter(model: rannc.RaNNCModule, n: int) -> None:
+    """Assign a new tensor to a deployed parameter (on every rank) and call: the error; the
+    deployed one is put back (whatever was raised), so the model trains on."""
+    net = model.module
+    deployed = net.b.weight
+    net.b.weight = nn.Parameter(torch.zeros_like(deployed))
+    try:
+        model(torch.randn(n, WIDTH))
+    finally:
+        net.b.weight = deployed
+
+
 def meta_net() -> nn.Module:
     with torch.device("meta"):
         return Net()
@@ -189,6 +201,7 @@ def main() -> None:
     case("keyword_arguments_after_deployment", r, lambda: main_model(
         torch.randn(n, WIDTH), **({"mask": torch.ones(n, 4)} if r == 1 else {})))
     case("backward_twice_on_a_pipelined_output", r, lambda: backward_twice(main_model, n))
+    case("parameter_replaced_after_deployment", r, lambda: replaced_parameter(main_model, n))
     main_model.zero_grad()
     check_step("after_errors_after_deployment", main_model, ref, r, seed=2)
     case("zero_rows_at_the_first_call", r, lambda: rannc.RaNNCModule(
