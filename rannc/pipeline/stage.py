@@ -116,6 +116,10 @@ class Stage:
         self.rec_part, self.keep_part = rec_part, keep_part
         self.routes, self._bn = routes, bn
         self.weights = list({id(p): p for p in weights}.values())
+        # per set of model inputs requiring grad: the positions of the inputs whose gradient
+        # this stage computes, and of those whose gradient goes back to a sender (a stage's
+        # inputs name every parameter and buffer it reads: looked at once, not per microbatch)
+        self._grad_positions: dict[frozenset[str], tuple[tuple[int, ...], tuple[int, ...]]] = {}
 
     @property
     def inputs(self) -> tuple[str, ...]:
@@ -135,11 +139,25 @@ class Stage:
         return self.routes.is_activation(v) or (
             v in grad_inputs and (v, self.index) in self.routes.input_edges)
 
+    def grad_positions(self, grad_inputs: frozenset[str]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(positions of the inputs whose gradient this stage computes (`wants_grad`), positions
+        of those whose gradient it sends back (`Routes.sends_grad_back`)) in a call whose model
+        inputs `grad_inputs` require grad."""
+        got = self._grad_positions.get(grad_inputs)
+        if got is None:
+            got = self._grad_positions[grad_inputs] = (
+                tuple(i for i, v in enumerate(self.inputs) if self.wants_grad(v, grad_inputs)),
+                tuple(i for i, v in enumerate(self.inputs)
+                      if self.routes.sends_grad_back(v, self.index, grad_inputs)))
+        return got
+
     def as_leaves(self, ins: Sequence[Any], grad_inputs: frozenset[str]) -> list[Any]:
         """The received inputs of a call with gradients: those whose gradient this stage
         computes as autograd leaves."""
-        return [_leaf(x) if self.wants_grad(v, grad_inputs) else x
-                for v, x in zip(self.inputs, ins, strict=True)]
+        out = list(ins)
+        for i in self.grad_positions(grad_inputs)[0]:
+            out[i] = _leaf(out[i])
+        return out
 
     # -- forward -------------------------------------------------------------------------------
     def forward(self, mic: Micro, grad: bool, keep_inputs: bool) -> None:
@@ -267,10 +285,12 @@ class Stage:
     def input_grads(self, ins: Sequence[Any], grad_inputs: frozenset[str]) -> list[Any]:
         """Per stage input: its gradient (zeros if none reached it) where the sender waits for
         one (`Routes.sends_grad_back`), else None."""
-        return [(x.grad if x.grad is not None else torch.zeros_like(x))
-                if self.routes.sends_grad_back(v, self.index, grad_inputs)
-                and isinstance(x, torch.Tensor) else None
-                for v, x in zip(self.inputs, ins, strict=True)]
+        out: list[Any] = [None] * len(ins)
+        for i in self.grad_positions(grad_inputs)[1]:
+            x = ins[i]
+            if isinstance(x, torch.Tensor):
+                out[i] = x.grad if x.grad is not None else torch.zeros_like(x)
+        return out
 
 
 def _leaf(x: Any) -> Any:
