@@ -17,7 +17,6 @@ import argparse
 import copy
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,6 +26,7 @@ import rannc
 
 sys.path.insert(0, str(Path(__file__).parent))
 from runtime_peers import add_model_args, batches, build  # noqa: E402
+from single_stage_overhead import alternate  # noqa: E402
 
 
 def main() -> None:
@@ -49,16 +49,7 @@ def main() -> None:
                 q.grad = None
         return f
 
-    runs = {"plain": step(plain), "rannc": step(wrapped)}
-    for f in runs.values():
-        for _ in range(3):
-            f()
-    times: dict[str, list[float]] = {k: [] for k in runs}
-    for i in range(a.iters):
-        for k in list(runs) if i % 2 == 0 else list(reversed(list(runs))):
-            t0 = time.perf_counter()
-            runs[k]()
-            times[k].append(time.perf_counter() - t0)
+    times = alternate({"plain": step(plain), "rannc": step(wrapped)}, a.iters, warmup=3)
     med = {k: 1e3 * statistics.median(v) for k, v in times.items()}
     pairs = sorted(r / q for r, q in zip(times["rannc"], times["plain"], strict=True))
     q1, q3 = pairs[len(pairs) // 4], pairs[3 * len(pairs) // 4]

@@ -21,6 +21,7 @@ def _model() -> nn.Module:
 def _same(state: ModelState, m: nn.Module) -> None:
     assert state.params() == dict(m.named_parameters(remove_duplicate=False))
     assert state.buffers() == dict(m.named_buffers(remove_duplicate=False))
+    assert state.both() == (state.params(), state.buffers())
 
 
 def test_kept_while_nothing_changes() -> None:

@@ -113,8 +113,7 @@ class CapturedModel:
         """The graph's input values for one call: the model's own parameters and buffers
         (so autograd and in-place updates reach them), the lifted constants, and the
         call's flat input leaves, by value name."""
-        state = model_state(model)
-        params, buffers = state.params(), state.buffers()
+        params, buffers = model_state(model).both()
         env: dict[str, Any] = dict(self.constants)
         for name, is_param, target in self._state_values:
             env[name] = params[target] if is_param else buffers[target]

@@ -28,7 +28,7 @@ class _Slot:
     owner: nn.Module
     table: str  # "_parameters" or "_buffers"
     key: str
-    value: torch.Tensor | None
+    value: torch.Tensor
 
 
 class ModelState:
@@ -53,6 +53,11 @@ class ModelState:
     def buffers(self) -> dict[str, torch.Tensor]:
         self._check()
         return self._buffers
+
+    def both(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """(`params()`, `buffers()`) after one check of the tree."""
+        self._check()
+        return self._params, self._buffers
 
     def _check(self) -> None:
         for parent, name, child in self._links:
