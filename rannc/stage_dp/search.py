@@ -264,10 +264,12 @@ def in_flight_counts(sched: str, S: int, m: int) -> tuple[int, ...]:
 @dataclass
 class Infeasible:
     """What the search tried while nothing fitted: (tables, the table of each position from the
-    end, devices, the stage counts they hold for), for the "needs N GB" error."""
+    end, devices, the stage counts they hold for), for the "needs N GB" error; and under a
+    schedule of several stages per device, (its table, devices, lanes, stages per device)."""
 
     tried: list[tuple[list[StageTables], list[int], int, set[int]]] = dataclasses.field(
         default_factory=list)
+    lanes: list[tuple[StageTables, int, int, int]] = dataclasses.field(default_factory=list)
 
 
 def search(table: TableCache, layouts: Sequence[tuple[int, int]], mbs: Sequence[int],
@@ -287,8 +289,10 @@ def search(table: TableCache, layouts: Sequence[tuple[int, int]], mbs: Sequence[
                 virtual = interleaved(table, D, R, m, config, sched, saved)
                 found += virtual
                 if not virtual:
-                    tab = table(D, R, m, get_spec(sched).in_flight(D, m), saved, sched)
-                    infeasible.tried.append(([tab], [0] * D, D, set(range(1, D + 1))))
+                    v = get_spec(sched).chunks
+                    for P in lane_counts(table, D, m, config, sched):
+                        tab = table(D, R, m, get_spec(sched).in_flight(v * P, m), saved, sched)
+                        infeasible.lanes.append((tab, D, P, v))
                 continue
             by_pos = in_flight_by_position(sched, D, m)
             if by_pos is not None:
@@ -326,18 +330,9 @@ def interleaved(table: TableCache, D: int, R: int, m: int, config: Config, sched
     minimise the slowest stage (each stage planned within 1/v of the device memory, so a
     device's stages fit together). The simulator ranks them as it ranks the others."""
     v = get_spec(sched).chunks
-    k = table.io.params.shape[0]
-    if config.partition_num is not None:
-        if config.partition_num % v:
-            return []
-        lanes = [config.partition_num // v]
-    else:
-        lanes = list(range(2, min(D, k // v) + 1))
     out: list[Candidate] = []
-    for P in lanes:
+    for P in lane_counts(table, D, m, config, sched):
         S = v * P
-        if S > k or P > D or not runnable_lanes(sched, P, m):
-            continue
         tab = table(D, R, m, get_spec(sched).in_flight(S, m), saved, sched)
         options: set[tuple[int, ...]] = set()
         if config.replicas is not None:
@@ -357,20 +352,37 @@ def interleaved(table: TableCache, D: int, R: int, m: int, config: Config, sched
     return out
 
 
+def lane_counts(table: TableCache, D: int, m: int, config: Config, sched: str) -> list[int]:
+    """The lane counts P an interleaved schedule of v chunks is planned for on D devices: the
+    forced partition_num / v, or 2 .. D; each with v * P stages of at least one block, and
+    runnable with m microbatches."""
+    v = get_spec(sched).chunks
+    k = table.io.params.shape[0]
+    if config.partition_num is not None:
+        if config.partition_num % v:
+            return []
+        lanes = [config.partition_num // v]
+    else:
+        lanes = list(range(2, min(D, k // v) + 1))
+    return [P for P in lanes if v * P <= k and P <= D and runnable_lanes(sched, P, m)]
+
+
 def infeasible_error(infeasible: Infeasible, layouts: Sequence[tuple[int, int]],
                      mbs: Sequence[int], config: Config, mem: MemoryModel, spec: DeviceSpec,
                      world: int, batch_size: int) -> Exception:
     """The error when nothing fits: the batch is too small for every layout (ConfigError), or
     the smallest per-device memory any split needs (PlanInfeasibleError)."""
-    if not infeasible.tried:  # no layout was even tried: the batch has too few rows for them all
+    if not infeasible.tried and not infeasible.lanes:  # no layout was even tried: the batch
+        # has too few rows for them all
         rows = min((m * R for _D, R in layouts for m in mbs), default=0)
         return ConfigError(
             f"the global batch of {batch_size} rows cannot be split: every layout considered "
             f"(microbatches {sorted(mbs)}, pipeline copies {sorted({R for _D, R in layouts})}) "
             f"needs at least one row per microbatch of each copy, so at least {rows} rows; "
             "use a larger global batch, or force fewer microbatches or replicas")
-    smallest = min((memory_needed(tabs, table_of, D, config, ok)
-                    for tabs, table_of, D, ok in infeasible.tried), default=math.inf)
+    smallest = min([memory_needed(tabs, table_of, D, config, ok)
+                    for tabs, table_of, D, ok in infeasible.tried]
+                   + [lanes_memory_needed(*x) for x in infeasible.lanes], default=math.inf)
     need = smallest / (1.0 - config.mem_margin)
     have = mem.limit / (1.0 - config.mem_margin)
     return PlanInfeasibleError(
@@ -392,6 +404,24 @@ def memory_needed(tabs: Sequence[StageTables], table_of: Sequence[int], D: int, 
         stage_dp_by_position(mms, table_of, D, min(k, D))
     wanted = stage_counts if config.partition_num is None else stage_counts & {config.partition_num}
     return min((sol.value for S, sol in enumerate(sols, 1) if S in wanted), default=math.inf)
+
+
+def lanes_memory_needed(tab: StageTables, D: int, P: int, v: int) -> float:
+    """The per-device memory P lanes of v stages each need, as the search plans them (each
+    stage within 1/v of the device: `TableCache`, whose memory `tab` is): v times the smallest
+    largest stage of a split into v * P stages of D // P replicas; where P does not divide D,
+    at least what the lanes' replica counts come from needs too (`interleaved`: the stage DP's
+    best P-run split, each run within 1/v)."""
+    mm_all = np.where(np.isfinite(tab.memory_min), tab.memory_min, math.inf)
+    r = D // P
+    bounds = min_max_bounds([mm_all[:, :, r]] * (v * P))
+    if bounds is None:
+        return math.inf
+    need = max(float(mm_all[bounds[i], bounds[i + 1] - 1, r]) for i in range(v * P))
+    if D % P:
+        sols = stage_dp(mm_all, D, P)
+        need = max(need, sols[P - 1].value if len(sols) >= P else math.inf)
+    return v * need
 
 
 def simulate_best(found: Sequence[Candidate], schedules: Sequence[str], table: TableCache,
@@ -645,7 +675,8 @@ def fmt_bytes(n: float) -> str:
 
 __all__ = ["SIMULATED", "Candidate", "Infeasible", "Simulated", "TableCache", "balance_lanes",
            "candidate", "fmt_bytes", "in_flight_by_position", "infeasible_error", "interleaved",
-           "lane_share_options", "late_pass", "memory_model", "microbatch_counts", "min_max_bounds",
+           "lane_counts", "lane_share_options", "lanes_memory_needed", "late_pass", "memory_model",
+           "microbatch_counts", "min_max_bounds",
            "pipeline_layouts", "placement", "ranked", "runnable_lanes", "search",
            "searched_schedules", "selective_allowed", "simulate_best", "simulate_candidate",
            "solutions", "split_options"]
