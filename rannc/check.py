@@ -246,6 +246,31 @@ def output_rows(out: Any, rows: tuple[int, int], n: int) -> Any:
     return pytree.tree_map(cut, out)
 
 
+def rank_rows(want: Any, got: Any, rows: tuple[int, int], n: int) -> Any:
+    """A rank's rows of the reference output `want`, to compare with the rank's output `got`:
+    a tensor of `want` is cut along the one dimension where the rank's tensor has the rank's
+    share of it (a multiple of n) and the same size elsewhere -- the first (batch x sequence
+    flattened) or another (XLNet's memories, sequence x batch x hidden); else as
+    `output_rows` cuts it."""
+    w_leaves, w_spec = pytree.tree_flatten(want)
+    g_leaves, _ = pytree.tree_flatten(got)
+    if len(g_leaves) != len(w_leaves):
+        return output_rows(want, rows, n)
+    mine = rows[1] - rows[0]
+
+    def cut(w: Any, g: Any) -> Any:
+        if isinstance(w, torch.Tensor) and isinstance(g, torch.Tensor) and w.dim() == g.dim():
+            differ = [d for d in range(w.dim()) if w.shape[d] != g.shape[d]]
+            if len(differ) == 1:
+                d = differ[0]
+                k = w.shape[d] // n
+                if w.shape[d] == k * n and g.shape[d] == k * mine:
+                    return w.narrow(d, rows[0] * k, mine * k)
+        return output_rows(w, rows, n)
+    return pytree.tree_unflatten([cut(w, g) for w, g in zip(w_leaves, g_leaves, strict=True)],
+                                 w_spec)
+
+
 def call(model: Any, batch: Batch) -> Any:
     if isinstance(batch, dict):
         return model(**batch)
@@ -379,7 +404,8 @@ def _compare(case: Case, s: Settings, rank: int, world: int, checks: dict[str, C
         local = input_rows(batch, mine, n)
         out = call(wrapped, local)
         ref_out = call(ref, batch)
-        _compare_outputs(checks["outputs"], f"step {step}", out, output_rows(ref_out, mine, n), tol)
+        _compare_outputs(checks["outputs"], f"step {step}", out, rank_rows(ref_out, out, mine, n),
+                         tol)
         loss = loss_fn(out, local)
         # DDP semantics: the gradient is the average over ranks of each rank's loss's gradient.
         per_rank = [loss_fn(output_rows(ref_out, rr, n), input_rows(batch, rr, n)) for rr in ranges]
@@ -401,8 +427,9 @@ def _compare(case: Case, s: Settings, rank: int, world: int, checks: dict[str, C
     ref.eval()
     with torch.no_grad():
         local = input_rows(first, mine, n)
-        _compare_outputs(checks["eval outputs"], "eval", call(wrapped, local),
-                         output_rows(call(ref, first), mine, n), tol)
+        got = call(wrapped, local)
+        _compare_outputs(checks["eval outputs"], "eval", got,
+                         rank_rows(call(ref, first), got, mine, n), tol)
     return _plan_text(wrapped, world)
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from mpi_harness import ROOT, find_mpiexec, run_command
 
-from rannc.check import CheckResult, parse_results
+from rannc.check import CheckResult, parse_results, rank_rows
 
 TOYS = "tests/conformance/toys.py"
 
@@ -29,6 +29,28 @@ def test_a_check_passes_within_tolerance_and_fails_beyond() -> None:
     assert math.isclose(c.max_rel, 1e-4, rel_tol=1e-3)  # not 9e-6 / 0: below atol, abs judges
     c.add("b", torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.001]), rtol=1e-4, atol=1e-5)
     assert not c.passed and c.worst == "b"
+
+
+@pytest.mark.layer("pure")
+def test_a_rank_compares_with_its_rows_of_the_reference_whichever_dimension_holds_them() -> None:
+    """XLNet's memories are sequence x batch x hidden: rank 1 of 2 gets its rows of dimension 1,
+    and the reference is cut there (it was compared whole, a shape mismatch)."""
+    n, rows = 8, (4, 8)
+    logits, mems = torch.randn(n, 5), torch.randn(12, n, 3)
+    got = {"logits": logits[4:8], "mems": [mems[:, 4:8]], "loss": torch.tensor(1.0)}
+    want = rank_rows({"logits": logits, "mems": [mems], "loss": torch.tensor(1.0)}, got, rows, n)
+    assert torch.equal(want["logits"], logits[4:8]) and torch.equal(want["mems"][0], mems[:, 4:8])
+    c = CheckResult("outputs")
+    for k in ("logits", "loss"):
+        c.add(k, got[k], want[k], rtol=0, atol=0)
+    c.add("mems", got["mems"][0], want["mems"][0], rtol=0, atol=0)
+    assert c.passed
+    wrong = rank_rows({"mems": [mems]}, {"mems": [mems[:, 0:4]]}, rows, n)  # another rank's rows
+    c.add("mems of rank 0", mems[:, 0:4], wrong["mems"][0], rtol=1e-4, atol=1e-5)
+    assert not c.passed
+    # batch x sequence flattened (dimension 0 a multiple of the batch) is cut as before
+    flat = torch.randn(n * 3, 2)
+    assert torch.equal(rank_rows(flat, flat[12:24], rows, n), flat[12:24])
 
 
 @pytest.mark.layer("pure")

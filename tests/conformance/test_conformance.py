@@ -76,10 +76,14 @@ BATCHNORM_EXACT_OPTION: dict[str, Any] | None = {"batchnorm": "sync"}
 CI_MODELS: dict[str, tuple[str, ...]] = {
     "2r-pn2-m1": ("resnet", "mobilenet_v2", "efficientnet", "regnet", "tv_resnet18",
                   "tv_mobilenet_v3", "t5", "vit"),
-    "2r-pn2-m4-1f1b": ("llama", "gemma", "bert", "distilbert", "bart", "falcon"),
-    "3r-rep21-m2-gpipe": ("mistral", "qwen2", "gpt2", "roberta", "whisper", "convnext", "resnet"),
-    "3r-rep12-m3-scp": ("phi", "gpt_neox", "albert", "swin", "bloom", "deberta_v2"),
-    "2r-auto": ("mixtral", "opt", "qwen3", "electra", "gptj", "timm_vit"),
+    "2r-pn2-m4-1f1b": ("llama", "gemma", "bert", "distilbert", "bart", "falcon", "gemma2", "phi3",
+                       "mpnet", "xlnet", "pegasus"),
+    "3r-rep21-m2-gpipe": ("mistral", "qwen2", "gpt2", "roberta", "whisper", "convnext", "resnet",
+                          "gemma3", "olmo2", "funnel", "deit", "m2m100"),
+    "3r-rep12-m3-scp": ("phi", "gpt_neox", "albert", "swin", "bloom", "deberta_v2", "starcoder2",
+                        "stablelm", "wav2vec2", "dinov2"),
+    "2r-auto": ("mixtral", "opt", "qwen3", "electra", "gptj", "timm_vit", "qwen2_moe",
+                "gpt_bigcode", "codegen", "mamba", "segformer", "clip_vision"),
     "4r-rep22-m2-1f1b-zero1": ("llama", "t5", "albert"),  # (also in another layout each)
     "4r-rep211-m4-zb": ("gpt2", "bert"),  # (also in another layout each)
     "3r-rep12-pn4-m4-il": ("llama", "t5"),  # (also in another layout each)

@@ -396,6 +396,188 @@ def timm_vit() -> Case:
     return _classify(model)
 
 
+# -- more architectures: softcapping and sliding windows, MoE with a shared expert, state-space
+# scans, relative and two-stream attention, pooling encoders, speech convolutions, and a batch
+# output whose rows are not its first dimension (XLNet's memories, sequence x batch x hidden)
+def gemma2() -> Case:
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    cfg = _cfg(Gemma2Config, **_DEC, num_key_value_heads=2, head_dim=8, sliding_window=4,
+               final_logit_softcapping=30.0, attn_logit_softcapping=50.0)
+    return Case(Gemma2ForCausalLM(cfg), _lm_batch())
+
+
+def gemma3() -> Case:
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    cfg = _cfg(Gemma3TextConfig, **_DEC, num_key_value_heads=2, head_dim=8, sliding_window=4)
+    return Case(Gemma3ForCausalLM(cfg), _lm_batch())
+
+
+def phi3() -> Case:
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    return Case(Phi3ForCausalLM(_cfg(Phi3Config, **_DEC, num_key_value_heads=2)), _lm_batch())
+
+
+def olmo2() -> Case:
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+
+    return Case(Olmo2ForCausalLM(_cfg(Olmo2Config, **_DEC, num_key_value_heads=2)), _lm_batch())
+
+
+def starcoder2() -> Case:
+    from transformers import Starcoder2Config, Starcoder2ForCausalLM
+
+    cfg = _cfg(Starcoder2Config, **_DEC, num_key_value_heads=2, sliding_window=None,
+               residual_dropout=0.0, embedding_dropout=0.0)
+    return Case(Starcoder2ForCausalLM(cfg), _lm_batch())
+
+
+def stablelm() -> Case:
+    from transformers import StableLmConfig, StableLmForCausalLM
+
+    return Case(StableLmForCausalLM(_cfg(StableLmConfig, **_DEC, num_key_value_heads=2)),
+                _lm_batch())
+
+
+def qwen2_moe() -> Case:
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    cfg = _cfg(Qwen2MoeConfig, **_DEC, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+               moe_intermediate_size=32, shared_expert_intermediate_size=32)
+    return Case(Qwen2MoeForCausalLM(cfg), _lm_batch())
+
+
+def gpt_bigcode() -> Case:
+    from transformers import GPTBigCodeConfig, GPTBigCodeForCausalLM
+
+    cfg = _cfg(GPTBigCodeConfig, vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+               resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+    return Case(GPTBigCodeForCausalLM(cfg), _lm_batch())
+
+
+def codegen() -> Case:
+    from transformers import CodeGenConfig, CodeGenForCausalLM
+
+    cfg = _cfg(CodeGenConfig, vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+               rotary_dim=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+    return Case(CodeGenForCausalLM(cfg), _lm_batch())
+
+
+def mamba() -> Case:
+    """A state-space model: its selective scan, no attention (and no attention mask)."""
+    from transformers import MambaConfig, MambaForCausalLM
+
+    cfg = MambaConfig(vocab_size=VOCAB, hidden_size=32, state_size=4, num_hidden_layers=2,
+                      use_cache=False)
+    return Case(MambaForCausalLM(cfg), _lm_batch(mask=False))
+
+
+def xlnet() -> Case:
+    """Two-stream relative attention; in eval() it returns its memories, sequence x batch x
+    hidden (each rank gets its rows of dimension 1)."""
+    from transformers import XLNetConfig, XLNetForSequenceClassification
+
+    cfg = _cfg(XLNetConfig, vocab_size=VOCAB, d_model=32, n_layer=2, n_head=4, d_inner=64,
+               dropout=0.0, summary_last_dropout=0.0, num_labels=LABELS, use_mems_train=False)
+    return Case(XLNetForSequenceClassification(cfg), _lm_batch(labels="class"))
+
+
+def mpnet() -> Case:
+    from transformers import MPNetConfig, MPNetForMaskedLM
+
+    return Case(MPNetForMaskedLM(_cfg(MPNetConfig, **_ENC)), _lm_batch())
+
+
+def funnel() -> Case:
+    """Pools the sequence between blocks."""
+    from transformers import FunnelConfig, FunnelForSequenceClassification
+
+    cfg = _cfg(FunnelConfig, vocab_size=VOCAB, block_sizes=[1, 1], d_model=32, n_head=4, d_head=8,
+               d_inner=64, hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+               num_labels=LABELS)
+    return Case(FunnelForSequenceClassification(cfg), _lm_batch(labels="class"))
+
+
+def pegasus() -> Case:
+    from transformers import PegasusConfig, PegasusForConditionalGeneration
+
+    cfg = _cfg(PegasusConfig, vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2,
+               encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+               decoder_ffn_dim=64, max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
+               activation_dropout=0.0, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+               use_cache=False)
+    return Case(PegasusForConditionalGeneration(cfg), _seq2seq_batch())
+
+
+def m2m100() -> Case:
+    from transformers import M2M100Config, M2M100ForConditionalGeneration
+
+    cfg = _cfg(M2M100Config, vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2,
+               encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+               decoder_ffn_dim=64, max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
+               activation_dropout=0.0, encoder_layerdrop=0.0, decoder_layerdrop=0.0,
+               pad_token_id=0, eos_token_id=1, decoder_start_token_id=1, use_cache=False)
+    return Case(M2M100ForConditionalGeneration(cfg), _seq2seq_batch())
+
+
+def wav2vec2() -> Case:
+    """A convolutional feature encoder over raw audio, then a transformer."""
+    from transformers import Wav2Vec2Config, Wav2Vec2ForSequenceClassification
+
+    cfg = _cfg(Wav2Vec2Config, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+               intermediate_size=64, conv_dim=(16, 16), conv_stride=(4, 4), conv_kernel=(8, 4),
+               num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=4, hidden_dropout=0.0,
+               attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0,
+               layerdrop=0.0, mask_time_prob=0.0, num_labels=LABELS, classifier_proj_size=16)
+
+    def batch(n: int) -> dict[str, torch.Tensor]:
+        return {"input_values": torch.randn(n, 400), "labels": torch.randint(0, LABELS, (n,))}
+    return Case(Wav2Vec2ForSequenceClassification(cfg), batch)
+
+
+def dinov2() -> Case:
+    from transformers import Dinov2Config, Dinov2ForImageClassification
+
+    cfg = _cfg(Dinov2Config, image_size=IMAGE, patch_size=8, hidden_size=32, num_hidden_layers=2,
+               num_attention_heads=4, mlp_ratio=2, hidden_dropout_prob=0.0,
+               attention_probs_dropout_prob=0.0, num_labels=LABELS)
+    return Case(Dinov2ForImageClassification(cfg), _image_batch())
+
+
+def deit() -> Case:
+    from transformers import DeiTConfig, DeiTForImageClassification
+
+    cfg = _cfg(DeiTConfig, image_size=IMAGE, patch_size=8, hidden_size=32, num_hidden_layers=2,
+               num_attention_heads=4, intermediate_size=64, hidden_dropout_prob=0.0,
+               attention_probs_dropout_prob=0.0, num_labels=LABELS)
+    return Case(DeiTForImageClassification(cfg), _image_batch())
+
+
+def segformer() -> Case:
+    """Efficient self-attention over a spatially reduced sequence."""
+    from transformers import SegformerConfig, SegformerForImageClassification
+
+    cfg = _cfg(SegformerConfig, num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1],
+               hidden_sizes=[16, 32], patch_sizes=[7, 3], strides=[4, 2], num_attention_heads=[1, 2],
+               mlp_ratios=[2, 2], hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+               drop_path_rate=0.0, num_labels=LABELS)
+    return Case(SegformerForImageClassification(cfg), _image_batch())
+
+
+def clip_vision() -> Case:
+    """CLIP's vision tower with a classification head."""
+    from transformers import CLIPConfig, CLIPForImageClassification
+
+    vision = dict(image_size=IMAGE, patch_size=8, hidden_size=32, num_hidden_layers=2,
+                  num_attention_heads=4, intermediate_size=64)
+    text = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                intermediate_size=64)
+    cfg = _cfg(CLIPConfig, vision_config=vision, text_config=text, num_labels=LABELS)
+    return Case(CLIPForImageClassification(cfg), _image_batch())
+
+
 # name -> (factory, source library, uses BatchNorm)
 MODELS: dict[str, tuple[Callable[[], Case], str, bool]] = {
     "llama": (llama, "transformers", False),
@@ -430,4 +612,24 @@ MODELS: dict[str, tuple[Callable[[], Case], str, bool]] = {
     "tv_resnet18": (tv_resnet18, "torchvision", True),
     "tv_mobilenet_v3": (tv_mobilenet_v3, "torchvision", True),
     "timm_vit": (timm_vit, "timm", False),
+    "gemma2": (gemma2, "transformers", False),
+    "gemma3": (gemma3, "transformers", False),
+    "phi3": (phi3, "transformers", False),
+    "olmo2": (olmo2, "transformers", False),
+    "starcoder2": (starcoder2, "transformers", False),
+    "stablelm": (stablelm, "transformers", False),
+    "qwen2_moe": (qwen2_moe, "transformers", False),
+    "gpt_bigcode": (gpt_bigcode, "transformers", False),
+    "codegen": (codegen, "transformers", False),
+    "mamba": (mamba, "transformers", False),
+    "xlnet": (xlnet, "transformers", False),
+    "mpnet": (mpnet, "transformers", False),
+    "funnel": (funnel, "transformers", False),
+    "pegasus": (pegasus, "transformers", False),
+    "m2m100": (m2m100, "transformers", False),
+    "wav2vec2": (wav2vec2, "transformers", False),
+    "dinov2": (dinov2, "transformers", False),
+    "deit": (deit, "transformers", False),
+    "segformer": (segformer, "transformers", False),
+    "clip_vision": (clip_vision, "transformers", False),
 }
