@@ -74,14 +74,18 @@ BATCHNORM_EXACT_OPTION: dict[str, Any] | None = {"batchnorm": "sync"}
 
 # CI: every model in one process (test_one_process) and in the one layout listed here.
 CI_MODELS: dict[str, tuple[str, ...]] = {
+    # (Swin V2 here: with several microbatches its parameters after 3 AdamW steps differ by up
+    # to 2e-5, beyond atol, as eager gradient accumulation over the same microbatches does:
+    # its cosine attention's learned scale amplifies the summation order's rounding)
     "2r-pn2-m1": ("resnet", "mobilenet_v2", "efficientnet", "regnet", "tv_resnet18",
-                  "tv_mobilenet_v3", "t5", "vit"),
+                  "tv_mobilenet_v3", "t5", "vit", "swinv2", "patchtst", "levit", "mobilevit"),
     "2r-pn2-m4-1f1b": ("llama", "gemma", "bert", "distilbert", "bart", "falcon", "gemma2", "phi3",
-                       "mpnet", "xlnet", "pegasus"),
+                       "mpnet", "xlnet", "pegasus", "recurrent_gemma", "jamba", "esm", "canine"),
     "3r-rep21-m2-gpipe": ("mistral", "qwen2", "gpt2", "roberta", "whisper", "convnext", "resnet",
-                          "gemma3", "olmo2", "funnel", "deit", "m2m100"),
+                          "gemma3", "olmo2", "funnel", "deit", "m2m100", "squeezebert",
+                          "mobilebert", "mbart"),
     "3r-rep12-m3-scp": ("phi", "gpt_neox", "albert", "swin", "bloom", "deberta_v2", "starcoder2",
-                        "stablelm", "wav2vec2", "dinov2"),
+                        "stablelm", "wav2vec2", "dinov2", "switch", "speech_to_text", "beit"),
     "2r-auto": ("mixtral", "opt", "qwen3", "electra", "gptj", "timm_vit", "qwen2_moe",
                 "gpt_bigcode", "codegen", "mamba", "segformer", "clip_vision"),
     "4r-rep22-m2-1f1b-zero1": ("llama", "t5", "albert"),  # (also in another layout each)

@@ -578,6 +578,166 @@ def clip_vision() -> Case:
     return Case(CLIPForImageClassification(cfg), _image_batch())
 
 
+def recurrent_gemma() -> Case:
+    """Griffin: RG-LRU recurrent blocks and local attention."""
+    from transformers import RecurrentGemmaConfig, RecurrentGemmaForCausalLM
+
+    cfg = _cfg(RecurrentGemmaConfig, vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+               num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1, lru_width=32,
+               attention_window_size=8, conv1d_width=4, use_cache=False, pad_token_id=0,
+               block_types=["recurrent", "recurrent", "attention"])
+    return Case(RecurrentGemmaForCausalLM(cfg), _lm_batch())
+
+
+def jamba() -> Case:
+    """Mamba and attention layers, MoE feed-forwards (the scan's slow path, no CUDA kernels)."""
+    from transformers import JambaConfig, JambaForCausalLM
+
+    cfg = _cfg(JambaConfig, vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+               expert_layer_period=2, expert_layer_offset=1, attn_layer_period=2, attn_layer_offset=0,
+               mamba_d_state=4, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4, use_cache=False,
+               use_mamba_kernels=False, pad_token_id=0)
+    return Case(JambaForCausalLM(cfg), _lm_batch())
+
+
+def mobilebert() -> Case:
+    """Bottlenecks, stacked feed-forwards and its NoNorm."""
+    from transformers import MobileBertConfig, MobileBertForMaskedLM
+
+    cfg = _cfg(MobileBertConfig, vocab_size=VOCAB, hidden_size=32, embedding_size=16, num_hidden_layers=2,
+               num_attention_heads=4, intermediate_size=64, intra_bottleneck_size=16,
+               true_hidden_size=16, num_feedforward_networks=2, hidden_dropout_prob=0.0,
+               attention_probs_dropout_prob=0.0, max_position_embeddings=64)
+    return Case(MobileBertForMaskedLM(cfg), _lm_batch())
+
+
+def squeezebert() -> Case:
+    """Grouped 1-d convolutions in place of the dense layers."""
+    from transformers import SqueezeBertConfig, SqueezeBertForSequenceClassification
+
+    cfg = _cfg(SqueezeBertConfig, vocab_size=VOCAB, hidden_size=32, embedding_size=32, num_hidden_layers=2,
+               num_attention_heads=4, intermediate_size=64, q_groups=2, k_groups=2, v_groups=2,
+               post_attention_groups=2, intermediate_groups=2, output_groups=2,
+               hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, max_position_embeddings=64,
+               num_labels=LABELS)
+    return Case(SqueezeBertForSequenceClassification(cfg), _lm_batch(labels="class"))
+
+
+def esm() -> Case:
+    """Protein LM: rotary attention, token dropout (masked tokens' embeddings zeroed and rescaled)."""
+    from transformers import EsmConfig, EsmForMaskedLM
+
+    cfg = _cfg(EsmConfig, vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+               intermediate_size=64, max_position_embeddings=64, position_embedding_type="rotary",
+               hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=1,
+               mask_token_id=3, token_dropout=True)
+    return Case(EsmForMaskedLM(cfg), _lm_batch())
+
+
+def canine() -> Case:
+    """Characters hashed into embeddings, a strided convolution down and up again."""
+    from transformers import CanineConfig, CanineForSequenceClassification
+
+    cfg = _cfg(CanineConfig, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+               intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+               downsampling_rate=2, num_hash_functions=4, num_hash_buckets=64, local_transformer_stride=4,
+               max_position_embeddings=64, num_labels=LABELS)
+    return Case(CanineForSequenceClassification(cfg), _lm_batch(vocab=200, seq=16, labels="class"))
+
+
+def swinv2() -> Case:
+    """Cosine attention with a learned logit scale, a log-spaced continuous position bias."""
+    from transformers import Swinv2Config, Swinv2ForImageClassification
+
+    cfg = _cfg(Swinv2Config, image_size=IMAGE, patch_size=4, embed_dim=16, depths=[2, 1],
+               num_heads=[2, 4], window_size=4, mlp_ratio=2.0, hidden_dropout_prob=0.0,
+               attention_probs_dropout_prob=0.0, drop_path_rate=0.0, num_labels=LABELS)
+    return Case(Swinv2ForImageClassification(cfg), _image_batch())
+
+
+def beit() -> Case:
+    """Relative position bias tables."""
+    from transformers import BeitConfig, BeitForImageClassification
+
+    cfg = _cfg(BeitConfig, image_size=IMAGE, patch_size=8, hidden_size=32, num_hidden_layers=2,
+               num_attention_heads=4, intermediate_size=64, hidden_dropout_prob=0.0,
+               attention_probs_dropout_prob=0.0, drop_path_rate=0.0, use_relative_position_bias=True,
+               num_labels=LABELS)
+    return Case(BeitForImageClassification(cfg), _image_batch())
+
+
+def levit() -> Case:
+    """BatchNorm; attention biases gathered by index."""
+    from transformers import LevitConfig, LevitForImageClassification
+
+    cfg = _cfg(LevitConfig, image_size=IMAGE, patch_size=16, hidden_sizes=[32, 48],
+               num_attention_heads=[2, 3], depths=[1, 1], key_dim=[8, 8],
+               down_ops=[["Subsample", 8, 2, 4, 2, 2]], num_labels=LABELS)
+    return Case(LevitForImageClassification(cfg), _image_batch())
+
+
+def mobilevit() -> Case:
+    """BatchNorm; unfolded patches into transformer blocks and back."""
+    from transformers import MobileViTConfig, MobileViTForImageClassification
+
+    cfg = _cfg(MobileViTConfig, image_size=IMAGE, hidden_sizes=[32, 48, 64],
+               neck_hidden_sizes=[8, 8, 16, 16, 24, 32, 64], num_attention_heads=2,
+               hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+               classifier_dropout_prob=0.0, num_labels=LABELS)
+    return Case(MobileViTForImageClassification(cfg), _image_batch())
+
+
+def switch() -> Case:
+    """Switch Transformer: top-1 routing to experts with a capacity."""
+    from transformers import SwitchTransformersConfig, SwitchTransformersForConditionalGeneration
+
+    cfg = _cfg(SwitchTransformersConfig, vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+               num_decoder_layers=2, num_heads=4, num_experts=4, expert_capacity=64, dropout_rate=0.0,
+               router_jitter_noise=0.0, decoder_start_token_id=0, pad_token_id=0, use_cache=False)
+    return Case(SwitchTransformersForConditionalGeneration(cfg), _seq2seq_batch())
+
+
+def mbart() -> Case:
+    from transformers import MBartConfig, MBartForConditionalGeneration
+
+    cfg = _cfg(MBartConfig, vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2,
+               encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+               decoder_ffn_dim=64, max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
+               activation_dropout=0.0, pad_token_id=0, eos_token_id=1, decoder_start_token_id=1,
+               use_cache=False)
+    return Case(MBartForConditionalGeneration(cfg), _seq2seq_batch())
+
+
+def speech_to_text() -> Case:
+    """A 1-d convolutional subsampler over filterbank features."""
+    from transformers import Speech2TextConfig, Speech2TextForConditionalGeneration
+
+    cfg = _cfg(Speech2TextConfig, vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2,
+               encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+               input_feat_per_channel=8, input_channels=1, conv_channels=16, max_source_positions=64,
+               max_target_positions=32, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+               pad_token_id=0, eos_token_id=1, decoder_start_token_id=1, use_cache=False)
+
+    def batch(n: int) -> dict[str, torch.Tensor]:
+        return {"input_features": torch.randn(n, 24, 8), "labels": torch.randint(3, VOCAB, (n, 6))}
+    return Case(Speech2TextForConditionalGeneration(cfg), batch)
+
+
+def patchtst() -> Case:
+    """Time series: per-series scaling, patching, BatchNorm in the encoder."""
+    from transformers import PatchTSTConfig, PatchTSTForPrediction
+
+    cfg = PatchTSTConfig(num_input_channels=3, context_length=32, patch_length=8, patch_stride=8,
+                         prediction_length=8, d_model=32, num_attention_heads=4, num_hidden_layers=2,
+                         ffn_dim=64, dropout=0.0, attention_dropout=0.0, ff_dropout=0.0,
+                         positional_dropout=0.0, path_dropout=0.0, head_dropout=0.0)
+
+    def batch(n: int) -> dict[str, torch.Tensor]:
+        return {"past_values": torch.randn(n, 32, 3), "future_values": torch.randn(n, 8, 3)}
+    return Case(PatchTSTForPrediction(cfg), batch)
+
+
 # name -> (factory, source library, uses BatchNorm)
 MODELS: dict[str, tuple[Callable[[], Case], str, bool]] = {
     "llama": (llama, "transformers", False),
@@ -632,4 +792,18 @@ MODELS: dict[str, tuple[Callable[[], Case], str, bool]] = {
     "deit": (deit, "transformers", False),
     "segformer": (segformer, "transformers", False),
     "clip_vision": (clip_vision, "transformers", False),
+    "recurrent_gemma": (recurrent_gemma, "transformers", False),
+    "jamba": (jamba, "transformers", False),
+    "esm": (esm, "transformers", False),
+    "canine": (canine, "transformers", False),
+    "squeezebert": (squeezebert, "transformers", False),
+    "mobilebert": (mobilebert, "transformers", False),
+    "mbart": (mbart, "transformers", False),
+    "switch": (switch, "transformers", False),
+    "speech_to_text": (speech_to_text, "transformers", False),
+    "patchtst": (patchtst, "transformers", True),
+    "swinv2": (swinv2, "transformers", False),
+    "beit": (beit, "transformers", False),
+    "levit": (levit, "transformers", True),
+    "mobilevit": (mobilevit, "transformers", True),
 }
