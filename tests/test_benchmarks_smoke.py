@@ -73,6 +73,11 @@ def test_plan_balance_benchmark() -> None:
     assert [r[0] for r in rows(out, "| auto") + rows(out, "| 2 ")] == ["auto", "2"], out
 
 
+def test_llm_plan_probe_benchmark() -> None:
+    out = run("benchmarks/llm_plan_probe.py")
+    assert "planned in" in out and "over the bound:" in out and "x the bound" in out, out
+
+
 def test_plan_scale_benchmark(tmp_path: Path) -> None:
     png = tmp_path / "scale.png"
     out = run("benchmarks/plan_scale.py", "--plot", str(png))
