@@ -143,3 +143,28 @@ def test_a_parameter_replaced_between_calls_is_used() -> None:
     ref(x).sum().backward()
     assert new.grad is not None
     torch.testing.assert_close(new.grad, ref[2].weight.grad, rtol=RTOL, atol=ATOL)
+
+
+def test_dropout_draws_what_the_unwrapped_model_draws() -> None:
+    """In one process the captured graph's dropout masks are the unwrapped model's, call for
+    call from the same generator state (README, Semantics: random ops)."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.1,
+                     attention_probs_dropout_prob=0.1)
+    cfg._attn_implementation = "eager"
+    model = BertForMaskedLM(cfg).train()
+    ref = copy.deepcopy(model)
+    wrapped = rannc.RaNNCModule(model)
+    ids = torch.randint(2, 64, (4, 12))
+    wrapped(input_ids=ids)  # capture and deploy
+    for seed in (5, 6):
+        torch.manual_seed(seed)
+        got = wrapped(input_ids=ids)["logits"]
+        torch.manual_seed(seed)
+        want = ref(input_ids=ids).logits
+        assert not torch.equal(want, ref.eval()(input_ids=ids).logits)  # dropout did act
+        ref.train()
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
