@@ -1,0 +1,82 @@
+"""Batch values whose contents are not their own rows': they may not cross a stage boundary.
+
+A value with a batch dimension travels between stages as rows: the rows a stage replica
+computed go to whichever replica of the next stage holds them, and the pieces of several
+replicas are concatenated. That is right when each row of the value depends on its own sample
+alone. A sort over a flattened batch (a mixture-of-experts layer grouping its tokens by
+expert: transformers' grouped-experts path sorts the (token, expert) pairs of the whole batch),
+a cumulative sum along it, or an `arange` as long as the batch holds positions *within the
+piece that computed it*: concatenated with another replica's piece, the permutation indices,
+the sorted rows and the positions are wrong (Mixtral on replicas [2, 1, 1], cut inside its
+experts: indices out of range, or rows from the wrong tokens). Such a value can still be
+computed by any replica on any piece of rows, as microbatches do; it only must not be cut.
+
+`row_mixed(graph)` finds them: the outputs of the sources below, and everything computed from
+them, except two gathers along the batch: of mixed rows by a mixed index, taken as undoing the
+permutation (the grouped-experts path's `out[inverse_permutation]`; its result is in token
+order again), and of a sample's own rows by positions from an `arange` (the identity: Hugging
+Face's mask builders index by `arange(batch)`). The first is a pattern, not a proof: a model
+that permutes its rows twice would not be recognised. Sources: sort-like and scan ops on a
+one-dimensional batch tensor (the only dimension is the batch's), and `arange` whose length
+follows the batch.
+"""
+
+from __future__ import annotations
+
+from rannc.graph.task_graph import TaskGraph
+
+# ops that order or scan along their dimension (on a 1-D batch tensor: along the batch)
+_ALONG_BATCH = frozenset(
+    f"aten.{op}" for op in (
+        "sort.default", "sort.stable", "argsort.default", "argsort.stable", "msort.default",
+        "topk.default", "kthvalue.default", "cumsum.default", "cumprod.default",
+        "cummax.default", "cummin.default", "logcumsumexp.default"))
+_ARANGE = frozenset({"aten.arange.default", "aten.arange.start", "aten.arange.start_step"})
+# gathers along the batch: (data, index, ...) inputs
+_GATHER = frozenset({"aten.index.Tensor", "aten.index_select.default", "aten.gather.default"})
+# ops that only reshape or convert (positions stay positions through them)
+_SHAPE = frozenset(f"aten.{op}" for op in (
+    "view.default", "reshape.default", "unsqueeze.default", "expand.default", "to.dtype",
+    "_to_copy.default", "clone.default", "alias.default", "slice.Tensor", "select.int"))
+
+
+def row_mixed(graph: TaskGraph) -> frozenset[str]:
+    """The batch values that may not cross a stage boundary (module docstring)."""
+    mixed: set[str] = set()
+    # positions 0..n-1 of the rows (an arange as long as the batch, reshaped): gathering a
+    # value's rows by them is the identity (Hugging Face's masks index by arange(batch))
+    identity: set[str] = set()
+
+    def batch(v: str) -> bool:
+        val = graph.values[v]
+        return val.is_tensor and val.batch_dim is not None
+
+    for task in graph.tasks:
+        outs = [v for v in task.outputs if batch(v)]
+        ins = [v for v in task.inputs if batch(v)]
+        if task.op in _ARANGE:
+            identity.update(outs)
+            mixed.update(outs)
+            continue
+        if task.op in _SHAPE and ins and ins[0] in identity:
+            identity.update(outs)
+            mixed.update(outs)
+            continue
+        if task.op in _ALONG_BATCH and ins and len(graph.values[ins[0]].shape) == 1:
+            hit = True
+        elif task.op in _GATHER and len(ins) >= 2:
+            data, index = ins[0], ins[1:]
+            if data in mixed and all(v in mixed for v in index):
+                hit = False  # mixed rows gathered by a mixed index: the permutation undone
+            elif data not in mixed and all(v in identity or v not in mixed for v in index):
+                hit = False  # gathered by their own positions (or by a sample's own values)
+            else:
+                hit = True
+        else:
+            hit = any(v in mixed for v in task.inputs)
+        if hit:
+            mixed.update(outs)
+    return frozenset(mixed)
+
+
+__all__ = ["row_mixed"]

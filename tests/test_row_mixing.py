@@ -1,0 +1,85 @@
+"""Batch values whose rows are not their samples' own never cross a stage boundary
+(`rannc.graph.row_mixing`): found on Mixtral and Qwen2-MoE, whose grouped-experts path sorts the
+whole batch's (token, expert) pairs; cut inside it on replicas [2, 1, 1], the second stage got
+two replicas' permutations concatenated and indexed out of range (or the wrong tokens)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from conformance import zoo
+
+import rannc
+from rannc.atomic.components import atomic_components
+from rannc.errors import RaNNCError
+from rannc.graph.capture import capture
+from rannc.graph.extract import split_graph
+from rannc.graph.row_mixing import row_mixed
+from rannc.pipeline.routes import Routes
+
+pytestmark = pytest.mark.layer("pure")
+
+
+def _captured(name: str) -> tuple[Any, Any]:
+    torch.manual_seed(0)
+    case = getattr(zoo, name)()
+    return case, capture(case.model, (), case.batch(4))
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+def test_an_experts_sort_is_mixed_and_its_unpermuted_output_is_not(name: str) -> None:
+    _, cap = _captured(name)
+    g = cap.graph
+    mixed = row_mixed(g)
+    sorts = [t for t in g.tasks if t.op == "aten.sort.default"]
+    assert len(sorts) == 2  # one per layer's experts
+    for t in sorts:
+        assert set(t.outputs) <= mixed
+    # the experts' result in token order (their module's last batch output) is not mixed,
+    # nor is anything outside the experts but the positions from an arange
+    experts = [t for t in g.tasks if t.module_path.endswith("mlp.experts")]
+    assert experts[-1].outputs[0] not in mixed
+    for v in mixed:
+        task = g.tasks[g.producer(v)]
+        assert ".experts" in task.module_path or g.values[v].dtype == "int64", (v, task)
+    assert all(v not in mixed for v in g.outputs if v is not None)
+
+
+def test_a_dense_model_has_only_positions_mixed() -> None:
+    _, cap = _captured("llama")
+    g = cap.graph
+    assert all(g.values[v].dtype == "int64" for v in row_mixed(g))
+
+
+def test_a_cut_across_a_mixed_value_is_refused_at_deployment() -> None:
+    _, cap = _captured("mixtral")
+    g = cap.graph
+    atomic = atomic_components(g)
+    sort_task = next(i for i, t in enumerate(g.tasks) if t.op == "aten.sort.default")
+    c = atomic.component_of[sort_task]
+    n = len(atomic.components)
+    with pytest.raises(RaNNCError, match="rows are not its samples' own"):
+        Routes(g, split_graph(g, atomic, [list(range(c + 1)), list(range(c + 1, n))]))
+
+
+@pytest.mark.parametrize(("name", "replicas"), [("mixtral", [2, 1, 1, 1, 1, 1, 1]),
+                                               ("mixtral", [1, 1, 1, 1, 1, 1]),
+                                               ("qwen2_moe", [2, 1, 1, 1, 1, 1, 1])])
+def test_the_planner_never_cuts_a_mixed_value(name: str, replicas: list[int]) -> None:
+    """Six or seven stages of a two-layer model, 64 blocks: without the rule these plans cut
+    inside the experts (sort indices and sorted rows crossed); every stage input is now rows
+    of its samples."""
+    case, cap = _captured(name)
+    g = cap.graph
+    mixed = row_mixed(g)
+    n = sum(replicas)
+    plan = rannc.plan(case.model, (), case.batch(16),
+                      cluster=rannc.Cluster.homogeneous(n=n, per_node=n),
+                      config=rannc.Config(replicas=replicas, microbatches=2, blocks=64,
+                                          profiler="estimate"))
+    atomic = atomic_components(g)
+    stages = split_graph(g, atomic, [list(st.components) for st in plan.stages])
+    crossing = {v for st in stages for v in st.inputs} & mixed
+    assert not crossing, crossing
