@@ -261,38 +261,37 @@ def test_when_nothing_fits_in_k_blocks_the_planner_tries_finer_ones(
     assert tried == [(2, 0), (2, 1), (4, 0), *weighed]
 
 
+def _stated_need(config: rannc.Config) -> tuple[float, Any]:
+    """The memory the planner says a BERT on 4 devices needs under `config` (from its error at
+    a tiny limit), and a function planning it with a given limit in GB."""
+    case = make_case("bert", batch=8)
+    cluster = rannc.Cluster.homogeneous(SPEC, n=4, per_node=4)
+
+    def plan_with(gb: float) -> Any:
+        return rannc.plan(case.model, case.args, case.kwargs, cluster=cluster,
+                          config=dataclasses.replace(config, mem_limit_gb=gb))
+    with pytest.raises(PlanInfeasibleError) as small:
+        plan_with(1e-9)
+    need = small.value.needed_bytes
+    assert math.isfinite(need) and need > 0, str(small.value)
+    return need, plan_with
+
+
 @pytest.mark.parametrize("schedule", ["zero_bubble_v", "interleaved_1f1b"])
 def test_a_forced_interleaved_split_that_does_not_fit_says_what_is_needed(schedule: str) -> None:
     """Several stages per device with partition_num forced: the error states the memory with
     which that split exists (it said "needs at least inf GB": the stage counts it looked up
     were per stage, the search's per lane)."""
-    case = make_case("bert", batch=8)
-    cluster = rannc.Cluster.homogeneous(SPEC, n=4, per_node=4)
-    config = rannc.Config(schedule=schedule, partition_num=8, microbatches=4)
-    with pytest.raises(PlanInfeasibleError) as small:
-        rannc.plan(case.model, case.args, case.kwargs, cluster=cluster,
-                   config=dataclasses.replace(config, mem_limit_gb=1e-9))
-    need = small.value.needed_bytes
-    assert math.isfinite(need) and need > 0, str(small.value)
-    plan = rannc.plan(case.model, case.args, case.kwargs, cluster=cluster,
-                      config=dataclasses.replace(config, mem_limit_gb=need * 1.0001 / 1e9))
+    need, plan_with = _stated_need(rannc.Config(schedule=schedule, partition_num=8, microbatches=4))
+    plan = plan_with(need * 1.0001 / 1e9)
     assert len(plan.stages) == 8 and plan.schedule == schedule
     with pytest.raises(PlanInfeasibleError):
-        rannc.plan(case.model, case.args, case.kwargs, cluster=cluster,
-                   config=dataclasses.replace(config, mem_limit_gb=need * 0.99 / 1e9))
+        plan_with(need * 0.99 / 1e9)
 
 
 def test_forced_lanes_that_do_not_divide_the_devices_say_what_is_needed() -> None:
     """3 lanes of ZB-V on 4 devices (one lane with two replicas): the error is about memory, not
     about a batch too small to split."""
-    case = make_case("bert", batch=8)
-    cluster = rannc.Cluster.homogeneous(SPEC, n=4, per_node=4)
-    config = rannc.Config(schedule="zero_bubble_v", partition_num=6, microbatches=4)
-    with pytest.raises(PlanInfeasibleError) as small:
-        rannc.plan(case.model, case.args, case.kwargs, cluster=cluster,
-                   config=dataclasses.replace(config, mem_limit_gb=1e-9))
-    need = small.value.needed_bytes
-    assert math.isfinite(need) and need > 0, str(small.value)
-    plan = rannc.plan(case.model, case.args, case.kwargs, cluster=cluster,
-                      config=dataclasses.replace(config, mem_limit_gb=need * 1.0001 / 1e9))
-    assert len(plan.stages) == 6
+    need, plan_with = _stated_need(
+        rannc.Config(schedule="zero_bubble_v", partition_num=6, microbatches=4))
+    assert len(plan_with(need * 1.0001 / 1e9).stages) == 6

@@ -54,11 +54,7 @@ def row_mixed(graph: TaskGraph) -> frozenset[str]:
     for task in graph.tasks:
         outs = [v for v in task.outputs if batch(v)]
         ins = [v for v in task.inputs if batch(v)]
-        if task.op in _ARANGE:
-            identity.update(outs)
-            mixed.update(outs)
-            continue
-        if task.op in _SHAPE and ins and ins[0] in identity:
+        if task.op in _ARANGE or (task.op in _SHAPE and ins and ins[0] in identity):
             identity.update(outs)
             mixed.update(outs)
             continue
