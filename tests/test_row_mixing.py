@@ -13,6 +13,7 @@ from conformance import zoo
 
 import rannc
 from rannc.atomic.components import atomic_components
+from rannc.derive import derive_plan
 from rannc.errors import RaNNCError
 from rannc.graph.capture import capture
 from rannc.graph.extract import split_graph
@@ -83,3 +84,31 @@ def test_the_planner_never_cuts_a_mixed_value(name: str, replicas: list[int]) ->
     stages = split_graph(g, atomic, [list(st.components) for st in plan.stages])
     crossing = {v for st in stages for v in st.inputs} & mixed
     assert not crossing, crossing
+
+
+@pytest.mark.parametrize(("name", "replicas"), [("mixtral", [1, 1, 1, 1, 1, 1]),
+                                               ("qwen2_moe", [2, 1, 1])])
+def test_the_eval_graph_placed_on_the_deployed_stages_never_cuts_a_mixed_value(
+        name: str, replicas: list[int]) -> None:
+    """`model.eval()` after a training deployment: the eval graph's components are placed on
+    the trained plan's stages (rannc.derive). Each parameterless component used to follow its
+    inputs to the earliest stage, so the experts' sort stayed before a cut its consumers were
+    after (found with rannc.check on Qwen2-MoE, 4 ranks, replicas [2, 1, 1]: refused at
+    deployment, naming to_19). Its producers now move to the consumers' stage."""
+    case, _ = _captured(name)
+    n = sum(replicas)
+    plan = rannc.plan(case.model, (), case.batch(16),
+                      cluster=rannc.Cluster.homogeneous(n=n, per_node=n),
+                      config=rannc.Config(replicas=replicas, microbatches=2, blocks=64,
+                                          profiler="estimate"))
+    case.model.eval()
+    g = capture(case.model, (), case.batch(4)).graph
+    atomic = atomic_components(g)
+    derived = derive_plan(g, atomic, plan, recompute=False)
+    stages = split_graph(g, atomic, [list(st.components) for st in derived.stages])
+    assert not {v for st in stages for v in st.inputs} & row_mixed(g)
+    Routes(g, stages)  # deployable: no stage input it refuses
+    # each parameter stays on a stage of the trained plan that holds it
+    holders = plan.holder_stages()
+    for st in derived.stages:
+        assert all(st.index in holders[p] for p in st.param_names)

@@ -23,7 +23,7 @@ follows the batch.
 
 from __future__ import annotations
 
-from rannc.graph.task_graph import TaskGraph
+from rannc.graph.task_graph import TaskGraph, ValueKind
 
 # ops that order or scan along their dimension (on a 1-D batch tensor: along the batch)
 _ALONG_BATCH = frozenset(
@@ -75,4 +75,18 @@ def row_mixed(graph: TaskGraph) -> frozenset[str]:
     return frozenset(mixed)
 
 
-__all__ = ["row_mixed"]
+def unsplittable(graph: TaskGraph) -> dict[str, str]:
+    """The activations that may not cross a stage boundary, each with why: a tensor without
+    a batch dimension (nothing to split by rows), or a row-mixed one (`row_mixed`). The one
+    rule the stage tables, a derived placement and the deployment's routes all apply."""
+    out: dict[str, str] = {}
+    for v in row_mixed(graph):
+        out[v] = ("its rows are not its samples' own (it is computed from a sort, scan or "
+                  "arange along the batch: rannc.graph.row_mixing)")
+    for name, val in graph.values.items():
+        if val.kind is ValueKind.ACTIVATION and val.is_tensor and val.batch_dim is None:
+            out[name] = "it has no batch dimension"
+    return out
+
+
+__all__ = ["row_mixed", "unsplittable"]

@@ -23,7 +23,7 @@ import torch
 
 from rannc.errors import RaNNCError
 from rannc.graph.extract import StageGraph
-from rannc.graph.row_mixing import row_mixed
+from rannc.graph.row_mixing import unsplittable
 from rannc.graph.task_graph import TaskGraph, Value, ValueKind
 from rannc.pipeline.transport import Channel, Kind
 
@@ -162,20 +162,14 @@ class Routes:
         return out
 
     def _check_boundaries(self) -> None:
-        mixed = row_mixed(self.graph)
+        cannot = unsplittable(self.graph)
         for t, st in enumerate(self.stages):
             for v in st.inputs:
-                val = self.graph.values[v]
-                if val.kind is ValueKind.ACTIVATION and val.is_tensor and val.batch_dim is None:
+                if v in cannot:
                     raise RaNNCError(
-                        f"value {v} ({val.shape}) has no batch dimension but crosses into stage "
-                        f"{t}; it cannot be split by rows. Choose another partition_num or cut")
-                if v in mixed:
-                    raise RaNNCError(
-                        f"value {v} ({val.shape}) crosses into stage {t}, but its rows are not "
-                        "its samples' own (it is computed from a sort, scan or arange along the "
-                        "batch: rannc.graph.row_mixing), so it cannot be split by rows. Choose "
-                        "another partition_num or cut")
+                        f"value {v} ({self.graph.values[v].shape}) crosses into stage {t}, but "
+                        f"{cannot[v]}, so it cannot be split by rows. Choose another "
+                        "partition_num or cut")
 
     # -- parameters ----------------------------------------------------------------------------
     def first_use(self) -> dict[str, int]:

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from rannc.atomic.components import AtomicPartition
-from rannc.graph.row_mixing import row_mixed
+from rannc.graph.row_mixing import unsplittable
 from rannc.graph.task_graph import TaskGraph, ValueKind
 from rannc.profile.estimate import BlockProfile, _bytes
 from rannc.profile.saved import autocast_copies
@@ -112,7 +112,7 @@ class ValueUses:
     def of(cls, graph: TaskGraph, atomic: AtomicPartition) -> ValueUses:
         out_names = {v for v in graph.outputs if v is not None}
         copies = autocast_copies(graph)
-        mixed = row_mixed(graph)  # batch values whose rows are not their samples' own
+        cannot = unsplittable(graph)  # may not cross a stage boundary
         par: list[tuple[float, bool, float]] = []
         act: list[tuple[float, float, int, bool, bool]] = []
         par_use: list[tuple[int, int]] = []
@@ -131,9 +131,7 @@ class ValueUses:
                 continue  # a constant task's output: cloned where needed, never sent
             p = -1 if prod_task is None else atomic.component_of[prod_task]
             act_use += [(len(act), c) for c in consumers]
-            rows = not (val.kind is ValueKind.ACTIVATION and val.batch_dim is None) \
-                and name not in mixed
-            act.append((*_bytes(val), p, name in out_names, rows))
+            act.append((*_bytes(val), p, name in out_names, name not in cannot))
 
         def pairs(x: list[tuple[int, int]]) -> np.ndarray:
             return np.array(x, dtype=np.int64).reshape(-1, 2).T
