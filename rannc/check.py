@@ -16,6 +16,10 @@ directory, or a ``.py`` file) and a callable in it taking no arguments. It retur
   inputs, or one tensor. Tensors whose first dimension is ``n`` are split by rows across the
   ranks (rank order, the first ranks one row more when ``n`` does not divide); other inputs go
   to every rank whole. Called after ``torch.manual_seed(seed + 1 + step)``.
+* ``Case.reshaped(n)`` (optional): the global batch in another shape, e.g. a shorter sequence,
+  as dynamic padding makes. With two steps or more, the last training step takes it: the model
+  is captured again and that graph placed on the deployed stages (`rannc.derive`), so the
+  checks cover it too. The eval forward takes the first step's batch again.
 * ``loss(output, inputs)`` (optional): the scalar each rank backpropagates, from ITS output
   rows and ITS input rows (a DDP-style per-rank loss). By default: the output's ``loss`` (a
   Hugging Face ``ModelOutput``'s, or a dict's "loss") when it is a scalar -- the global loss, the
@@ -83,6 +87,8 @@ class Case:
     loss: LossFn | None = None
     batch_size: int | None = None  # the global batch, unless --batch says otherwise
     name: str = ""
+    # the global batch in another shape (a shorter sequence): the last training step takes it
+    reshaped: Callable[[int], Batch] | None = None
 
 
 @dataclass
@@ -399,21 +405,22 @@ def _compare(case: Case, s: Settings, rank: int, world: int, checks: dict[str, C
     first: Batch = None
     for step in range(s.steps):
         torch.manual_seed(s.seed + 1 + step)
-        batch = case.batch(n)
+        reshaped = case.reshaped if 0 < step == s.steps - 1 else None
+        batch = (reshaped or case.batch)(n)
         first = batch if first is None else first
+        label = f"step {step}" + (" (reshaped)" if reshaped else "")
         local = input_rows(batch, mine, n)
         out = call(wrapped, local)
         ref_out = call(ref, batch)
-        _compare_outputs(checks["outputs"], f"step {step}", out, rank_rows(ref_out, out, mine, n),
-                         tol)
+        _compare_outputs(checks["outputs"], label, out, rank_rows(ref_out, out, mine, n), tol)
         loss = loss_fn(out, local)
         # DDP semantics: the gradient is the average over ranks of each rank's loss's gradient.
         per_rank = [loss_fn(output_rows(ref_out, rr, n), input_rows(batch, rr, n)) for rr in ranges]
-        checks["loss"].add(f"step {step} loss", loss, per_rank[rank], *tol)
+        checks["loss"].add(f"{label} loss", loss, per_rank[rank], *tol)
         loss.backward()
         (torch.stack(per_rank).sum() / world).backward()
         for pn, p in wrapped.named_parameters():
-            checks["grads"].add(f"step {step} grad {pn}", p.grad, ref_params[pn].grad, *tol)
+            checks["grads"].add(f"{label} grad {pn}", p.grad, ref_params[pn].grad, *tol)
         opt_w.step()
         opt_r.step()
         opt_w.zero_grad()

@@ -66,8 +66,14 @@ def derive_plan(graph: TaskGraph, atomic: AtomicPartition, base: Plan, *,
     stages = []
     for st in base.stages:
         comps = tuple(c for c in range(len(stage_of)) if stage_of[c] == st.index)
+        # The stage keeps every parameter it holds, read by the new graph here or not: the
+        # holders of a parameter are the ranks that sum its gradient and step their copies.
+        # (With only the ones read here, a tied weight the new graph reads on fewer stages -
+        # BART's shared embedding, ALBERT's shared layer - was reduced over fewer ranks, and
+        # the others stepped their copies without its gradient: wrong and diverging.)
+        assert set(param_names_of(graph, atomic, comps)) <= set(st.param_names)
         stages.append(dataclasses.replace(
-            st, components=comps, param_names=param_names_of(graph, atomic, comps),
+            st, components=comps,
             recompute=st.recompute if recompute else 0.0,
             selective=st.selective and recompute, predicted=None))
     return dataclasses.replace(base, stages=tuple(stages), fingerprint=graph.fingerprint(),

@@ -13,6 +13,7 @@ A factory whose library is missing (torchvision, timm) raises `Unavailable`; the
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -62,6 +63,28 @@ def _lm_batch(vocab: int = VOCAB, seq: int = SEQ, mask: bool = True,
     return batch
 
 
+def _sequences(make: Callable[[], Case]) -> Callable[[], Case]:
+    """`make`'s case with `Case.reshaped`: its batches with sequences 4 tokens shorter (every
+    tensor's second dimension as long as `input_ids`'), which the last checked training step
+    takes, as dynamic padding gives a new length at every step: the model is captured again
+    and that graph placed on the deployed stages (`rannc.derive`). (Found so: BART's and
+    ALBERT's tied weights summed over fewer ranks than hold them.)"""
+    @functools.wraps(make)
+    def made() -> Case:
+        case = make()
+        full = case.batch
+
+        def shorter(n: int) -> dict[str, torch.Tensor]:
+            batch = full(n)
+            seq = batch["input_ids"].shape[1]
+            return {k: v[:, :seq - 4].contiguous()
+                    if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == seq else v
+                    for k, v in batch.items()}
+        case.reshaped = shorter
+        return case
+    return made
+
+
 def _image_batch(channels: int = 3, size: int = IMAGE, key: str = "pixel_values",
                  ) -> Callable[[int], dict[str, torch.Tensor]]:
     def batch(n: int) -> dict[str, torch.Tensor]:
@@ -75,12 +98,14 @@ _DEC = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_l
 
 
 # -- decoder-only -------------------------------------------------------------------------------
+@_sequences
 def llama() -> Case:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     return Case(LlamaForCausalLM(_cfg(LlamaConfig, **_DEC, num_key_value_heads=2)), _lm_batch())
 
 
+@_sequences
 def mistral() -> Case:
     from transformers import MistralConfig, MistralForCausalLM
 
@@ -88,12 +113,14 @@ def mistral() -> Case:
     return Case(MistralForCausalLM(cfg), _lm_batch())
 
 
+@_sequences
 def qwen2() -> Case:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     return Case(Qwen2ForCausalLM(_cfg(Qwen2Config, **_DEC, num_key_value_heads=2)), _lm_batch())
 
 
+@_sequences
 def qwen3() -> Case:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -101,6 +128,7 @@ def qwen3() -> Case:
     return Case(Qwen3ForCausalLM(cfg), _lm_batch())
 
 
+@_sequences
 def gemma() -> Case:
     from transformers import GemmaConfig, GemmaForCausalLM
 
@@ -108,6 +136,7 @@ def gemma() -> Case:
     return Case(GemmaForCausalLM(cfg), _lm_batch())
 
 
+@_sequences
 def phi() -> Case:
     from transformers import PhiConfig, PhiForCausalLM
 
@@ -116,6 +145,7 @@ def phi() -> Case:
     return Case(PhiForCausalLM(cfg), _lm_batch())
 
 
+@_sequences
 def mixtral() -> Case:
     from transformers import MixtralConfig, MixtralForCausalLM
 
@@ -124,6 +154,7 @@ def mixtral() -> Case:
     return Case(MixtralForCausalLM(cfg), _lm_batch())
 
 
+@_sequences
 def gpt2() -> Case:
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -133,6 +164,7 @@ def gpt2() -> Case:
     return Case(GPT2LMHeadModel(cfg), _lm_batch())
 
 
+@_sequences
 def gpt_neox() -> Case:
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
@@ -142,6 +174,7 @@ def gpt_neox() -> Case:
     return Case(GPTNeoXForCausalLM(cfg), _lm_batch())
 
 
+@_sequences
 def opt() -> Case:
     from transformers import OPTConfig, OPTForCausalLM
 
@@ -152,6 +185,7 @@ def opt() -> Case:
     return Case(OPTForCausalLM(cfg), _lm_batch())
 
 
+@_sequences
 def falcon() -> Case:
     from transformers import FalconConfig, FalconForCausalLM
 
@@ -161,6 +195,7 @@ def falcon() -> Case:
     return Case(FalconForCausalLM(cfg), _lm_batch())
 
 
+@_sequences
 def bloom() -> Case:
     from transformers import BloomConfig, BloomForCausalLM
 
@@ -169,6 +204,7 @@ def bloom() -> Case:
     return Case(BloomForCausalLM(cfg), _lm_batch())
 
 
+@_sequences
 def gptj() -> Case:
     from transformers import GPTJConfig, GPTJForCausalLM
 
@@ -184,12 +220,14 @@ _ENC = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention
             attention_probs_dropout_prob=0.0)
 
 
+@_sequences
 def bert() -> Case:
     from transformers import BertConfig, BertForMaskedLM
 
     return Case(BertForMaskedLM(_cfg(BertConfig, **_ENC)), _lm_batch())
 
 
+@_sequences
 def roberta() -> Case:
     from transformers import RobertaConfig, RobertaForSequenceClassification
 
@@ -197,6 +235,7 @@ def roberta() -> Case:
     return Case(RobertaForSequenceClassification(cfg), _lm_batch(labels="class"))
 
 
+@_sequences
 def distilbert() -> Case:
     from transformers import DistilBertConfig, DistilBertForTokenClassification
 
@@ -206,6 +245,7 @@ def distilbert() -> Case:
     return Case(DistilBertForTokenClassification(cfg), _lm_batch(labels="token_class"))
 
 
+@_sequences
 def albert() -> Case:
     from transformers import AlbertConfig, AlbertForPreTraining
 
@@ -217,6 +257,7 @@ def albert() -> Case:
     return Case(AlbertForPreTraining(cfg), batch)
 
 
+@_sequences
 def electra() -> Case:
     from transformers import ElectraConfig, ElectraForPreTraining
 
@@ -230,6 +271,7 @@ def electra() -> Case:
     return Case(ElectraForPreTraining(cfg), batch)
 
 
+@_sequences
 def deberta_v2() -> Case:
     from transformers import DebertaV2Config, DebertaV2ForSequenceClassification
 
@@ -240,6 +282,7 @@ def deberta_v2() -> Case:
 
 
 # -- encoder-decoders, given only labels (the decoder inputs are the labels shifted right) -------
+@_sequences
 def t5() -> Case:
     from transformers import T5Config, T5ForConditionalGeneration
 
@@ -249,6 +292,7 @@ def t5() -> Case:
     return Case(T5ForConditionalGeneration(cfg), _seq2seq_batch())
 
 
+@_sequences
 def bart() -> Case:
     from transformers import BartConfig, BartForConditionalGeneration
 
@@ -399,6 +443,7 @@ def timm_vit() -> Case:
 # -- more architectures: softcapping and sliding windows, MoE with a shared expert, state-space
 # scans, relative and two-stream attention, pooling encoders, speech convolutions, and a batch
 # output whose rows are not its first dimension (XLNet's memories, sequence x batch x hidden)
+@_sequences
 def gemma2() -> Case:
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
@@ -407,6 +452,7 @@ def gemma2() -> Case:
     return Case(Gemma2ForCausalLM(cfg), _lm_batch())
 
 
+@_sequences
 def gemma3() -> Case:
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
@@ -414,18 +460,21 @@ def gemma3() -> Case:
     return Case(Gemma3ForCausalLM(cfg), _lm_batch())
 
 
+@_sequences
 def phi3() -> Case:
     from transformers import Phi3Config, Phi3ForCausalLM
 
     return Case(Phi3ForCausalLM(_cfg(Phi3Config, **_DEC, num_key_value_heads=2)), _lm_batch())
 
 
+@_sequences
 def olmo2() -> Case:
     from transformers import Olmo2Config, Olmo2ForCausalLM
 
     return Case(Olmo2ForCausalLM(_cfg(Olmo2Config, **_DEC, num_key_value_heads=2)), _lm_batch())
 
 
+@_sequences
 def starcoder2() -> Case:
     from transformers import Starcoder2Config, Starcoder2ForCausalLM
 
@@ -434,6 +483,7 @@ def starcoder2() -> Case:
     return Case(Starcoder2ForCausalLM(cfg), _lm_batch())
 
 
+@_sequences
 def stablelm() -> Case:
     from transformers import StableLmConfig, StableLmForCausalLM
 
@@ -441,6 +491,7 @@ def stablelm() -> Case:
                 _lm_batch())
 
 
+@_sequences
 def qwen2_moe() -> Case:
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
@@ -449,6 +500,7 @@ def qwen2_moe() -> Case:
     return Case(Qwen2MoeForCausalLM(cfg), _lm_batch())
 
 
+@_sequences
 def gpt_bigcode() -> Case:
     from transformers import GPTBigCodeConfig, GPTBigCodeForCausalLM
 
@@ -457,6 +509,7 @@ def gpt_bigcode() -> Case:
     return Case(GPTBigCodeForCausalLM(cfg), _lm_batch())
 
 
+@_sequences
 def codegen() -> Case:
     from transformers import CodeGenConfig, CodeGenForCausalLM
 
@@ -465,6 +518,7 @@ def codegen() -> Case:
     return Case(CodeGenForCausalLM(cfg), _lm_batch())
 
 
+@_sequences
 def mamba() -> Case:
     """A state-space model: its selective scan, no attention (and no attention mask)."""
     from transformers import MambaConfig, MambaForCausalLM
@@ -474,6 +528,7 @@ def mamba() -> Case:
     return Case(MambaForCausalLM(cfg), _lm_batch(mask=False))
 
 
+@_sequences
 def xlnet() -> Case:
     """Two-stream relative attention; in eval() it returns its memories, sequence x batch x
     hidden (each rank gets its rows of dimension 1)."""
@@ -484,12 +539,14 @@ def xlnet() -> Case:
     return Case(XLNetForSequenceClassification(cfg), _lm_batch(labels="class"))
 
 
+@_sequences
 def mpnet() -> Case:
     from transformers import MPNetConfig, MPNetForMaskedLM
 
     return Case(MPNetForMaskedLM(_cfg(MPNetConfig, **_ENC)), _lm_batch())
 
 
+@_sequences
 def funnel() -> Case:
     """Pools the sequence between blocks."""
     from transformers import FunnelConfig, FunnelForSequenceClassification
@@ -500,6 +557,7 @@ def funnel() -> Case:
     return Case(FunnelForSequenceClassification(cfg), _lm_batch(labels="class"))
 
 
+@_sequences
 def pegasus() -> Case:
     from transformers import PegasusConfig, PegasusForConditionalGeneration
 
@@ -511,6 +569,7 @@ def pegasus() -> Case:
     return Case(PegasusForConditionalGeneration(cfg), _seq2seq_batch())
 
 
+@_sequences
 def m2m100() -> Case:
     from transformers import M2M100Config, M2M100ForConditionalGeneration
 
@@ -578,6 +637,7 @@ def clip_vision() -> Case:
     return Case(CLIPForImageClassification(cfg), _image_batch())
 
 
+@_sequences
 def recurrent_gemma() -> Case:
     """Griffin: RG-LRU recurrent blocks and local attention."""
     from transformers import RecurrentGemmaConfig, RecurrentGemmaForCausalLM
@@ -589,6 +649,7 @@ def recurrent_gemma() -> Case:
     return Case(RecurrentGemmaForCausalLM(cfg), _lm_batch())
 
 
+@_sequences
 def jamba() -> Case:
     """Mamba and attention layers, MoE feed-forwards (the scan's slow path, no CUDA kernels)."""
     from transformers import JambaConfig, JambaForCausalLM
@@ -601,6 +662,7 @@ def jamba() -> Case:
     return Case(JambaForCausalLM(cfg), _lm_batch())
 
 
+@_sequences
 def mobilebert() -> Case:
     """Bottlenecks, stacked feed-forwards and its NoNorm."""
     from transformers import MobileBertConfig, MobileBertForMaskedLM
@@ -612,6 +674,7 @@ def mobilebert() -> Case:
     return Case(MobileBertForMaskedLM(cfg), _lm_batch())
 
 
+@_sequences
 def squeezebert() -> Case:
     """Grouped 1-d convolutions in place of the dense layers."""
     from transformers import SqueezeBertConfig, SqueezeBertForSequenceClassification
@@ -624,6 +687,7 @@ def squeezebert() -> Case:
     return Case(SqueezeBertForSequenceClassification(cfg), _lm_batch(labels="class"))
 
 
+@_sequences
 def esm() -> Case:
     """Protein LM: rotary attention, token dropout (masked tokens' embeddings zeroed and rescaled)."""
     from transformers import EsmConfig, EsmForMaskedLM
@@ -635,6 +699,7 @@ def esm() -> Case:
     return Case(EsmForMaskedLM(cfg), _lm_batch())
 
 
+@_sequences
 def canine() -> Case:
     """Characters hashed into embeddings, a strided convolution down and up again."""
     from transformers import CanineConfig, CanineForSequenceClassification
@@ -688,6 +753,7 @@ def mobilevit() -> Case:
     return Case(MobileViTForImageClassification(cfg), _image_batch())
 
 
+@_sequences
 def switch() -> Case:
     """Switch Transformer: top-1 routing to experts with a capacity."""
     from transformers import SwitchTransformersConfig, SwitchTransformersForConditionalGeneration
@@ -698,6 +764,7 @@ def switch() -> Case:
     return Case(SwitchTransformersForConditionalGeneration(cfg), _seq2seq_batch())
 
 
+@_sequences
 def mbart() -> Case:
     from transformers import MBartConfig, MBartForConditionalGeneration
 

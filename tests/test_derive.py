@@ -1,0 +1,41 @@
+"""A graph captured again on a deployed model (another mode or input shape) is placed on the
+deployed stages (`rannc.derive`): where its components go, and what each stage keeps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conformance import zoo
+
+import rannc
+from rannc.atomic.components import atomic_components
+from rannc.derive import derive_plan
+from rannc.graph.capture import capture
+
+pytestmark = pytest.mark.layer("pure")
+
+
+@pytest.mark.parametrize("name", ["bart", "albert"])
+def test_a_new_sequence_length_keeps_every_holder_of_a_tied_weight(name: str) -> None:
+    """BART's shared embedding (encoder, decoder, head) and ALBERT's one layer shared by every
+    layer are read on several stages. The graph of a shorter sequence put the decoder's
+    embedding (ALBERT's next layers) on the first stage holding the weight, and each stage
+    kept only the parameters its new components read: the tied weight's gradient was summed
+    over fewer ranks than hold it, and the others stepped their copies without it (wrong
+    gradients, copies drifting apart; found with rannc.check on 4 ranks, replicas [2, 1, 1]).
+    Every stage now keeps what it holds; its gradient counts zero where nothing reads it."""
+    torch.manual_seed(0)
+    case = getattr(zoo, name)()
+    assert case.reshaped is not None
+    plan = rannc.plan(case.model, (), case.batch(10),
+                      cluster=rannc.Cluster.homogeneous(n=4, per_node=4),
+                      config=rannc.Config(replicas=[2, 1, 1], microbatches=4,
+                                          schedule="zero_bubble", profiler="estimate"))
+    g = capture(case.model, (), case.reshaped(4)).graph
+    atomic = atomic_components(g)
+    derived = derive_plan(g, atomic, plan)
+    assert derived.holders() == plan.holders()
+    assert [st.param_names for st in derived.stages] == [st.param_names for st in plan.stages]
+    # the base plan reads the tied weight on more than one stage: the case this is about
+    tied = [n for n, s in plan.holder_stages().items() if len(s) > 1]
+    assert tied, plan.holder_stages()
