@@ -4,9 +4,11 @@ When the model is called in another mode (`model.eval()`) or with another input 
 sequence length), torch.export gives a different graph, but the ranks already hold their
 stages' parameters and the optimizer steps only those. So rather than planning from scratch,
 the new graph's atomic components are placed on the deployed stages: each component goes to
-the first stage that holds every parameter it reads and is not before any stage that feeds it
-(a component without parameters simply follows its inputs). Every data dependency then goes
-forward, and no rank needs a parameter it released. A value that may not cross a stage
+the first stage that holds every parameter it reads and is not before any stage that feeds it,
+nor before the stage the plan ran the same work on (the same op of the same module, counted in
+order: without that, work without parameters followed its inputs to the earliest stage, and a
+new sequence length left BERT's last stage 16 of its 23 components). Every data dependency
+then goes forward, and no rank needs a parameter it released. A value that may not cross a stage
 boundary (`rannc.graph.row_mixing.unsplittable`: a mixture-of-experts layer's sorted tokens)
 keeps its producer on its consumers' stage: the producer moves later, and what follows it with
 it. Replicas, shares, microbatches and the schedule stay the plan's.
@@ -41,28 +43,13 @@ def derive_plan(graph: TaskGraph, atomic: AtomicPartition, base: Plan, *,
                                  "deployed plan holds it; construct a new RaNNCModule")
             ok &= set(holders[n])
         allowed.append(ok)
-    # Each component on the first stage that holds its parameters and is not before its
-    # inputs; then each unsplittable value's producer on its consumer's stage, and again what
-    # follows it. Stages only move later, so this ends.
     cannot = unsplittable(graph)
     tied = _tied_edges(graph, atomic, cannot)
-    stage_of = [0] * len(atomic.components)
-    moved = True
-    while moved:
-        moved = False
-        for comp in atomic.components:  # topological order
-            c = comp.index
-            lo = max((stage_of[p] for p in preds[c]), default=0)
-            if stage_of[c] < lo or stage_of[c] not in allowed[c]:
-                stage_of[c] = _earliest(graph, atomic, c, allowed[c], lo,
-                                        f"its inputs come from stage {lo}")
-                moved = True
-        for a, b, v in tied:
-            if stage_of[a] < stage_of[b]:
-                stage_of[a] = _earliest(graph, atomic, a, allowed[a], stage_of[b],
-                                        f"it computes {v} for stage {stage_of[b]}, and {cannot[v]} "
-                                        "so it may not cross a stage boundary")
-                moved = True
+    hints = _planned_stages(graph, atomic, base)
+    try:
+        stage_of = _placed(graph, atomic, allowed, preds, tied, cannot, hints)
+    except RaNNCError:  # the plan's stages cannot be followed: the earliest placement
+        stage_of = _placed(graph, atomic, allowed, preds, tied, cannot, [0] * len(hints))
     stages = []
     for st in base.stages:
         comps = tuple(c for c in range(len(stage_of)) if stage_of[c] == st.index)
@@ -78,6 +65,63 @@ def derive_plan(graph: TaskGraph, atomic: AtomicPartition, base: Plan, *,
             selective=st.selective and recompute, predicted=None))
     return dataclasses.replace(base, stages=tuple(stages), fingerprint=graph.fingerprint(),
                                predicted_iteration_time=None, source=(graph, atomic))
+
+
+def _placed(graph: TaskGraph, atomic: AtomicPartition, allowed: list[set[int]],
+            preds: list[set[int]], tied: list[tuple[int, int, str]], cannot: dict[str, str],
+            start: list[int]) -> list[int]:
+    """Each component on the first stage from `start` on that holds its parameters and is not
+    before its inputs; then each unsplittable value's producer on its consumer's stage, and
+    again what follows it. Stages only move later (but a start outside a component's holders,
+    once), so this ends."""
+    stage_of = list(start)
+    moved = True
+    while moved:
+        moved = False
+        for comp in atomic.components:  # topological order
+            c = comp.index
+            lo = max((stage_of[p] for p in preds[c]), default=0)
+            if stage_of[c] < lo or stage_of[c] not in allowed[c]:
+                want = max(lo, stage_of[c])
+                if not any(s >= want for s in allowed[c]):
+                    want = lo  # a start no holder of its parameters is at: (once) from lo
+                stage_of[c] = _earliest(graph, atomic, c, allowed[c], want,
+                                        f"its inputs come from stage {lo}")
+                moved = True
+        for a, b, v in tied:
+            if stage_of[a] < stage_of[b]:
+                stage_of[a] = _earliest(graph, atomic, a, allowed[a], stage_of[b],
+                                        f"it computes {v} for stage {stage_of[b]}, and {cannot[v]} "
+                                        "so it may not cross a stage boundary")
+                moved = True
+    return stage_of
+
+
+def _planned_stages(graph: TaskGraph, atomic: AtomicPartition, base: Plan) -> list[int]:
+    """Per component of `graph`: the latest stage on which `base` ran the same work as its
+    tasks (each task matched to the base graph's task of the same module and op by order of
+    occurrence), 0 where nothing matches or the plan has no graph (loaded from a file)."""
+    out = [0] * len(atomic.components)
+    if base.source is None:
+        return out
+    b_graph, b_atomic = base.source
+    b_stage = {c: st.index for st in base.stages for c in st.components}
+    seen: dict[tuple[str, str], int] = {}
+    where: dict[tuple[str, str, int], int] = {}
+    for t, task in enumerate(b_graph.tasks):
+        key = (task.module_path, task.op)
+        k = seen[key] = seen.get(key, -1) + 1
+        c = b_atomic.component_of[t]
+        if c >= 0 and c in b_stage:
+            where[(*key, k)] = b_stage[c]
+    seen.clear()
+    for t, task in enumerate(graph.tasks):
+        key = (task.module_path, task.op)
+        k = seen[key] = seen.get(key, -1) + 1
+        c = atomic.component_of[t]
+        if c >= 0:
+            out[c] = max(out[c], where.get((*key, k), 0))
+    return out
 
 
 def _earliest(graph: TaskGraph, atomic: AtomicPartition, c: int, allowed: set[int], lo: int,
