@@ -65,10 +65,10 @@ def _lm_batch(vocab: int = VOCAB, seq: int = SEQ, mask: bool = True,
 
 def _sequences(make: Callable[[], Case]) -> Callable[[], Case]:
     """`make`'s case with `Case.reshaped`: its batches with sequences 4 tokens shorter (every
-    tensor's second dimension as long as `input_ids`'), which the last checked training step
-    takes, as dynamic padding gives a new length at every step: the model is captured again
-    and that graph placed on the deployed stages (`rannc.derive`). (Found so: BART's and
-    ALBERT's tied weights summed over fewer ranks than hold them.)"""
+    tensor's second dimension as long as `input_ids`'; a decoder's labels 2), which the last
+    checked training step takes, as dynamic padding gives a new length at every step: the
+    model is captured again and that graph placed on the deployed stages (`rannc.derive`).
+    (Found so: BART's and ALBERT's tied weights summed over fewer ranks than hold them.)"""
     @functools.wraps(make)
     def made() -> Case:
         case = make()
@@ -77,9 +77,13 @@ def _sequences(make: Callable[[], Case]) -> Callable[[], Case]:
         def shorter(n: int) -> dict[str, torch.Tensor]:
             batch = full(n)
             seq = batch["input_ids"].shape[1]
-            return {k: v[:, :seq - 4].contiguous()
-                    if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == seq else v
-                    for k, v in batch.items()}
+            out = {k: v[:, :seq - 4].contiguous()
+                   if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == seq else v
+                   for k, v in batch.items()}
+            labels = batch.get("labels")
+            if isinstance(labels, torch.Tensor) and labels.dim() >= 2 and labels.shape[1] != seq:
+                out["labels"] = labels[:, :-2].contiguous()  # a decoder's: 2 tokens shorter
+            return out
         case.reshaped = shorter
         return case
     return made
