@@ -5,6 +5,7 @@ two replicas' permutations concatenated and indexed out of range (or the wrong t
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -94,7 +95,10 @@ def test_the_eval_graph_placed_on_the_deployed_stages_never_cuts_a_mixed_value(
     the trained plan's stages (rannc.derive). Each parameterless component used to follow its
     inputs to the earliest stage, so the experts' sort stayed before a cut its consumers were
     after (found with rannc.check on Qwen2-MoE, 4 ranks, replicas [2, 1, 1]: refused at
-    deployment, naming to_19). Its producers now move to the consumers' stage."""
+    deployment, naming to_19). Its producers now move to the consumers' stage. Checked with
+    the plan's graph (each op starts on the stage the plan ran it on) and without it (a plan
+    loaded from a file: every op from the earliest stage, where only that rule keeps the
+    sort with its consumers)."""
     case, _ = _captured(name)
     n = sum(replicas)
     plan = rannc.plan(case.model, (), case.batch(16),
@@ -104,11 +108,12 @@ def test_the_eval_graph_placed_on_the_deployed_stages_never_cuts_a_mixed_value(
     case.model.eval()
     g = capture(case.model, (), case.batch(4)).graph
     atomic = atomic_components(g)
-    derived = derive_plan(g, atomic, plan, recompute=False)
-    stages = split_graph(g, atomic, [list(st.components) for st in derived.stages])
-    assert not {v for st in stages for v in st.inputs} & row_mixed(g)
-    Routes(g, stages)  # deployable: no stage input it refuses
-    # each parameter stays on a stage of the trained plan that holds it
     holders = plan.holder_stages()
-    for st in derived.stages:
-        assert all(st.index in holders[p] for p in st.param_names)
+    for base in (plan, dataclasses.replace(plan, source=None)):
+        derived = derive_plan(g, atomic, base, recompute=False)
+        stages = split_graph(g, atomic, [list(st.components) for st in derived.stages])
+        assert not {v for st in stages for v in st.inputs} & row_mixed(g)
+        Routes(g, stages)  # deployable: no stage input it refuses
+        # each parameter stays on a stage of the trained plan that holds it
+        for st in derived.stages:
+            assert all(st.index in holders[p] for p in st.param_names)
