@@ -106,21 +106,22 @@ def _planned_stages(graph: TaskGraph, atomic: AtomicPartition, base: Plan) -> li
         return out
     b_graph, b_atomic = base.source
     b_stage = {c: st.index for st in base.stages for c in st.components}
-    seen: dict[tuple[str, str], int] = {}
-    where: dict[tuple[str, str, int], int] = {}
-    for t, task in enumerate(b_graph.tasks):
-        key = (task.module_path, task.op)
-        k = seen[key] = seen.get(key, -1) + 1
-        c = b_atomic.component_of[t]
-        if c >= 0 and c in b_stage:
-            where[(*key, k)] = b_stage[c]
-    seen.clear()
-    for t, task in enumerate(graph.tasks):
-        key = (task.module_path, task.op)
-        k = seen[key] = seen.get(key, -1) + 1
+    where = {key: b_stage[c] for t, key in _occurrences(b_graph)
+             if (c := b_atomic.component_of[t]) >= 0 and c in b_stage}
+    for t, key in _occurrences(graph):
         c = atomic.component_of[t]
         if c >= 0:
-            out[c] = max(out[c], where.get((*key, k), 0))
+            out[c] = max(out[c], where.get(key, 0))
+    return out
+
+
+def _occurrences(graph: TaskGraph) -> list[tuple[int, tuple[str, str, int]]]:
+    """(task index, (module, op, k)) per task: its k-th occurrence of that op in that module."""
+    seen: dict[tuple[str, str], int] = {}
+    out = []
+    for t, task in enumerate(graph.tasks):
+        k = seen[task.module_path, task.op] = seen.get((task.module_path, task.op), -1) + 1
+        out.append((t, (task.module_path, task.op, k)))
     return out
 
 
