@@ -42,6 +42,7 @@ from rannc.errors import RaNNCError
 from rannc.graph.capture import autocast_state, flatten_inputs
 from rannc.graph.extract import run_chain
 from rannc.graph.model_state import model_state, replaced
+from rannc.pipeline.grads import Accumulation
 from rannc.pipeline.runtime import COUNT_KWARG, PipelineFunction, PipelineRuntime
 from rannc.plans import Plan
 from rannc.progress import NO_PROGRESS, progress_for
@@ -99,6 +100,9 @@ class RaNNCModule(nn.Module):
         # Captures by input signature, least recently used first; at most config.max_captures.
         self._deployments: OrderedDict[tuple[Any, ...], OneProcess] = OrderedDict()
         self._sync = True
+        # no_sync()'s local sums and flags, one record for every input signature's runtime: the
+        # micro-steps of an accumulation may run different graphs (dynamic padding)
+        self._accumulation = Accumulation()
         self._plan: Plan | None = None
         self._runtimes: OrderedDict[tuple[Any, ...], PipelineRuntime] = OrderedDict()
         self._warned_recapture = False
@@ -245,7 +249,8 @@ class RaNNCModule(nn.Module):
                                  trace=self.rannc_config.trace,
                                  wrap_stage=_compile_stage if self.rannc_config.compile else None,
                                  batchnorm=self.rannc_config.batchnorm,
-                                 bucket_mb=self.rannc_config.bucket_mb)
+                                 bucket_mb=self.rannc_config.bucket_mb,
+                                 accumulation=self._accumulation)
             rt.sync = self._sync
             if not self._runtimes:
                 _seed_at_deployment(self.rannc_config)
@@ -505,7 +510,7 @@ class RaNNCModule(nn.Module):
         if rt is None:
             return rclip.torch_clip_grad_norm_(self.module.parameters(), max_norm, norm_type,
                                                error_if_nonfinite, foreach)
-        if any(r.grads.pending for r in self._runtimes.values()):  # local sums awaiting a reduce
+        if self._accumulation.pending:  # local sums awaiting a reduce
             raise RaNNCError("clip_grad_norm_ after a backward under no_sync(): the gradients are "
                              "not yet summed over ranks. Clip after the last (synchronised) "
                              "backward of the accumulation, outside no_sync()")

@@ -22,7 +22,9 @@ order the gradients become final in. A hook never waits: a rank waiting there fo
 waits for this rank's next send would deadlock; it only starts buckets whose turn it is.
 
 Semantics are the runtime's (DDP's): gradients are summed over the holders (the 1/W is in the
-loss gradient), `no_sync()` keeps local sums in `pending` until the next synchronised backward,
+loss gradient), `no_sync()` keeps local sums in `Accumulation.pending` until the next
+synchronised backward (one record per wrapped model and rank, shared by the reducers of all its
+input signatures: dynamic padding runs each micro-step of an accumulation on its own graph),
 a parameter no holder got a gradient for keeps `.grad` None, and a non-finite gradient on any
 rank shows on every rank (`finish`), in the same all-reduce as the got-a-gradient flags.
 
@@ -70,6 +72,23 @@ class _Group:
 
 
 @dataclass
+class Accumulation:
+    """What `no_sync()` leaves between calls on this rank: one record per wrapped model, shared
+    by the runtimes (and reducers) of all its input signatures, since the micro-steps of one
+    accumulation may each run another signature's graph than the synchronised backward that
+    sums them (a new sequence length per batch under dynamic padding). Every signature's plan
+    gives this rank the same parameters (`rannc.derive`), so the names are the same in each."""
+
+    # parameter name -> this rank's local gradient sums of the no_sync() backwards since the
+    # last synchronised one (what that one reduces with its own)
+    pending: dict[str, torch.Tensor] = field(default_factory=dict)
+    last_sync: bool = True  # the last backward was synchronised (nothing pending)
+    # every replica computed rows in every call since the last synchronised backward: every
+    # rank got a gradient for the same parameters (`GradReducer.finish`'s `same_got`)
+    same_got: bool = True
+
+
+@dataclass
 class _State:
     """One synchronised backward's bookkeeping."""
 
@@ -91,7 +110,8 @@ class GradReducer:
     def __init__(self, held: Mapping[str, nn.Parameter], groups: Sequence[ParamGroup],
                  first_use: Mapping[str, int], bucket_bytes: int,
                  accumulations: Mapping[int, int], shared: Sequence[str] | None = None,
-                 device: torch.device | None = None, everywhere: bool = False) -> None:
+                 device: torch.device | None = None, everywhere: bool = False,
+                 accumulation: Accumulation | None = None) -> None:
         """`first_use[n]`: the position of parameter n's first reader in the whole graph (the
         same on every rank, so every holder cuts the same buckets; they start in reverse, the
         order backward finishes them). `accumulations[id(p)]`: how many backward passes of
@@ -100,13 +120,14 @@ class GradReducer:
         in one vector over the world; default: this rank's groups' names, enough in a world
         whose every rank holds the same groups). `everywhere`: every rank holds every
         parameter (data parallelism alone), so the sums themselves carry a non-finite gradient
-        to every rank and the overflow check is skipped."""
+        to every rank and the overflow check is skipped. `accumulation`: the no_sync() record
+        this reducer shares with the model's other input signatures (default: its own)."""
         self.held: dict[str, nn.Parameter] = {}
         for n, p in held.items():  # a parameter held under two names: reduced under the first
             if all(q is not p for q in self.held.values()):
                 self.held[n] = p
         self.bucket_bytes = max(1, int(bucket_bytes))
-        self.pending: dict[str, torch.Tensor] = {}  # no_sync: local sums awaiting a reduce
+        self.accumulation = accumulation if accumulation is not None else Accumulation()
         self._overflow = (False, False)  # the last synchronised finish: (on some rank, here)
         self.accumulations = dict(accumulations)
         self.groups = [_Group(ranks, mine, g, self._buckets(mine, first_use))
@@ -144,6 +165,11 @@ class GradReducer:
 
     def _bucket(self, names: list[str]) -> _Bucket:
         return _Bucket(names, sum(self.held[n].numel() for n in names), self.held[names[0]].dtype)
+
+    @property
+    def pending(self) -> dict[str, torch.Tensor]:
+        """no_sync(): this rank's local sums awaiting a reduce (shared: `Accumulation`)."""
+        return self.accumulation.pending
 
     # -- one backward --------------------------------------------------------------------------
     def begin(self, factor: Callable[[], torch.Tensor | None] | None = None) -> None:
@@ -268,6 +294,10 @@ class GradReducer:
         for n in self.held:
             if n not in st.ready:
                 self._prepare(n, st)
+        if self.pending:  # (a no_sync() sum this reducer does not hold would be lost)
+            raise RuntimeError(f"rannc internal error: no_sync() left local gradient sums of "
+                               f"{sorted(self.pending)[:3]} on rank {dist.get_rank()}, which this "
+                               "input signature's stages do not hold")
         with health.phase("gradient all-reduce"):
             self._start_ready(wait=True, st=st)
             for grp in self.groups:

@@ -73,7 +73,7 @@ from rannc.graph.model_state import model_state
 from rannc.graph.task_graph import ValueKind
 from rannc.pipeline import batchnorm as bnorm
 from rannc.pipeline.executor import Call, Executor
-from rannc.pipeline.grads import GradReducer, ParamGroup, not_finite
+from rannc.pipeline.grads import Accumulation, GradReducer, ParamGroup, not_finite
 from rannc.pipeline.routes import Routes
 from rannc.pipeline.rows import RowLayout
 from rannc.pipeline.stage import Part, Stage, build_parts
@@ -109,7 +109,8 @@ class PipelineRuntime:
                  plan: Plan, rank: int, world_size: int, device: torch.device,
                  trace: bool = False,
                  wrap_stage: Callable[[fx.GraphModule], Any] | None = None,
-                 batchnorm: str = "local", bucket_mb: float = 25.0) -> None:
+                 batchnorm: str = "local", bucket_mb: float = 25.0,
+                 accumulation: Accumulation | None = None) -> None:
         self.model, self.cap, self.plan = model, captured, plan
         self.rank, self.world_size, self.device = rank, world_size, device
         self.graph = captured.graph
@@ -148,7 +149,10 @@ class PipelineRuntime:
         self.grads = GradReducer(self.held, param_groups, self.routes.first_use(),
                                  int(bucket_mb * 2**20), self._accumulations(),
                                  shared=self._shared_names(), device=device,
-                                 everywhere=self._everyone_holds_everything())
+                                 everywhere=self._everyone_holds_everything(),
+                                 accumulation=accumulation)
+        # no_sync()'s state, shared with the model's other input signatures' runtimes
+        self.acc = self.grads.accumulation
         self._bn = self._batch_norm(batchnorm)
         bn_tasks = set(bnorm.training_batch_norms(self.cap.gm, self.graph))
         self._bn_stages = [t for t, st in enumerate(self.stages)
@@ -178,10 +182,6 @@ class PipelineRuntime:
                         "the loss as sum / %s inside the model for the exact global value",
                         COUNT_KWARG, COUNT_KWARG)
         self._late_logged = False
-        self._last_sync = True  # the last backward was synchronised (no local sums pending)
-        # every replica computed rows in every call since the last synchronised backward: every
-        # rank got a gradient for the same parameters (`GradReducer.finish`'s `same_got`)
-        self._same_got = True
         # a stand-in parameter in the optimizer of a rank that holds none (see _stand_in)
         self.placeholder: nn.Parameter | None = None
         # (digest, every rank's local batch size) of the last call: the guess for the next one.
@@ -455,7 +455,7 @@ class PipelineRuntime:
         backward, as under fill-drain (gradients are linear in the loss gradient: backward()
         scales the sums). Not after a no_sync() backward (its pending local sums must not be
         scaled), and only when the next backward is synchronised too (`backward` checks)."""
-        call.reducing = self.sync and self._last_sync and bool(self.grads.shared)
+        call.reducing = self.sync and self.acc.last_sync and bool(self.grads.shared)
         before = {n: p.grad for n, p in self.held.items()}
         if call.reducing:
             self.grads.begin()  # (sets .grad aside as below, and remembers it)
@@ -568,12 +568,12 @@ class PipelineRuntime:
         else:
             assert agreed is not None
             in_grads = self._commit_eager(call, grad_of, agreed.seeds[self._loss])
-        same = self._same_got = self._same_got and call.layout.every_replica_computes()
+        same = self.acc.same_got = self.acc.same_got and call.layout.every_replica_computes()
         with torch.profiler.record_function("rannc reduce gradients"):
             self.grads.finish(self.sync, self._stand_in(),
                               agreed.overflow if agreed is not None else None, same_got=same)
-        self._last_sync = self.sync
-        self._same_got = self._same_got or self.sync
+        self.acc.last_sync = self.sync
+        self.acc.same_got = self.acc.same_got or self.sync
         call.transport.wait_sends()
         self.iteration_s = time.perf_counter() - call.t0
         return in_grads
@@ -671,8 +671,8 @@ class PipelineRuntime:
                 in_grads[v] = in_grads[v] + x if v in in_grads else x
             with torch.profiler.record_function("rannc reduce gradients"):
                 self.grads.finish(True, self._stand_in(), same_got=same)
-        self._last_sync = True
-        self._same_got = True
+        self.acc.last_sync = True
+        self.acc.same_got = True
         call.transport.wait_sends()
         self.iteration_s = time.perf_counter() - call.t0
         return in_grads

@@ -63,18 +63,20 @@ class Pair:
         self.model = rannc.RaNNCModule(case.model, self.opt, **opts)
         self.ref_params = dict(self.ref.named_parameters())
 
-    def _kwargs(self, k: int, rows: tuple[int, int] | None) -> dict[str, Any]:
+    def _kwargs(self, k: int, rows: tuple[int, int] | None, cut: int = 0) -> dict[str, Any]:
         lo = k * self.batch
         a, b = (lo, lo + self.batch) if rows is None else (lo + rows[0], lo + rows[1])
-        return {n: v[a:b] for n, v in self.case.kwargs.items()}
+        # cut: the last `cut` tokens of each sequence dropped (a batch padded to another length)
+        return {n: v[a:b] if v.dim() < 2 or not cut else v[a:b, :-cut].contiguous()
+                for n, v in self.case.kwargs.items()}
 
-    def loss(self, k: int) -> torch.Tensor:
+    def loss(self, k: int, cut: int = 0) -> torch.Tensor:
         """The wrapped model's loss on global batch k (every rank gets the global value)."""
-        return self.model(**self._kwargs(k, self.mine)).loss
+        return self.model(**self._kwargs(k, self.mine, cut)).loss
 
-    def ref_loss(self, k: int | None) -> torch.Tensor:
+    def ref_loss(self, k: int | None, cut: int = 0) -> torch.Tensor:
         """The reference's loss on global batch k, or on all K of them (k None)."""
-        kw = self.case.kwargs if k is None else self._kwargs(k, None)
+        kw = self.case.kwargs if k is None else self._kwargs(k, None, cut)
         return self.ref(**kw).loss
 
     def zero_grad(self) -> None:
@@ -152,6 +154,25 @@ def check_accumulation(pr: Pair) -> None:
     pr.ref_opt.step()
     pr.zero_grad()
     pr.check_params("accumulated step")
+
+
+def check_accumulation_reshaped(pr: Pair) -> None:
+    """Dynamic padding under accumulation: the K micro-steps alternate between two sequence
+    lengths, so they run two graphs (the second captured again and placed on the deployed
+    stages), and the last, synchronised backward, on the second graph, sums what both left in
+    `.grad` (before the fix, each signature's runtime kept its own no_sync() sums: the tied and
+    replicated parameters' gradients were wrong)."""
+    pr.zero_grad()
+    for k in range(K):
+        ctx = pr.model.no_sync() if k < K - 1 else contextlib.nullcontext()
+        with ctx:
+            (pr.loss(k, cut=k % 2) / K).backward()
+        (pr.ref_loss(k, cut=k % 2) / K).backward()
+    pr.check_grads("accumulated over sequence lengths")
+    pr.opt.step()
+    pr.ref_opt.step()
+    pr.zero_grad()
+    pr.check_params("accumulated over sequence lengths, step")
 
 
 def check_no_sync_around_backward_only(pr: Pair) -> None:
@@ -249,6 +270,7 @@ def run(a: argparse.Namespace, ctx: rdist.DistContext) -> None:
             check_clip(pr)
         if "accum" in checks:
             check_accumulation(pr)
+            check_accumulation_reshaped(pr)
             check_no_sync_around_backward_only(pr)
             check_zero_grad_between_forward_and_backward(pr)
         if "optim" in checks:
