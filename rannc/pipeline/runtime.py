@@ -417,7 +417,9 @@ class PipelineRuntime:
                     self.executor.new_micro(layout), t0=time.perf_counter())
         if grad:
             call.grad_inputs = frozenset(v for v, _x in self.grad_inputs(leaves))
-        self._call = None
+            # (a call without gradients in between, e.g. a metric under torch.no_grad(), leaves
+            # the last call's backward to come)
+            self._call = None
         self.executor.events = []
         self.iteration_s = 0.0
         self.executor.send_inputs(call)
@@ -488,7 +490,8 @@ class PipelineRuntime:
                 scalars[v] = x.to(getattr(torch, self.graph.values[v].dtype))
         batch_out = self.executor.receive_outputs(call, scalars)
         call.transport.wait_sends()
-        self._call = call if call.mode != "forward" else None
+        if call.mode != "forward":
+            self._call = call
         out = []
         for name, c in zip(self.graph.outputs, self.cap.output_constants, strict=True):
             out.append(c if name is None else scalars[name] if name in scalars else batch_out[name])
@@ -532,12 +535,29 @@ class PipelineRuntime:
                 "torch.distributed.all_reduce of (labels != -100).sum()) and pass that on every rank")
 
     # -- backward --------------------------------------------------------------------------------
-    def backward(self, grad_of: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:
-        """This rank's part of the pipeline backward, for the gradients of its outputs; returns
-        the gradients of this rank's rows of the model inputs that required grad, by value."""
+    @property
+    def awaiting_backward(self) -> Call | None:
+        """The latest call with gradients, until its backward runs."""
+        return self._call
+
+    def backward(self, grad_of: dict[str, torch.Tensor | None],
+                 of: Call | None = None) -> dict[str, torch.Tensor]:
+        """This rank's part of the pipeline backward of call `of` (default: the latest), for
+        the gradients of its outputs; returns the gradients of this rank's rows of the model
+        inputs that required grad, by value."""
         call = self._call
         if call is None:
             raise RaNNCError("backward() without a forward() whose outputs need gradients")
+        if of is not None and of is not call:
+            # Every rank makes the same calls, so every rank raises here alike, before sending.
+            raise RaNNCError(
+                "backward() through the outputs of an earlier call of the model: another "
+                "forward() with gradients ran since, and rannc keeps the pipeline state of the "
+                "latest call with gradients only (its schedules may run that call's backward "
+                "inside forward()). Fix: call backward() before the next forward(), or run the "
+                "other forward() under torch.no_grad() (e.g. a metric or a teacher's outputs); "
+                "to back-propagate through two batches at once, pass them in one call "
+                "(torch.cat along the batch dim)")
         self._call = None
         if call.reducing and not self.sync:
             raise RaNNCError(
@@ -797,6 +817,7 @@ class PipelineFunction(torch.autograd.Function):
         """`tensors`: the outputs (one per name in `names`), then the model inputs requiring
         grad (one per name in `in_names`), which backward gives their rows' gradients."""
         ctx.runtime, ctx.names, ctx.in_names = runtime, names, in_names
+        ctx.call = runtime.awaiting_backward  # (the call these outputs came from)
         outs = tensors[:len(names)]
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None
         ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
@@ -809,7 +830,7 @@ class PipelineFunction(torch.autograd.Function):
             prev = grad_of.get(v)
             grad_of[v] = g if prev is None else prev if g is None else prev + g
         with health.phase("backward"):
-            in_grads = ctx.runtime.backward(grad_of)
+            in_grads = ctx.runtime.backward(grad_of, ctx.call)
         return (None, None, None, None, *([None] * len(grads)),
                 *[in_grads.get(v) for v in ctx.in_names])
 
