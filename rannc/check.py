@@ -17,9 +17,12 @@ directory, or a ``.py`` file) and a callable in it taking no arguments. It retur
   ranks (rank order, the first ranks one row more when ``n`` does not divide); other inputs go
   to every rank whole. Called after ``torch.manual_seed(seed + 1 + step)``.
 * ``Case.reshaped(n)`` (optional): the global batch in another shape, e.g. a shorter sequence,
-  as dynamic padding makes. With two steps or more, the last training step takes it: the model
-  is captured again and that graph placed on the deployed stages (`rannc.derive`), so the
-  checks cover it too. The eval forward takes the first step's batch again.
+  as dynamic padding makes. With two steps or more, the last training step accumulates the
+  gradients of two calls, as gradient accumulation does: the first on the usual batch under
+  ``no_sync()``, the second on this one (or, without it, on another batch of the usual shape),
+  each loss halved. The second is captured again and its graph placed on the deployed stages
+  (`rannc.derive`), so the checks cover it and an accumulation over both graphs. The eval
+  forward takes the first step's batch again.
 * ``loss(output, inputs)`` (optional): the scalar each rank backpropagates, from ITS output
   rows and ITS input rows (a DDP-style per-rank loss). By default: the output's ``loss`` (a
   Hugging Face ``ModelOutput``'s, or a dict's "loss") when it is a scalar -- the global loss, the
@@ -87,7 +90,8 @@ class Case:
     loss: LossFn | None = None
     batch_size: int | None = None  # the global batch, unless --batch says otherwise
     name: str = ""
-    # the global batch in another shape (a shorter sequence): the last training step takes it
+    # the global batch in another shape (a shorter sequence): the second call of the last
+    # training step (an accumulation of two) takes it
     reshaped: Callable[[int], Batch] | None = None
 
 
@@ -405,20 +409,30 @@ def _compare(case: Case, s: Settings, rank: int, world: int, checks: dict[str, C
     first: Batch = None
     for step in range(s.steps):
         torch.manual_seed(s.seed + 1 + step)
-        reshaped = case.reshaped if 0 < step == s.steps - 1 else None
-        batch = (reshaped or case.batch)(n)
-        first = batch if first is None else first
-        label = f"step {step}" + (" (reshaped)" if reshaped else "")
-        local = input_rows(batch, mine, n)
-        out = call(wrapped, local)
-        ref_out = call(ref, batch)
-        _compare_outputs(checks["outputs"], label, out, rank_rows(ref_out, out, mine, n), tol)
-        loss = loss_fn(out, local)
-        # DDP semantics: the gradient is the average over ranks of each rank's loss's gradient.
-        per_rank = [loss_fn(output_rows(ref_out, rr, n), input_rows(batch, rr, n)) for rr in ranges]
-        checks["loss"].add(f"{label} loss", loss, per_rank[rank], *tol)
-        loss.backward()
-        (torch.stack(per_rank).sum() / world).backward()
+        # the last step accumulates two calls, the second on the reshaped batch
+        micro: list[tuple[Batch, str]] = [(case.batch(n), f"step {step}")]
+        if 0 < step == s.steps - 1:
+            second = (case.reshaped or case.batch)(n)
+            micro = [(micro[0][0], f"step {step} (accumulated 1 of 2, no_sync)"),
+                     (second, f"step {step} (accumulated 2 of 2"
+                              + (", reshaped)" if case.reshaped else ")"))]
+        first = micro[0][0] if first is None else first
+        for k, (batch, label) in enumerate(micro):
+            sync = contextlib.nullcontext() if k == len(micro) - 1 else wrapped.no_sync()
+            local = input_rows(batch, mine, n)
+            with sync:
+                out = call(wrapped, local)
+                ref_out = call(ref, batch)
+                _compare_outputs(checks["outputs"], label, out, rank_rows(ref_out, out, mine, n),
+                                 tol)
+                loss = loss_fn(out, local)
+                # DDP semantics: the gradient is the average over ranks of each rank's loss's
+                # gradient.
+                per_rank = [loss_fn(output_rows(ref_out, rr, n), input_rows(batch, rr, n))
+                            for rr in ranges]
+                checks["loss"].add(f"{label} loss", loss, per_rank[rank], *tol)
+                (loss / len(micro)).backward()
+                (torch.stack(per_rank).sum() / (world * len(micro))).backward()
         for pn, p in wrapped.named_parameters():
             checks["grads"].add(f"{label} grad {pn}", p.grad, ref_params[pn].grad, *tol)
         opt_w.step()

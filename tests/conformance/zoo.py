@@ -65,9 +65,10 @@ def _lm_batch(vocab: int = VOCAB, seq: int = SEQ, mask: bool = True,
 
 def _sequences(make: Callable[[], Case]) -> Callable[[], Case]:
     """`make`'s case with `Case.reshaped`: its batches with sequences 4 tokens shorter (every
-    tensor's second dimension as long as `input_ids`'; a decoder's labels 2), which the last
-    checked training step takes, as dynamic padding gives a new length at every step: the
-    model is captured again and that graph placed on the deployed stages (`rannc.derive`).
+    tensor's second dimension as long as `input_ids`'; a decoder's labels 2), which the second
+    call of the last checked training step (an accumulation of two) takes, as dynamic padding
+    gives a new length at every step: the model is captured again and that graph placed on the
+    deployed stages (`rannc.derive`).
     (Found so: BART's and ALBERT's tied weights summed over fewer ranks than hold them.)"""
     @functools.wraps(make)
     def made() -> Case:
