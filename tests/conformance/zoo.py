@@ -329,9 +329,13 @@ def whisper() -> Case:
                pad_token_id=0, bos_token_id=1, eos_token_id=1, decoder_start_token_id=1,
                use_cache=False, suppress_tokens=None, begin_suppress_tokens=None)
 
-    def batch(n: int) -> dict[str, torch.Tensor]:
-        return {"input_features": torch.randn(n, 8, 32), "labels": torch.randint(3, VOCAB, (n, 6))}
-    return Case(WhisperForConditionalGeneration(cfg), batch)
+    def batch(n: int, labels: int = 6) -> dict[str, torch.Tensor]:
+        return {"input_features": torch.randn(n, 8, 32),
+                "labels": torch.randint(3, VOCAB, (n, labels))}
+    # Whisper's encoder takes exactly 2 * max_source_positions frames: the decoder's labels
+    # are what dynamic padding shortens (`Case.reshaped`)
+    return Case(WhisperForConditionalGeneration(cfg), batch,
+                reshaped=lambda n: batch(n, labels=4))
 
 
 # -- vision (Hugging Face) ------------------------------------------------------------------------
@@ -791,9 +795,12 @@ def speech_to_text() -> Case:
                max_target_positions=32, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
                pad_token_id=0, eos_token_id=1, decoder_start_token_id=1, use_cache=False)
 
-    def batch(n: int) -> dict[str, torch.Tensor]:
-        return {"input_features": torch.randn(n, 24, 8), "labels": torch.randint(3, VOCAB, (n, 6))}
-    return Case(Speech2TextForConditionalGeneration(cfg), batch)
+    def batch(n: int, frames: int = 24, labels: int = 6) -> dict[str, torch.Tensor]:
+        return {"input_features": torch.randn(n, frames, 8),
+                "labels": torch.randint(3, VOCAB, (n, labels))}
+    # dynamic padding of both sides: 8 frames and 2 labels fewer (`Case.reshaped`)
+    return Case(Speech2TextForConditionalGeneration(cfg), batch,
+                reshaped=lambda n: batch(n, frames=16, labels=4))
 
 
 def patchtst() -> Case:
