@@ -97,6 +97,15 @@ class Pair:
             torch.testing.assert_close(p, self.ref_params[n], rtol=RTOL, atol=ATOL,
                                        msg=lambda m, n=n: f"{self.tag} {what} param {n}: {m}")
 
+    def refused(self, run: Callable[[], Any], says: str, what: str) -> None:
+        """`run` raises a RaNNCError saying `says` (on this rank)."""
+        try:
+            run()
+        except rannc.RaNNCError as e:
+            assert says in str(e), str(e)
+        else:
+            raise AssertionError(f"{self.tag}: {what} did not raise")
+
     @property
     def tag(self) -> str:
         return f"{self.name} rank {self.rank}"
@@ -125,12 +134,8 @@ def check_clip(pr: Pair) -> None:
             pr.check_grads(f"{what} clipped")
     # Only some of the parameters: a norm over them would be local, so it is refused.
     some = list(pr.model.parameters())[:1]
-    try:
-        torch.nn.utils.clip_grad_norm_(some, 1.0)
-    except rannc.RaNNCError as e:
-        assert "model.clip_grad_norm_" in str(e), str(e)
-    else:
-        raise AssertionError(f"{pr.tag}: clipping a subset of the parameters did not raise")
+    pr.refused(lambda: torch.nn.utils.clip_grad_norm_(some, 1.0), "model.clip_grad_norm_",
+               "clipping a subset of the parameters")
     pr.zero_grad()
 
 
@@ -143,12 +148,8 @@ def check_accumulation(pr: Pair) -> None:
         with ctx:
             (pr.loss(k) / K).backward()
         if k == 0:
-            try:
-                pr.model.clip_grad_norm_(1.0)
-            except rannc.RaNNCError as e:
-                assert "no_sync" in str(e), str(e)
-            else:
-                raise AssertionError(f"{pr.tag}: clip_grad_norm_ under no_sync did not raise")
+            pr.refused(lambda: pr.model.clip_grad_norm_(1.0), "no_sync",
+                       "clip_grad_norm_ under no_sync")
     pr.ref_loss(None).backward()
     pr.check_grads("accumulated")
     got = pr.model.clip_grad_norm_(0.5)
@@ -231,12 +232,8 @@ def check_calls_between(pr: Pair) -> None:
     pr.zero_grad()
     first = pr.loss(0)
     pr.loss(1)
-    try:
-        first.backward()
-    except rannc.RaNNCError as e:
-        assert "backward() through the outputs of an earlier call" in str(e), str(e)
-    else:
-        raise AssertionError(f"{pr.tag}: backward through an earlier call's outputs did not raise")
+    pr.refused(first.backward, "backward() through the outputs of an earlier call",
+               "backward through an earlier call's outputs")
     pr.zero_grad()
 
 
@@ -250,13 +247,9 @@ def check_no_sync_around_backward_only(pr: Pair) -> None:
         return
     pr.zero_grad()
     loss = pr.loss(0)
-    try:
-        with pr.model.no_sync():
-            loss.backward()
-    except rannc.RaNNCError as e:
-        assert "no_sync() must hold the forward call too" in str(e), str(e)
-    else:
-        raise AssertionError(f"{pr.tag}: backward under no_sync after a forward outside it did not raise")
+    with pr.model.no_sync():
+        pr.refused(loss.backward, "no_sync() must hold the forward call too",
+                   "backward under no_sync after a forward outside it")
     pr.zero_grad()
 
 
