@@ -18,25 +18,47 @@ rank. The plain Trainer's rank-0 save fails at once with a RaNNCError naming thi
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 from typing import Any, cast
 
 import torch
+import torch.distributed as dist
 from transformers import PreTrainedModel, Trainer
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINING_ARGS_NAME
 from transformers.utils import can_return_loss, find_labels
 
+from rannc import dist as rdist
 from rannc.errors import RaNNCError
 from rannc.module import RaNNCModule
+
+log = logging.getLogger(__name__)
+
+# What a padding collator pads each keyword input with along the sequence (dim 1); None: the
+# pad token. Only these are padded to the longest across ranks, and only with the attention mask
+# that hides the new positions (see `RaNNCTrainer._prepare_inputs`).
+_PADS: dict[str, int | None] = {
+    "input_ids": None, "attention_mask": 0, "token_type_ids": 0, "labels": -100,
+    "decoder_input_ids": None, "decoder_attention_mask": 0, "special_tokens_mask": 1,
+}
+# a padded key -> the mask that must come with it so the model ignores the padded positions
+# (a decoder's inputs are causal: its new last positions cannot reach the earlier ones)
+_NEEDS_MASK = {"input_ids": "attention_mask", "token_type_ids": "attention_mask"}
 
 
 class RaNNCTrainer(Trainer):
     """`transformers.Trainer` whose checkpoints and `save_model()` work for a deployed RaNNCModule
-    (call `save_model()` on every rank, as Trainer's own checkpointing does)."""
+    (call `save_model()` on every rank, as Trainer's own checkpointing does).
+
+    `pad_across_ranks` (default True): a padding collator's token inputs (`input_ids` with their
+    `attention_mask`, `labels`, ...) are padded on the right to the longest across ranks at each
+    call, since a pipeline needs one shape on every rank; False: the collator must give every
+    rank one length."""
 
     _rannc_trainer = True  # RaNNCModule.state_dict() lets this class's rank-0 writes through
 
-    def __init__(self, model: Any = None, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, model: Any = None, *args: Any, pad_across_ranks: bool = True,
+                 **kwargs: Any) -> None:
         if not isinstance(model, RaNNCModule):
             raise RaNNCError(f"RaNNCTrainer trains a rannc.RaNNCModule, got {type(model).__name__}; "
                              "wrap the model first: RaNNCTrainer(model=rannc.RaNNCModule(model, opt))")
@@ -49,6 +71,8 @@ class RaNNCTrainer(Trainer):
                              "parameters each rank holds through it")
         self._rannc_model: dict[str, Any] | None = None
         self._rannc_optim: dict[str, Any] | None = None
+        self._pad_across_ranks = pad_across_ranks
+        self._padded_logged = False
         super().__init__(model, *args, **kwargs)
         inner = model.module
         # Trainer reads these from the class of the model it holds; RaNNCModule.forward(*args,
@@ -81,6 +105,52 @@ class RaNNCTrainer(Trainer):
     @property
     def _wrapped(self) -> RaNNCModule:
         return cast(RaNNCModule, self.model)
+
+    def _prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """Trainer's, then the token inputs padded on the right to the longest across ranks.
+
+        A padding collator (DataCollatorWithPadding, DataCollatorForSeq2Seq, ...) pads each
+        rank's batch to its own longest sequence; under DDP each rank runs its own graph, but a
+        pipeline's stages run every rank's rows, so every rank must pass one shape. The new
+        positions are hidden as the collator's own are (attention mask 0, labels -100) and sit
+        after every real token, so the real tokens' positions and outputs do not change. A
+        batch with other inputs of differing shapes is left as it is (rannc then names them)."""
+        inputs = super()._prepare_inputs(inputs)
+        if not self._pad_across_ranks or rdist.get_world_size() < 2:
+            return inputs
+        keys = sorted(k for k, v in inputs.items() if k in _PADS and isinstance(v, torch.Tensor)
+                      and v.dim() >= 2 and not v.is_floating_point())
+        if not keys:
+            return inputs
+        local = [inputs[k].shape[1] for k in keys]
+        longest = torch.tensor(local, device=inputs[keys[0]].device)
+        dist.all_reduce(longest, op=dist.ReduceOp.MAX)
+        want = dict(zip(keys, longest.tolist(), strict=True))
+        if all(want[k] == inputs[k].shape[1] for k in keys):
+            return inputs
+        if any(want[k] != inputs[k].shape[1] and _NEEDS_MASK.get(k, k) not in inputs for k in keys):
+            return inputs  # (no mask to hide the new positions: rannc's check names the shapes)
+        out = dict(inputs)
+        for k in keys:
+            extra = want[k] - inputs[k].shape[1]
+            if extra:
+                value = _PADS[k]
+                if value is None:
+                    value = self._pad_token_id()
+                out[k] = torch.nn.functional.pad(inputs[k], (0, extra), value=value)
+        if not self._padded_logged and rdist.get_rank() == 0:
+            self._padded_logged = True
+            log.info("rannc: the ranks' batches had different sequence lengths; each call's token "
+                     "inputs are padded on the right to the longest across ranks (%s)",
+                     ", ".join(keys))
+        return out
+
+    def _pad_token_id(self) -> int:
+        for src in (self.processing_class, getattr(self._wrapped.module, "config", None)):
+            pad = getattr(src, "pad_token_id", None)
+            if isinstance(pad, int):
+                return pad
+        return 0  # (its positions are masked: any token id gives the same real outputs)
 
     def _set_signature_columns_if_needed(self) -> None:
         # The dataset columns to keep are the wrapped model's forward arguments (RaNNCModule's own

@@ -283,7 +283,8 @@ def _leaf_mismatch(column: Sequence[LeafSignature], sizes: Sequence[int]) -> str
         "dtypes": "cast it to one dtype on every rank (e.g. x.to(torch.float32)).",
         "device types": "move it to the rank's device on every rank (e.g. x.to('cuda')).",
         "shapes": ("pad it to one size on every rank (e.g. every sequence to a fixed maximum "
-                   f"length). The local batch sizes (B) were {list(sizes)}."),
+                   "length; rannc.hf.RaNNCTrainer pads a padding collator's token inputs to the "
+                   f"longest across ranks). The local batch sizes (B) were {list(sizes)}."),
         "values": "pass the same non-tensor value on every rank.",
     }[what]
     return (f"argument {name!r} differs across ranks in its {what}: {per}. Only the local batch "

@@ -7,8 +7,10 @@ Default mode: (1) Accelerate `prepare(model, opt, loader)` returns the RaNNCModu
 DDP) and 4 SGD steps equal the unwrapped model's on the global batch; (2) rannc.hf.RaNNCTrainer
 trains a tiny GPT-2 for 6 steps (2 stages, checkpoints at steps 3 and 6): the loss goes down, and a
 fresh model resumed from checkpoint-3 ends with the same parameters as the uninterrupted run;
-(3) RaNNCTrainer with unevenly masked labels (-100) equals the unwrapped model on the global batch.
-Prints "PASS accelerate rank R", "PASS trainer rank R" and "PASS trainer-masked rank R".
+(3) RaNNCTrainer with unevenly masked labels (-100) equals the unwrapped model on the global batch;
+(4) so does RaNNCTrainer fed by a padding collator whose batches differ in length across ranks.
+Prints "PASS accelerate rank R", "PASS trainer rank R", "PASS trainer-masked rank R" and
+"PASS trainer-ragged rank R".
 --plain: the plain transformers.Trainer trains, then its rank-0 checkpoint save raises a
 RaNNCError naming rannc.hf.RaNNCTrainer (instead of hanging).
 """
@@ -164,6 +166,63 @@ def check_trainer_masked_labels(rank: int, out: str) -> None:
     print(f"PASS trainer-masked rank {rank}", flush=True)
 
 
+def ragged_dataset() -> list[dict[str, torch.Tensor]]:
+    """Rows of 3 to 10 tokens: padded per batch, rank 0's and rank 1's batches differ in length
+    at every step (rows 4s, 4s + 1 on rank 0; 4s + 2, 4s + 3 on rank 1)."""
+    g = torch.Generator().manual_seed(3)
+    lengths = [5, 7, 9, 4, 10, 3, 6, 8]
+    rows = []
+    for n in lengths:
+        ids = torch.randint(1, 97, (n,), generator=g)
+        rows.append({"input_ids": ids, "attention_mask": torch.ones(n, dtype=torch.long),
+                     "labels": ids})
+    return rows
+
+
+def pad_batch(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """What DataCollatorWithPadding does (no tokenizer here): every row to the batch's longest,
+    input_ids with 0, the attention mask with 0, labels with -100, on the right."""
+    longest = max(len(r["input_ids"]) for r in rows)
+    pads = {"input_ids": 0, "attention_mask": 0, "labels": -100}
+    return {k: torch.stack([torch.nn.functional.pad(r[k], (0, longest - len(r[k])), value=v)
+                            for r in rows]) for k, v in pads.items()}
+
+
+def check_trainer_ragged(rank: int, out: str) -> None:
+    """A padding collator pads each rank's batch to its own longest row, so the ranks pass
+    different sequence lengths; RaNNCTrainer pads them on to the longest across ranks, and two
+    SGD steps equal the unwrapped model's on the global batch."""
+    from rannc.hf import RaNNCTrainer
+
+    class InOrder(RaNNCTrainer):
+        def _get_train_sampler(self, *args: Any, **kwargs: Any) -> Any:
+            return torch.utils.data.SequentialSampler(self.train_dataset)
+
+    model = gpt2()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    wrapped = rannc.RaNNCModule(model, opt, partition_num=2, timeout_s=60)
+    data = ragged_dataset()
+    trainer = InOrder(model=wrapped, args=trainer_args(
+        out, save_strategy="no", max_grad_norm=0.0, lr_scheduler_type="constant",
+        learning_rate=0.5, max_steps=2), train_dataset=data, data_collator=pad_batch)
+    trainer.train()
+    got = wrapped.state_dict()
+    shifted = getattr(trainer, "_loss_shifts_labels", False)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for step in range(2):
+        batch = pad_batch(data[4 * step:4 * step + 4])
+        count = ((batch["labels"][:, 1:] if shifted else batch["labels"]) != -100).sum()
+        ref(**batch, num_items_in_batch=count).loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    if rank == 0:
+        want = ref.state_dict()
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=RTOL, atol=ATOL, msg=k)
+    print(f"PASS trainer-ragged rank {rank}", flush=True)
+
+
 def check_plain_trainer_save(out: str) -> None:
     from transformers import Trainer
 
@@ -189,6 +248,7 @@ def main() -> None:
     check_accelerate(rank)
     check_trainer(rank, a.out)
     check_trainer_masked_labels(rank, a.out + "-masked")
+    check_trainer_ragged(rank, a.out + "-ragged")
 
 
 if __name__ == "__main__":
