@@ -8,7 +8,8 @@ DDP) and 4 SGD steps equal the unwrapped model's on the global batch; (2) rannc.
 trains a tiny GPT-2 for 6 steps (2 stages, checkpoints at steps 3 and 6): the loss goes down, and a
 fresh model resumed from checkpoint-3 ends with the same parameters as the uninterrupted run;
 (3) RaNNCTrainer with unevenly masked labels (-100) equals the unwrapped model on the global batch;
-(4) so does RaNNCTrainer fed by a padding collator whose batches differ in length across ranks.
+(4) so does RaNNCTrainer fed by a padding collator whose batches differ in length across ranks
+and between the calls of a gradient accumulation.
 Prints "PASS accelerate rank R", "PASS trainer rank R", "PASS trainer-masked rank R" and
 "PASS trainer-ragged rank R".
 --plain: the plain transformers.Trainer trains, then its rank-0 checkpoint save raises a
@@ -168,9 +169,10 @@ def check_trainer_masked_labels(rank: int, out: str) -> None:
 
 def ragged_dataset() -> list[dict[str, torch.Tensor]]:
     """Rows of 3 to 10 tokens: padded per batch, rank 0's and rank 1's batches differ in length
-    at every step (rows 4s, 4s + 1 on rank 0; 4s + 2, 4s + 3 on rank 1)."""
+    in every call (rows 4c, 4c + 1 on rank 0; 4c + 2, 4c + 3 on rank 1 in call c), and the
+    calls of one accumulation differ in length too."""
     g = torch.Generator().manual_seed(3)
-    lengths = [5, 7, 9, 4, 10, 3, 6, 8]
+    lengths = [5, 7, 9, 4, 10, 3, 6, 8, 4, 6, 3, 5, 7, 9, 10, 4]
     rows = []
     for n in lengths:
         ids = torch.randint(1, 97, (n,), generator=g)
@@ -190,8 +192,10 @@ def pad_batch(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
 
 def check_trainer_ragged(rank: int, out: str) -> None:
     """A padding collator pads each rank's batch to its own longest row, so the ranks pass
-    different sequence lengths; RaNNCTrainer pads them on to the longest across ranks, and two
-    SGD steps equal the unwrapped model's on the global batch."""
+    different sequence lengths; RaNNCTrainer pads them on to the longest across ranks. With
+    gradient_accumulation_steps=2 (Trainer's no_sync on the first call of each step) the two calls
+    of a step have different lengths too: two SGD steps equal the unwrapped model's on the
+    global batch, whose loss is the sum over the step's tokens over their count (Trainer's)."""
     from rannc.hf import RaNNCTrainer
 
     class InOrder(RaNNCTrainer):
@@ -205,15 +209,17 @@ def check_trainer_ragged(rank: int, out: str) -> None:
     data = ragged_dataset()
     trainer = InOrder(model=wrapped, args=trainer_args(
         out, save_strategy="no", max_grad_norm=0.0, lr_scheduler_type="constant",
-        learning_rate=0.5, max_steps=2), train_dataset=data, data_collator=pad_batch)
+        learning_rate=0.5, max_steps=2, gradient_accumulation_steps=2), train_dataset=data,
+        data_collator=pad_batch)
     trainer.train()
     got = wrapped.state_dict()
     shifted = getattr(trainer, "_loss_shifts_labels", False)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
     for step in range(2):
-        batch = pad_batch(data[4 * step:4 * step + 4])
-        count = ((batch["labels"][:, 1:] if shifted else batch["labels"]) != -100).sum()
-        ref(**batch, num_items_in_batch=count).loss.backward()
+        calls = [pad_batch(data[4 * c:4 * c + 4]) for c in (2 * step, 2 * step + 1)]
+        count = sum(((b["labels"][:, 1:] if shifted else b["labels"]) != -100).sum() for b in calls)
+        for batch in calls:
+            ref(**batch, num_items_in_batch=count).loss.backward()
         ref_opt.step()
         ref_opt.zero_grad()
     if rank == 0:
