@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -213,6 +214,9 @@ def check_trainer_ragged(rank: int, out: str) -> None:
         data_collator=pad_batch)
     trainer.train()
     got = wrapped.state_dict()
+    # evaluate() pads its ragged batches alike (eval mode: another captured graph). Both ranks
+    # get the same 8 rows (one eval batch of 8 each, the shard filled by repeating rows).
+    ev = trainer.evaluate(data[:8])
     shifted = getattr(trainer, "_loss_shifts_labels", False)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
     for step in range(2):
@@ -222,6 +226,13 @@ def check_trainer_ragged(rank: int, out: str) -> None:
             ref(**batch, num_items_in_batch=count).loss.backward()
         ref_opt.step()
         ref_opt.zero_grad()
+    # Trainer's eval loss of the unwrapped model in one process: the loss over those 8 rows with
+    # Trainer's count of their labels (the same count rule as in training)
+    rows = pad_batch(data[:8])
+    count = ((rows["labels"][:, 1:] if shifted else rows["labels"]) != -100).sum()
+    with torch.no_grad():
+        want_eval = float(ref.eval()(**rows, num_items_in_batch=count).loss)
+    assert math.isclose(ev["eval_loss"], want_eval, rel_tol=1e-5), (ev, want_eval)
     if rank == 0:
         want = ref.state_dict()
         for k in want:
