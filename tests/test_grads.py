@@ -86,6 +86,27 @@ def test_gradients_add_to_what_grad_held_and_no_sync_keeps_local_sums(group: obj
         torch.testing.assert_close(p.grad, q.grad, msg=n)
 
 
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_zero_grad_after_no_sync_drops_the_local_sums(group: object, set_to_none: bool) -> None:
+    """An accumulation given up: the next synchronised backward reduces its own gradients only
+    (DDP reduces what `.grad` holds), whether zero_grad() set `.grad` to None or zeroed it."""
+    model = _mlp(depth=3)
+    ref = copy.deepcopy(model)
+    xs = [torch.randn(3, 16) for _ in range(2)]
+    ref(xs[1]).sum().backward()
+    red = _reducer(model, group, bucket_bytes=256)
+    for i, x in enumerate(xs):
+        if i == 1:
+            model.zero_grad(set_to_none=set_to_none)
+        red.begin()
+        red.arm()
+        model(x).sum().backward()
+        red.finish(sync=i == 1)
+    assert not red.pending
+    for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, msg=n)
+
+
 def test_a_parameter_accumulated_twice_is_reduced_after_the_second(group: object) -> None:
     # v is read first, so its bucket is the last one, which `finish` starts (no hook): w's is
     # the first, started from w's hook once both accumulations are in

@@ -34,6 +34,7 @@ Index conventions: k buckets; n parameter names; r ranks.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -82,10 +83,35 @@ class Accumulation:
     # parameter name -> this rank's local gradient sums of the no_sync() backwards since the
     # last synchronised one (what that one reduces with its own)
     pending: dict[str, torch.Tensor] = field(default_factory=dict)
+    # parameter name -> its `.grad` as the last no_sync() backward left it (the tensor and its
+    # version counter): a `.grad` changed since (zero_grad(), replaced) is what `reconcile` reads
+    marks: dict[str, tuple[weakref.ref[torch.Tensor], int]] = field(default_factory=dict)
     last_sync: bool = True  # the last backward was synchronised (nothing pending)
     # every replica computed rows in every call since the last synchronised backward: every
     # rank got a gradient for the same parameters (`GradReducer.finish`'s `same_got`)
     same_got: bool = True
+
+    def mark(self, n: str, grad: torch.Tensor) -> None:
+        self.marks[n] = (weakref.ref(grad), grad._version)
+
+    def reconcile(self, held: Mapping[str, torch.Tensor]) -> None:
+        """Before a backward: the local sums are part of `.grad` only while nobody changed it
+        since the no_sync() backward that left them there. DDP reduces whatever `.grad` holds,
+        so an accumulation given up (zero_grad() after no_sync() backwards: a skipped
+        non-finite loss, an epoch ending mid-window) must not bring its sums back: a `.grad`
+        set to None drops them, one replaced or changed in place (zeroed) is taken as local
+        as a whole."""
+        for n in list(self.pending):
+            p = held.get(n)
+            if p is None:
+                continue
+            g, mark = p.grad, self.marks.get(n)
+            if g is None:
+                del self.pending[n]
+                self.marks.pop(n, None)
+            elif mark is None or mark[0]() is not g or mark[1] != g._version:
+                self.pending[n] = g.detach().clone()
+                self.mark(n, g)
 
 
 @dataclass
@@ -187,6 +213,7 @@ class GradReducer:
                     b.work.wait()
                 b.buf = b.work = None
         self.extra_bytes = 0
+        self.accumulation.reconcile(self.held)
         self._state = _State({n: p.grad for n, p in self.held.items()}, factor=factor)
         for p in self.held.values():
             p.grad = None
@@ -360,6 +387,7 @@ class GradReducer:
             self.pending[n] = new if pend is None else pend + new
             prev = st.before[n]
             p.grad = new if prev is None else prev + new
+            self.accumulation.mark(n, p.grad)
 
     def _prepare(self, n: str, st: _State | None = None) -> None:
         """Parameter n's gradient is final: what to reduce is it plus the pending local sums;
@@ -377,6 +405,7 @@ class GradReducer:
             if f is not None:
                 g.mul_(f.to(g.dtype))
         pend = self.pending.pop(n, None)
+        self.accumulation.marks.pop(n, None)
         if g is not None or pend is not None:
             st.got.add(n)
         prev = st.before[n]

@@ -205,6 +205,23 @@ def check_freeze_unfreeze(pr: Pair) -> None:
     pr.zero_grad()
 
 
+def check_abandoned_accumulation(pr: Pair) -> None:
+    """An accumulation given up (a non-finite loss, an epoch ending mid-window): backwards
+    under no_sync(), then zero_grad() (set to None, then zeroed in place), then a synchronised
+    step: its gradients are that step's alone, as DDP reduces whatever `.grad` holds."""
+    for set_to_none in (True, False):
+        pr.zero_grad()
+        for k in range(2):
+            with pr.model.no_sync():
+                pr.loss(k).backward()
+        pr.model.zero_grad(set_to_none=set_to_none)
+        pr.ref.zero_grad()
+        pr.loss(2).backward()
+        pr.ref_loss(2).backward()
+        pr.check_grads(f"after an abandoned accumulation (zero_grad set_to_none={set_to_none})")
+    pr.zero_grad()
+
+
 def check_calls_between(pr: Pair) -> None:
     """Calls between a forward and its backward, as training loops make them: one under
     torch.no_grad() (a metric) leaves the backward to come exact; a call whose loss the loop
@@ -333,6 +350,7 @@ def run(a: argparse.Namespace, ctx: rdist.DistContext) -> None:
         if "accum" in checks:
             check_accumulation(pr)
             check_accumulation_reshaped(pr)
+            check_abandoned_accumulation(pr)
             check_no_sync_around_backward_only(pr)
             check_zero_grad_between_forward_and_backward(pr)
         if "optim" in checks:
