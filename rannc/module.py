@@ -510,6 +510,7 @@ class RaNNCModule(nn.Module):
         if rt is None:
             return rclip.torch_clip_grad_norm_(self.module.parameters(), max_norm, norm_type,
                                                error_if_nonfinite, foreach)
+        self._accumulation.reconcile(rt.held)  # (sums a zero_grad() gave up are no longer pending)
         if self._accumulation.pending:  # local sums awaiting a reduce
             raise RaNNCError("clip_grad_norm_ after a backward under no_sync(): the gradients are "
                              "not yet summed over ranks. Clip after the last (synchronised) "

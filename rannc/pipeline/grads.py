@@ -99,17 +99,19 @@ class Accumulation:
         since the no_sync() backward that left them there. DDP reduces whatever `.grad` holds,
         so an accumulation given up (zero_grad() after no_sync() backwards: a skipped
         non-finite loss, an epoch ending mid-window) must not bring its sums back: a `.grad`
-        set to None drops them, one replaced or changed in place (zeroed) is taken as local
-        as a whole."""
+        set to None or zeroed drops them, one otherwise replaced or changed in place is taken
+        as local as a whole."""
         for n in list(self.pending):
             p = held.get(n)
             if p is None:
                 continue
             g, mark = p.grad, self.marks.get(n)
-            if g is None:
+            if mark is not None and g is not None and mark[0]() is g and mark[1] == g._version:
+                continue  # (as the no_sync() backward left it)
+            if g is None or not bool(g.any()):
                 del self.pending[n]
                 self.marks.pop(n, None)
-            elif mark is None or mark[0]() is not g or mark[1] != g._version:
+            else:
                 self.pending[n] = g.detach().clone()
                 self.mark(n, g)
 

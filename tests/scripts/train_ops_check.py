@@ -216,6 +216,8 @@ def check_abandoned_accumulation(pr: Pair) -> None:
                 pr.loss(k).backward()
         pr.model.zero_grad(set_to_none=set_to_none)
         pr.ref.zero_grad()
+        # nothing is pending any more: clipping is not refused (the norm of zero gradients)
+        assert float(pr.model.clip_grad_norm_(1.0)) == 0.0
         pr.loss(2).backward()
         pr.ref_loss(2).backward()
         pr.check_grads(f"after an abandoned accumulation (zero_grad set_to_none={set_to_none})")
