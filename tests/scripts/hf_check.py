@@ -124,13 +124,14 @@ def masked_dataset() -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": x, "labels": y} for x, y in zip(ids, labels, strict=True)]
 
 
-def check_trainer_masked_labels(rank: int, out: str) -> None:
-    """Two SGD steps of RaNNCTrainer with masked labels equal the unwrapped model's on the global
-    batch: the loss is the mean over every rank's counted tokens (num_items_in_batch), not the
-    mean of the ranks' means."""
+def sgd_trainer(out: str, data: list[dict[str, torch.Tensor]], **kw: Any,
+                ) -> tuple[Any, rannc.RaNNCModule, torch.nn.Module]:
+    """RaNNCTrainer over a GPT-2 on 2 stages with SGD (lr 0.5, constant, no clipping, 2 steps),
+    taking the rows in order (call c: rows 4c, 4c + 1 on rank 0; 4c + 2, 4c + 3 on rank 1),
+    and an unwrapped copy of the model for the reference. `kw`: more TrainingArguments."""
     from rannc.hf import RaNNCTrainer
 
-    class InOrder(RaNNCTrainer):  # rank r's rows at step s: 4s + 2r, 4s + 2r + 1
+    class InOrder(RaNNCTrainer):
         def _get_train_sampler(self, *args: Any, **kwargs: Any) -> Any:
             return torch.utils.data.SequentialSampler(self.train_dataset)
 
@@ -138,33 +139,51 @@ def check_trainer_masked_labels(rank: int, out: str) -> None:
     ref = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     wrapped = rannc.RaNNCModule(model, opt, partition_num=2, timeout_s=60)
-    data = masked_dataset()
+    collator = kw.pop("data_collator", None)
     trainer = InOrder(model=wrapped, args=trainer_args(
         out, save_strategy="no", max_grad_norm=0.0, lr_scheduler_type="constant",
-        learning_rate=0.5, max_steps=2), train_dataset=data)
+        learning_rate=0.5, max_steps=2, **kw), train_dataset=data, data_collator=collator)
+    return trainer, wrapped, ref
+
+
+def label_count(trainer: Any, labels: list[torch.Tensor]) -> torch.Tensor:
+    """Trainer's num_items_in_batch over these labels: those that are not -100, over
+    labels[..., 1:] when it knows the loss shifts them."""
+    shifted = getattr(trainer, "_loss_shifts_labels", False)
+    return sum(((y[:, 1:] if shifted else y) != -100).sum() for y in labels)
+
+
+def assert_same_state(rank: int, got: dict[str, torch.Tensor], ref: torch.nn.Module) -> None:
+    if rank == 0:
+        want = ref.state_dict()
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=RTOL, atol=ATOL, msg=k)
+
+
+def check_trainer_masked_labels(rank: int, out: str) -> None:
+    """Two SGD steps of RaNNCTrainer with masked labels equal the unwrapped model's on the global
+    batch: the loss is the mean over every rank's counted tokens (num_items_in_batch), not the
+    mean of the ranks' means."""
+    data = masked_dataset()
+    trainer, wrapped, ref = sgd_trainer(out, data)
     trainer.train()
     got = wrapped.state_dict()
 
     # The unwrapped model as Trainer trains it in one process: the loss is divided by the count
-    # of the batch's labels that are not -100 (Trainer's count: over labels[..., 1:] when it
-    # knows the loss shifts them), whatever each rank's share of them.
-    shifted = getattr(trainer, "_loss_shifts_labels", False)
+    # of the batch's labels that are not -100, whatever each rank's share of them.
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
     for step in range(2):
         rows = data[4 * step:4 * step + 4]
         ids = torch.stack([r["input_ids"] for r in rows])
         labels = torch.stack([r["labels"] for r in rows])
-        count = ((labels[:, 1:] if shifted else labels) != -100).sum()
+        count = label_count(trainer, [labels])
         ref(input_ids=ids, labels=labels, num_items_in_batch=count).loss.backward()
         ref_opt.step()
         ref_opt.zero_grad()
     assert trainer.label_names == ["labels"], trainer.label_names
     ev = trainer.evaluate(data[:4])  # the labels are found: an eval loss, the same on every rank
     assert "eval_loss" in ev, ev
-    if rank == 0:
-        want = ref.state_dict()
-        for k in want:
-            torch.testing.assert_close(got[k], want[k], rtol=RTOL, atol=ATOL, msg=k)
+    assert_same_state(rank, got, ref)
     print(f"PASS trainer-masked rank {rank}", flush=True)
 
 
@@ -197,31 +216,18 @@ def check_trainer_ragged(rank: int, out: str) -> None:
     gradient_accumulation_steps=2 (Trainer's no_sync on the first call of each step) the two calls
     of a step have different lengths too: two SGD steps equal the unwrapped model's on the
     global batch, whose loss is the sum over the step's tokens over their count (Trainer's)."""
-    from rannc.hf import RaNNCTrainer
-
-    class InOrder(RaNNCTrainer):
-        def _get_train_sampler(self, *args: Any, **kwargs: Any) -> Any:
-            return torch.utils.data.SequentialSampler(self.train_dataset)
-
-    model = gpt2()
-    ref = copy.deepcopy(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    wrapped = rannc.RaNNCModule(model, opt, partition_num=2, timeout_s=60)
     data = ragged_dataset()
-    trainer = InOrder(model=wrapped, args=trainer_args(
-        out, save_strategy="no", max_grad_norm=0.0, lr_scheduler_type="constant",
-        learning_rate=0.5, max_steps=2, gradient_accumulation_steps=2), train_dataset=data,
-        data_collator=pad_batch)
+    trainer, wrapped, ref = sgd_trainer(out, data, gradient_accumulation_steps=2,
+                                        data_collator=pad_batch)
     trainer.train()
     got = wrapped.state_dict()
     # evaluate() pads its ragged batches alike (eval mode: another captured graph). Both ranks
     # get the same 8 rows (one eval batch of 8 each, the shard filled by repeating rows).
     ev = trainer.evaluate(data[:8])
-    shifted = getattr(trainer, "_loss_shifts_labels", False)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
     for step in range(2):
         calls = [pad_batch(data[4 * c:4 * c + 4]) for c in (2 * step, 2 * step + 1)]
-        count = sum(((b["labels"][:, 1:] if shifted else b["labels"]) != -100).sum() for b in calls)
+        count = label_count(trainer, [b["labels"] for b in calls])
         for batch in calls:
             ref(**batch, num_items_in_batch=count).loss.backward()
         ref_opt.step()
@@ -229,14 +235,11 @@ def check_trainer_ragged(rank: int, out: str) -> None:
     # Trainer's eval loss of the unwrapped model in one process: the loss over those 8 rows with
     # Trainer's count of their labels (the same count rule as in training)
     rows = pad_batch(data[:8])
-    count = ((rows["labels"][:, 1:] if shifted else rows["labels"]) != -100).sum()
     with torch.no_grad():
-        want_eval = float(ref.eval()(**rows, num_items_in_batch=count).loss)
+        want_eval = float(ref.eval()(**rows, num_items_in_batch=label_count(
+            trainer, [rows["labels"]])).loss)
     assert math.isclose(ev["eval_loss"], want_eval, rel_tol=1e-5), (ev, want_eval)
-    if rank == 0:
-        want = ref.state_dict()
-        for k in want:
-            torch.testing.assert_close(got[k], want[k], rtol=RTOL, atol=ATOL, msg=k)
+    assert_same_state(rank, got, ref)
     print(f"PASS trainer-ragged rank {rank}", flush=True)
 
 
