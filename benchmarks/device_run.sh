@@ -9,21 +9,15 @@
 #
 # Needs the mpich and mpi4py wheels for its Python in .whl/ (README of the device tool).
 #
-# The second lease's second call (2026-11-27, BENCHMARKS.md "The second lease"): GPT-2 and
-# Llama after the capture made their causal masks is_causal (memory against plain PyTorch,
-# what attention saves), gpu_study's bf16 stage times now that the measure oracle runs under
-# the capture's autocast; beside them the zero-bubble and interleaved schedules against
-# torch.distributed.pipelining's at 4 ranks (without ScheduleZBVZeroBubble, killed in the
-# first call), and torch.profiler op counts of rannc and pipelining 1F1B at 2 ranks with a
-# core each ($OUT/prof). (The earlier calls' lanes: git history.) Build rannc._C first
-# (setup.py build_ext): the planner needs it.
-#
-# Left for the next lease, in this order: a torch.profiler trace of one bf16 BERT-Large stage
-# (gpu_study's shape: why bf16 stages take 1.5-2x the estimate: host issue rate, tensor-core
-# efficiency, autocast's casts); runtime_peers --new-schedules at 8 and 16 microbatches (issue
-# 19's zero-bubble target is for 8+); the ResNet 2-rank profile again with the heap and the
-# input-row exchange in view. The device tool returns at most 8 files from $OUT: pack
-# anything larger (profiles) into one tarball.
+# The third lease's call (2026-11-28): the conformance cells that need torchvision and timm
+# (skipped on the project's CPU host, where PyPI's torchvision does not load with the CPU torch),
+# every layout (--full); beside them rannc against torch.distributed.pipelining on the same stages
+# with a core per rank, each library's ranks given the same heap setting (--malloc reuse) and
+# glibc's default, at 2 and 4 ranks; the new schedules at 8 microbatches (issue 19's target is for
+# 8+); and on the GPU, where a bf16 BERT-Large iteration's time goes (gpu_profile.py: host issue,
+# kernels, autocast's casts; plain PyTorch and rannc). (The earlier calls' lanes: git history.)
+# Build rannc._C first (setup.py build_ext): the planner needs it. The device tool returns at
+# most 8 files from $OUT.
 set -u
 OUT=${OUT:-/tmp/device_out}
 mkdir -p "$OUT"
@@ -43,23 +37,23 @@ lane() {  # lane NAME CORES SECONDS COMMAND...: one lane's commands, each under 
     local left=$((end - SECONDS))
     ((left > 20)) || { echo "== skipped (lane budget spent): $cmd"; continue; }
     echo "== $(date +%T) $cmd"
-    timeout "$left" taskset -c "$cores" bash -c "$cmd" 2>&1 | grep -v "Warning\|warn(" 
+    timeout -k 10 "$left" taskset -c "$cores" bash -c "$cmd" 2>&1 | grep --line-buffered -v "Warning\|warn("
   done >"$OUT/$name.log" 2>&1
 }
 
-gpu="python3 benchmarks/gpu_memory.py --models gpt2 llama --rows 32 --jsonl $OUT/gpu_memory.jsonl"
-probe="python3 benchmarks/attention_probe.py --models gpt2 llama --no-kernels"
-study="python3 benchmarks/gpu_study.py --dtypes bf16 --iters 10 --measure-seconds 1"
+gpu="python3 benchmarks/gpu_profile.py --dtypes bf16 fp32 --iters 4"
+conf="CUDA_VISIBLE_DEVICES= CONFORMANCE_FULL=1 OMP_NUM_THREADS=1 python3 -m pytest -v -p no:cacheprovider tests/conformance/test_conformance.py -k 'tv_resnet18 or tv_mobilenet_v3 or timm_vit'"
 cpu="CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1"
 peers="$cpu python3 benchmarks/runtime_peers.py"
+pair="--variants rannc_1f1b pipe_1f1b"
 new="--variants rannc_1f1b rannc_zb rannc_i1f1b rannc_zbv pipe_1f1b pipe_zb pipe_i1f1b"
-prof="RUNTIME_PEERS_PROFILE=$OUT/prof $peers --repeats 1 --steps 8 --variants rannc_1f1b pipe_1f1b"
 B=${LANE_SECONDS:-300}
 
-mkdir -p "$OUT/prof"
-lane gpu 0-3 "$B" "$gpu" "$probe" "$study" &
-lane newsched 4-7 "$B" "$peers --repeats 2 $new --models bert --ranks 4" &
-lane prof2 8-9 "$B" "$prof --models resnet --ranks 2" "$prof --models bert --ranks 2" &
+lane gpu 0-1 "$B" "$gpu" &
+lane conf 2-5 "$((B + 60))" "$conf" &
+lane peers2 6-7 "$B" "$peers --repeats 3 --malloc reuse $pair --models resnet bert --ranks 2" \
+  "$peers --repeats 2 $pair --models resnet --ranks 2" &
+lane peers4 8-11 "$B" "$peers --repeats 3 --malloc reuse $pair --models bert resnet --ranks 4" &
+lane newsched 12-15 "$B" "$peers --repeats 2 --microbatches 8 --batch 32 $new --models bert --ranks 4" &
 wait
-(cd "$OUT" && tar czf prof.tgz prof && rm -rf prof)  # (the tool returns at most 8 files)
 tail -n 40 "$OUT"/*.log
