@@ -9,13 +9,12 @@
 #
 # Needs the mpich and mpi4py wheels for its Python in .whl/ (README of the device tool).
 #
-# The third lease's call (2026-11-28): the conformance cells that need torchvision and timm
-# (skipped on the project's CPU host, where PyPI's torchvision does not load with the CPU torch),
-# every layout (--full); beside them rannc against torch.distributed.pipelining on the same stages
-# with a core per rank, each library's ranks given the same heap setting (--malloc reuse) and
-# glibc's default, at 2 and 4 ranks; the new schedules at 8 microbatches (issue 19's target is for
-# 8+); and on the GPU, where a bf16 BERT-Large iteration's time goes (gpu_profile.py: host issue,
-# kernels, autocast's casts; plain PyTorch and rannc). (The earlier calls' lanes: git history.)
+# The third lease's second call (2026-11-28): the conformance suite's --full cells of the
+# layouts CI covers with a few models only, for every model of the zoo: zero-bubble with
+# replicas per stage (4r-rep211-m4-zb), interleaved stages (3r-rep12-pn4-m4-il) and selective
+# recomputation under zero-bubble (2r-pn2-m4-zb-sel), each split in two lanes by model (one
+# pytest per lane: the suite launches a layout's models together, so lanes split by -k). The
+# torchvision and timm models load there. (The first call's lanes: git history, f3c3d91.)
 # Build rannc._C first (setup.py build_ext): the planner needs it. The device tool returns at
 # most 8 files from $OUT.
 set -u
@@ -41,19 +40,20 @@ lane() {  # lane NAME CORES SECONDS COMMAND...: one lane's commands, each under 
   done >"$OUT/$name.log" 2>&1
 }
 
-gpu="python3 benchmarks/gpu_profile.py --dtypes bf16 fp32 --iters 4"
-conf="CUDA_VISIBLE_DEVICES= CONFORMANCE_FULL=1 OMP_NUM_THREADS=1 python3 -m pytest -v -p no:cacheprovider tests/conformance/test_conformance.py -k 'tv_resnet18 or tv_mobilenet_v3 or timm_vit'"
-cpu="CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1"
-peers="$cpu python3 benchmarks/runtime_peers.py"
-pair="--variants rannc_1f1b pipe_1f1b"
-new="--variants rannc_1f1b rannc_zb rannc_i1f1b rannc_zbv pipe_1f1b pipe_zb pipe_i1f1b"
-B=${LANE_SECONDS:-300}
+models=$(PYTHONPATH=tests python3 -c "from conformance.zoo import MODELS; print(' '.join(MODELS))")
+half() {  # half 0|1: a -k expression for the first or second half of the zoo's models
+  python3 -c "import sys; ms = sys.argv[2:]; h = int(sys.argv[1]); k = len(ms) // 2
+print(' or '.join(f'-{m}' for m in (ms[:k] if h == 0 else ms[k:])))" "$1" $models
+}
+conf() {  # conf LAYOUT HALF: that layout's cells for that half of the models
+  echo "CUDA_VISIBLE_DEVICES= CONFORMANCE_FULL=1 OMP_NUM_THREADS=1 python3 -m pytest -v -p no:cacheprovider tests/conformance/test_conformance.py -k '$1 and ($(half "$2"))'"
+}
+B=${LANE_SECONDS:-330}
 
-lane gpu 0-1 "$B" "$gpu" &
-lane conf 2-5 "$((B + 60))" "$conf" &
-lane peers2 6-7 "$B" "$peers --repeats 3 --malloc reuse $pair --models resnet bert --ranks 2" \
-  "$peers --repeats 2 $pair --models resnet --ranks 2" &
-lane peers4 8-11 "$B" "$peers --repeats 3 --malloc reuse $pair --models bert resnet --ranks 4" &
-lane newsched 12-15 "$B" "$peers --repeats 2 --microbatches 8 --batch 32 $new --models bert --ranks 4" &
+lane zb_a 0-3 "$B" "$(conf 4r-rep211-m4-zb 0)" &
+lane zb_b 4-7 "$B" "$(conf 4r-rep211-m4-zb 1)" &
+lane il_a 8-10 "$B" "$(conf 3r-rep12-pn4-m4-il 0)" &
+lane il_b 11-13 "$B" "$(conf 3r-rep12-pn4-m4-il 1)" &
+lane sel 14-15 "$B" "$(conf 2r-pn2-m4-zb-sel 0)" &
 wait
-tail -n 40 "$OUT"/*.log
+grep -h -E "PASSED|FAILED|ERROR|passed|failed" "$OUT"/*.log | grep -v "^E " | sed "s/.*test_conformance.py:://" | grep -v PASSED

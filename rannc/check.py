@@ -42,6 +42,13 @@ What is compared, each rank against a copy of the original model fed the whole g
   BatchNorm's running statistics) against the reference's;
 * ``eval outputs``: an ``eval()`` forward under ``torch.no_grad()``.
 
+``--dtype float64`` runs both models and every floating input in float64 (tolerances
+``torch.testing``'s for float64 unless given): it tells a defect from float32 conditioning. A
+model whose fp32 gradients carry rounding errors far above their elements' size (BatchNorm over
+a few rows in deep convolutional networks: the unwrapped model's own fp32 gradients differ from
+its float64 ones as much) fails the fp32 check in any layout that sums in another order, and AdamW
+turns those errors into sign flips of its steps; in float64 a correct layout agrees to 1e-10.
+
 ``--ranks 1`` (the default) runs in this process; more ranks are launched with ``mpiexec`` (the
 one next to this Python, else PATH's), or run as they are when this command itself was started
 by a launcher. The command prints one table per model and exits 1 when any check fails.
@@ -75,6 +82,8 @@ from torch import nn
 #: The prefix of the one machine-readable line printed per model (rank 0).
 RESULT_PREFIX = "@@rannc.check "
 RTOL, ATOL = 1e-4, 1e-5
+RTOL64, ATOL64 = 1e-7, 1e-7  # --dtype float64 (torch.testing.assert_close's for float64)
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
 CHECKS = ("outputs", "loss", "grads", "params", "state_dict", "eval outputs")
 
 Batch = Any  # dict of keyword inputs, tuple of positional inputs, or one tensor
@@ -225,6 +234,27 @@ def as_case(made: Any, name: str) -> Case:
                     "or a tuple (model, batch_fn) or (model, batch_fn, loss_fn)")
 
 
+def in_dtype(case: Case, dtype: str) -> Case:
+    """The case with its model's floating parameters and buffers and its batches' floating
+    tensors in `dtype` (float32: unchanged)."""
+    if dtype == "float32":
+        return case
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    to = DTYPES[dtype]
+
+    def cast(x: Any) -> Any:
+        return x.to(to) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+    def batches(make: Callable[[int], Batch] | None) -> Callable[[int], Batch] | None:
+        return None if make is None else (lambda n: pytree.tree_map(cast, make(n)))
+
+    batch = batches(case.batch)
+    assert batch is not None
+    return Case(case.model.to(to), batch, case.loss, case.batch_size, case.name,
+                batches(case.reshaped))
+
+
 # -- rows and losses --------------------------------------------------------------------------
 def local_sizes(n: int, world: int) -> list[int]:
     """Rows per rank: the first ranks get one more when ``world`` does not divide ``n``."""
@@ -325,6 +355,7 @@ class Settings:
     rtol: float = RTOL
     atol: float = ATOL
     lr: float = 1e-2
+    dtype: str = "float32"  # or "float64": the model and every floating input (see above)
 
 
 def _world() -> tuple[int, int]:
@@ -371,7 +402,7 @@ def run_case(name: str, factory: Callable[[], Any], s: Settings) -> CaseReport:
     error, plan = "", ""
     try:
         torch.manual_seed(s.seed)
-        case = as_case(factory(), name)
+        case = in_dtype(as_case(factory(), name), s.dtype)
         plan = _compare(case, s, rank, world, checks, rannc)
     except Exception as e:  # noqa: BLE001 - reported per model; the next model still runs
         error = f"{type(e).__name__}: {e}".strip()
@@ -567,8 +598,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=None, help="global batch (default: the case's, or 8)")
     p.add_argument("--steps", type=int, default=3, help="training steps (AdamW)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--rtol", type=float, default=RTOL)
-    p.add_argument("--atol", type=float, default=ATOL)
+    p.add_argument("--rtol", type=float, default=None, help=f"default {RTOL}; float64 {RTOL64}")
+    p.add_argument("--atol", type=float, default=None, help=f"default {ATOL}; float64 {ATOL64}")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
+                   help="float64: tell a defect from float32 conditioning (module docstring)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before the launch is killed")
     p.add_argument("--mpiexec", default=None, help="the launcher (default: next to python, or PATH)")
     return p
@@ -592,7 +625,10 @@ def settings_from(a: argparse.Namespace) -> Settings:
             options[key] = json.loads(value)
         except json.JSONDecodeError:
             options[key] = value
-    return Settings(options, a.batch, a.steps, a.seed, a.rtol, a.atol)
+    f64 = a.dtype == "float64"
+    rtol = a.rtol if a.rtol is not None else (RTOL64 if f64 else RTOL)
+    atol = a.atol if a.atol is not None else (ATOL64 if f64 else ATOL)
+    return Settings(options, a.batch, a.steps, a.seed, rtol, atol, dtype=a.dtype)
 
 
 def find_mpiexec() -> str | None:

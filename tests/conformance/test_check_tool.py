@@ -10,9 +10,21 @@ import sys
 
 import pytest
 import torch
+from conformance import toys
 from mpi_harness import ROOT, find_mpiexec, run_command
 
-from rannc.check import CheckResult, parse_results, rank_rows
+from rannc.check import (
+    ATOL64,
+    RTOL64,
+    CheckResult,
+    Settings,
+    _parser,
+    in_dtype,
+    parse_results,
+    rank_rows,
+    run_case,
+    settings_from,
+)
 
 TOYS = "tests/conformance/toys.py"
 
@@ -67,6 +79,30 @@ def test_missing_gradients_count_as_zeros_and_shapes_must_match() -> None:
     n = CheckResult("outputs")
     n.add("nan", torch.tensor([float("nan"), 1.0]), torch.tensor([0.0, 1.0]), rtol=1e-4, atol=1e-5)
     assert not n.passed and "NaN" in n.error
+
+
+@pytest.mark.layer("pure")
+def test_float64_casts_the_model_and_the_floating_inputs_and_tightens_the_tolerances() -> None:
+    case = in_dtype(toys.batchnorm(), "float64")
+    x, y = case.batch(5)
+    assert x.dtype == torch.float64 and y.dtype == torch.int64  # labels stay integers
+    assert {p.dtype for p in case.model.parameters()} == {torch.float64}
+    assert {b.dtype for b in case.model.buffers() if b.is_floating_point()} == {torch.float64}
+    s = settings_from(_parser().parse_args(["toys:mlp", "--dtype", "float64"]))
+    assert (s.dtype, s.rtol, s.atol) == ("float64", RTOL64, ATOL64)
+    s = settings_from(_parser().parse_args(["toys:mlp", "--dtype", "float64", "--rtol", "1e-5"]))
+    assert (s.rtol, s.atol) == (1e-5, ATOL64)  # what is given wins
+    assert settings_from(_parser().parse_args(["toys:mlp"])).rtol == 1e-4
+    with pytest.raises(ValueError, match="float16"):
+        in_dtype(toys.batchnorm(), "float16")
+
+
+@pytest.mark.layer("single_process")
+def test_a_float64_check_runs_the_model_in_float64_and_passes_at_its_tolerance() -> None:
+    rep = run_case("batchnorm", toys.batchnorm, Settings(batch=6, dtype="float64", rtol=RTOL64,
+                                                         atol=ATOL64))
+    assert rep.passed, rep.to_json()
+    assert rep.checks[0].compared > 0
 
 
 def _check(*args: str, timeout: float = 300) -> tuple[int, str]:
