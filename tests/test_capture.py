@@ -678,3 +678,92 @@ def test_capturing_on_meta_under_autocast_says_the_graph_is_not_autocast() -> No
         assert cap.graph.values[linear.outputs[0]].dtype == ("bfloat16" if half else "float32")
         if warns:
             assert "model.to(torch.bfloat16)" in str(said[0].message)
+
+
+_LAYERDROP_SOURCE = '''
+import torch
+from torch import nn
+
+
+class Encoder(nn.Module):
+    """Hugging Face's LayerDrop as transformers 4.x and 5.x before 5.2x write it: one draw per
+    layer in training, compared with the probability even when it is 0."""
+
+    def __init__(self, layerdrop: float) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.layerdrop = layerdrop
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            to_drop = False
+            if self.training:
+                dropout_probability = torch.rand([])
+                if dropout_probability < self.layerdrop:
+                    to_drop = True
+            if not to_drop:
+                x = torch.tanh(layer(x))
+        return x
+'''
+
+
+@pytest.fixture
+def hf_layerdrop(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A module defined in a file under a `transformers` folder (what the capture looks for)."""
+    import importlib.util
+
+    folder = tmp_path / "transformers"
+    folder.mkdir()
+    (folder / "layerdrop_model.py").write_text(_LAYERDROP_SOURCE)
+    spec = importlib.util.spec_from_file_location("layerdrop_model", folder / "layerdrop_model.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.layer("single_process")
+def test_layerdrop_of_zero_captures_and_runs_as_eager(hf_layerdrop: Any) -> None:
+    """BART, Whisper, OPT, Wav2Vec2 and 50 more under transformers before 5.2x: `if
+    torch.rand([]) < self.layerdrop` made torch.export fail (a branch on a tensor's value)."""
+    torch.manual_seed(0)
+    model = hf_layerdrop.Encoder(0.0).train()
+    ref = copy.deepcopy(model)
+    x = torch.randn(6, 8)
+    cap = capture(model, (x,))
+    assert not any("rand" in t.op for t in cap.graph.tasks)  # the draw decides nothing
+    wrapped = RaNNCModule(model)
+    out = wrapped(x)
+    want = ref(x)
+    torch.testing.assert_close(out, want)
+    out.sum().backward()
+    want.sum().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+def test_layerdrop_that_skips_layers_at_random_is_refused_by_name(hf_layerdrop: Any) -> None:
+    model = hf_layerdrop.Encoder(0.1).train()
+    with pytest.raises(CaptureError, match=r"LayerDrop, probability 0\.1.*encoder_layerdrop"):
+        capture(model, (torch.randn(6, 8),))
+    # p = 1 drops every layer in every step: one graph, captured as eager runs it
+    model = hf_layerdrop.Encoder(1.0).train()
+    cap = capture(model, (torch.randn(6, 8),))
+    assert not any("addmm" in t.op or "linear" in t.op for t in cap.graph.tasks)
+
+
+def test_a_random_draw_outside_transformers_is_torchs_own() -> None:
+    """The capture changes torch.rand([]) only for Hugging Face's code: elsewhere a draw used
+    as a value stays in the graph."""
+
+    class Noisy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) * torch.rand([])
+
+    cap = capture(Noisy(), (torch.randn(3, 4),))
+    assert any("rand" in t.op for t in cap.graph.tasks)
+    assert torch.rand([]).shape == ()  # (restored after the capture)

@@ -176,7 +176,7 @@ def capture(
     t0 = time.perf_counter()
 
     def export() -> ExportedProgram:
-        with _keywords_in_signature(model, named):
+        with _keywords_in_signature(model, named), _layerdrop_draws():
             return torch.export.export(model, tuple(ex_args), dict(ex_kwargs),
                                        dynamic_shapes=dynamic_shapes, strict=False)
     try:
@@ -194,6 +194,86 @@ def capture(
             raise _capture_error(model, e) from e
     seconds = time.perf_counter() - t0
     return _from_exported(ep, layout, seconds, functional)
+
+
+class _LayerDropDraw:
+    """What `torch.rand([])` gives Hugging Face code while it is captured: LayerDrop's draw.
+
+    Transformers before 5.2x (and every 4.x) draw one number per layer in training and skip
+    the layer when it is below the layer-drop probability, `if torch.rand([]) < p:`, also
+    when p is 0 (BART, Whisper, OPT, Pegasus, M2M100, mBART, Wav2Vec2, Speech2Text and about
+    50 more). torch.export cannot branch on a tensor's value, so those models did not capture
+    at all. A draw is uniform in [0, 1): against p <= 0 or p >= 1 every comparison has one
+    answer, given here as a Python bool, so the branch is fixed as it is in every eager call.
+    Against 0 < p < 1 the layers a step runs are random, which one captured graph cannot be:
+    refused, naming the setting. The draw is not made (its value decides nothing), so the
+    captured graph does not consume those random numbers as the eager model does (it matters
+    only to the dropout masks' alignment with an eager run, which rannc does not promise)."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def _against(self, p: Any, below: bool, inclusive: bool) -> bool:
+        """`draw < p` (below, not inclusive), `<=`, `>` or `>=`, where the answer is the same
+        for every draw in [0, 1)."""
+        if isinstance(p, bool) or not isinstance(p, (int, float)):
+            raise CaptureError(
+                f"rannc could not capture the model: {self.where} compares a random draw "
+                f"(torch.rand([])) with a {type(p).__name__}; a pipeline needs the same graph "
+                "in every step. Compare it with a number, or draw outside forward().")
+        if p >= 1:
+            return below
+        # p < 0: never below it, always above; p == 0: never below it, always at or above it
+        if p < 0 or (p == 0 and inclusive != below):
+            return not below
+        raise CaptureError(
+            f"rannc could not capture the model: {self.where} skips layers at random in "
+            f"training (LayerDrop, probability {p:g}); the layers a step runs must be the same "
+            "in every step for a pipeline. Set the model's layer-drop probability to 0 "
+            "(Hugging Face: config.layerdrop, encoder_layerdrop and decoder_layerdrop), as "
+            "fine-tuning usually does.")
+
+    def __lt__(self, p: Any) -> bool:
+        return self._against(p, below=True, inclusive=False)
+
+    def __le__(self, p: Any) -> bool:
+        return self._against(p, below=True, inclusive=True)
+
+    def __gt__(self, p: Any) -> bool:
+        return self._against(p, below=False, inclusive=False)
+
+    def __ge__(self, p: Any) -> bool:
+        return self._against(p, below=False, inclusive=True)
+
+    def __bool__(self) -> bool:
+        raise CaptureError(f"rannc could not capture the model: {self.where} uses a random "
+                           "draw (torch.rand([])) as a condition; a pipeline needs one graph.")
+
+
+@contextlib.contextmanager
+def _layerdrop_draws() -> Iterator[None]:
+    """While exporting: `torch.rand([])` called from Hugging Face's code (a module under a
+    `transformers` package, with no other argument) gives a `_LayerDropDraw`; any other call
+    is torch's own."""
+    real = torch.rand
+
+    def rand(*size: Any, **kwargs: Any) -> Any:
+        shape = kwargs.get("size", size[0] if len(size) == 1 else size)
+        if not kwargs.keys() - {"size"} and isinstance(shape, (list, tuple)) and len(shape) == 0:
+            caller = inspect.currentframe()
+            caller = caller.f_back if caller is not None else None
+            path = caller.f_code.co_filename if caller is not None else ""
+            if re.search(r"[/\\]transformers[/\\]", path):
+                assert caller is not None
+                return _LayerDropDraw(f"{caller.f_code.co_qualname} "
+                                      f"({path}:{caller.f_lineno})")
+        return real(*size, **kwargs)
+
+    torch.rand = rand  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.rand = real
 
 
 def _dynamic_shapes(model: nn.Module, layout: InputLayout,
