@@ -767,3 +767,21 @@ def test_a_random_draw_outside_transformers_is_torchs_own() -> None:
     cap = capture(Noisy(), (torch.randn(3, 4),))
     assert any("rand" in t.op for t in cap.graph.tasks)
     assert torch.rand([]).shape == ()  # (restored after the capture)
+
+
+def test_a_number_taken_from_a_tensor_is_refused_naming_its_module_and_line() -> None:
+    """(Funnel under transformers 5.17 sizes its relative positions this way: the error said
+    only "value item has unsupported type SymFloat".)"""
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(x) * x.abs().max().item()
+
+    with pytest.raises(CaptureError, match=r"item is a Python SymFloat computed inside forward.*"
+                                           r"in module '.*' \(.*test_capture.py:\d+: return "
+                                           r"self.inner\(x\) \* x.abs\(\).max\(\).item\(\)\)"):
+        capture(Scaled(), (torch.randn(3, 4),))

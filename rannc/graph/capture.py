@@ -967,7 +967,12 @@ def _from_exported(ep: ExportedProgram, layout: InputLayout, seconds: float,
         outs = [u for u in n.users if u.target is operator.getitem] if isinstance(val, tuple | list) \
             else ([n] if val is not None else [])
         for o in outs:
-            values[o.name] = _make_value(o.name, o.meta.get("val"), kind, n.name, None)
+            try:
+                values[o.name] = _make_value(o.name, o.meta.get("val"), kind, n.name, None)
+            except CaptureError as e:  # say where, with the module, as the export's errors do
+                raise CaptureError(f"rannc could not capture the model: {e} in module "
+                                   f"'{_module_path(n)}' ({_source_line(n)})",
+                                   module_path=_module_path(n)) from None
         tasks.append(Task(
             name=n.name, op=_op_name(n), inputs=tuple(inputs_of[i]),
             outputs=tuple(o.name for o in outs), module_path=_module_path(n),
@@ -999,6 +1004,14 @@ def _make_value(name: str, val: Any, kind: ValueKind, producer: str | None,
     if isinstance(val, torch.SymInt | int):
         expr = _sym(val)
         return Value(name, kind, (), "sym_int", None, 1, producer, target, sym_expr=str(expr))
+    if isinstance(val, torch.SymFloat | torch.SymBool | float | bool):
+        # (a float or bool the graph computes, from a tensor's value (.item()) or from shapes:
+        # a graph value rannc cannot carry between stages nor size tensors by)
+        raise CaptureError(
+            f"{name} is a Python {type(val).__name__} computed inside forward() (from a "
+            "tensor's value, e.g. .item(), or a float of its shape); rannc's graph carries "
+            "tensors and integer sizes. Keep it a tensor (torch.where instead of an `if`), or "
+            "compute it from Python numbers (for a Hugging Face model a newer transformers may)")
     raise CaptureError(f"value {name} has unsupported type {type(val).__name__}")
 
 
