@@ -11,7 +11,9 @@ CUDA activities, and it prints per iteration:
 - wall ms (the profiled window over the iterations, the device synchronised at both ends);
 - device busy ms: the sum of the kernels' own device time (kernels of one stream do not
   overlap, so wall minus busy is the time the GPU waited for the host: an iteration that
-  issues its kernels slower than they run is host-bound);
+  issues its kernels slower than they run is host-bound). The profiler's own cost per
+  operator makes the profiled wall longer than an unprofiled iteration (gpu_study.py times
+  those): compare the busy time with that;
 - the kernels launched and the operators the host dispatched (the host's issue work);
 - the autocast casts (`aten::_to_copy` / `aten::copy_`): calls and their device ms;
 - the top operators by their own device time.
@@ -82,16 +84,18 @@ def profile_variant(name: str, step: Callable[[], None], iters: int, warmup: int
             step()
         sync()
         wall = (time.perf_counter() - t0) / iters
-    events = prof.events()
-    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
-    busy_us = sum(e.time_range.elapsed_us() for e in kernels)
-    ops = [e for e in events if e.device_type == DeviceType.CPU and e.name.startswith("aten::")]
+    # Kernel rows: device events that are not user annotations (an `Optimizer.step` range on
+    # the GPU timeline is one, as long as the optimizer's kernels together: counting it would
+    # count them twice).
     avgs = prof.key_averages()
+    kernels = [e for e in avgs if e.device_type == DeviceType.CUDA
+               and not getattr(e, "is_user_annotation", False)]
+    busy_us = sum(_self_device_us(e) for e in kernels)
+    ops = [e for e in avgs if e.device_type == DeviceType.CPU and e.key.startswith("aten::")]
     casts = [e for e in avgs if e.key in CASTS]
-    # (the operators' own device time too: where a torch build lists no kernel events)
-    busy_ops_us = sum(_self_device_us(e) for e in avgs)
-    row = {"wall_ms": wall * 1e3, "busy_ms": max(busy_us, busy_ops_us) / 1e3 / iters,
-           "kernels": len(kernels) / iters, "aten_ops": len(ops) / iters,
+    row = {"wall_ms": wall * 1e3, "busy_ms": busy_us / 1e3 / iters,
+           "kernels": sum(e.count for e in kernels) / iters,
+           "aten_ops": sum(e.count for e in ops) / iters,
            "cast_calls": sum(e.count for e in casts) / iters,
            "cast_ms": sum(_self_device_us(e) for e in casts) / 1e3 / iters}
     print(f"\n### {name}: wall {row['wall_ms']:.1f} ms/iter, device busy {row['busy_ms']:.1f} "
