@@ -692,6 +692,7 @@ class Encoder(nn.Module):
     def __init__(self, layerdrop: float) -> None:
         super().__init__()
         self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.drop = nn.Dropout(0.5)
         self.layerdrop = layerdrop
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -703,7 +704,7 @@ class Encoder(nn.Module):
                     to_drop = True
             if not to_drop:
                 x = torch.tanh(layer(x))
-        return x
+        return self.drop(x)
 '''
 
 
@@ -731,11 +732,15 @@ def test_layerdrop_of_zero_captures_and_runs_as_eager(hf_layerdrop: Any) -> None
     ref = copy.deepcopy(model)
     x = torch.randn(6, 8)
     cap = capture(model, (x,))
-    assert not any("rand" in t.op for t in cap.graph.tasks)  # the draw decides nothing
+    # the draws stay (one a layer, as eager makes them: the random stream stays aligned)
+    assert sum(t.op.startswith("aten.rand") for t in cap.graph.tasks) == 3
     wrapped = RaNNCModule(model)
+    wrapped(x)  # (captures)
+    torch.manual_seed(1)
     out = wrapped(x)
+    torch.manual_seed(1)
     want = ref(x)
-    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(out, want)  # the same dropout mask: drawn after the same draws
     out.sum().backward()
     want.sum().backward()
     for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
@@ -785,3 +790,40 @@ def test_a_number_taken_from_a_tensor_is_refused_naming_its_module_and_line() ->
                                            r"in module '.*' \(.*test_capture.py:\d+: return "
                                            r"self.inner\(x\) \* x.abs\(\).max\(\).item\(\)\)"):
         capture(Scaled(), (torch.randn(3, 4),))
+
+
+@pytest.mark.layer("single_process")
+def test_a_mask_built_with_vmap_captures_and_runs_as_eager() -> None:
+    """Hugging Face's masks before transformers 5 are built with torch.vmap (Llama, Mistral,
+    Qwen2, GPT-2 under 4.57): the graph held functorch's nesting calls, which take and give no
+    tensor, and running it failed ("your tensor may have escaped from inside a function being
+    vmapped")."""
+
+    class VmapMasked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+            s = x.shape[1]
+            pos = torch.arange(s)
+            # per batch row and query: which keys it sees (causal, and the row's padding)
+            mask = torch.vmap(lambda row: torch.vmap(lambda q: (pos <= q) & row)(pos))(keep)
+            h = self.lin(x)
+            scores = (h @ h.transpose(1, 2)).masked_fill(~mask, -1e4)
+            return scores.softmax(-1) @ h
+
+    torch.manual_seed(0)
+    model = VmapMasked()
+    ref = copy.deepcopy(model)
+    x = torch.randn(4, 6, 8)
+    keep = torch.ones(4, 6, dtype=torch.bool)
+    keep[1, 4:] = False
+    cap = capture(model, (x, keep))
+    assert not any("vmap" in t.op or "batch_dim" in t.op for t in cap.graph.tasks)
+    out = RaNNCModule(model)(x, keep)
+    want = ref(x, keep)
+    torch.testing.assert_close(out, want)
+    out.sum().backward()
+    want.sum().backward()
+    torch.testing.assert_close(model.lin.weight.grad, ref.lin.weight.grad)

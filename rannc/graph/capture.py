@@ -185,10 +185,11 @@ def capture(
         site = _specialising_site(model, e, export) if _BATCH_FIXED in str(e) else None
         raise _capture_error(model, e, site) from e
     _refuse_writes_into_inputs_or_parameters(ep)
-    functional = _writes_through_a_view(ep.graph_module)
+    functional = _writes_through_a_view(ep.graph_module) or _batching_transforms(ep.graph_module)
     if functional:
         try:
-            # Functionalise (no decompositions beyond it): see _write_back_mutations for why.
+            # Functionalise (no decompositions beyond it): see _write_back_mutations and
+            # _batching_transforms for why.
             ep = ep.run_decompositions({})
         except Exception as e:
             raise _capture_error(model, e) from e
@@ -206,9 +207,8 @@ class _LayerDropDraw:
     at all. A draw is uniform in [0, 1): against p <= 0 or p >= 1 every comparison has one
     answer, given here as a Python bool, so the branch is fixed as it is in every eager call.
     Against 0 < p < 1 the layers a step runs are random, which one captured graph cannot be:
-    refused, naming the setting. The draw is not made (its value decides nothing), so the
-    captured graph does not consume those random numbers as the eager model does (it matters
-    only to the dropout masks' alignment with an eager run, which rannc does not promise)."""
+    refused, naming the setting. The draw itself is still made (a random op the graph keeps, as
+    `_drop_dead_code` keeps every one), so the random ops after it draw what they draw in eager."""
 
     def __init__(self, where: str) -> None:
         self.where = where
@@ -265,6 +265,7 @@ def _layerdrop_draws() -> Iterator[None]:
             path = caller.f_code.co_filename if caller is not None else ""
             if re.search(r"[/\\]transformers[/\\]", path):
                 assert caller is not None
+                real(*size, **kwargs)  # (drawn as eager draws it: the random stream stays aligned)
                 return _LayerDropDraw(f"{caller.f_code.co_qualname} "
                                       f"({path}:{caller.f_lineno})")
         return real(*size, **kwargs)
@@ -799,6 +800,22 @@ def _writes_through_a_view(gm: fx.GraphModule) -> bool:
     BERT 24x1024 on meta, export 57.8 s, export + functionalisation 181.3 s
     (benchmarks/capture_functionalize.py)."""
     return any(_alias_base(w) is not w for _, w, _ in _writes(gm, {}))
+
+
+def _batching_transforms(gm: fx.GraphModule) -> bool:
+    """Whether the graph holds torch.vmap's plumbing (`_vmap_increment_nesting`,
+    `_add_batch_dim`, ...: the training IR records a vmap as calls into functorch's
+    interpreter stack). Hugging Face's masks before transformers 5 are built with vmap
+    (`masking_utils._vmap_for_bhqkv`: Llama, Mistral, Qwen2, GPT-2 and most decoders of 4.5x).
+    Those calls take and return no tensor the graph can follow (a nesting level, or nothing),
+    so split into tasks they would be dropped as dead code or placed apart from the region they
+    open and close, and running the graph fails ("your tensor may have escaped from inside a
+    function being vmapped"). `run_decompositions({})` retraces below the functorch layer,
+    where the vmap has run: plain batched ops instead, at the cost of the functionalisation
+    `_writes_through_a_view` describes."""
+    return any(n.op == "call_function"
+               and getattr(n.target, "__module__", "") == "torch._functorch.predispatch"
+               for n in gm.graph.nodes)
 
 
 def _refuse_writes_into_inputs_or_parameters(ep: ExportedProgram) -> None:
