@@ -24,7 +24,6 @@ The same batch and model for both variants, as `gpu_study.py` builds them.
 from __future__ import annotations
 
 import argparse
-import copy
 import logging
 import sys
 import time
@@ -34,12 +33,10 @@ from pathlib import Path
 import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
-from transformers import BertConfig, BertForPreTraining
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import single_stage_overhead as sso  # noqa: E402  (step_fn: one training iteration)
-
-import rannc  # noqa: E402
+from gpu_study import bert_pair  # noqa: E402  (the model pair and batch it compares)
 
 CASTS = ("aten::_to_copy", "aten::copy_")
 
@@ -111,18 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
     logging.getLogger("transformers").setLevel(logging.ERROR)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    torch.manual_seed(0)
-    cfg = BertConfig(vocab_size=30522, hidden_size=a.hidden, num_hidden_layers=a.layers,
-                     num_attention_heads=max(1, a.hidden // 64), intermediate_size=4 * a.hidden,
-                     max_position_embeddings=max(512, a.seq))
-    plain = BertForPreTraining(cfg).to(dev)
-    inner = copy.deepcopy(plain)
-    opt_p = torch.optim.AdamW(plain.parameters(), lr=1e-4)
-    opt_w = torch.optim.AdamW(inner.parameters(), lr=1e-4)
-    wrapped = rannc.RaNNCModule(inner, opt_w)
-    ids = torch.randint(0, cfg.vocab_size, (a.batch, a.seq), device=dev)
-    batch = dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids,
-                 next_sentence_label=torch.zeros(a.batch, dtype=torch.long, device=dev))
+    _cfg, plain, opt_p, wrapped, opt_w, batch = bert_pair(a.layers, a.hidden, a.seq, a.batch, dev)
     what = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     print(f"BERT L{a.layers} H{a.hidden}, batch {a.batch} x seq {a.seq}, AdamW; {what}; torch "
           f"{torch.__version__}; {a.iters} profiled iterations after {a.warmup}")

@@ -50,6 +50,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch import nn
 from transformers import BertConfig, BertForPreTraining
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -251,6 +252,26 @@ def plot(path: str, rows: list[StageTime], title: str) -> None:
     plt.close(fig)
 
 
+def bert_pair(layers: int, hidden: int, seq: int, batch_size: int, dev: torch.device,
+              ) -> tuple[BertConfig, nn.Module, torch.optim.Optimizer, rannc.RaNNCModule,
+                         torch.optim.Optimizer, dict[str, torch.Tensor]]:
+    """The same BertForPreTraining twice (seed 0), plain and wrapped by rannc, each with its
+    AdamW, and one pre-training batch: what gpu_study.py and gpu_profile.py compare."""
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=30522, hidden_size=hidden, num_hidden_layers=layers,
+                     num_attention_heads=max(1, hidden // 64), intermediate_size=4 * hidden,
+                     max_position_embeddings=max(512, seq))
+    plain = BertForPreTraining(cfg).to(dev)
+    inner = copy.deepcopy(plain)
+    opt_p = torch.optim.AdamW(plain.parameters(), lr=1e-4)
+    opt_w = torch.optim.AdamW(inner.parameters(), lr=1e-4)
+    wrapped = rannc.RaNNCModule(inner, opt_w)
+    ids = torch.randint(0, cfg.vocab_size, (batch_size, seq), device=dev)
+    batch = dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids,
+                 next_sentence_label=torch.zeros(batch_size, dtype=torch.long, device=dev))
+    return cfg, plain, opt_p, wrapped, opt_w, batch
+
+
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
     logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -260,18 +281,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.cuda.set_device(dev)
     if a.tf32:
         torch.backends.cuda.matmul.allow_tf32 = True
-    torch.manual_seed(0)
-    cfg = BertConfig(vocab_size=30522, hidden_size=a.hidden, num_hidden_layers=a.layers,
-                     num_attention_heads=max(1, a.hidden // 64), intermediate_size=4 * a.hidden,
-                     max_position_embeddings=max(512, a.seq))
-    plain = BertForPreTraining(cfg).to(dev)
-    inner = copy.deepcopy(plain)
-    opt_p = torch.optim.AdamW(plain.parameters(), lr=1e-4)
-    opt_w = torch.optim.AdamW(inner.parameters(), lr=1e-4)
-    wrapped = rannc.RaNNCModule(inner, opt_w)
-    ids = torch.randint(0, cfg.vocab_size, (a.batch, a.seq), device=dev)
-    batch = dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids,
-                 next_sentence_label=torch.zeros(a.batch, dtype=torch.long, device=dev))
+    cfg, plain, opt_p, wrapped, opt_w, batch = bert_pair(a.layers, a.hidden, a.seq, a.batch, dev)
     n_params = sum(p.numel() for p in plain.parameters())
     local, table = measure_local_device(), table_spec(dev)
     print(machine_line(dev))
