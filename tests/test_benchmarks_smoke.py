@@ -117,6 +117,17 @@ def test_gpu_study_benchmark(tmp_path: Path) -> None:
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.layer("single_process")
+def test_gpu_profile_benchmark() -> None:
+    """Where an iteration's time goes (plain and rannc under torch.profiler), tiny, on this
+    machine's device: a table per variant and the summary rows with their counts."""
+    out = run("benchmarks/gpu_profile.py")
+    found = rows(out, "| bf16 | plain |") + rows(out, "| bf16 | rannc |")
+    assert [r[1] for r in found] == ["plain", "rannc"], out
+    assert all(float(r[2]) > 0 and float(r[6]) > 0 for r in found), found  # wall ms, aten ops
+    assert out.count("### bf16 ") == 2, out
+
+
 @pytest.mark.layer("multi_rank")
 def test_pipeline_memory_benchmark() -> None:
     out = run("benchmarks/pipeline_memory.py")
