@@ -9,14 +9,16 @@
 #
 # Needs the mpich and mpi4py wheels for its Python in .whl/ (README of the device tool).
 #
-# The third lease's second call (2026-11-28): the conformance suite's --full cells of the
-# layouts CI covers with a few models only, for every model of the zoo: zero-bubble with
-# replicas per stage (4r-rep211-m4-zb), interleaved stages (3r-rep12-pn4-m4-il) and selective
-# recomputation under zero-bubble (2r-pn2-m4-zb-sel), each split in two lanes by model (one
-# pytest per lane: the suite launches a layout's models together, so lanes split by -k). The
-# torchvision and timm models load there. (The first call's lanes: git history, f3c3d91.)
-# Build rannc._C first (setup.py build_ext): the planner needs it. The device tool returns at
-# most 8 files from $OUT.
+# Prepared for the next lease (the third lease's calls: git history, f3c3d91 and 576ba6f; results
+# in BENCHMARKS.md "The third lease"): issue 19's zero-bubble, interleaved and ZB-V rows against
+# torch.distributed.pipelining at 8 and 16 microbatches on 4 ranks (runtime_peers now cuts both
+# libraries' stages evenly by layers where rannc's moved cuts would meet: the third lease's lane
+# stopped on "cannot mirror it"); the conformance cells the third lease's time cut (the second
+# half of the zoo in 4r-rep211-m4-zb and 2r-pn2-m4-zb-sel); and on the GPU gpu_profile.py again
+# with its corrected kernel count (BERT-Large, bf16 and fp32), beside gpu_study's stage table, to
+# calibrate a host term for the estimate oracle (about 19 us per kernel in bf16 on the H100
+# host). Build rannc._C first (setup.py build_ext): the planner needs it. The device tool
+# returns at most 8 files from $OUT.
 set -u
 OUT=${OUT:-/tmp/device_out}
 mkdir -p "$OUT"
@@ -48,12 +50,16 @@ print(' or '.join(f'-{m}' for m in (ms[:k] if h == 0 else ms[k:])))" "$1" $model
 conf() {  # conf LAYOUT HALF: that layout's cells for that half of the models
   echo "CUDA_VISIBLE_DEVICES= CONFORMANCE_FULL=1 OMP_NUM_THREADS=1 python3 -m pytest -v -p no:cacheprovider tests/conformance/test_conformance.py -k '$1 and ($(half "$2"))'"
 }
-B=${LANE_SECONDS:-330}
+cpu="CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1"
+peers="$cpu python3 benchmarks/runtime_peers.py --repeats 2 --models bert --ranks 4"
+new="--variants rannc_1f1b rannc_zb rannc_i1f1b rannc_zbv pipe_1f1b pipe_zb pipe_i1f1b"
+B=${LANE_SECONDS:-300}
 
-lane zb_a 0-3 "$B" "$(conf 4r-rep211-m4-zb 0)" &
-lane zb_b 4-7 "$B" "$(conf 4r-rep211-m4-zb 1)" &
-lane il_a 8-10 "$B" "$(conf 3r-rep12-pn4-m4-il 0)" &
-lane il_b 11-13 "$B" "$(conf 3r-rep12-pn4-m4-il 1)" &
-lane sel 14-15 "$B" "$(conf 2r-pn2-m4-zb-sel 0)" &
+lane gpu 0-1 "$B" "python3 benchmarks/gpu_profile.py --dtypes bf16 fp32 --iters 4" \
+  "python3 benchmarks/gpu_study.py --dtypes bf16 --iters 6 --measure-seconds 1" &
+lane new8 2-5 "$B" "$peers --microbatches 8 --batch 32 $new" &
+lane new16 6-9 "$B" "$peers --microbatches 16 --batch 64 $new" &
+lane zb_b 10-13 "$B" "$(conf 4r-rep211-m4-zb 1)" &
+lane sel_b 14-15 "$B" "$(conf 2r-pn2-m4-zb-sel 1)" &
 wait
-grep -h -E "PASSED|FAILED|ERROR|passed|failed" "$OUT"/*.log | grep -v "^E " | sed "s/.*test_conformance.py:://" | grep -v PASSED
+tail -n 25 "$OUT"/*.log

@@ -279,6 +279,15 @@ def aligned_plan(name: str, a: argparse.Namespace, n: int, schedule: str, path: 
         to = first[lay] if c - first[lay] <= nxt - c else nxt
         notes.append(f"cut inside layer {lay} (component {c}) moved to component {to}")
         cuts.append(to)
+    if any(b <= a for a, b in zip([0, *cuts], [*cuts, len(layer_of)], strict=True)):
+        # two cuts moved onto one boundary (as many stages as layers, say): a stage would hold
+        # no layer, which pipelining cannot run; cut evenly by layers instead, for both
+        S, L = len(plan.stages), len(first)
+        if L < S:
+            raise SystemExit(f"{S} stages need at least {S} layers; the model has {L}")
+        cuts = [first[s * L // S] for s in range(1, S)]
+        notes = [f"moved cuts met on one layer boundary: rannc's stages, cut evenly by layers at "
+                 f"components {cuts}"]
     bounds = [0, *cuts, len(layer_of)]
     stages = []
     for st, lo, hi in zip(plan.stages, bounds, bounds[1:], strict=False):
