@@ -36,17 +36,14 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import single_stage_overhead as sso  # noqa: E402  (step_fn: one training iteration)
-from gpu_study import bert_pair  # noqa: E402  (the model pair and batch it compares)
+from gpu_study import SMOKE_BERT, bert_args, bert_pair  # noqa: E402  (the model pair it compares)
 
 CASTS = ("aten::_to_copy", "aten::copy_")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--layers", type=int, default=24)
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--batch", type=int, default=32)
+    bert_args(p)
     p.add_argument("--iters", type=int, default=4, help="profiled iterations per variant")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--dtypes", nargs="+", default=["bf16"], choices=["fp32", "bf16"])
@@ -54,7 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="2 x 64 BERT on whatever device")
     a = p.parse_args(argv)
     if a.smoke:
-        a.layers, a.hidden, a.seq, a.batch, a.iters, a.warmup = 2, 64, 16, 4, 2, 1
+        vars(a).update(SMOKE_BERT, iters=2, warmup=1)
     return a
 
 
@@ -100,7 +97,7 @@ def profile_variant(name: str, step: Callable[[], None], iters: int, warmup: int
           f"{row['aten_ops']:.0f} aten ops dispatched, casts {row['cast_calls']:.0f} calls "
           f"{row['cast_ms']:.1f} device ms (per iteration)")
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
-    print(prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=48))
+    print(avgs.table(sort_by=key, row_limit=top, max_name_column_width=48))
     return row
 
 

@@ -69,12 +69,20 @@ TF32_DENSE = {"H100": 494e12, "H200": 494e12, "A100-40GB": 156e12, "A100-80GB": 
 GiB = float(1 << 30)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+SMOKE_BERT = {"layers": 2, "hidden": 64, "seq": 16, "batch": 4}  # --smoke's model and batch
+
+
+def bert_args(p: argparse.ArgumentParser) -> None:
+    """The model and batch `bert_pair` builds (BERT-Large, 32 x 128 by default)."""
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=32)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    bert_args(p)
     p.add_argument("--iters", type=int, default=20, help="timed iterations of each variant")
     p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     p.add_argument("--stages", type=int, nargs="+", default=[1, 2, 4], help="splits to predict")
@@ -85,7 +93,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="2 x 64 BERT, 2 iterations: seconds")
     a = p.parse_args(argv)
     if a.smoke:
-        a.layers, a.hidden, a.seq, a.batch, a.iters = 2, 64, 16, 4, 2
+        vars(a).update(SMOKE_BERT, iters=2)
         a.stages, a.measure_seconds = [1, 2], 0.2
     return a
 

@@ -246,13 +246,11 @@ def in_dtype(case: Case, dtype: str) -> Case:
     def cast(x: Any) -> Any:
         return x.to(to) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
 
-    def batches(make: Callable[[int], Batch] | None) -> Callable[[int], Batch] | None:
-        return None if make is None else (lambda n: pytree.tree_map(cast, make(n)))
+    def batches(make: Callable[[int], Batch]) -> Callable[[int], Batch]:
+        return lambda n: pytree.tree_map(cast, make(n))
 
-    batch = batches(case.batch)
-    assert batch is not None
-    return Case(case.model.to(to), batch, case.loss, case.batch_size, case.name,
-                batches(case.reshaped))
+    return Case(case.model.to(to), batches(case.batch), case.loss, case.batch_size, case.name,
+                None if case.reshaped is None else batches(case.reshaped))
 
 
 # -- rows and losses --------------------------------------------------------------------------
