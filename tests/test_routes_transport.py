@@ -64,6 +64,8 @@ def test_every_moved_input_has_one_supplier_that_computes_it() -> None:
                 assert g.values[v].kind not in (ValueKind.INPUT, ValueKind.ACTIVATION) \
                     or g.values[v].batch_dim is None
                 continue
+            if r.shape_only(v, t):
+                continue
             s = r.supplier(v, t)
             if g.values[v].kind is ValueKind.INPUT:
                 assert s == OWNERS
@@ -71,7 +73,8 @@ def test_every_moved_input_has_one_supplier_that_computes_it() -> None:
                 assert 0 <= s < t and v in r.stages[s].outputs
             assert t in r.consumers(v, s)
     # consumers is exactly the inverse of supplier
-    pairs = {(v, t) for t, st in enumerate(r.stages) for v in st.inputs if r.moves(v)}
+    pairs = {(v, t) for t, st in enumerate(r.stages) for v in st.inputs
+             if r.moves(v) and not r.shape_only(v, t)}
     for v, t in pairs:
         assert r.consumers(v, r.supplier(v, t)).count(t) == 1
 
@@ -113,12 +116,51 @@ def test_channels_cover_every_route_once() -> None:
     for t, st in enumerate(r.stages):
         for v in st.inputs:
             if r.moves(v):
-                assert Channel(v, Kind.FWD, t) in ch
+                assert (Channel(v, Kind.FWD, t) in ch) != r.shape_only(v, t)
     for v, t in r.grad_edges | r.input_edges:
         assert Channel(v, Kind.GRAD, t) in ch
     logits = [v for v in r.out_stage if r.graph.values[v].batch_dim is not None]
     for v in logits:
         assert Channel(v, Kind.OUT, 2) in ch and Channel(v, Kind.OUT_GRAD, 2) in ch
+
+
+class TokenLoss(nn.Module):
+    """Per-token logits and a loss, called as Hugging Face models often are, with the same
+    tensor as the ids and the labels: torch.export then reads the data through one name and the
+    batch size (`b, s = ids.shape`) through the other, by a task with no other input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.l1, self.l2 = nn.Embedding(11, 8), nn.Linear(8, 8), nn.Linear(8, 11)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        b, s = ids.shape
+        h = torch.relu(self.l1(self.emb(ids))).reshape(b * s, -1)
+        return F.cross_entropy(self.l2(h), labels.flatten())
+
+
+def test_a_stage_reading_a_value_only_for_its_sizes_gets_no_rows_of_it() -> None:
+    torch.manual_seed(0)
+    ids = torch.randint(0, 11, (6, 5))
+    cap = capture(TokenLoss(), (ids, ids), {})
+    atomic = atomic_components(cap.graph)
+    n = len(atomic.components)
+    r = Routes(cap.graph, split_graph(cap.graph, atomic, [list(range(n // 2)), list(range(n // 2, n))]))
+    sized = [v for v in cap.graph.inputs if r.shape_only(v, 0)]
+    assert len(sized) == 1, "the batch size read through one name, in the first stage"
+    v = sized[0]
+    other = next(u for u in cap.graph.inputs if u != v)
+    assert not r.shape_only(other, 0) and not any(r.shape_only(other, t) for t in (0, 1))
+    # no message carries v's rows or a gradient for it; the data's name still travels
+    ch = r.channels()
+    assert not [c for c in ch if c.value == v]
+    assert r.consumers(v, OWNERS) == [] and r.consumers(other, OWNERS) != []
+    assert all(u != v for u, _t in r.grad_edges | r.input_edges)
+    # the stage gets a stand-in of v's shape for the rows asked for, one element of storage
+    t = Transport(0, Tags(ch, 2), cap.graph.values, torch.device("cpu"))
+    s = t.stand_in(v, 3)
+    assert s.shape == (3, 5) and s.dtype == ids.dtype
+    assert s.untyped_storage().nbytes() == ids.element_size()
 
 
 def test_tags_are_distinct_for_distinct_keys() -> None:

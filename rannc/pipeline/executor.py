@@ -16,6 +16,7 @@ Index conventions: s, t stages; m microbatches; r ranks.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.autograd import _profiler_enabled
 
 from rannc.graph.task_graph import eval_dim
 from rannc.pipeline.grads import GradReducer
@@ -71,7 +73,8 @@ class Executor:
         # the outputs whose gradients come back (`_grad_sources`); a stage's inputs also name
         # every parameter and buffer it reads, so `_expect` looks only at these
         self._sent_inputs = {s: tuple(v for v in st.inputs if routes.moves(v)
-                                      and routes.graph.values[v].dtype != "sym_int")
+                                      and routes.graph.values[v].dtype != "sym_int"
+                                      and not routes.shape_only(v, s))
                              for s, st in self.stages.items()}
         self._own_inputs = {s: frozenset(v for v in st.inputs if not routes.moves(v)
                                          and routes.graph.values[v].dtype != "sym_int")
@@ -126,8 +129,10 @@ class Executor:
                 call.transport.settle()  # (the buckets are collectives: not on a guessed layout)
                 self.grads.arm()
             t0 = time.perf_counter() if self.trace else 0.0
-            # A named range per action (F0.3: forward of stage 0, microbatch 3) in torch.profiler traces.
-            with torch.profiler.record_function(f"rannc {a}"):
+            # A named range per action (F0.3: forward of stage 0, microbatch 3) in torch.profiler
+            # traces; only under a profiler (its name and range cost about 6 us an action)
+            with (torch.profiler.record_function(f"rannc {a}") if _profiler_enabled()
+                  else contextlib.nullcontext()):
                 self._run_action(call, a, mic, scalars, scalar_g)
             if self.trace:
                 self.events.append(Event(a, t0 - call.t0, time.perf_counter() - call.t0))
@@ -236,6 +241,8 @@ class Executor:
         val = self.routes.graph.values[v]
         if val.dtype == "sym_int":
             return eval_dim(val.sym_expr or "batch", rows[1] - rows[0])
+        if self.routes.shape_only(v, st.index):
+            return call.transport.stand_in(v, rows[1] - rows[0])
         src = self._input_sources(call, st, v, m)
         if src is None:
             return call.env[v]
@@ -243,8 +250,9 @@ class Executor:
 
     def _input_sources(self, call: Call, st: Stage, v: str, m: int) -> list[tuple[int, Range]] | None:
         """(rank, rows) of the senders of stage input v in microbatch m (None: not sent, a
-        parameter, a constant or a size)."""
-        if self.routes.graph.values[v].dtype == "sym_int" or not self.routes.moves(v):
+        parameter, a constant, a size or read only for its sizes)."""
+        if (self.routes.graph.values[v].dtype == "sym_int" or not self.routes.moves(v)
+                or self.routes.shape_only(v, st.index)):
             return None
         g = self.routes.supplier(v, st.index)
         return self._owners(call) if g == OWNERS else self.replicas(g, m, call.layout)

@@ -9,7 +9,9 @@ transport's (`transport.Key`).
 
 A value *moves* when it is a tensor with a batch dimension that is a model input or an
 activation: it travels as rows. Parameters, buffers and constants never move (every stage that
-reads them holds them); values without a batch dimension cannot cross a stage boundary.
+reads them holds them); values without a batch dimension cannot cross a stage boundary. A stage
+that reads a moved value only for its sizes (`labels.size(0)` placed with the embeddings, say)
+gets a stand-in of that shape instead of the rows (`shape_only`).
 
 Index conventions: s, t stages (s the sender, t the reader; -1 the ranks owning a model
 input's rows); v value names.
@@ -30,6 +32,12 @@ from rannc.pipeline.transport import Channel, Kind
 # The supplier of a model input: the ranks owning its rows, not a stage.
 OWNERS = -1
 
+# Ops that read only a tensor's metadata: a stage whose every read of a value is one of these
+# needs the value's shape, never its rows.
+SHAPE_OPS = frozenset({"aten.sym_size.int", "aten.sym_size.default", "aten.sym_stride.int",
+                       "aten.sym_stride.default", "aten.sym_numel.default",
+                       "aten.sym_storage_offset.default"})
+
 
 def is_float(val: Value) -> bool:
     return val.is_tensor and getattr(torch, val.dtype).is_floating_point
@@ -47,11 +55,16 @@ class Routes:
             if val.is_tensor and val.batch_dim is not None
             and val.kind in (ValueKind.INPUT, ValueKind.ACTIVATION))
         self.out_stage = self._output_stages()  # model output -> the stage computing it
+        # (v, t): stage t reads moved value v only for its sizes; no rows travel for it
+        self._shape_only = frozenset(
+            (v, t) for t, st in enumerate(self.stages) for v in st.inputs
+            if v in self._moving and all(graph.tasks[i].op in SHAPE_OPS for i in st.tasks
+                                         if v in graph.tasks[i].inputs))
         self._suppliers: dict[tuple[str, int], int] = {}  # (v, t) -> s
         self._consumers: dict[tuple[str, int], list[int]] = {}  # (v, s) -> [t, ...]
         for t, st in enumerate(self.stages):
             for v in st.inputs:
-                if self.moves(v):
+                if self.moves(v) and (v, t) not in self._shape_only:
                     s = self._find_supplier(v, t)
                     self._suppliers[(v, t)] = s
                     self._consumers.setdefault((v, s), []).append(t)
@@ -63,6 +76,11 @@ class Routes:
         """Whether value v travels between stages as rows: a tensor input or activation with a
         batch dimension."""
         return v in self._moving
+
+    def shape_only(self, v: str, t: int) -> bool:
+        """Whether stage t reads moved value v only through its sizes (`SHAPE_OPS`): it gets a
+        stand-in of v's shape (`Transport.stand_in`), no rows, and sends no gradient back."""
+        return (v, t) in self._shape_only
 
     def is_float(self, v: str) -> bool:
         return is_float(self.graph.values[v])
@@ -101,7 +119,8 @@ class Routes:
 
     def stage_suppliers(self) -> list[list[int]]:
         """Per stage: the stages it receives activations from (what a schedule is built on)."""
-        return [sorted({self.supplier(v, t) for v in st.inputs if self.moves(v)} - {OWNERS})
+        return [sorted({self.supplier(v, t) for v in st.inputs
+                        if self.moves(v) and not self.shape_only(v, t)} - {OWNERS})
                 for t, st in enumerate(self.stages)]
 
     def sends_grad_back(self, v: str, t: int, grad_inputs: frozenset[str]) -> bool:
@@ -145,6 +164,7 @@ class Routes:
         edges = {(v, t) for t, st in enumerate(self.stages) for i in st.tasks
                  for v in g.tasks[i].inputs
                  if v in st.inputs and self.moves(v) and is_float(g.values[v])
+                 and not self.shape_only(v, t)
                  and any(o in live for o in g.tasks[i].outputs)}
         acts = {(v, t) for v, t in edges if self.is_activation(v)}
         return acts, edges - acts
@@ -165,7 +185,7 @@ class Routes:
         cannot = unsplittable(self.graph)
         for t, st in enumerate(self.stages):
             for v in st.inputs:
-                if v in cannot:
+                if v in cannot and not self.shape_only(v, t):
                     raise RaNNCError(
                         f"value {v} ({self.graph.values[v].shape}) crosses into stage {t}, but "
                         f"{cannot[v]}, so it cannot be split by rows. Choose another "
@@ -192,4 +212,4 @@ class Routes:
         return reached
 
 
-__all__ = ["OWNERS", "Routes", "is_float"]
+__all__ = ["OWNERS", "SHAPE_OPS", "Routes", "is_float"]

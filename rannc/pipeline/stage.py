@@ -136,6 +136,8 @@ class Stage:
     def wants_grad(self, v: str, grad_inputs: frozenset[str]) -> bool:
         """Whether this stage computes stage input v's gradient in a call whose model inputs
         `grad_inputs` require grad."""
+        if self.routes.shape_only(v, self.index):
+            return False
         return self.routes.is_activation(v) or (
             v in grad_inputs and (v, self.index) in self.routes.input_edges)
 

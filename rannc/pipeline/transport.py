@@ -141,6 +141,13 @@ class Transport:
         shape = [eval_dim(dim, n_rows) for dim in val.shape]
         return torch.empty(shape, dtype=getattr(torch, val.dtype), device=self.device)
 
+    def stand_in(self, v: str, n_rows: int) -> torch.Tensor:
+        """A tensor of value v's shape with `n_rows` rows and one element of storage, for a
+        stage that reads v only for its sizes (`Routes.shape_only`)."""
+        val = self.values[v]
+        shape = [eval_dim(dim, n_rows) for dim in val.shape]
+        return torch.zeros((), dtype=getattr(torch, val.dtype), device=self.device).expand(shape)
+
     def send_rows(self, x: torch.Tensor, key: Key, have: Range,
                   dests: Iterable[tuple[int, Range]]) -> None:
         """Send each (rank, rows) destination its part of x (value `key.value`'s rows `have`)."""
