@@ -13,7 +13,7 @@ from model_zoo import BUILDERS, make_case
 import rannc
 from rannc.atomic.components import AtomicPartition, atomic_components
 from rannc.graph.capture import capture
-from rannc.graph.task_graph import TaskGraph, ValueKind
+from rannc.graph.task_graph import SHAPE_OPS, TaskGraph, ValueKind
 from rannc.planner import PlanStats, form_blocks_for, plan_graph, plan_splits
 from rannc.profile.estimate import GraphCosts, _bytes
 from rannc.stage_dp.refine import block_starts, level_points, pieces, plan_order, segment_of
@@ -53,6 +53,9 @@ def block_io_reference(graph: TaskGraph, atomic: AtomicPartition, block_of: list
             continue
         if val.kind not in (ValueKind.INPUT, ValueKind.ACTIVATION) or not val.is_tensor:
             continue
+        # a read of its sizes alone moves no rows (`Routes.shape_only`)
+        consumers = sorted({b for t in graph.consumers(name) if graph.tasks[t].op not in SHAPE_OPS
+                            for b in blocks_of_task[t]})
         prod = graph.producer(name)
         if prod is not None and atomic.component_of[prod] < 0:
             continue

@@ -27,6 +27,12 @@ from dataclasses import dataclass, field
 WRITE_BACK_OP = "rannc.write_back"
 # Functionalisation's copy (src's values in dst's layout), made differentiable by capture.
 COPY_OP = "rannc.copy"
+# Ops that read only a tensor's sizes: a stage whose every read of a value is one of these needs
+# its shape, never its rows (torch.export reads a batch size through whichever input carries
+# the symbol, so such a read can land in any stage).
+SHAPE_OPS = frozenset({"aten.sym_size.int", "aten.sym_size.default", "aten.sym_stride.int",
+                       "aten.sym_stride.default", "aten.sym_numel.default",
+                       "aten.sym_storage_offset.default"})
 
 
 class ValueKind(enum.Enum):

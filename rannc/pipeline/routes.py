@@ -26,17 +26,11 @@ import torch
 from rannc.errors import RaNNCError
 from rannc.graph.extract import StageGraph
 from rannc.graph.row_mixing import unsplittable
-from rannc.graph.task_graph import TaskGraph, Value, ValueKind
+from rannc.graph.task_graph import SHAPE_OPS, TaskGraph, Value, ValueKind
 from rannc.pipeline.transport import Channel, Kind
 
 # The supplier of a model input: the ranks owning its rows, not a stage.
 OWNERS = -1
-
-# Ops that read only a tensor's metadata: a stage whose every read of a value is one of these
-# needs the value's shape, never its rows.
-SHAPE_OPS = frozenset({"aten.sym_size.int", "aten.sym_size.default", "aten.sym_stride.int",
-                       "aten.sym_stride.default", "aten.sym_numel.default",
-                       "aten.sym_storage_offset.default"})
 
 
 def is_float(val: Value) -> bool:
@@ -212,4 +206,4 @@ class Routes:
         return reached
 
 
-__all__ = ["OWNERS", "SHAPE_OPS", "Routes", "is_float"]
+__all__ = ["OWNERS", "Routes", "is_float"]

@@ -21,7 +21,7 @@ import numpy as np
 
 from rannc.atomic.components import AtomicPartition
 from rannc.graph.row_mixing import unsplittable
-from rannc.graph.task_graph import TaskGraph, ValueKind
+from rannc.graph.task_graph import SHAPE_OPS, TaskGraph, ValueKind
 from rannc.profile.estimate import BlockProfile, _bytes
 from rannc.profile.saved import autocast_copies
 from rannc.schedule.spec import get_spec
@@ -130,7 +130,10 @@ class ValueUses:
             if prod_task is not None and atomic.component_of[prod_task] < 0:
                 continue  # a constant task's output: cloned where needed, never sent
             p = -1 if prod_task is None else atomic.component_of[prod_task]
-            act_use += [(len(act), c) for c in consumers]
+            # a read of its sizes alone moves no rows (`Routes.shape_only`)
+            readers = sorted({c for t in graph.consumers(name) if graph.tasks[t].op not in SHAPE_OPS
+                              for c in atomic.holders[t]})
+            act_use += [(len(act), c) for c in readers]
             act.append((*_bytes(val), p, name in out_names, name not in cannot))
 
         def pairs(x: list[tuple[int, int]]) -> np.ndarray:
