@@ -128,6 +128,16 @@ def test_gpu_profile_benchmark() -> None:
     assert out.count("### bf16 ") == 2, out
 
 
+def test_estimate_host_benchmark() -> None:
+    """BERT's stages priced on a GPU spec, device time alone and with the host floor: a tiny
+    BERT's ops are short, so the floor binds and lifts every stage."""
+    out = run("benchmarks/estimate_host.py")
+    found = [r for r in rows(out, "| ") if r[0].isdigit()]
+    assert [(r[0], r[1]) for r in found] == [("1", "0"), ("2", "0"), ("2", "1"), ("4", "0"),
+                                             ("4", "1"), ("4", "2"), ("4", "3")], out
+    assert all(float(r[3]) > float(r[2]) > 0 for r in found), out
+
+
 @pytest.mark.layer("multi_rank")
 def test_pipeline_memory_benchmark() -> None:
     out = run("benchmarks/pipeline_memory.py")

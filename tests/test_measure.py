@@ -7,6 +7,7 @@ since these tests check what is measured and that profiling leaves no trace, not
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import json
 import logging
@@ -367,3 +368,43 @@ def test_the_oracle_measures_under_the_autocast_the_graph_was_captured_under() -
         assert copies == ((256 * 256 + 8 * 256) * 2 if half else 0)
         kept = float(oracle.block_profile([0] * n, [32]).kept.sum())  # (outside autocast)
         assert kept == pytest.approx(real - copies, rel=0.02), (half, kept, real, copies)
+
+
+def test_the_estimate_floors_each_block_at_its_ops_host_time() -> None:
+    """On a device that runs behind its host (`DeviceSpec.host_per_op`: a GPU), a block takes
+    the larger of its device time and its ops' host time, forward, backward (twice a
+    differentiable op's), weight gradients and selective recomputation alike; per block, not
+    per op, and never in `component_time` (what coarsening balances)."""
+    from rannc.profile.device import GPU_HOST_PER_OP, KNOWN_DEVICES
+
+    _case, cap, atomic, _leaves, costs = _captured("llama")
+    n = len(atomic.components)
+    block_of = _blocks(n, 3)
+    device_only = DeviceSpec("gpu-like", 16e9, 100e12, 2e12, efficiency=1.0)
+    dev = costs.block_profile(device_only, block_of, [2, 8])
+    # the ops of each block, counted here from the components (cloned tasks in each holder)
+    ops = np.zeros(3)
+    grad_ops, weight_ops = np.zeros(3), np.zeros(3)
+    for comp in atomic.components:
+        for t in comp.tasks:
+            j = block_of[comp.index]
+            ops[j] += costs.is_kernel[t]
+            grad_ops[j] += costs.is_kernel[t] and costs.has_grad[t]
+            weight_ops[j] += costs.is_kernel[t] and costs.has_grad[t] and costs.has_weight[t]
+    for h in (1e-3, 1e-12):  # host-bound everywhere; never
+        spec = dataclasses.replace(device_only, host_per_op=h)
+        got = costs.block_profile(spec, block_of, [2, 8])
+        for i in range(2):
+            assert np.allclose(got.fwd[:, i], np.maximum(dev.fwd[:, i], h * ops))
+            assert np.allclose(got.bwd[:, i], np.maximum(dev.bwd[:, i], 2 * h * grad_ops))
+            assert got.wgrad is not None and dev.wgrad is not None
+            assert np.allclose(got.wgrad[:, i], np.maximum(dev.wgrad[:, i], h * weight_ops))
+            assert np.all(got.bwd[:, i] >= got.wgrad[:, i])  # a B pass left for zero-bubble
+        assert got.selective is not None and dev.selective is not None
+        assert np.all(got.selective >= dev.selective)
+        assert np.array_equal(costs.component_time(spec, 4), costs.component_time(device_only, 4))
+    assert np.allclose(costs.block_profile(dataclasses.replace(device_only, host_per_op=1e-3),
+                                           block_of, [2]).fwd[:, 0], 1e-3 * ops)
+    # the GPU entries carry the measured host time; a CPU's is in its device time
+    assert all(d.host_per_op == GPU_HOST_PER_OP > 0 for d in KNOWN_DEVICES.values())
+    assert DeviceSpec("cpu-like", 1e9, 1e11, 1e10).host_per_op == 0.0

@@ -24,7 +24,9 @@ GiB = float(1 << 30)
 @dataclass(frozen=True, slots=True)
 class DeviceSpec:
     """What the planner knows of a device: usable memory, peak FLOP/s and memory bandwidth
-    (the estimate oracle's roofline), link bandwidth within a node. `rannc.KNOWN_DEVICES`
+    (the estimate oracle's roofline), link bandwidth within a node, and the host time per op
+    that a GPU overlaps with its own (`host_per_op`: where ops are short, a block of the graph
+    takes its ops' host time rather than its device time). `rannc.KNOWN_DEVICES`
     holds vendor figures by name (`"V100-32GB"`, `"A100-80GB"`, `"H100"`, ...); describe
     another device with these fields (also in a cluster file)."""
 
@@ -36,10 +38,29 @@ class DeviceSpec:
     link_bandwidth: float = 16 * GB  # bytes/s to a device on the same node (NVLink/PCIe)
     efficiency: float = 0.6  # fraction of peak that real kernels reach
     op_overhead: float = 5e-6  # seconds per kernel launch (forward; backward pays about twice)
+    # Seconds of host time per graph op that runs on the device, forward (backward: about twice
+    # per differentiable op): dispatch, autograd, autocast's casts and the stage graph's Python,
+    # taken as a whole. A device that runs asynchronously (a GPU) overlaps it with its own work,
+    # so a block of the graph takes the larger of its device time and its ops' host time
+    # (`GraphCosts.block_profile`). 0: the host time is in the device time (a CPU). The GPU
+    # entries' 40 us was measured with torch 2.11 on the H100 and H200 hosts the project was
+    # lent: BERT-Large's forward and backward in bf16 took 48.7 ms on the H200 (46.9 on the
+    # H100) for 391 forward and 375 differentiable ops, 42.6 us an op pass (BENCHMARKS.md).
+    host_per_op: float = 0.0
 
     def key(self) -> str:
         """A stable identity for caches: every field, since a measured spec differs by run."""
         return "|".join(f"{k}={v}" for k, v in asdict(self).items())
+
+
+# The host time per op on a GPU (`DeviceSpec.host_per_op`).
+GPU_HOST_PER_OP = 40e-6
+
+
+def _gpu(name: str, memory_bytes: float, flops: float, mem_bandwidth: float, *, flops_half: float,
+         link_bandwidth: float) -> DeviceSpec:
+    return DeviceSpec(name, memory_bytes, flops, mem_bandwidth, flops_half=flops_half,
+                      link_bandwidth=link_bandwidth, host_per_op=GPU_HOST_PER_OP)
 
 
 # Vendor figures (SXM parts where both exist). Memory is what a process can allocate, a little
@@ -47,21 +68,21 @@ class DeviceSpec:
 KNOWN_DEVICES: dict[str, DeviceSpec] = {
     d.name: d
     for d in (
-        DeviceSpec("P100", 16 * GiB * 0.97, 9.3e12, 732 * GB, flops_half=18.7e12,
-                   link_bandwidth=20 * GB),
-        DeviceSpec("V100-16GB", 16 * GiB * 0.97, 15.7e12, 900 * GB, flops_half=125e12,
-                   link_bandwidth=25 * GB),
-        DeviceSpec("V100-32GB", 32 * GiB * 0.97, 15.7e12, 900 * GB, flops_half=125e12,
-                   link_bandwidth=25 * GB),
-        DeviceSpec("T4", 15 * GiB, 8.1e12, 320 * GB, flops_half=65e12, link_bandwidth=12 * GB),
-        DeviceSpec("A100-40GB", 40 * GiB * 0.97, 19.5e12, 1555 * GB, flops_half=312e12,
-                   link_bandwidth=300 * GB),
-        DeviceSpec("A100-80GB", 80 * GiB * 0.97, 19.5e12, 2039 * GB, flops_half=312e12,
-                   link_bandwidth=300 * GB),
-        DeviceSpec("H100", 80 * GiB * 0.97, 67e12, 3350 * GB, flops_half=989e12,
-                   link_bandwidth=450 * GB),
-        DeviceSpec("H200", 141 * GB * 0.97, 67e12, 4800 * GB, flops_half=989e12,
-                   link_bandwidth=450 * GB),
+        _gpu("P100", 16 * GiB * 0.97, 9.3e12, 732 * GB, flops_half=18.7e12,
+             link_bandwidth=20 * GB),
+        _gpu("V100-16GB", 16 * GiB * 0.97, 15.7e12, 900 * GB, flops_half=125e12,
+             link_bandwidth=25 * GB),
+        _gpu("V100-32GB", 32 * GiB * 0.97, 15.7e12, 900 * GB, flops_half=125e12,
+             link_bandwidth=25 * GB),
+        _gpu("T4", 15 * GiB, 8.1e12, 320 * GB, flops_half=65e12, link_bandwidth=12 * GB),
+        _gpu("A100-40GB", 40 * GiB * 0.97, 19.5e12, 1555 * GB, flops_half=312e12,
+             link_bandwidth=300 * GB),
+        _gpu("A100-80GB", 80 * GiB * 0.97, 19.5e12, 2039 * GB, flops_half=312e12,
+             link_bandwidth=300 * GB),
+        _gpu("H100", 80 * GiB * 0.97, 67e12, 3350 * GB, flops_half=989e12,
+             link_bandwidth=450 * GB),
+        _gpu("H200", 141 * GB * 0.97, 67e12, 4800 * GB, flops_half=989e12,
+             link_bandwidth=450 * GB),
     )
 }
 
@@ -229,5 +250,6 @@ def measure_local_device() -> DeviceSpec:
     _LOCAL = DeviceSpec(name=name, memory_bytes=mem, flops=2 * n**3 / mm,
                         flops_half=2 * n**3 / mm_half if mm_half else 0.0,
                         mem_bandwidth=2 * big.numel() * 4 / cp, efficiency=1.0,
-                        op_overhead=5e-6 if cuda else 2e-6, link_bandwidth=(16 if cuda else 4) * GB)
+                        op_overhead=5e-6 if cuda else 2e-6, link_bandwidth=(16 if cuda else 4) * GB,
+                        host_per_op=GPU_HOST_PER_OP if cuda else 0.0)
     return _LOCAL

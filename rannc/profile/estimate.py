@@ -8,7 +8,13 @@ on the `meta` device costs nothing to estimate. Time on a `DeviceSpec` is
 peak being the fp16/bf16 tensor-core one for tasks whose outputs are half precision (autocast);
 backward is counted as twice the forward (grad of input and grad of weight) for differentiable
 tasks, half of it the weight gradient's (`wgrad`, what zero-bubble schedules run as a separate W
-pass) where the task reads a trainable parameter, none of it elsewhere. Memory kept for
+pass) where the task reads a trainable parameter, none of it elsewhere. That is device time; a
+GPU runs behind the host that issues its kernels, so a block of tasks takes the larger of its
+device time and its ops' host time (`DeviceSpec.host_per_op`, backward about twice the
+forward's): where kernels are short (small microbatches in bf16) the host binds. The floor
+applies per block, the unit the stage DP adds up, not per task (a long kernel hides the host
+time of the short ones after it); `component_time`, what coarsening balances and the
+plan-quality bounds sum, stays device time. Memory kept for
 backward is what autograd saves (`rannc.profile.saved`: per op, the inputs or outputs its
 gradient reads, each storage once); a task's working memory is the larger of its forward's
 (inputs and outputs) and its backward's (gradients and temporaries).
@@ -165,17 +171,35 @@ class GraphCosts:
         return 2 * self.comp_params + np.bincount(self.pair_comp, weights=kept[self.pair_task],
                                                   minlength=self.n_components)
 
+    def _host_floors(self, spec: DeviceSpec, blk: np.ndarray,
+                     nb: int) -> tuple[np.ndarray, ...] | None:
+        """Per block, the host seconds of running its ops (`DeviceSpec.host_per_op`): forward,
+        backward (twice a differentiable op's forward), the weight gradients within it (once a
+        differentiable op reading a parameter), and its selective recomputation (the recomputed
+        ops' forwards); None where the host time is in the device time (0)."""
+        h = spec.host_per_op
+        if h <= 0:
+            return None
+        k = self.is_kernel.astype(np.float64)
+        per_task = [h * k, 2 * h * k * self.has_grad, h * k * (self.has_grad & self.has_weight),
+                    h * k * (self.evals if self.evals is not None else 0.0)]
+        return tuple(np.bincount(blk, weights=w[self.pair_task], minlength=nb) for w in per_task)
+
     def block_profile(self, spec: DeviceSpec, block_of: Sequence[int],
                       batch_sizes: Sequence[int]) -> BlockProfile:
         blk = np.asarray(block_of, dtype=np.int64)[self.pair_comp]
         nb = int(blk.max()) + 1 if len(blk) else 0
         shape = (nb, len(batch_sizes))
         fwd, bwd, wgrad, kept, work, kept_sel, sel = (np.zeros(shape) for _ in range(7))
+        host = self._host_floors(spec, blk, nb)
         for i, b in enumerate(batch_sizes):
             f, g = self.task_times(spec, b)
             fwd[:, i] = np.bincount(blk, weights=f[self.pair_task], minlength=nb)
             bwd[:, i] = np.bincount(blk, weights=g[self.pair_task], minlength=nb)
             wgrad[:, i] = np.bincount(blk, weights=self.task_wgrad(f)[self.pair_task], minlength=nb)
+            if host is not None:
+                for col, floor in zip((fwd, bwd, wgrad), host[:3], strict=True):
+                    np.maximum(col[:, i], floor, out=col[:, i])
             k = self.kept[:, 0] + self.kept[:, 1] * b
             kept[:, i] = np.bincount(blk, weights=k[self.pair_task], minlength=nb)
             w = self.work[:, 0] + self.work[:, 1] * b
@@ -185,6 +209,8 @@ class GraphCosts:
                 kept_sel[:, i] = kept[:, i] - np.bincount(blk, weights=dropped[self.pair_task],
                                                           minlength=nb)
                 sel[:, i] = np.bincount(blk, weights=(self.evals * f)[self.pair_task], minlength=nb)
+                if host is not None:
+                    np.maximum(sel[:, i], host[3], out=sel[:, i])
         if self.freed is None:
             return BlockProfile(tuple(batch_sizes), fwd, bwd, kept, work, wgrad)
         return BlockProfile(tuple(batch_sizes), fwd, bwd, kept, work, wgrad, kept_sel, sel)
