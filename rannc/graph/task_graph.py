@@ -29,10 +29,9 @@ WRITE_BACK_OP = "rannc.write_back"
 COPY_OP = "rannc.copy"
 # Ops that read only a tensor's sizes: a stage whose every read of a value is one of these needs
 # its shape, never its rows (torch.export reads a batch size through whichever input carries
-# the symbol, so such a read can land in any stage).
-SHAPE_OPS = frozenset({"aten.sym_size.int", "aten.sym_size.default", "aten.sym_stride.int",
-                       "aten.sym_stride.default", "aten.sym_numel.default",
-                       "aten.sym_storage_offset.default"})
+# the symbol, so such a read can land in any stage). Not strides or storage offsets: the
+# stand-in a stage gets instead has a shape alone (`Transport.stand_in`).
+SHAPE_OPS = frozenset({"aten.sym_size.int", "aten.sym_size.default", "aten.sym_numel.default"})
 
 
 class ValueKind(enum.Enum):

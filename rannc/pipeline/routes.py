@@ -72,7 +72,7 @@ class Routes:
         return v in self._moving
 
     def shape_only(self, v: str, t: int) -> bool:
-        """Whether stage t reads moved value v only through its sizes (`SHAPE_OPS`): it gets a
+        """Whether stage t reads moved value v only for its sizes (`SHAPE_OPS`): it gets a
         stand-in of v's shape (`Transport.stand_in`), no rows, and sends no gradient back."""
         return (v, t) in self._shape_only
 
