@@ -9,15 +9,15 @@
 #
 # Needs the mpich and mpi4py wheels for its Python in .whl/ (README of the device tool).
 #
-# The fourth lease ran this (BENCHMARKS.md "The fourth lease"). Prepared before it (the third lease's calls: git history, f3c3d91 and 576ba6f; results
-# in BENCHMARKS.md "The third lease"): issue 19's zero-bubble, interleaved and ZB-V rows against
-# torch.distributed.pipelining at 8 and 16 microbatches on 4 ranks (runtime_peers now cuts both
-# libraries' stages evenly by layers where rannc's moved cuts would meet: the third lease's lane
-# stopped on "cannot mirror it"); the conformance cells the third lease's time cut (the second
-# half of the zoo in 4r-rep211-m4-zb and 2r-pn2-m4-zb-sel); and on the GPU gpu_profile.py again
-# with its corrected kernel count (BERT-Large, bf16 and fp32), beside gpu_study's stage table, to
-# calibrate a host term for the estimate oracle (about 19 us per kernel in bf16 on the H100
-# host). Build rannc._C first (setup.py build_ext): the planner needs it. The device tool
+# Prepared for the fifth lease (the fourth's calls: fac5d4a and BENCHMARKS.md "The fourth lease"):
+# gpu_study's predicted column now includes the estimate's host floor (DeviceSpec.host_per_op,
+# calibrated on the fourth lease's BERT-Large bf16 stages: check it on the GPU, the two-stage
+# split above all); issue 19's runtime cells after the labels stopped travelling to the first
+# stage (BERT 2 ranks 1.00 of pipelining on 2 cores), with four repeats each, both libraries on
+# one heap setting; one stage x 4 replicas against DDP (rannc_auto's pair); zero-bubble at 16
+# microbatches again (0.99x rannc's 1F1B in the fourth lease, 1.07x at 8). Each lane reports
+# its own rows; the lanes run side by side, so compare within a lane.
+# Build rannc._C first (setup.py build_ext): the planner needs it. The device tool
 # returns at most 8 files from $OUT.
 set -u
 OUT=${OUT:-/tmp/device_out}
@@ -51,18 +51,17 @@ conf() {  # conf LAYOUT HALF: that layout's cells for that half of the models
   echo "CUDA_VISIBLE_DEVICES= CONFORMANCE_FULL=1 OMP_NUM_THREADS=1 python3 -m pytest -v -p no:cacheprovider tests/conformance/test_conformance.py -k '$1 and ($(half "$2"))'"
 }
 cpu="CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1"
-peers="$cpu python3 benchmarks/runtime_peers.py --repeats 2 --models bert --layers 8 --ranks 4"
-# 8 layers: the interleaved plans cut 8 stages on 4 ranks, one layer each at least
+# (8 layers: an interleaved or ZB-V plan cuts 8 stages on 4 ranks, a layer each at least)
+peers="$cpu python3 benchmarks/runtime_peers.py --repeats 3 --models bert --layers 8 --ranks 4"
 # (pipelining's ScheduleZBVZeroBubble fails at start-up under torch 2.11 and gloo, and a failed
-# launch stops the lane: left out)
-new="--variants rannc_1f1b rannc_zb rannc_i1f1b rannc_zbv pipe_1f1b pipe_zb pipe_i1f1b"
+# launch stops the lane: not among the variants)
 B=${LANE_SECONDS:-300}
 
-lane gpu 0-1 "$B" "python3 benchmarks/gpu_profile.py --dtypes bf16 fp32 --iters 4" \
-  "python3 benchmarks/gpu_study.py --dtypes bf16 --iters 6 --measure-seconds 1" &
-lane new8 2-5 "$B" "$peers --microbatches 8 --batch 32 $new" &
-lane new16 6-9 "$B" "$peers --microbatches 16 --batch 64 $new" &
-lane zb_b 10-13 "$B" "$(conf 4r-rep211-m4-zb 1)" &
-lane sel_b 14-15 "$B" "$(conf 2r-pn2-m4-zb-sel 1)" &
+lane gpu 0-1 "$B" "python3 benchmarks/gpu_study.py --dtypes bf16 --iters 6 --measure-seconds 1" \
+  "python3 benchmarks/gpu_profile.py --dtypes bf16 --iters 4" &
+lane peers4 2-5 "$B" "$cpu python3 benchmarks/runtime_peers.py --repeats 4 --malloc reuse --models bert resnet --ranks 4 --variants rannc_1f1b pipe_1f1b" &
+lane peers2 6-7 "$B" "$cpu python3 benchmarks/runtime_peers.py --repeats 4 --malloc reuse --models bert resnet --ranks 2 --variants rannc_1f1b pipe_1f1b rannc_gpipe pipe_gpipe" &
+lane ddp 8-11 "$B" "$cpu python3 benchmarks/runtime_peers.py --repeats 4 --malloc reuse --models resnet bert --ranks 4 --variants rannc_auto ddp" &
+lane zb16 12-15 "$B" "$peers --microbatches 16 --batch 64 --variants rannc_1f1b rannc_zb rannc_zbv pipe_zb" &
 wait
 tail -n 25 "$OUT"/*.log
