@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_study import SMOKE_BERT, bert_args, bert_model, stage_of_components  # noqa: E402
 
 from rannc.atomic.components import atomic_components  # noqa: E402
 from rannc.config import Config  # noqa: E402
@@ -33,28 +34,16 @@ from rannc.profile.estimate import GraphCosts  # noqa: E402
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=int, default=24)
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--seq", type=int, default=128)
+    bert_args(p)
     p.add_argument("--device", default="H200", choices=sorted(KNOWN_DEVICES))
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
     p.add_argument("--stages", type=int, nargs="+", default=[1, 2, 4])
-    p.add_argument("--smoke", action="store_true", help="a 2-layer BERT of hidden 64")
+    p.add_argument("--smoke", action="store_true", help="gpu_study's smoke BERT (2 x 64)")
     a = p.parse_args(argv)
     if a.smoke:
-        a.layers, a.hidden, a.batch, a.seq = 2, 64, 4, 16
-    from transformers import BertConfig, BertForPreTraining
-
+        vars(a).update(SMOKE_BERT)
     logging.getLogger("transformers").setLevel(logging.ERROR)
-    torch.manual_seed(0)
-    cfg = BertConfig(vocab_size=30522, hidden_size=a.hidden, num_hidden_layers=a.layers,
-                     num_attention_heads=max(1, a.hidden // 64), intermediate_size=4 * a.hidden,
-                     max_position_embeddings=max(512, a.seq))
-    model = BertForPreTraining(cfg)
-    ids = torch.randint(0, cfg.vocab_size, (a.batch, a.seq))
-    batch = dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids,
-                 next_sentence_label=torch.zeros(a.batch, dtype=torch.long))
+    _cfg, model, batch = bert_model(a.layers, a.hidden, a.seq, a.batch, torch.device("cpu"))
     with torch.autocast("cpu", dtype=torch.bfloat16) if a.dtype == "bf16" else nullcontext():
         cap = capture(model, (), batch)
     atomic = atomic_components(cap.graph)
@@ -74,10 +63,7 @@ def main(argv: list[str] | None = None) -> None:
                    schedule="gpipe", opt_param_factor=2.0)
         plan = plan_graph(cap.graph, atomic, Cluster.homogeneous(spec, n=n, per_node=n), c,
                           batch_size=a.batch, costs=costs)
-        stage_of = [0] * len(atomic.components)
-        for st in plan.stages:
-            for comp in st.components:
-                stage_of[comp] = st.index
+        stage_of = stage_of_components(plan, len(atomic.components))
         dev = costs.block_profile(device_only, stage_of, [a.batch])
         host = costs.block_profile(spec, stage_of, [a.batch])
         for s in range(n):

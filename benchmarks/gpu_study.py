@@ -61,6 +61,7 @@ from rannc.config import Config  # noqa: E402
 from rannc.graph.capture import flatten_inputs  # noqa: E402
 from rannc.graph.task_graph import TaskGraph  # noqa: E402
 from rannc.planner import plan_graph  # noqa: E402
+from rannc.plans import Plan  # noqa: E402
 from rannc.profile.device import KNOWN_DEVICES, Cluster, DeviceSpec, measure_local_device  # noqa: E402
 from rannc.profile.estimate import _ATTN_OPS, _MATMUL_OPS, GraphCosts  # noqa: E402
 from rannc.profile.measure import MeasureOracle, MeasureSettings, _cpu_model  # noqa: E402
@@ -210,10 +211,7 @@ def stage_times(dtype: str, wrapped: rannc.RaNNCModule, batch: dict[str, torch.T
                      schedule="gpipe", opt_param_factor=2.0)
         plan = plan_graph(cap.graph, atomic, Cluster.homogeneous(spec, n=n, per_node=n), cfg,
                           batch_size=b, costs=costs)
-        stage_of = [0] * len(atomic.components)
-        for st in plan.stages:
-            for c in st.components:
-                stage_of[c] = st.index
+        stage_of = stage_of_components(plan, len(atomic.components))
         meas = oracle.block_profile(stage_of, [b])
         est_local = costs.block_profile(local, stage_of, [b])
         est_table = costs.block_profile(table, stage_of, [b]) if table else None
@@ -265,19 +263,35 @@ def bert_pair(layers: int, hidden: int, seq: int, batch_size: int, dev: torch.de
                          torch.optim.Optimizer, dict[str, torch.Tensor]]:
     """The same BertForPreTraining twice (seed 0), plain and wrapped by rannc, each with its
     AdamW, and one pre-training batch: what gpu_study.py and gpu_profile.py compare."""
-    torch.manual_seed(0)
-    cfg = BertConfig(vocab_size=30522, hidden_size=hidden, num_hidden_layers=layers,
-                     num_attention_heads=max(1, hidden // 64), intermediate_size=4 * hidden,
-                     max_position_embeddings=max(512, seq))
-    plain = BertForPreTraining(cfg).to(dev)
+    cfg, plain, batch = bert_model(layers, hidden, seq, batch_size, dev)
     inner = copy.deepcopy(plain)
     opt_p = torch.optim.AdamW(plain.parameters(), lr=1e-4)
     opt_w = torch.optim.AdamW(inner.parameters(), lr=1e-4)
     wrapped = rannc.RaNNCModule(inner, opt_w)
+    return cfg, plain, opt_p, wrapped, opt_w, batch
+
+
+def bert_model(layers: int, hidden: int, seq: int, batch_size: int, dev: torch.device,
+               ) -> tuple[BertConfig, nn.Module, dict[str, torch.Tensor]]:
+    """A BertForPreTraining (seed 0) and one pre-training batch for it."""
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=30522, hidden_size=hidden, num_hidden_layers=layers,
+                     num_attention_heads=max(1, hidden // 64), intermediate_size=4 * hidden,
+                     max_position_embeddings=max(512, seq))
+    model = BertForPreTraining(cfg).to(dev)
     ids = torch.randint(0, cfg.vocab_size, (batch_size, seq), device=dev)
     batch = dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids,
                  next_sentence_label=torch.zeros(batch_size, dtype=torch.long, device=dev))
-    return cfg, plain, opt_p, wrapped, opt_w, batch
+    return cfg, model, batch
+
+
+def stage_of_components(plan: Plan, n_components: int) -> list[int]:
+    """Per atomic component, the index of the plan's stage holding it."""
+    stage_of = [0] * n_components
+    for st in plan.stages:
+        for c in st.components:
+            stage_of[c] = st.index
+    return stage_of
 
 
 def main(argv: list[str] | None = None) -> None:

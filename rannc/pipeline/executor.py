@@ -72,9 +72,8 @@ class Executor:
         # per stage: the inputs other stages or the input owners send (`_input_sources`), and
         # the outputs whose gradients come back (`_grad_sources`); a stage's inputs also name
         # every parameter and buffer it reads, so `_expect` looks only at these
-        self._sent_inputs = {s: tuple(v for v in st.inputs if routes.moves(v)
-                                      and routes.graph.values[v].dtype != "sym_int"
-                                      and not routes.shape_only(v, s))
+        self._sent_inputs = {s: tuple(v for v in st.inputs if routes.receives(v, s)
+                                      and routes.graph.values[v].dtype != "sym_int")
                              for s, st in self.stages.items()}
         self._own_inputs = {s: frozenset(v for v in st.inputs if not routes.moves(v)
                                          and routes.graph.values[v].dtype != "sym_int")
@@ -251,8 +250,7 @@ class Executor:
     def _input_sources(self, call: Call, st: Stage, v: str, m: int) -> list[tuple[int, Range]] | None:
         """(rank, rows) of the senders of stage input v in microbatch m (None: not sent, a
         parameter, a constant, a size or read only for its sizes)."""
-        if (self.routes.graph.values[v].dtype == "sym_int" or not self.routes.moves(v)
-                or self.routes.shape_only(v, st.index)):
+        if self.routes.graph.values[v].dtype == "sym_int" or not self.routes.receives(v, st.index):
             return None
         g = self.routes.supplier(v, st.index)
         return self._owners(call) if g == OWNERS else self.replicas(g, m, call.layout)

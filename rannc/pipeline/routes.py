@@ -58,7 +58,7 @@ class Routes:
         self._consumers: dict[tuple[str, int], list[int]] = {}  # (v, s) -> [t, ...]
         for t, st in enumerate(self.stages):
             for v in st.inputs:
-                if self.moves(v) and (v, t) not in self._shape_only:
+                if self.receives(v, t):
                     s = self._find_supplier(v, t)
                     self._suppliers[(v, t)] = s
                     self._consumers.setdefault((v, s), []).append(t)
@@ -70,6 +70,11 @@ class Routes:
         """Whether value v travels between stages as rows: a tensor input or activation with a
         batch dimension."""
         return v in self._moving
+
+    def receives(self, v: str, t: int) -> bool:
+        """Whether stage input v arrives at stage t as rows: moved, and not read only for its
+        sizes."""
+        return self.moves(v) and (v, t) not in self._shape_only
 
     def shape_only(self, v: str, t: int) -> bool:
         """Whether stage t reads moved value v only for its sizes (`SHAPE_OPS`): it gets a
@@ -113,8 +118,7 @@ class Routes:
 
     def stage_suppliers(self) -> list[list[int]]:
         """Per stage: the stages it receives activations from (what a schedule is built on)."""
-        return [sorted({self.supplier(v, t) for v in st.inputs
-                        if self.moves(v) and not self.shape_only(v, t)} - {OWNERS})
+        return [sorted({self.supplier(v, t) for v in st.inputs if self.receives(v, t)} - {OWNERS})
                 for t, st in enumerate(self.stages)]
 
     def sends_grad_back(self, v: str, t: int, grad_inputs: frozenset[str]) -> bool:
@@ -157,8 +161,7 @@ class Routes:
                 live.update(v for v in task.inputs if is_float(g.values[v]))
         edges = {(v, t) for t, st in enumerate(self.stages) for i in st.tasks
                  for v in g.tasks[i].inputs
-                 if v in st.inputs and self.moves(v) and is_float(g.values[v])
-                 and not self.shape_only(v, t)
+                 if v in st.inputs and self.receives(v, t) and is_float(g.values[v])
                  and any(o in live for o in g.tasks[i].outputs)}
         acts = {(v, t) for v, t in edges if self.is_activation(v)}
         return acts, edges - acts

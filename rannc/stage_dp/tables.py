@@ -118,8 +118,12 @@ class ValueUses:
         par_use: list[tuple[int, int]] = []
         act_use: list[tuple[int, int]] = []
         for name, val in graph.values.items():
-            consumers = sorted({c for t in graph.consumers(name) for c in atomic.holders[t]})
-            if val.kind in (ValueKind.PARAM, ValueKind.BUFFER):
+            held = val.kind in (ValueKind.PARAM, ValueKind.BUFFER)
+            # an input or activation read for its sizes alone moves no rows (`Routes.shape_only`)
+            consumers = sorted({c for t in graph.consumers(name)
+                                if held or graph.tasks[t].op not in SHAPE_OPS
+                                for c in atomic.holders[t]})
+            if held:
                 par_use += [(len(par), c) for c in consumers]
                 own = sum(_bytes(val))
                 par.append((own + copies.get(name, 0.0), val.kind is ValueKind.PARAM, own))
@@ -130,10 +134,7 @@ class ValueUses:
             if prod_task is not None and atomic.component_of[prod_task] < 0:
                 continue  # a constant task's output: cloned where needed, never sent
             p = -1 if prod_task is None else atomic.component_of[prod_task]
-            # a read of its sizes alone moves no rows (`Routes.shape_only`)
-            readers = sorted({c for t in graph.consumers(name) if graph.tasks[t].op not in SHAPE_OPS
-                              for c in atomic.holders[t]})
-            act_use += [(len(act), c) for c in readers]
+            act_use += [(len(act), c) for c in consumers]
             act.append((*_bytes(val), p, name in out_names, name not in cannot))
 
         def pairs(x: list[tuple[int, int]]) -> np.ndarray:
