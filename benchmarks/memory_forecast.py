@@ -200,11 +200,18 @@ def worker(a: argparse.Namespace) -> None:
                            with_stack=True)
             prof.__enter__()
         with casting:
-            loss = model(**batch).loss
+            out_ = model(**batch)
+        loss = out_.loss
+        if a.loop == "drop":  # the batch outputs (logits) go before backward, as Trainer's loop
+            del out_
         losses.append(float(loss))
         loss.backward()
         opt.step()
-        opt.zero_grad()
+        # "hold": the gradients stay allocated (zeroed in place) and the outputs live through
+        # backward and the step, as in Hugging Face's no_trainer examples: what the forecast
+        # reserves for, so the two loops bracket what users run
+        opt.zero_grad(set_to_none=a.loop == "drop")
+        out_ = None
         if last:
             prof.__exit__(None, None, None)
             try:
@@ -242,7 +249,8 @@ def driver(a: argparse.Namespace) -> None:
                                         ("steps", a.steps), ("microbatches", a.microbatches),
                                         ("out", out), ("replicas", a.replicas),
                                         ("checkpointing", a.checkpointing),
-                                        ("host-malloc", a.host_malloc), ("schedule", a.schedule))]
+                                        ("host-malloc", a.host_malloc), ("schedule", a.schedule),
+                                        ("loop", a.loop))]
     common += ["--autocast"] if a.autocast else []
     try:
         for model in a.models:
@@ -258,7 +266,7 @@ def driver(a: argparse.Namespace) -> None:
         shutil.rmtree(out, ignore_errors=True)
     print(f"\nL{a.layers} H{a.hidden} A{a.heads} vocab {a.vocab}, global batch {a.batch} x {a.seq}, "
           f"{a.microbatches} microbatches, AdamW, {a.steps} steps, checkpointing {a.checkpointing}, "
-          f"host_malloc {a.host_malloc}, schedule {a.schedule}"
+          f"host_malloc {a.host_malloc}, schedule {a.schedule}, loop {a.loop}"
           f"{', bfloat16 autocast' if a.autocast else ''}\n")
     head = ["model", "stages x replicas", "rank", "schedule, in flight, recompute", "forecast MiB",
             "measured peak MiB", "measured / forecast", "tensor peak MiB", "tensors / forecast",
@@ -310,6 +318,10 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--loop", default="drop", choices=("drop", "hold"),
+                   help="drop: the outputs go before backward and zero_grad sets gradients to None "
+                        "(Trainer's loop); hold: the outputs live through the step and the "
+                        "gradients are zeroed in place (the forecast's assumption)")
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--smoke", action="store_true", help="2 layers H64, 1 and 2 stages, 3 steps")

@@ -52,6 +52,8 @@ from rannc.errors import RankFailure, RaNNCError
 POLL_S = 0.2
 #: How long a failing rank waits for the others to print their message before it exits.
 ACK_WAIT_S = 3.0
+#: How long a closing rank waits for its watchdog thread to leave its store call (seconds).
+JOIN_S = 5.0
 _PREFIX = "rannc/health/"
 EXITED = "exited"
 
@@ -262,6 +264,7 @@ class Health:
         if self.closed:
             return
         self.closed = True
+        self._join_thread()
         if self.failing:
             return
         with contextlib.suppress(Exception):
@@ -274,6 +277,21 @@ class Health:
                     if self.store.add("exited", 0) + self.store.add("failing", 0) >= self.world:
                         break
                     time.sleep(0.05)
+
+    def _join_thread(self) -> None:
+        """Wake the watchdog thread (it returns on seeing `closed`) and wait for it. Left
+        running, a daemon thread can be inside a store call (native code, the interpreter's
+        lock released) when the interpreter finalises: on taking the lock back it is ended by
+        a forced unwind through a destructor, and the process aborts with "terminate called
+        without an active exception" after the script finished. Joining also keeps the two
+        threads off the store connection at once while `close` writes the last beat."""
+        if not self._thread.is_alive() or threading.current_thread() is self._thread:
+            return
+        with contextlib.suppress(OSError):
+            os.write(self._nudge_w, b"x")
+        # a store call answers within milliseconds while the store lives; one blocked on a
+        # store that is gone is left behind (that exit is an error already)
+        self._thread.join(timeout=JOIN_S)
 
     def _died(self, r: int) -> str:
         last = self._last(r)
