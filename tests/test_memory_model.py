@@ -60,9 +60,11 @@ def gpt2() -> tuple[BlockIO, object, int]:
 
 
 @pytest.mark.parametrize("checkpointing", ["off", "on"])
-@pytest.mark.parametrize("in_flight,saved", [(1, 0), (2, 0), (2, 2), (4, 1)])
+@pytest.mark.parametrize("in_flight,saved,pending", [(1, 0, 0), (2, 0, 0), (2, 2, 0), (4, 1, 0),
+                                                     (2, 2, 2), (4, 4, 3)])
 def test_tables_hetero_dp_and_the_model_agree_on_a_stage(
-        gpt2: tuple[BlockIO, GraphCosts, int], checkpointing: str, in_flight: int, saved: int) -> None:
+        gpt2: tuple[BlockIO, GraphCosts, int], checkpointing: str, in_flight: int, saved: int,
+        pending: int) -> None:
     io, costs, k = gpt2
     d = 2  # replicas of the stage, each computing BATCH / (M * d) rows of a microbatch
     rows = BATCH // (M * d)
@@ -71,7 +73,7 @@ def test_tables_hetero_dp_and_the_model_agree_on_a_stage(
     mem = MemoryModel(opt_param_factor=2.0, limit=1e30, checkpointing=checkpointing)
     tab = stage_tables(prof, io, mem, batch_size=BATCH, devices=d, copies=1, microbatches=M,
                        link_bw=1e10, allreduce_bw=1e10, inflight=in_flight, saved_inputs=saved,
-                       only={d})
+                       only={d}, pending=pending)
     static = static_memory(io.params, io.grad_params, 2.0, d, 0)
     f = 1.0 if checkpointing == "on" else 0.0
     # one stage over every block, as the mixed-cluster DP sees it on d equal devices
@@ -79,7 +81,8 @@ def test_tables_hetero_dp_and_the_model_agree_on_a_stage(
                        HeteroDevices(speed=[1.0] * d, memory=[1e30] * d), rows=BATCH / M,
                        batch_of=[0] + [BATCH // (M * j) for j in range(1, d + 1)],
                        in_flight=in_flight, saved=saved, link_bw=1e10, allreduce_bw=1e10,
-                       microbatches=M, checkpointing=checkpointing, stages=1, replicas=[d])
+                       microbatches=M, checkpointing=checkpointing, stages=1, replicas=[d],
+                       pending=pending)
     assert hs is not None and len(hs) == 1 and hs[0].rows == (rows, rows)
     # GPT-2 returns its logits: the stage computing them holds them until the call returns,
     # and every rank assembles its own rows of them then (`returned_memory`)
@@ -91,12 +94,15 @@ def test_tables_hetero_dp_and_the_model_agree_on_a_stage(
 
     for lo, hi in [(0, k - 1), (0, 2), (3, k - 1), (2, 2)]:
         kept = float(prof.kept[lo:hi + 1, 0].sum())
+        # (a split backward's gradients kept from B for W; none where the stage is the first)
+        stash = float(prof.stash[lo:hi + 1, 0].sum()) if lo > 0 else 0.0
+        assert lo == 0 or stash > 0
         work = float(prof.work[lo:hi + 1, 0].max())
         inb = float(io.inputs[0][lo, hi] + io.inputs[1][lo, hi] * rows)
         outb = float(io.outputs[0][lo, hi] + io.outputs[1][lo, hi] * rows)
         want = float(stage_peak(float(static[lo, hi]), work, inb, outb, kept,
                                 returned(lo, hi), in_flight=in_flight, saved_inputs=saved,
-                                microbatches=M, recompute=f))
+                                microbatches=M, recompute=f, stash=stash, pending=pending))
         assert float(tab.recompute[lo, hi, d]) == f
         assert float(tab.memory[lo, hi, d]) == pytest.approx(want, rel=1e-12)
         # the smallest memory (all it may recompute recomputed) is the chosen one here
@@ -107,7 +113,7 @@ def test_tables_hetero_dp_and_the_model_agree_on_a_stage(
                        float(io.inputs[0][0, k - 1] + io.inputs[1][0, k - 1] * rows),
                        float(io.outputs[0][0, k - 1] + io.outputs[1][0, k - 1] * rows),
                        float(prof.kept[:, 0].sum()), returned(0, k - 1), in_flight=in_flight,
-                       saved_inputs=saved, microbatches=M, recompute=f)
+                       saved_inputs=saved, microbatches=M, recompute=f, pending=pending)
     assert hs[0].memory_bytes == pytest.approx(whole, rel=1e-9)
     assert hs[0].recompute == (checkpointing == "on")
 

@@ -275,3 +275,56 @@ def test_a_fused_kernel_keeps_a_boolean_mask_as_a_bias_in_the_query_dtype(float_
     assert real == pytest.approx(kept_bytes(graph, B, fused=True), rel=0.01)
     if not float_mask:  # (the bias, float32 B x 1 x S x S, is most of what it keeps)
         assert real > B * S * S * 4
+
+
+class EmbedsGPT2(nn.Module):
+    """A two-layer GPT-2 fed embeddings: a later pipeline stage, whose input needs a gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import transformers as tf
+
+        self.model = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=2, n_embd=64, n_head=4,
+                                                      vocab_size=1000, n_positions=64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(inputs_embeds=x).logits
+
+
+def _stash_of_split_backward(model: nn.Module, x: torch.Tensor) -> tuple[TaskGraph, float]:
+    """The captured graph, and the bytes the runtime's input pass (B) keeps for the weight pass
+    (W) running it once with x needing a gradient (distinct storages)."""
+    from rannc.pipeline.split_backward import backward_input
+
+    x.requires_grad_(True)
+    cap, ph = captured(model, (x,))
+    out = cap.gm(*ph)
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    wp = backward_input([out], [torch.ones_like(out)], [x], list(model.parameters()))
+    seen: dict[int, int] = {}
+    grads = [g for gs in wp.kept.values() for g in gs if g is not None]
+    grads += [g for grp in wp.groups for g in grp.grads]
+    for g in grads:
+        seen[g.untyped_storage().data_ptr()] = g.untyped_storage().nbytes()
+    wp.run()
+    return cap.graph, float(sum(seen.values()))
+
+
+# (not TanhGelu: its `.sum()` output gets an expanded scalar gradient of 4 bytes, where a
+# stage's outputs get full gradients from the next stage)
+@pytest.mark.parametrize("make,rows", [(Block, B), (EmbedsGPT2, 2)], ids=["block", "gpt2"])
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
+def test_the_stash_is_what_the_input_pass_keeps_for_the_weight_pass(
+        make: Any, rows: int, autocast: bool) -> None:
+    # zero-bubble schedules hold these gradients for every microbatch whose W is deferred, on
+    # top of its activations; the memory model counts them (`memory_terms`' stash)
+    from rannc.profile.saved import wgrad_stash
+
+    torch.manual_seed(0)
+    h = 64 if make is EmbedsGPT2 else H
+    with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        graph, got = _stash_of_split_backward(make(), torch.randn(rows, S, h))
+    st = wgrad_stash(graph, inputs_need_grad=True)
+    want = float((st[:, 0] + st[:, 1] * rows).sum())
+    assert got > 0
+    assert want == pytest.approx(got, rel=0.02)

@@ -29,6 +29,7 @@ from rannc.schedule import (
     simulate,
     validate,
 )
+from rannc.schedule.actions import pending_w
 from rannc.schedule.predict import plan_costs, predict
 from rannc.schedule.spec import registered, require_runs
 from rannc.stage_dp import search
@@ -340,6 +341,10 @@ def test_zero_bubble_lines_and_memory() -> None:
     # every stage holds what 1F1B's first stage holds (a microbatch is alive until its W), and
     # recomputed activations too are kept until W
     assert in_flight(sched) == [(4, 1), (4, 2), (4, 3), (4, 4)]
+    # and stage s holds s + 1 microbatches' gradients kept from B for W at once (what the
+    # memory model counts besides the activations), as many as it has rebuilt at once
+    assert pending_w(sched) == [1, 2, 3, 4] == [r for _, r in in_flight(sched)]
+    assert pending_w(make_schedule("1f1b", M, chain(S), [True] * S)) == [0] * S
     assert max(n for n, _ in in_flight(make_schedule("1f1b", M, chain(S), [False] * S))) == 4
     # the gain asked for: 4 stages, 8 microbatches, T_F = T_B = T_W
     costs = StageCosts.uniform(S, 1.0, 2.0, wgrad=1.0)
@@ -397,6 +402,8 @@ def test_zbv_places_two_stages_per_lane_in_a_v_and_idles_only_while_filling(P: i
             worth = max((held[d][0] + held[S - 1 - d][0]) / 2 for d in range(P))
             assert worth == P + 0.5
             assert get_spec("zero_bubble_v").in_flight(S, M) == max(n for n, _ in held)
+            rebuilt = in_flight(make_schedule("zero_bubble_v", M, chain(S), [True] * S))
+            assert pending_w(sched) == [r for _, r in rebuilt]
 
 
 def test_zbv_refuses_what_it_cannot_place() -> None:

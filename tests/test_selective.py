@@ -193,11 +193,13 @@ def _gpt2(layers: int = 4) -> tuple[nn.Module, dict[str, Any]]:
 
 
 def test_the_planner_recomputes_selectively_where_memory_is_short() -> None:
-    """GPT-2 on 2 devices with 35 % of the memory its plan without recomputation needs:
+    """GPT-2 on 2 devices with 25 % of the memory its plan without recomputation needs:
     selective recomputation (about 2 % of forward) where the plan without it recomputes a
     prefix and runs twice the microbatches, predicted faster; off with
     `selective_recompute=False`. (Since the causal masks became `is_causal`, 0.75 of the memory
-    is met by more microbatches alone.)"""
+    is met by more microbatches alone; since zero-bubble's gradients kept from B for W are
+    counted, the unconstrained plan, under zero-bubble, needs more, and at 35 % of that a
+    recomputed prefix under SCP beats 1F1B with selective recomputation.)"""
     model, kw = _gpt2()
     # (device time only: this tiny GPT-2's ops are short enough for the V100 entry's host time
     # per op to bind every stage, which is not what this checks)
@@ -206,7 +208,7 @@ def test_the_planner_recomputes_selectively_where_memory_is_short() -> None:
     free = rannc.plan(model, (), kw, cluster=cluster, config=rannc.Config(partition_num=2))
     assert not any(st.selective or st.recompute for st in free.stages)
     need = max(st.predicted.memory_bytes for st in free.stages if st.predicted)
-    cfg = rannc.Config(partition_num=2, mem_limit_gb=0.35 * need / 1e9, mem_margin=0.0)
+    cfg = rannc.Config(partition_num=2, mem_limit_gb=0.25 * need / 1e9, mem_margin=0.0)
     sel = rannc.plan(model, (), kw, cluster=cluster, config=cfg)
     off = rannc.plan(model, (), kw, cluster=cluster,
                      config=dataclasses.replace(cfg, selective_recompute=False))
@@ -216,7 +218,7 @@ def test_the_planner_recomputes_selectively_where_memory_is_short() -> None:
     assert sel.predicted_iteration_time is not None and off.predicted_iteration_time is not None
     assert sel.predicted_iteration_time < off.predicted_iteration_time
     for st in sel.stages:
-        assert st.predicted is not None and st.predicted.memory_bytes <= 0.35 * need * 1.0001
+        assert st.predicted is not None and st.predicted.memory_bytes <= 0.25 * need * 1.0001
     assert "sel" in sel.summary()
     assert [st.selective for st in rannc.Plan.from_dict(sel.to_dict()).stages] == \
         [st.selective for st in sel.stages]

@@ -242,13 +242,15 @@ class MeasureOracle(BlockOracle):
                           where=est.bwd > 0) if est.wgrad is not None else np.zeros_like(est.bwd)
         wgrad = np.multiply(out["bwd"], share, out=np.zeros_like(share), where=share > 0)
         if est.kept_sel is None or est.selective is None:
-            return BlockProfile(batch_sizes, out["fwd"], out["bwd"], out["kept"], out["work"], wgrad)
+            return BlockProfile(batch_sizes, out["fwd"], out["bwd"], out["kept"], out["work"], wgrad,
+                                stash=est.stash)
         # selective recomputation likewise: the estimate's shares of the kept bytes it drops and
         # of the forward it runs again, applied to the measured ones
         kept_share = np.divide(est.kept_sel, est.kept, out=np.ones_like(est.kept), where=est.kept > 0)
         sel_share = np.divide(est.selective, est.fwd, out=np.zeros_like(est.fwd), where=est.fwd > 0)
+        # (the gradients B keeps for W are sizes and dtypes: the estimate's, not measured)
         return BlockProfile(batch_sizes, out["fwd"], out["bwd"], out["kept"], out["work"], wgrad,
-                            out["kept"] * kept_share, out["fwd"] * sel_share)
+                            out["kept"] * kept_share, out["fwd"] * sel_share, stash=est.stash)
 
     def _measure_all(self, groups: list[list[int]], keys: list[str], batch_sizes: tuple[int, ...],
                      todo: list[tuple[int, int]], out: dict[str, np.ndarray], est: BlockProfile,

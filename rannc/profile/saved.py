@@ -115,6 +115,46 @@ def requires_grad(graph: TaskGraph) -> set[str]:
     return out
 
 
+def weight_side(graph: TaskGraph) -> set[str]:
+    """The floating values computed from trainable parameters alone (the parameters, their
+    casts, transposes, views, and anything made of those and constants), none from a batch."""
+    out = {n for n, v in graph.values.items() if v.kind is ValueKind.PARAM and v.dtype in _FLOAT}
+    other = (ValueKind.PARAM, ValueKind.BUFFER, ValueKind.CONSTANT)
+    for task in graph.tasks:
+        ins = [graph.values[v] for v in task.inputs if graph.values[v].is_tensor]
+        if any(v.name in out for v in ins) and all(v.name in out or v.kind in other for v in ins):
+            out.update(v for v in task.outputs if graph.values[v].dtype in _FLOAT)
+    return out
+
+
+def wgrad_stash(graph: TaskGraph, inputs_need_grad: bool = False) -> np.ndarray:
+    """(T, 2) bytes as c0 + c1 * batch: what a backward split into an input pass (B) and a
+    weight pass (W) keeps from B for W per microbatch (`rannc.pipeline.split_backward`): the
+    gradient flowing into each task where a weight's path meets the activations' (a task
+    reading a weight-side value and an activation autograd tracks: a linear, a norm's
+    weight, a tied head), the size of its output. It lives from B to W on top of the kept
+    activations (the graph stays alive until W), so a zero-bubble schedule holds it for every
+    microbatch whose W is deferred. `inputs_need_grad`: the graph's floating inputs need
+    gradients too (a graph standing for a later stage, whose inputs are activations)."""
+    T = len(graph.tasks)
+    stash = np.zeros((T, 2))
+    grad = requires_grad(graph)
+    if inputs_need_grad:
+        grad |= {n for n, v in graph.values.items()
+                 if v.kind is ValueKind.INPUT and v.dtype in _FLOAT}
+        for task in graph.tasks:
+            if any(v in grad for v in task.inputs):
+                grad.update(v for v in task.outputs if graph.values[v].dtype in _FLOAT)
+    wside = weight_side(graph)
+    for t, task in enumerate(graph.tasks):
+        ins = [v for v in task.inputs if v in grad]
+        if any(v in wside for v in ins) and any(v not in wside for v in ins):
+            out = next((graph.values[v] for v in task.outputs if v in grad), None)
+            if out is not None:
+                stash[t] = bytes_lin(out)
+    return stash
+
+
 def bases(graph: TaskGraph) -> dict[str, str]:
     """Each value's base: itself, or for a view (or a conversion that returns its input) the
     base of the value it views. A `contiguous` or `reshape` of a non-contiguous view copies."""
@@ -472,4 +512,4 @@ def _math_widening(q: Value) -> float:
 
 
 __all__ = ["Recomputable", "autocast_copies", "bases", "bytes_lin", "fused_kernels", "recomputable",
-           "requires_grad", "saved"]
+           "requires_grad", "saved", "weight_side", "wgrad_stash"]

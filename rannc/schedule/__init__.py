@@ -13,10 +13,11 @@ from rannc.schedule.spec import (
     make_schedule,
     register,
     registered,
+    splits_backward,
 )
 from rannc.schedule.trace import TraceError, chrome_trace, load_chrome_trace, timeline_png
 
 __all__ = ["FILL_DRAIN", "SCHEDULES", "Action", "Event", "Op", "Schedule", "ScheduleError",
            "ScheduleSpec", "StageCosts", "StageLine", "Timeline", "TraceError", "chain",
            "chrome_trace", "default_placement", "get_spec", "in_flight", "load_chrome_trace", "make_schedule",
-           "register", "registered", "simulate", "timeline_png", "validate"]
+           "register", "registered", "simulate", "splits_backward", "timeline_png", "validate"]

@@ -229,5 +229,31 @@ def in_flight(sched: Schedule) -> list[tuple[int, int]]:
     return out
 
 
+def pending_w(sched: Schedule) -> list[int]:
+    """Per stage where the backward is split: the most microbatches at once between their B
+    and their W, each holding the gradients B keeps for W (0 where the backward is not
+    split). The memory model counts that many stashes on top of the stage's peak of live
+    microbatches (`in_flight`): exact where the two peaks coincide (ZB-H1's stage s holds
+    s + 1 with all its microbatches live), a bound elsewhere. It is also how many microbatches'
+    recomputed activations are alive at once there (a microbatch rebuilt just before its B
+    keeps them until its W), which `in_flight` counts on lines that recompute."""
+    out = []
+    for s in range(sched.stages):
+        if not sched.splits_backward(s):
+            out.append(0)
+            continue
+        pend = peak = 0
+        for a in sched.actions[sched.lane_of(s)]:
+            if a.stage != s:
+                continue
+            if a.op is Op.B:
+                pend += 1
+                peak = max(peak, pend)
+            elif a.op is Op.W:
+                pend -= 1
+        out.append(peak)
+    return out
+
+
 __all__ = ["BACKWARD_SIDE", "COMPUTE", "Action", "Op", "Schedule", "ScheduleError", "chain", "in_flight",
-           "validate"]
+           "pending_w", "validate"]

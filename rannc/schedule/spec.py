@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from rannc.schedule.actions import Action, Op, Schedule, ScheduleError, chain, in_flight
+from rannc.schedule.actions import Action, Op, Schedule, ScheduleError, chain, in_flight, pending_w
 
 # The schedule every model can run: forwards in forward(), backwards in backward(). Schedules
 # that run eagerly fall back to it when the model does not return one scalar loss.
@@ -114,10 +114,12 @@ def any_count(lanes: int, microbatches: int) -> bool:
 @dataclass(frozen=True, slots=True)
 class HeldActivations:
     """What the memory model multiplies for one stage: microbatches whose activations are
-    alive at once, and microbatches whose stage inputs are kept for a late pass."""
+    alive at once, microbatches whose stage inputs are kept for a late pass, and (a backward
+    split into B and W) microbatches whose B-to-W gradients count besides (`pending_w`)."""
 
     in_flight: int
     saved_inputs: int
+    pending: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,7 +164,8 @@ class ScheduleSpec:
         and (eager schedules, when a batch output may also get a gradient: `late`) every
         microbatch's stage inputs kept for the runtime's late pass."""
         saved = microbatches if self.eager and late else 0
-        return HeldActivations(self.in_flight(stages, microbatches), saved)
+        return HeldActivations(self.in_flight(stages, microbatches), saved,
+                               pending_bound(self.name, stages, microbatches))
 
     def recomputes(self, s: int, n_stages: int, planned: bool) -> bool:
         """Whether stage s recomputes, given what the plan says."""
@@ -208,7 +211,8 @@ def _zero_bubble_h1(line: StageLine) -> list[Action]:
     the W of stage s deferred by its distance from the first stage, so the chain of B
     passes that ends the iteration runs without the W passes on it and the later stages fill
     their cool-down waits with the deferred W. Stage s then holds at most the first stage's
-    1F1B count of microbatches (theirs until its W), which is 1F1B's peak memory."""
+    1F1B count of microbatches (theirs until its W), 1F1B's peak activation memory, and besides
+    the gradients B keeps for W of s + 1 microbatches (`actions.pending_w`)."""
     M = line.microbatches
     warm = min(line.depth, M)
     lag = line.max_depth - line.depth  # W passes deferred (torch's num_1f1b_microbatches: rank)
@@ -464,6 +468,33 @@ def _shared_in_flight(name: str, S: int, M: int) -> int:
     return max(n for n, _ in in_flight(make_schedule(name, M, chain(S), [False] * S)))
 
 
+@functools.lru_cache(maxsize=1024)
+def pending_counts(name: str, S: int, M: int) -> tuple[int, ...]:
+    """Per stage of an S-stage chain, first to last: the microbatches whose B-to-W gradients
+    the memory model counts (`actions.pending_w`; all 0 where the backward is not split)."""
+    if not splits_backward(name):
+        return (0,) * S
+    spec = get_spec(name)
+    if S % spec.chunks or not spec.runnable(S // spec.chunks, M):
+        return (M,) * S  # (not runnable there: the most any line could hold)
+    return tuple(pending_w(make_schedule(name, M, chain(S), [False] * S)))
+
+
+def pending_bound(name: str, S: int, M: int) -> int:
+    """The most `pending_counts` of any stage: the bound the stage DP plans under."""
+    return max(pending_counts(name, S, M), default=0)
+
+
+@functools.lru_cache(maxsize=64)
+def splits_backward(name: str) -> bool:
+    """Whether schedule `name` runs backwards as B (input gradients) and W (weight gradients)
+    apart, read off its lines (two lanes, four microbatches): the memory model then counts the
+    gradients B keeps for W (`rannc.stage_dp.memory.memory_terms`' stash)."""
+    S = 2 * get_spec(name).chunks
+    sched = make_schedule(name, 4, chain(S), [False] * S)
+    return any(sched.splits_backward(s) for s in range(S))
+
+
 def _depth_to_end(sup: tuple[tuple[int, ...], ...], s: int) -> int:
     """Longest chain of consumers after stage s (the last stage: 0)."""
     return _depths(sup)[s]
@@ -482,4 +513,4 @@ def _depths(sup: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:
 
 __all__ = ["FILL_DRAIN", "SCHEDULES", "HeldActivations", "ScheduleSpec", "StageLine",
            "default_placement", "get_spec", "looped", "make_schedule", "register", "registered",
-           "require_runs", "v_shape"]
+           "pending_bound", "pending_counts", "require_runs", "splits_backward", "v_shape"]

@@ -65,7 +65,7 @@ def hetero_stages(prof: BlockProfile, io: BlockIO, static: np.ndarray, dev: Hete
                   link_bw: float, allreduce_bw: float, microbatches: int, checkpointing: str,
                   stages: int | None = None, replicas: Sequence[int] | None = None,
                   bucket_bytes: float = 0.0, overlap: bool = False,
-                  selective: bool = False) -> list[HeteroStage] | None:
+                  selective: bool = False, pending: int = 0) -> list[HeteroStage] | None:
     """The best split of all blocks over all devices (or into exactly `stages` stages, or with
     stage s on exactly `replicas[s]` devices), or None.
 
@@ -77,14 +77,17 @@ def hetero_stages(prof: BlockProfile, io: BlockIO, static: np.ndarray, dev: Hete
     the batch (`MemoryModel.static`, the rank's overhead included; the bucket apart).
     `selective`: a stage may also recompute selectively (`MemoryModel.selective`), where the
     profile has its figures: instead of recomputing its whole forward, or alone under
-    checkpointing "selective"."""
+    checkpointing "selective". `pending`: the schedule runs B and W apart, and this many
+    microbatches' gradients kept from B for W count besides (`tables.stage_tables`)."""
     k = io.params.shape[0]
     order = dev.order()
     n = len(order)
     # this rank's rows of every batch output, assembled when the call returns
     mine = io.returned_bytes(0, local_rows(round(rows * microbatches), 1, n))[1]
     slow = min(dev.speed)
-    pre = prof.prefix_sums(("fwd", "bwd", "kept", "kept_sel", "selective"))
+    pre = prof.prefix_sums(("fwd", "bwd", "kept", "kept_sel", "selective", "stash"))
+    if not pending:
+        pre.pop("stash", None)
     # (recompute the whole forward, keep a recipe of the cheap ops' activations) per option
     options = [(False, False), (True, False)] if checkpointing in ("auto", "stage_aware") else \
         [(checkpointing == "on", False)]
@@ -106,6 +109,8 @@ def hetero_stages(prof: BlockProfile, io: BlockIO, static: np.ndarray, dev: Hete
         f = (pre["fwd"][r + 1, c] - pre["fwd"][lo, c]) / b
         g = (pre["bwd"][r + 1, c] - pre["bwd"][lo, c]) / b
         kept = (pre["kept"][r + 1, c] - pre["kept"][lo, c]) / b
+        stash = (pre["stash"][r + 1, c] - pre["stash"][lo, c]) / b if "stash" in pre and lo > 0 \
+            else 0.0
         work = float(prof.work[lo:r + 1, c].max())
         in0, in1 = io.inputs[0][lo, r], io.inputs[1][lo, r]
         out0, out1 = io.outputs[0][lo, r], io.outputs[1][lo, r]
@@ -139,7 +144,8 @@ def hetero_stages(prof: BlockProfile, io: BlockIO, static: np.ndarray, dev: Hete
                                  microbatches=microbatches, held_outputs=held0.held)
             per_row = stage_memory(0.0, 0.0, in1, out1, k_row, in_flight=in_flight,
                                    saved_inputs=saved, recompute=float(rc),
-                                   microbatches=microbatches, held_outputs=held1.held)
+                                   microbatches=microbatches, held_outputs=held1.held,
+                                   stash=stash, pending=pending)
             caps = [min(_rows_within(dev.memory[x], fixed, per_row), _rows_within(dev.memory[x], at0, at1))
                     for x in ranks]
             try:

@@ -15,14 +15,20 @@ added here reaches all of them.
            + saved_inputs * inputs        eager schedules: stage inputs kept for the late pass
            + work                         the largest single task's live bytes
            + alive(f) * kept              activations kept for backward
+           + pending * stash              a backward split into B and W (zero-bubble schedules):
+                                          the gradients B keeps for W (`saved.wgrad_stash`) of
+                                          the microbatches between their B and W
+                                          (`actions.pending_w`)
            + held outputs                 batch outputs (logits) kept until the call returns
 
 where `kept` is one microbatch's activations kept for backward (what autograd saves,
 `rannc.profile.saved`) and f the fraction of them recomputed: recomputation drops f of every
 microbatch's kept activations but one (the one being rebuilt), so alive(f) = in_flight - f *
-(in_flight - 1). The stage's peak is the larger of that and its memory when the call returns
-(`at_return_memory`: every microbatch's batch outputs and this rank's rows of them assembled,
-which recomputation cannot free). All functions take numpy arrays or floats alike (the tables
+(in_flight - 1); under a split backward a microbatch rebuilt before its B keeps them until its
+W, so all but `pending`: alive(f) = in_flight - f * (in_flight - pending). The stage's peak
+is the larger of that and its memory when the call returns (`at_return_memory`: every
+microbatch's batch outputs and this rank's rows of them assembled, which recomputation cannot
+free). All functions take numpy arrays or floats alike (the tables
 call them on (k, k) arrays, the mixed-cluster DP on floats).
 
 Index conventions: none; every argument is one stage's (or one array of stages').
@@ -123,17 +129,23 @@ def posted_ahead(in_flight: int, saved_inputs: int, microbatches: int) -> int:
 
 def memory_terms(static: Any, work: Any, inputs: Any, outputs: Any, kept: Any, *,
                  in_flight: int, saved_inputs: int, microbatches: int,
-                 held_outputs: Any = 0.0) -> tuple[Any, Any]:
+                 held_outputs: Any = 0.0, stash: Any = 0.0, pending: int = 0) -> tuple[Any, Any]:
     """(the stage's memory with nothing recomputed, the bytes one unit of recomputed fraction
     frees): memory(f) = full - f * per_fraction (`with_recompute`). `static` includes the
     gradient bucket (`bucket_memory`); inputs, outputs and kept are one microbatch's bytes;
     `held_outputs` the batch outputs kept to be returned while microbatches run
-    (`Returned.held`)."""
+    (`Returned.held`); `stash` one microbatch's gradients kept from B for W where the schedule
+    splits the backward, counted `pending` times (`actions.pending_w`: the most microbatches
+    between B and W at once; with the in-flight peak, a bound on the stage's activations and
+    stashes at every point of its line). Recomputation frees none of it (gradients)."""
     ahead = posted_ahead(in_flight, saved_inputs, microbatches)
     base = static + (in_flight + ahead) * inputs + in_flight * outputs + saved_inputs * inputs \
-        + work + held_outputs
+        + work + held_outputs + pending * stash
     full = base + in_flight * kept
-    return full, (in_flight - 1) * kept
+    # recomputation drops f of the kept activations of every microbatch but those rebuilt at
+    # once: one (rebuilt just before its backward), or under a split backward the `pending`
+    # ones (rebuilt before B, alive until W)
+    return full, max(in_flight - max(pending, 1), 0) * kept
 
 
 def with_recompute(full: Any, per_fraction: Any, fraction: Any) -> Any:
@@ -143,12 +155,12 @@ def with_recompute(full: Any, per_fraction: Any, fraction: Any) -> Any:
 
 def stage_memory(static: Any, work: Any, inputs: Any, outputs: Any, kept: Any, *,
                  in_flight: int, saved_inputs: int, microbatches: int, recompute: Any = 0.0,
-                 held_outputs: Any = 0.0) -> Any:
+                 held_outputs: Any = 0.0, stash: Any = 0.0, pending: int = 0) -> Any:
     """The stage's memory while microbatches run, with `recompute` (a fraction in [0, 1]) of
     its kept activations recomputed."""
     full, per = memory_terms(static, work, inputs, outputs, kept, in_flight=in_flight,
                              saved_inputs=saved_inputs, microbatches=microbatches,
-                             held_outputs=held_outputs)
+                             held_outputs=held_outputs, stash=stash, pending=pending)
     return with_recompute(full, per, recompute)
 
 
@@ -205,14 +217,16 @@ def at_return_memory(static: Any, inputs: Any, outputs: Any, kept: Any, ret: Ret
 
 
 def stage_peak(static: Any, work: Any, inputs: Any, outputs: Any, kept: Any, ret: Returned, *,
-               in_flight: int, saved_inputs: int, microbatches: int, recompute: Any = 0.0) -> Any:
+               in_flight: int, saved_inputs: int, microbatches: int, recompute: Any = 0.0,
+               stash: Any = 0.0, pending: int = 0) -> Any:
     """The stage's peak: while microbatches run (`stage_memory`) or when the call returns
     (`at_return_memory`), whichever is larger. `static` includes the gradient bucket in both
     (an upper bound when the call returns: the bucket's buffer lives while gradients are
     reduced)."""
     running = stage_memory(static, work, inputs, outputs, kept, in_flight=in_flight,
                            saved_inputs=saved_inputs, microbatches=microbatches,
-                           recompute=recompute, held_outputs=ret.held)
+                           recompute=recompute, held_outputs=ret.held, stash=stash,
+                           pending=pending)
     return np.maximum(running, at_return_memory(static, inputs, outputs, kept, ret,
                                                 in_flight=in_flight, saved_inputs=saved_inputs,
                                                 microbatches=microbatches))

@@ -88,7 +88,8 @@ def mixed_plans(graph: TaskGraph, atomic: AtomicPartition, prof: BlockProfile, i
                                checkpointing=config.checkpointing, stages=config.partition_num,
                                replicas=config.replicas, bucket_bytes=config.bucket_mb * MB,
                                overlap=reduction_overlaps_backward(sched),
-                               selective=selective_allowed(config))
+                               selective=selective_allowed(config),
+                               pending=held.pending)
             if hs is None:
                 continue
             stages = []

@@ -47,7 +47,10 @@ from rannc.schedule import (
     in_flight,
     make_schedule,
     simulate,
+    splits_backward,
 )
+from rannc.schedule.actions import pending_w
+from rannc.schedule.spec import pending_bound
 from rannc.stage_dp.dp import stage_dp, stage_dp_by_position
 from rannc.stage_dp.memory import MB, MemoryModel, rank_overhead
 from rannc.stage_dp.tables import (
@@ -108,6 +111,8 @@ class Simulated:
     wgrad: tuple[float, ...]  # the weight-gradient seconds within bwd
     selective: tuple[bool, ...]  # per stage, selective recomputation
     selective_s: tuple[float, ...]  # its seconds, in bwd
+    # per stage, microbatches whose gradients kept from B for W it holds besides (`pending_w`)
+    pending: tuple[int, ...] = ()
 
 
 class TableCache:
@@ -125,19 +130,21 @@ class TableCache:
         self.cluster, self.link_bw = cluster, link_bw
         self.width = width  # replica counts beyond it are not tabled
         self.only = only  # the replica counts tabled (None: all up to the width)
-        self.tables: dict[tuple[int, int, int, int, int, bool, int, float | None], StageTables] = {}
+        self.tables: dict[tuple[int, int, int, int, int, bool, int, float | None, int],
+                          StageTables] = {}
         # a device's stages may split its memory unevenly only where every device is alike: a
         # mixed cluster's placement (`placement.place`) gives each stage 1/chunks of a device
         self.lane_shares = cluster.is_homogeneous
 
     def __call__(self, D: int, R: int, m: int, n_in: int, saved: int, sched: str,
-                 share: float | None = None) -> StageTables:
+                 share: float | None = None, *, pending: int) -> StageTables:
         """The tables; `share`: of the device's memory for each stage where several share a
-        device (default 1/chunks)."""
+        device (default 1/chunks); `pending`: microbatches whose gradients kept from B for W
+        count besides (a schedule splitting the backward: `spec.pending_counts`; else 0)."""
         chunks = get_spec(sched).chunks
         # (share None is 1/chunks: one key for both, so the search's tables serve the costing)
         part = None if chunks == 1 else 1.0 / chunks if share is None else share
-        key = (D, R, m, n_in, saved, reduction_overlaps_backward(sched), chunks, part)
+        key = (D, R, m, n_in, saved, reduction_overlaps_backward(sched), chunks, part, pending)
         if key not in self.tables:
             c = self.cluster
             link = self.link_bw
@@ -148,7 +155,7 @@ class TableCache:
                                             batch_size=self.batch_size, devices=width, copies=R,
                                             microbatches=m, link_bw=link, allreduce_bw=ar_bw,
                                             inflight=n_in, saved_inputs=saved, only=self.only,
-                                            overlap=key[5], world=D * R)
+                                            overlap=key[5], world=D * R, pending=pending)
         return self.tables[key]
 
 
@@ -291,16 +298,18 @@ def search(table: TableCache, layouts: Sequence[tuple[int, int]], mbs: Sequence[
                 if not virtual:
                     v = get_spec(sched).chunks
                     for P in lane_counts(table, D, m, config, sched):
-                        tab = table(D, R, m, get_spec(sched).in_flight(v * P, m), saved, sched)
+                        tab = table(D, R, m, get_spec(sched).in_flight(v * P, m), saved, sched,
+                                    pending=pending_bound(sched, v * P, m))
                         infeasible.lanes.append((tab, D, P, v))
                 continue
-            by_pos = in_flight_by_position(sched, D, m)
+            # (a split backward's pending counts depend on the number of stages: bounded below)
+            by_pos = None if splits_backward(sched) else in_flight_by_position(sched, D, m)
             if by_pos is not None:
                 # Each stage is costed with the microbatches it holds, known from its position
                 # counted from the end (1F1B: the j-th from the end holds min(j, m)); the DP
                 # runs over the blocks reversed to know that position.
                 counts = sorted(set(by_pos))
-                tabs = [table(D, R, m, n, saved, sched) for n in counts]
+                tabs = [table(D, R, m, n, saved, sched, pending=0) for n in counts]
                 table_of = [counts.index(n) for n in by_pos]
                 found += solutions(tabs, table_of, D, R, m, config, sched)
                 if not found:
@@ -310,12 +319,14 @@ def search(table: TableCache, layouts: Sequence[tuple[int, int]], mbs: Sequence[
             # stage of an S-stage split is budgeted for the most any stage holds,
             # in_flight(S, m), and costed per stage by `simulate_candidate`.
             held = {S: get_spec(sched).held(S, m, late) for S in range(1, D + 1)}
-            for n_in in sorted({h.in_flight for h in held.values()}):
-                tab = table(D, R, m, n_in, saved, sched)
+            for n_in, pend in sorted({(h.in_flight, h.pending) for h in held.values()}):
+                tab = table(D, R, m, n_in, saved, sched, pending=pend)
                 found += [c for c in solutions([tab], [0] * D, D, R, m, config, sched)
-                          if held[len(c.replicas)].in_flight == n_in]
+                          if (held[len(c.replicas)].in_flight, held[len(c.replicas)].pending)
+                          == (n_in, pend)]
                 if not found:
-                    counts_s = {S for S in range(1, D + 1) if held[S].in_flight == n_in}
+                    counts_s = {S for S in range(1, D + 1)
+                                if (held[S].in_flight, held[S].pending) == (n_in, pend)}
                     infeasible.tried.append(([tab], [0] * D, D, counts_s))
     return found, infeasible
 
@@ -333,7 +344,8 @@ def interleaved(table: TableCache, D: int, R: int, m: int, config: Config, sched
     out: list[Candidate] = []
     for P in lane_counts(table, D, m, config, sched):
         S = v * P
-        tab = table(D, R, m, get_spec(sched).in_flight(S, m), saved, sched)
+        tab = table(D, R, m, get_spec(sched).in_flight(S, m), saved, sched,
+                    pending=pending_bound(sched, S, m))
         options: set[tuple[int, ...]] = set()
         if config.replicas is not None:
             options.add(tuple(config.replicas))
@@ -575,33 +587,35 @@ def simulate_candidate(c: Candidate, table: TableCache,
     saved = get_spec(sched).held(S, c.microbatches, late).saved_inputs
     place = placement(c)
     # the schedule's own in-flight counts (recomputation does not change them)
-    counts = [n for n, _ in in_flight(make_schedule(sched, c.microbatches, chain(S), [False] * S,
-                                                    place))]
+    line = make_schedule(sched, c.microbatches, chain(S), [False] * S, place)
+    counts = [n for n, _ in in_flight(line)]
+    pend = pending_w(line)
     shares: list[float | None] = [None] * S  # (None: 1/chunks, the even split)
-    best = _costed(c, table, counts, saved, place, shares)
+    best = _costed(c, table, counts, pend, saved, place, shares)
     # Greedily, device by device, the split of its memory the simulator finds fastest (the
     # even split first: a plan never gets slower than with it), where a stage of the device
     # recomputes or does not fit (else more memory cannot make either faster).
     wanted = [s for s in range(S) if best is None or best.recompute[s] > 0
               or (best.selective and best.selective[s])]
-    for a, b, tries in lane_share_options(c, table, counts, saved, place, wanted):
+    for a, b, tries in lane_share_options(c, table, counts, pend, saved, place, wanted):
         for share in tries:
             trial = list(shares)
             trial[a], trial[b] = share, 1 - share
-            got = _costed(c, table, counts, saved, place, trial)
+            got = _costed(c, table, counts, pend, saved, place, trial)
             if got is not None and (best is None or got.time < best.time * (1 - 1e-9)):
                 best, shares = got, trial
     return best
 
 
-def _costed(c: Candidate, table: TableCache, counts: Sequence[int], saved: int,
-            place: Sequence[int], shares: Sequence[float | None]) -> Simulated | None:
+def _costed(c: Candidate, table: TableCache, counts: Sequence[int], pend: Sequence[int],
+            saved: int, place: Sequence[int], shares: Sequence[float | None]) -> Simulated | None:
     """`simulate_candidate` for one split of the devices' memory among their stages."""
     S, sched = len(c.replicas), c.schedule
     rows: list[StageCost] = []
     for s in range(S):
         x = (c.bounds[s], c.bounds[s + 1] - 1, c.replicas[s])
-        tab = table(c.devices, c.copies, c.microbatches, counts[s], saved, sched, shares[s])
+        tab = table(c.devices, c.copies, c.microbatches, counts[s], saved, sched, shares[s],
+                    pending=pend[s])
         if not math.isfinite(float(tab.h[x])):
             return None
         rows.append(StageCost(recompute=float(tab.recompute[x]), fwd=float(tab.fwd[x]),
@@ -623,7 +637,7 @@ def _costed(c: Candidate, table: TableCache, counts: Sequence[int], saved: int,
                      tuple(r.bwd for r in rows), tuple(r.allreduce for r in rows),
                      tuple(r.memory for r in rows), tuple(counts), tuple(r.recompute_s for r in rows),
                      tuple(r.wgrad for r in rows), tuple(r.selective for r in rows),
-                     tuple(r.selective_s for r in rows))
+                     tuple(r.selective_s for r in rows), tuple(pend))
 
 
 # The grain of the shares of a device's memory that `lane_share_options` gives its stages
@@ -632,7 +646,7 @@ SHARE_GRAIN = 32
 
 
 def lane_share_options(c: Candidate, table: TableCache, counts: Sequence[int],
-                       saved: int, place: Sequence[int], stages: Sequence[int]
+                       pend: Sequence[int], saved: int, place: Sequence[int], stages: Sequence[int]
                        ) -> list[tuple[int, int, list[float]]]:
     """Where two stages share each device (ZB-V, interleaved 1F1B over two chunks) and the
     cluster's devices are alike: per device running one of `stages`, its stages a and b and
@@ -650,7 +664,8 @@ def lane_share_options(c: Candidate, table: TableCache, counts: Sequence[int],
 
     def keeps_all(s: int) -> float | None:  # the share stage s needs to recompute nothing
         x = (c.bounds[s], c.bounds[s + 1] - 1, c.replicas[s])
-        t = table(c.devices, c.copies, c.microbatches, counts[s], saved, c.schedule)
+        t = table(c.devices, c.copies, c.microbatches, counts[s], saved, c.schedule,
+                  pending=pend[s])
         need = float(t.memory_keep[x]) / table.mem.limit
         return math.ceil(need * SHARE_GRAIN) / SHARE_GRAIN if math.isfinite(need) else None
 

@@ -75,7 +75,7 @@ def plan_splits(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, con
         for sched in searched_schedules(config, one_stage_per_rank=True):
             for i, (bounds, replicas) in enumerate(splits):
                 held = get_spec(sched).held(len(replicas), m, late)
-                tab = table(D, R, m, held.in_flight, held.saved_inputs, sched)
+                tab = table(D, R, m, held.in_flight, held.saved_inputs, sched, pending=held.pending)
                 ref = simulate_candidate(candidate([tab] * len(replicas), D, R, m, bounds, replicas,
                                                    sched), table, late)
                 old = best[i]

@@ -259,7 +259,7 @@ def stage_tables(prof: BlockProfile, io: BlockIO, mem: MemoryModel, *, batch_siz
                  devices: int, copies: int, microbatches: int, link_bw: float, allreduce_bw: float,
                  inflight: int | None = None, saved_inputs: int = 0,
                  only: Collection[int] | None = None, overlap: bool = False,
-                 world: int | None = None) -> StageTables:
+                 world: int | None = None, pending: int = 0) -> StageTables:
     """`inflight`: microbatches whose activations a stage holds at once (fill-drain: all of
     them; 1F1B: at most the stages from it to the end); `saved_inputs`: microbatches whose stage
     inputs are kept besides (eager schedules keep them for a late backward pass); `only`: the
@@ -267,7 +267,11 @@ def stage_tables(prof: BlockProfile, io: BlockIO, mem: MemoryModel, *, batch_siz
     needs columns only for theirs; `overlap`: the gradient reduction runs during the last
     microbatch's backward (`reduction_overlaps_backward`), and only what outlasts it counts;
     `world`: the ranks feeding the global batch (default `devices * copies`; the tables may be
-    narrower than the pipeline), whose rows of the batch outputs each rank assembles.
+    narrower than the pipeline), whose rows of the batch outputs each rank assembles;
+    `pending`: the schedule runs each backward as B and W apart, and this many microbatches'
+    gradients kept from B for W count besides (the profile's `stash`; `memory_terms`). A stage
+    starting at the first block keeps none: its inputs need no gradient, so its B does nothing
+    and its W is the whole backward (the gradients arriving are its outputs').
 
     Recomputation is a fraction f of a stage's kept activations dropped in forward and rebuilt
     before backward (Merak's stage-aware recomputation, by memory rather than by layer): the
@@ -292,8 +296,11 @@ def stage_tables(prof: BlockProfile, io: BlockIO, mem: MemoryModel, *, batch_siz
     n_in = microbatches if inflight is None else inflight
     local = local_rows(batch_size, 1, world) if world is not None else \
         local_rows(batch_size, copies, devices)
-    pre = prof.prefix_sums(("fwd", "bwd", "kept", "wgrad", "kept_sel", "selective"))
+    pre = prof.prefix_sums(("fwd", "bwd", "kept", "wgrad", "kept_sel", "selective", "stash"))
     pre.setdefault("wgrad", np.zeros_like(pre["fwd"]))  # (unknown: no W split out)
+    if not pending:
+        pre.pop("stash", None)
+    pre.setdefault("stash", np.zeros_like(pre["fwd"]))
     sel_ok = mem.selective and "kept_sel" in pre and "selective" in pre
     selective = np.zeros(shape, dtype=bool)
     selective_s = np.zeros(shape)
@@ -314,7 +321,8 @@ def stage_tables(prof: BlockProfile, io: BlockIO, mem: MemoryModel, *, batch_siz
             p = pre[name][:, i]
             return p[None, 1:] - p[:k, None]  # [l, r] = sum over blocks l..r
 
-        fwd, bwd, kept = rng("fwd"), rng("bwd"), rng("kept")
+        fwd, bwd, kept, stash = rng("fwd"), rng("bwd"), rng("kept"), rng("stash")
+        stash[0, :] = 0.0  # (the first stage's: see above)
         inb = io.inputs[0] + io.inputs[1] * b
         outb = io.outputs[0] + io.outputs[1] * b
         comm = (inb + outb) / link_bw
@@ -326,7 +334,8 @@ def stage_tables(prof: BlockProfile, io: BlockIO, mem: MemoryModel, *, batch_siz
         ret = returned_memory(*io.returned_bytes(b, local), microbatches, n_in)
         full, saved_per_f = memory_terms(static + bucket, work_max[:, :, i], inb, outb, kept,
                                          in_flight=n_in, saved_inputs=saved_inputs,
-                                         microbatches=microbatches, held_outputs=ret.held)
+                                         microbatches=microbatches, held_outputs=ret.held,
+                                         stash=stash, pending=pending)
         at_return = at_return_memory(static + bucket, inb, outb, kept, ret, in_flight=n_in,
                                      saved_inputs=saved_inputs, microbatches=microbatches)
         f = np.maximum(fraction_to_fit(full, saved_per_f, mem.limit), f_min)
@@ -338,7 +347,7 @@ def stage_tables(prof: BlockProfile, io: BlockIO, mem: MemoryModel, *, batch_siz
             full_s, per_s = memory_terms(static + bucket, work_max[:, :, i], inb, outb,
                                          rng("kept_sel"), in_flight=n_in,
                                          saved_inputs=saved_inputs, microbatches=microbatches,
-                                         held_outputs=ret.held)
+                                         held_outputs=ret.held, stash=stash, pending=pending)
             f_s = np.maximum(fraction_to_fit(full_s, per_s, mem.limit), f_min)
             ok_s = valid & (f_s <= f_max) & (at_return <= mem.limit)
             f_s = np.where(ok_s, f_s, 0.0)
