@@ -21,6 +21,11 @@ runs one plain process). Per rank it reports:
   `malloc_trim` (what the process keeps between steps once the C allocator returns free pages);
 * measured / forecast: the goal is within 15 % (0.87 to 1.15).
 
+`--loop drop` (the default) is Trainer's loop: the batch outputs go before backward and
+`zero_grad()` frees the gradients; `--loop hold` keeps the outputs through the step and zeroes
+the gradients in place (Hugging Face's `no_trainer` examples keep `outputs` alive), which is
+what the forecast reserves for, so its tensor peak is the one the forecast must not fall below.
+
 On a GPU the right measure is `torch.cuda.max_memory_allocated`; this script measures the CPU
 process, whose peak also holds what the forecast does not count (the captured and stage graphs,
 the C allocator's retained heap). The helpers (`VmHWM` reset, storage accounting, launcher)
