@@ -28,6 +28,7 @@ from rannc.schedule import (
     simulate,
     validate,
 )
+from rannc.schedule.actions import pending_w
 
 pytestmark = pytest.mark.layer("pure")
 
@@ -91,3 +92,12 @@ def test_a_registered_schedule_is_accepted_simulated_and_planned() -> None:
     assert "fifo" not in SCHEDULES
     with pytest.raises(ConfigError, match="schedule must be one of"):
         rannc.Config(schedule="fifo")
+
+
+@pytest.mark.parametrize(("name", "S", "M"), list(itertools.product(SCHEDULES, [1, 2, 4, 6], [1, 3, 8])))
+def test_the_pending_bound_is_what_the_lines_hold(name: str, S: int, M: int) -> None:
+    # (the gradients a split backward keeps from B for W: `actions.pending_w`)
+    spec = get_spec(name)
+    if spec.chunks > 1 and (S % spec.chunks or M > S // spec.chunks and M % (S // spec.chunks)):
+        return  # refused (tests/test_schedule.py)
+    assert max(pending_w(make_schedule(name, M, chain(S), [False] * S))) == spec.pending(S, M)

@@ -158,6 +158,11 @@ class ScheduleSpec:
     runnable: Callable[[int, int], bool] = any_count
     """(lanes, microbatches) -> whether its lines run that many microbatches on that many lanes
     without deadlock (interleaved 1F1B's rounds need a multiple of the lanes)."""
+    pending: Callable[[int, int], int] = lambda S, M: 0
+    """(stages S, microbatches M) -> where the backward is split into B and W, the most
+    microbatches any stage holds between its B and its W (`actions.pending_w`): the bound the
+    stage DP plans their gradients kept from B for W under, as `in_flight` bounds the
+    activations (each candidate is then costed with its stages' own counts)."""
 
     def held(self, stages: int, microbatches: int, late: bool) -> HeldActivations:
         """The planner's memory model for this schedule's activations: the in-flight bound,
@@ -165,7 +170,7 @@ class ScheduleSpec:
         microbatch's stage inputs kept for the runtime's late pass."""
         saved = microbatches if self.eager and late else 0
         return HeldActivations(self.in_flight(stages, microbatches), saved,
-                               pending_bound(self.name, stages, microbatches))
+                               self.pending(stages, microbatches))
 
     def recomputes(self, s: int, n_stages: int, planned: bool) -> bool:
         """Whether stage s recomputes, given what the plan says."""
@@ -378,7 +383,7 @@ register(ScheduleSpec("scp", _shifted_critical_path, eager=True, recompute_last=
 # ZB-H1: backward split into input gradients (B) and weight gradients (W), W deferred into the
 # cool-down; every stage holds up to the first stage's count (its microbatches wait for W).
 register(ScheduleSpec("zero_bubble", _zero_bubble_h1, eager=True, recompute_last=True,
-                      in_flight=lambda S, M: min(S, M),
+                      in_flight=lambda S, M: min(S, M), pending=lambda S, M: min(S, M),
                       summary="zero-bubble ZB-H1 (backward split into input and weight passes)"))
 # Interleaved 1F1B: stage s on lane s % P (the ranks of pipeline position s % P).
 register(ScheduleSpec("interleaved_1f1b", _interleaved_one_f_one_b, eager=True,
@@ -389,6 +394,7 @@ register(ScheduleSpec("interleaved_1f1b", _interleaved_one_f_one_b, eager=True,
 # ZB-V: two stages per rank in a V (stage d and 2P - 1 - d), backward split into B and W.
 register(ScheduleSpec("zero_bubble_v", _zero_bubble_v, eager=True, recompute_last=True,
                       in_flight=lambda S, M: _shared_in_flight("zero_bubble_v", S, M),
+                      pending=lambda S, M: _shared_pending("zero_bubble_v", S, M),
                       summary="zero-bubble ZB-V (two stages per rank in a V, backward split "
                               "into input and weight passes)",
                       shared_lanes=True, chunks=2, lane_of=v_shape))
@@ -480,8 +486,9 @@ def pending_counts(name: str, S: int, M: int) -> tuple[int, ...]:
     return tuple(pending_w(make_schedule(name, M, chain(S), [False] * S)))
 
 
-def pending_bound(name: str, S: int, M: int) -> int:
-    """The most `pending_counts` of any stage: the bound the stage DP plans under."""
+def _shared_pending(name: str, S: int, M: int) -> int:
+    """The most `pending_counts` of any stage (a schedule of several stages per lane, where
+    no closed form is at hand)."""
     return max(pending_counts(name, S, M), default=0)
 
 
@@ -513,4 +520,4 @@ def _depths(sup: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:
 
 __all__ = ["FILL_DRAIN", "SCHEDULES", "HeldActivations", "ScheduleSpec", "StageLine",
            "default_placement", "get_spec", "looped", "make_schedule", "register", "registered",
-           "pending_bound", "pending_counts", "require_runs", "splits_backward", "v_shape"]
+           "pending_counts", "require_runs", "splits_backward", "v_shape"]

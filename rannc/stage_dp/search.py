@@ -50,7 +50,6 @@ from rannc.schedule import (
     splits_backward,
 )
 from rannc.schedule.actions import pending_w
-from rannc.schedule.spec import pending_bound
 from rannc.stage_dp.dp import stage_dp, stage_dp_by_position
 from rannc.stage_dp.memory import MB, MemoryModel, rank_overhead
 from rannc.stage_dp.tables import (
@@ -299,7 +298,7 @@ def search(table: TableCache, layouts: Sequence[tuple[int, int]], mbs: Sequence[
                     v = get_spec(sched).chunks
                     for P in lane_counts(table, D, m, config, sched):
                         tab = table(D, R, m, get_spec(sched).in_flight(v * P, m), saved, sched,
-                                    pending=pending_bound(sched, v * P, m))
+                                    pending=get_spec(sched).pending(v * P, m))
                         infeasible.lanes.append((tab, D, P, v))
                 continue
             # (a split backward's pending counts depend on the number of stages: bounded below)
@@ -345,7 +344,7 @@ def interleaved(table: TableCache, D: int, R: int, m: int, config: Config, sched
     for P in lane_counts(table, D, m, config, sched):
         S = v * P
         tab = table(D, R, m, get_spec(sched).in_flight(S, m), saved, sched,
-                    pending=pending_bound(sched, S, m))
+                    pending=get_spec(sched).pending(S, m))
         options: set[tuple[int, ...]] = set()
         if config.replicas is not None:
             options.add(tuple(config.replicas))
