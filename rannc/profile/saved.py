@@ -105,10 +105,12 @@ _ITEM = {
 }
 
 
-def requires_grad(graph: TaskGraph) -> set[str]:
-    """The floating values autograd tracks: parameters, and every floating output of a task
-    that reads one (tasks are in topological order)."""
-    out = {n for n, v in graph.values.items() if v.kind is ValueKind.PARAM and v.dtype in _FLOAT}
+def requires_grad(graph: TaskGraph, inputs_need_grad: bool = False) -> set[str]:
+    """The floating values autograd tracks: parameters (and, `inputs_need_grad`, the graph's
+    floating inputs), and every floating output of a task that reads one (tasks are in
+    topological order)."""
+    seeds = (ValueKind.PARAM, ValueKind.INPUT) if inputs_need_grad else (ValueKind.PARAM,)
+    out = {n for n, v in graph.values.items() if v.kind in seeds and v.dtype in _FLOAT}
     for task in graph.tasks:
         if any(v in out for v in task.inputs):
             out.update(v for v in task.outputs if graph.values[v].dtype in _FLOAT)
@@ -138,13 +140,7 @@ def wgrad_stash(graph: TaskGraph, inputs_need_grad: bool = False) -> np.ndarray:
     gradients too (a graph standing for a later stage, whose inputs are activations)."""
     T = len(graph.tasks)
     stash = np.zeros((T, 2))
-    grad = requires_grad(graph)
-    if inputs_need_grad:
-        grad |= {n for n, v in graph.values.items()
-                 if v.kind is ValueKind.INPUT and v.dtype in _FLOAT}
-        for task in graph.tasks:
-            if any(v in grad for v in task.inputs):
-                grad.update(v for v in task.outputs if graph.values[v].dtype in _FLOAT)
+    grad = requires_grad(graph, inputs_need_grad)
     wside = weight_side(graph)
     for t, task in enumerate(graph.tasks):
         ins = [v for v in task.inputs if v in grad]
