@@ -120,7 +120,7 @@ def forecast_terms(plan: Any, st: Any, opt_factor: float, fused: bool = False) -
     on a device running fused attention and dropout kernels (`fused`: a GPU)."""
     from rannc.profile.estimate import GraphCosts
     from rannc.schedule import get_spec
-    from rannc.schedule.spec import pending_counts
+    from rannc.schedule.spec import past_b_counts, pending_counts
     from rannc.stage_dp.memory import local_rows, rank_overhead, returned_memory
     from rannc.stage_dp.tables import BlockIO
 
@@ -135,11 +135,20 @@ def forecast_terms(plan: Any, st: Any, opt_factor: float, fused: bool = False) -
     mask = [c in comps for c in costs.pair_comp]
     kept = float(((costs.kept[:, 0] + costs.kept[:, 1] * b)[costs.pair_task])[mask].sum())
     work = float(((costs.work[:, 0] + costs.work[:, 1] * b)[costs.pair_task])[mask].max())
-    # the gradients a split backward keeps from B for W, as many microbatches' as the stage
-    # holds between B and W at once (none on the first stage: its B has nothing to do)
+    # a split backward: what B changes of a microbatch's bytes (the gradients it keeps for W
+    # less what only it reads), counted as the memory model does (`memory_terms`; nothing on
+    # the first stage: its B has nothing to do)
     pend = pending_counts(plan.schedule, len(plan.stages), plan.microbatches)[st.index]
-    stash = float(((costs.stash[:, 0] + costs.stash[:, 1] * b)[costs.pair_task])[mask].sum()) \
-        if costs.stash is not None and st.index > 0 else 0.0
+    past = past_b_counts(plan.schedule, len(plan.stages), plan.microbatches)[st.index]
+
+    def stage_sum(x: Any) -> float:
+        return float(((x[:, 0] + x[:, 1] * b)[costs.pair_task])[mask].sum()) if x is not None else 0.0
+
+    # (under selective recomputation the saved tensors carry hooks of their own: none released)
+    released = 0.0 if st.selective else stage_sum(costs.bonly)
+    grads = stage_sum(costs.stash) if st.index > 0 else 0.0
+    released = released if st.index > 0 else 0.0
+    split = grads - released
     n = st.predicted["in_flight"]
     saved = get_spec(plan.schedule).held(len(plan.stages), plan.microbatches, True).saved_inputs
     inb = float(io.inputs[0][j, j] + io.inputs[1][j, j] * b)
@@ -149,7 +158,8 @@ def forecast_terms(plan: Any, st: Any, opt_factor: float, fused: bool = False) -
     return dict(params=float(io.params[j, j]), grads=float(io.grad_params[j, j]),
                 optimizer=opt_factor * float(io.grad_params[j, j]), kept=n * kept,
                 inputs_outputs=n * (inb + outb), saved_inputs=saved * inb, work=work,
-                stash=pend * stash,
+                stash=(pend * max(split, 0.0) + past * min(split, 0.0) + min(grads, released))
+                if pend else 0.0,
                 returned_held=float(ret.held[j, j]), at_return=float(ret.at_return[j, j]),
                 overhead=0.0 if fused else rank_overhead(["local-cpu"], len(graph.tasks)))
 

@@ -60,11 +60,12 @@ def gpt2() -> tuple[BlockIO, object, int]:
 
 
 @pytest.mark.parametrize("checkpointing", ["off", "on"])
-@pytest.mark.parametrize("in_flight,saved,pending", [(1, 0, 0), (2, 0, 0), (2, 2, 0), (4, 1, 0),
-                                                     (2, 2, 2), (4, 4, 3)])
+@pytest.mark.parametrize("in_flight,saved,pending,past_b",
+                         [(1, 0, 0, 0), (2, 0, 0, 0), (2, 2, 0, 0), (4, 1, 0, 0), (2, 2, 2, 0),
+                          (4, 4, 3, 0), (4, 4, 3, 2)])
 def test_tables_hetero_dp_and_the_model_agree_on_a_stage(
         gpt2: tuple[BlockIO, GraphCosts, int], checkpointing: str, in_flight: int, saved: int,
-        pending: int) -> None:
+        pending: int, past_b: int) -> None:
     io, costs, k = gpt2
     d = 2  # replicas of the stage, each computing BATCH / (M * d) rows of a microbatch
     rows = BATCH // (M * d)
@@ -73,7 +74,7 @@ def test_tables_hetero_dp_and_the_model_agree_on_a_stage(
     mem = MemoryModel(opt_param_factor=2.0, limit=1e30, checkpointing=checkpointing)
     tab = stage_tables(prof, io, mem, batch_size=BATCH, devices=d, copies=1, microbatches=M,
                        link_bw=1e10, allreduce_bw=1e10, inflight=in_flight, saved_inputs=saved,
-                       only={d}, pending=pending)
+                       only={d}, pending=pending, past_b=past_b)
     static = static_memory(io.params, io.grad_params, 2.0, d, 0)
     f = 1.0 if checkpointing == "on" else 0.0
     # one stage over every block, as the mixed-cluster DP sees it on d equal devices
@@ -94,15 +95,18 @@ def test_tables_hetero_dp_and_the_model_agree_on_a_stage(
 
     for lo, hi in [(0, k - 1), (0, 2), (3, k - 1), (2, 2)]:
         kept = float(prof.kept[lo:hi + 1, 0].sum())
-        # (a split backward's gradients kept from B for W; none where the stage is the first)
-        stash = float(prof.stash[lo:hi + 1, 0].sum()) if lo > 0 else 0.0
-        assert lo == 0 or stash > 0
+        # (what a split backward's B changes of a microbatch's bytes: the gradients it keeps
+        # for W less the activations only it reads; nothing where the stage is the first)
+        stash, released = (float(prof.stash[lo:hi + 1, 0].sum()), float(prof.bonly[lo:hi + 1, 0].sum())) \
+            if lo > 0 else (0.0, 0.0)
+        assert lo == 0 or stash < released  # (GPT-2's layers: attention, GELU inputs, masks)
         work = float(prof.work[lo:hi + 1, 0].max())
         inb = float(io.inputs[0][lo, hi] + io.inputs[1][lo, hi] * rows)
         outb = float(io.outputs[0][lo, hi] + io.outputs[1][lo, hi] * rows)
         want = float(stage_peak(float(static[lo, hi]), work, inb, outb, kept,
                                 returned(lo, hi), in_flight=in_flight, saved_inputs=saved,
-                                microbatches=M, recompute=f, stash=stash, pending=pending))
+                                microbatches=M, recompute=f, stash=stash, released=released,
+                                pending=pending, past_b=past_b))
         assert float(tab.recompute[lo, hi, d]) == f
         assert float(tab.memory[lo, hi, d]) == pytest.approx(want, rel=1e-12)
         # the smallest memory (all it may recompute recomputed) is the chosen one here
@@ -337,3 +341,50 @@ def test_an_eager_schedule_returns_with_its_activations_freed() -> None:
     assert eager.memory[0, 0, 1] == pytest.approx(max(running, static + 2 * rows * LOGITS))
     fill_drain = memory(io, prof, inflight=4, m=4)[0, 0]
     assert fill_drain == pytest.approx(static + 4 * (1 + 10) * MiB + 2 * rows * LOGITS)
+
+
+@pytest.mark.parametrize("name,S,M", [("zero_bubble", 4, 8), ("zero_bubble", 4, 3),
+                                      ("zero_bubble_v", 8, 8)])
+# per kept byte: B's gradients for W, and the activations it releases (B frees more, or less)
+@pytest.mark.parametrize("stash,released", [(0.4, 1.0), (0.5, 0.2)])
+def test_a_split_backward_is_counted_at_every_moment_of_its_line(name: str, S: int, M: int,
+                                                                  stash: float, released: float) -> None:
+    """Walking each stage's line action by action: a microbatch holds its kept activations
+    from F to B (a fraction f of them dropped, except between its R and B), kept + stash at
+    the end of its B, then kept + stash - released until W. The model is never below that,
+    and on ZB-H1 (M >= S) equal to its peak with nothing or everything recomputed."""
+    from rannc.schedule.actions import Op, chain, in_flight, past_b, pending_w
+    from rannc.schedule.spec import make_schedule
+    from rannc.stage_dp.memory import memory_terms
+
+    kept = 1.0
+    for f in (0.0, 0.5, 1.0):
+        line = make_schedule(name, M, chain(S), [f > 0] * S)
+        peaks = [n for n, _ in in_flight(line)]
+        for s, (pend, past) in enumerate(zip(pending_w(line), past_b(line), strict=True)):
+            before, rebuilt, after, most = 0, 0, 0, 0.0
+            for a in line.actions[line.lane_of(s)]:
+                if a.stage != s:
+                    continue
+                now = (before - rebuilt) * (1 - f) * kept + rebuilt * kept \
+                    + after * (kept + stash - released)
+                if a.op is Op.F:
+                    before += 1
+                elif a.op is Op.R:
+                    rebuilt += 1
+                elif a.op is Op.B:
+                    most = max(most, now + stash)  # (its B ends holding the stash, nothing released)
+                    before -= 1
+                    rebuilt -= 1 if f > 0 else 0
+                    after += 1
+                elif a.op is Op.W:
+                    after -= 1
+                most = max(most, (before - rebuilt) * (1 - f) * kept + rebuilt * kept
+                           + after * (kept + stash - released))
+            full, per = memory_terms(0.0, 0.0, 0.0, 0.0, kept, in_flight=peaks[s],
+                                     saved_inputs=0, microbatches=M, stash=stash,
+                                     released=released, pending=pend, past_b=past)
+            model = full - f * per
+            assert model >= most - 1e-9, (s, f)
+            if name == "zero_bubble" and M >= S and f in (0.0, 1.0):
+                assert model == pytest.approx(most), (s, f)

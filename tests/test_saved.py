@@ -328,3 +328,52 @@ def test_the_stash_is_what_the_input_pass_keeps_for_the_weight_pass(
     want = float((st[:, 0] + st[:, 1] * rows).sum())
     assert got > 0
     assert want == pytest.approx(got, rel=0.02)
+
+
+def _graph_saved_bytes(root: Any, skip: set[int]) -> int:
+    """Bytes of the distinct storages the autograd graph below `root` still keeps for
+    backward (those at the addresses `skip` left out; released ones cannot be read)."""
+    seen, todo, kept = set(), [root], {}
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for a in dir(node):
+            if not a.startswith("_raw_saved_"):
+                continue
+            try:
+                got = getattr(node, a[len("_raw"):])
+            except RuntimeError:  # released after B
+                continue
+            for t in got if isinstance(got, (list, tuple)) else (got,):
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in skip:
+                    kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        todo += [n for n, _ in node.next_functions]
+    return sum(kept.values())
+
+
+@pytest.mark.parametrize("make,rows", [(Block, B), (EmbedsGPT2, 2)], ids=["block", "gpt2"])
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
+def test_what_only_the_input_pass_reads_is_what_the_runtime_releases_after_it(
+        make: Any, rows: int, autocast: bool) -> None:
+    # between B and W a microbatch holds its kept activations less these (`memory_terms`)
+    from rannc.pipeline.split_backward import backward_input
+    from rannc.profile.saved import b_only
+
+    torch.manual_seed(0)
+    model = make()
+    x = torch.randn(rows, S, 64 if make is EmbedsGPT2 else H, requires_grad=True)
+    with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        cap, ph = captured(model, (x,))
+        out = cap.gm(*ph)
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    skip = {p.untyped_storage().data_ptr() for p in model.parameters()} | {x.untyped_storage().data_ptr()}
+    before = _graph_saved_bytes(out.grad_fn, skip)
+    wp = backward_input([out], [torch.ones_like(out)], [x], list(model.parameters()))
+    after = _graph_saved_bytes(out.grad_fn, skip)
+    wp.run()  # (W still runs: nothing it reads was released)
+    bo = b_only(cap.graph, fused=False, inputs_need_grad=True)
+    want = float((bo[:, 0] + bo[:, 1] * rows).sum())
+    assert before - after > 0.35 * before  # attention, GELU inputs, masks
+    assert want == pytest.approx(before - after, rel=0.01)

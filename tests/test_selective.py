@@ -199,7 +199,10 @@ def test_the_planner_recomputes_selectively_where_memory_is_short() -> None:
     `selective_recompute=False`. (Since the causal masks became `is_causal`, 0.75 of the memory
     is met by more microbatches alone; since zero-bubble's gradients kept from B for W are
     counted, the unconstrained plan, under zero-bubble, needs more, and at 35 % of that a
-    recomputed prefix under SCP beats 1F1B with selective recomputation.)"""
+    recomputed prefix under SCP beats 1F1B with selective recomputation; since what only B
+    reads is released after B it needs less again (0.19 GB on its last stage, was 0.23), and
+    at 25 % of that the plan without selective recomputation runs 16 microbatches of 1F1B,
+    no prefix recomputed, against selective SCP's 8.)"""
     model, kw = _gpt2()
     # (device time only: this tiny GPT-2's ops are short enough for the V100 entry's host time
     # per op to bind every stage, which is not what this checks)
@@ -214,7 +217,8 @@ def test_the_planner_recomputes_selectively_where_memory_is_short() -> None:
                      config=dataclasses.replace(cfg, selective_recompute=False))
     assert any(st.selective for st in sel.stages), sel.summary()
     assert not any(st.selective for st in off.stages)
-    assert any(st.recompute > 0 for st in off.stages), off.summary()
+    assert any(st.recompute > 0 for st in off.stages) or off.microbatches > sel.microbatches, \
+        off.summary()
     assert sel.predicted_iteration_time is not None and off.predicted_iteration_time is not None
     assert sel.predicted_iteration_time < off.predicted_iteration_time
     for st in sel.stages:

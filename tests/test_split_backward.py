@@ -204,3 +204,56 @@ def test_w_under_saved_tensor_hooks_keeps_nothing() -> None:
     del out, wp
     gc.collect()
     assert live[0] == 0
+
+
+def _node(root: object, name: str) -> object:
+    todo, seen = [root], set()
+    while todo:
+        n = todo.pop()
+        if n is None or n in seen:
+            continue
+        seen.add(n)
+        if type(n).__name__ == name:
+            return n
+        todo += [m for m, _ in n.next_functions]  # type: ignore[attr-defined]
+    raise AssertionError(name)
+
+
+def test_b_releases_what_only_it_reads_and_w_keeps_the_layers_inputs() -> None:
+    """After B a microbatch holds what W reads: the softmax's output (read by B alone) is
+    released, the second layer's input (the meeting node's, read by W) is not; W's gradients
+    are those of one full backward."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Softmax(-1), nn.Linear(8, 8))
+    ref = copy.deepcopy(model)
+    x = torch.randn(4, 8)
+    ref(x.clone().requires_grad_()).sum().backward()
+    leaf = x.clone().requires_grad_()
+    out = model(leaf)
+    soft, second = _node(out.grad_fn, "SoftmaxBackward0"), out.grad_fn
+    wp = backward_input([out], [torch.ones_like(out)], [leaf], list(model.parameters()))
+    with pytest.raises(RuntimeError):
+        _ = soft._saved_result  # type: ignore[attr-defined]
+    assert second._saved_mat1.shape == (4, 8)  # type: ignore[attr-defined]
+    wp.run()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_b_leaves_tensors_saved_under_hooks_alone() -> None:
+    """Tensors packed by saved-tensor hooks at forward (selective recomputation's recipes)
+    have hooks of their own: B cannot release them, and W still reads them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Softmax(-1), nn.Linear(8, 8))
+    ref = copy.deepcopy(model)
+    x = torch.randn(4, 8)
+    ref(x.clone().requires_grad_()).sum().backward()
+    leaf = x.clone().requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: (t,), lambda p: p[0]):
+        out = model(leaf)
+    soft = _node(out.grad_fn, "SoftmaxBackward0")
+    wp = backward_input([out], [torch.ones_like(out)], [leaf], list(model.parameters()))
+    assert soft._saved_result.shape == (4, 8)  # type: ignore[attr-defined]
+    wp.run()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)

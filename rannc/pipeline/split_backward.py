@@ -28,14 +28,23 @@ stage, whose inputs need no gradient; a weight feeding an output directly) gets 
 its gradient as a root of W instead; nothing on the input path lies below such an output, so
 no term is counted twice.
 
-The graph stays alive from B to W (the weight gradients read the layers' inputs): a microbatch
-holds its activations until its W, which is what the planner's memory model counts
-(`rannc.schedule.in_flight`). The input-path nodes W does not walk keep their saved tensors
-until the graph is dropped, which is at once, except where saved-tensor hooks keep the saved
-tensor itself (`saved_tensors_hooks(lambda t: t, ...)`, `save_on_cpu` on a CPU tensor): the
-tensor refers to its node, a cycle through C++ that only a walk releasing the node breaks. When
-such hooks are active during B, W is therefore one call from every root to every weight, walking
-the input path again (slower, as before the groups, but nothing kept).
+The graph stays alive from B to W (the weight gradients read the layers' inputs), but what
+only B reads does not: once B has run, the saved tensors of the input-path nodes W will not
+walk (all but the meeting nodes, and those between two roots of one group) are released, as
+the zero-bubble paper's runtime frees them (a softmax's output, a GELU's input, attention's
+q, k and v, dropout masks; the layers' inputs stay, read by the meeting nodes). A microbatch
+between B and W then holds what W reads and the kept gradients, which the planner's memory
+model counts (`rannc.profile.saved.b_only`, `rannc.stage_dp.memory`). A saved tensor is
+released by giving it pack/unpack hooks (`SavedTensor.register_hooks`) whose pack drops it: a
+tensor saved under saved-tensor hooks already (selective recomputation's recipes) has its own
+and stays until the graph is dropped, as do all with hooks active during B (below).
+
+The input-path nodes W does not walk drop the rest of what they keep when the graph is
+dropped, which is at once, except where saved-tensor hooks keep the saved tensor itself
+(`saved_tensors_hooks(lambda t: t, ...)`, `save_on_cpu` on a CPU tensor): the tensor refers to
+its node, a cycle through C++ that only a walk releasing the node breaks. When such hooks are
+active during B, W is therefore one call from every root to every weight, walking the input
+path again (slower, as before the groups, but nothing kept), and nothing is released after B.
 
 Written after torch.distributed.pipelining's `_backward.py` (`stage_backward_input`,
 `stage_backward_weight`), with every weight in exactly one group (so a weight gets one
@@ -45,7 +54,7 @@ accumulation per pass, as the reducer counts) and the outputs as roots where not
 from __future__ import annotations
 
 import collections
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -125,7 +134,68 @@ def backward_input(outputs: Sequence[object], grads: Sequence[torch.Tensor | Non
     if hooked:  # one walk over everything, releasing every node (see the module docstring)
         one = _Group([e for e, _ in roots], [g for _, g in roots], list(reached.values()))
         return WeightPass(groups=[one], kept=kept)
-    return WeightPass(groups=_groups(roots, reached, on_path), kept=kept)
+    groups = _groups(roots, reached, on_path)
+    if wanted:
+        release_saved(on_path - meeting - _walked_by_w(groups, on_path, consumers))
+    return WeightPass(groups=groups, kept=kept)
+
+
+def _walked_by_w(groups: Sequence[_Group], on_path: set[Node],
+                 consumers: dict[Node, list[Node]]) -> set[Node]:
+    """The input-path nodes some W call runs: those between two meeting nodes of one group
+    (a weight read twice, as a tied embedding and head), where the later one's flow reaches
+    the earlier one's weights through the input path."""
+    out: set[Node] = set()
+    for g in groups:
+        starts = {e.node for e in g.roots if e.node in on_path}
+        if len(starts) < 2:
+            continue
+        below: set[Node] = set()
+        todo = list(starts)
+        while todo:
+            for nxt, _ in todo.pop().next_functions:
+                if nxt is not None and nxt in on_path and nxt not in below:
+                    below.add(nxt)
+                    todo.append(nxt)
+        out |= below & _closure(list(starts), consumers)
+    return out
+
+
+def _dropped(_t: torch.Tensor) -> None:
+    return None
+
+
+def _gone(_packed: None) -> torch.Tensor:
+    raise RuntimeError("rannc: a tensor saved for backward was released after the input pass "
+                       "(B) and read again by the weight pass (W); this is a bug in rannc's "
+                       "split backward, please report it with the model")
+
+
+_SAVED_ATTRS: dict[type, tuple[str, ...]] = {}
+
+
+def release_saved(nodes: Collection[Node]) -> int:
+    """Release what `nodes` saved for backward (they must never run again); returns how many
+    saved tensors were released. One without hooks of its own gets hooks that drop it, which
+    frees its storage unless something else refers to it (another node that keeps it, a live
+    output); one packed by saved-tensor hooks, or already released, stays as it is."""
+    n = 0
+    for node in nodes:
+        attrs = _SAVED_ATTRS.get(type(node))
+        if attrs is None:
+            attrs = _SAVED_ATTRS[type(node)] = tuple(a for a in dir(node) if a.startswith("_raw_saved_"))
+        for a in attrs:
+            try:
+                got = getattr(node, a)
+            except RuntimeError:  # (released already)
+                continue
+            for sv in got if isinstance(got, (list, tuple)) else (got,):
+                try:
+                    sv.register_hooks(_dropped, _gone)
+                    n += 1
+                except (RuntimeError, AttributeError):  # hooks of its own, None, or released
+                    pass
+    return n
 
 
 def _saved_tensor_hooks_active() -> bool:
@@ -225,4 +295,4 @@ def _meeting_nodes(w_nodes: set[Node], on_path: set[Node], consumers: dict[Node,
     return meeting, roots
 
 
-__all__ = ["WeightPass", "backward_input"]
+__all__ = ["WeightPass", "backward_input", "release_saved"]

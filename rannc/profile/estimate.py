@@ -33,7 +33,7 @@ import numpy as np
 from rannc.atomic.components import AtomicPartition
 from rannc.graph.task_graph import TaskGraph, Value, ValueKind, eval_dim
 from rannc.profile.device import Cluster, DeviceSpec
-from rannc.profile.saved import fused_kernels, recomputable, saved, wgrad_stash
+from rannc.profile.saved import b_only, fused_kernels, recomputable, saved, wgrad_stash
 
 DTYPE_BYTES = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
@@ -88,8 +88,10 @@ class GraphCosts:
     # times each task runs again in one microbatch's backward
     freed: np.ndarray | None = None  # (T, 2)
     evals: np.ndarray | None = None  # (T,)
-    # (T, 2): bytes a split backward keeps from B for W (`saved.wgrad_stash`)
+    # (T, 2): bytes a split backward keeps from B for W (`saved.wgrad_stash`), and of `kept`
+    # those only B reads, which the runtime releases after B (`saved.b_only`)
     stash: np.ndarray | None = None
+    bonly: np.ndarray | None = None
 
     @classmethod
     def of(cls, graph: TaskGraph, atomic: AtomicPartition, *,
@@ -139,7 +141,8 @@ class GraphCosts:
                    pair_task=np.array([p[0] for p in pairs], dtype=np.int64),
                    pair_comp=np.array([p[1] for p in pairs], dtype=np.int64),
                    comp_params=comp_params, n_components=len(atomic.components),
-                   freed=sel.freed, evals=sel.evals, stash=wgrad_stash(graph))
+                   freed=sel.freed, evals=sel.evals, stash=wgrad_stash(graph),
+                   bonly=b_only(graph, fused=fused))
 
     # -- per task ----------------------------------------------------------------------------
     def task_times(self, spec: DeviceSpec, batch: float) -> tuple[np.ndarray, np.ndarray]:
@@ -192,7 +195,7 @@ class GraphCosts:
         blk = np.asarray(block_of, dtype=np.int64)[self.pair_comp]
         nb = int(blk.max()) + 1 if len(blk) else 0
         shape = (nb, len(batch_sizes))
-        fwd, bwd, wgrad, kept, work, kept_sel, sel, stash = (np.zeros(shape) for _ in range(8))
+        fwd, bwd, wgrad, kept, work, kept_sel, sel, stash, bonly = (np.zeros(shape) for _ in range(9))
         host = self._host_floors(spec, blk, nb)
         for i, b in enumerate(batch_sizes):
             f, g = self.task_times(spec, b)
@@ -209,6 +212,9 @@ class GraphCosts:
             if self.stash is not None:
                 st = self.stash[:, 0] + self.stash[:, 1] * b
                 stash[:, i] = np.bincount(blk, weights=st[self.pair_task], minlength=nb)
+            if self.bonly is not None:
+                bo = self.bonly[:, 0] + self.bonly[:, 1] * b
+                bonly[:, i] = np.bincount(blk, weights=bo[self.pair_task], minlength=nb)
             if self.freed is not None and self.evals is not None:
                 dropped = self.freed[:, 0] + self.freed[:, 1] * b
                 kept_sel[:, i] = kept[:, i] - np.bincount(blk, weights=dropped[self.pair_task],
@@ -217,9 +223,10 @@ class GraphCosts:
                 if host is not None:
                     np.maximum(sel[:, i], host[3], out=sel[:, i])
         if self.freed is None:
-            return BlockProfile(tuple(batch_sizes), fwd, bwd, kept, work, wgrad, stash=stash)
+            return BlockProfile(tuple(batch_sizes), fwd, bwd, kept, work, wgrad, stash=stash,
+                                bonly=bonly)
         return BlockProfile(tuple(batch_sizes), fwd, bwd, kept, work, wgrad, kept_sel, sel,
-                            stash=stash)
+                            stash=stash, bonly=bonly)
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,8 +244,10 @@ class BlockProfile:
     kept_sel: np.ndarray | None = None
     selective: np.ndarray | None = None
     # the bytes a backward split into B and W keeps from B for W by one microbatch
-    # (`saved.wgrad_stash`; None: unknown, taken as none)
+    # (`saved.wgrad_stash`; None: unknown, taken as none), and of `kept` what the runtime
+    # releases after B, which only B reads (`saved.b_only`; None: unknown, taken as none)
     stash: np.ndarray | None = None
+    bonly: np.ndarray | None = None
 
     def column(self, batch: int) -> int:
         return self.batch_sizes.index(batch)

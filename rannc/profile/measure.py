@@ -243,14 +243,15 @@ class MeasureOracle(BlockOracle):
         wgrad = np.multiply(out["bwd"], share, out=np.zeros_like(share), where=share > 0)
         if est.kept_sel is None or est.selective is None:
             return BlockProfile(batch_sizes, out["fwd"], out["bwd"], out["kept"], out["work"], wgrad,
-                                stash=est.stash)
+                                stash=est.stash, bonly=_released(est, out["kept"]))
         # selective recomputation likewise: the estimate's shares of the kept bytes it drops and
         # of the forward it runs again, applied to the measured ones
         kept_share = np.divide(est.kept_sel, est.kept, out=np.ones_like(est.kept), where=est.kept > 0)
         sel_share = np.divide(est.selective, est.fwd, out=np.zeros_like(est.fwd), where=est.fwd > 0)
         # (the gradients B keeps for W are sizes and dtypes: the estimate's, not measured)
         return BlockProfile(batch_sizes, out["fwd"], out["bwd"], out["kept"], out["work"], wgrad,
-                            out["kept"] * kept_share, out["fwd"] * sel_share, stash=est.stash)
+                            out["kept"] * kept_share, out["fwd"] * sel_share, stash=est.stash,
+                            bonly=_released(est, out["kept"]))
 
     def _measure_all(self, groups: list[list[int]], keys: list[str], batch_sizes: tuple[int, ...],
                      todo: list[tuple[int, int]], out: dict[str, np.ndarray], est: BlockProfile,
@@ -606,6 +607,15 @@ def _chunks(time_: np.ndarray, k: int) -> list[int]:
         raw = np.minimum((cum - time_ / 2) / total * k, k - 1).astype(int)
     _, dense = np.unique(raw, return_inverse=True)
     return [int(x) for x in dense]
+
+
+def _released(est: BlockProfile, kept: np.ndarray) -> np.ndarray | None:
+    """What a split backward releases after B, per block and batch: the estimate's share of
+    its kept bytes, applied to the measured ones (as selective recomputation's)."""
+    if est.bonly is None:
+        return None
+    share = np.divide(est.bonly, est.kept, out=np.zeros_like(est.kept), where=est.kept > 0)
+    return kept * share
 
 
 def _is_oom(e: BaseException) -> bool:

@@ -215,6 +215,8 @@ class _Saves:
     bwd: np.ndarray  # (T, 2), as `saved`
     edges: tuple[tuple[int, str], ...]  # (task, graph value) for every value a task saves
     base: dict[str, str]
+    at: dict[str, int]  # each base counted in `kept`: the task it is counted at
+    own: np.ndarray  # (T, 2): of kept[t], what task t saves that is no graph value (internal)
 
 
 def _saves(graph: TaskGraph, fused: bool) -> _Saves:
@@ -224,7 +226,7 @@ def _saves(graph: TaskGraph, fused: bool) -> _Saves:
     grad = requires_grad(graph)
     base = bases(graph)
     vb = {n: bytes_lin(v) for n, v in graph.values.items()}
-    counted: set[str] = set()
+    counted: dict[str, int] = {}
     edges: list[tuple[int, str]] = []
 
     def keep(name: str, saver: int) -> None:
@@ -234,9 +236,9 @@ def _saves(graph: TaskGraph, fused: bool) -> _Saves:
         if b in counted or not val.is_tensor or val.kind in (ValueKind.PARAM, ValueKind.BUFFER,
                                                              ValueKind.INPUT):
             return
-        counted.add(b)
         p = graph.producer(b)
         at = p if p is not None and val.kind is ValueKind.ACTIVATION else saver
+        counted[b] = at
         kept[at] += vb[b]
 
     for t, task in enumerate(graph.tasks):
@@ -302,7 +304,47 @@ def _saves(graph: TaskGraph, fused: bool) -> _Saves:
                 keep(v, t)
             for v in f_outs:
                 keep(v, t)
-    return _Saves(kept, bwd, tuple(edges), base)
+    own = kept.copy()
+    for b, at in counted.items():
+        own[at] -= vb[b]
+    return _Saves(kept, bwd, tuple(edges), base, counted, own)
+
+
+def b_only(graph: TaskGraph, *, fused: bool = True, inputs_need_grad: bool = False) -> np.ndarray:
+    """(T, 2) bytes as c0 + c1 * batch: of `saved`'s kept[t], what only the input pass (B) of a
+    split backward reads, which the runtime releases once B has run
+    (`rannc.pipeline.split_backward`), so a microbatch between its B and its W no longer holds
+    it. B reads what every task on the activations' path saves; W what those of them that
+    also read a weight-side value (the meeting tasks: a linear, a norm's weight) save, and
+    what tasks off that path save. A value counts here when all its savers are B's alone (a
+    softmax's output read by the next matmul of probabilities and values, a GELU's input,
+    attention's q, k and v, a dropout's mask, cross-entropy's log-softmax); the layers' inputs,
+    which the meeting tasks save, stay. The activations' path: the floating values autograd
+    tracks (`requires_grad`) that depend on the batch (a graph input). Not counted: the path W
+    walks again between two meeting tasks of one weight read twice in a stage (a tied embedding
+    and head both there), where the runtime releases less."""
+    s = _saves(graph, fused)
+    grad = requires_grad(graph, inputs_need_grad)
+    batch = {n for n, v in graph.values.items() if v.kind is ValueKind.INPUT}
+    for task in graph.tasks:
+        if any(v in batch for v in task.inputs):
+            batch.update(task.outputs)
+    path = grad & batch
+    only_b = set()
+    for t, task in enumerate(graph.tasks):
+        ins = [v for v in task.inputs if v in grad]
+        if any(v in path for v in ins) and all(v in path for v in ins):
+            only_b.add(t)
+    savers: dict[str, set[int]] = collections.defaultdict(set)
+    for t, n in s.edges:
+        savers[s.base[n]].add(t)
+    out = np.zeros_like(s.kept)
+    for b, at in s.at.items():
+        if savers[b] <= only_b:
+            out[at] += bytes_lin(graph.values[b])
+    for t in only_b:
+        out[t] += s.own[t]
+    return out
 
 
 def _autocast_half(graph: TaskGraph, op: str, f_outs: Sequence[str]) -> str | None:
@@ -507,5 +549,5 @@ def _math_widening(q: Value) -> float:
     return 4 / _ITEM[q.dtype] if q.dtype in _HALF else 1.0
 
 
-__all__ = ["Recomputable", "autocast_copies", "bases", "bytes_lin", "fused_kernels", "recomputable",
-           "requires_grad", "saved", "weight_side", "wgrad_stash"]
+__all__ = ["Recomputable", "autocast_copies", "b_only", "bases", "bytes_lin", "fused_kernels",
+           "recomputable", "requires_grad", "saved", "weight_side", "wgrad_stash"]

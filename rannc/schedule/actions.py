@@ -255,5 +255,30 @@ def pending_w(sched: Schedule) -> list[int]:
     return out
 
 
+def past_b(sched: Schedule) -> list[int]:
+    """Per stage where the backward is split: its peak of live microbatches (`in_flight`'s
+    first count) less the most at once between their forward and their B. A microbatch past
+    its B holds only what W reads, so where that is less than its activations the memory
+    model counts this many of the peak's microbatches at that size (`rannc.stage_dp.memory`:
+    at any moment the live ones before B number at most peak - past_b). ZB-H1's stage s: s
+    (M >= S); 0 where the backward is not split."""
+    out = []
+    for s, (peak, _) in zip(range(sched.stages), in_flight(sched), strict=True):
+        if not sched.splits_backward(s):
+            out.append(0)
+            continue
+        before = most = 0
+        for a in sched.actions[sched.lane_of(s)]:
+            if a.stage != s:
+                continue
+            if a.op is Op.F:
+                before += 1
+                most = max(most, before)
+            elif a.op is Op.B:
+                before -= 1
+        out.append(peak - most)
+    return out
+
+
 __all__ = ["BACKWARD_SIDE", "COMPUTE", "Action", "Op", "Schedule", "ScheduleError", "chain", "in_flight",
-           "pending_w", "validate"]
+           "past_b", "pending_w", "validate"]

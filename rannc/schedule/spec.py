@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from rannc.schedule.actions import Action, Op, Schedule, ScheduleError, chain, in_flight, pending_w
+from rannc.schedule.actions import Action, Op, Schedule, ScheduleError, chain, in_flight, past_b, pending_w
 
 # The schedule every model can run: forwards in forward(), backwards in backward(). Schedules
 # that run eagerly fall back to it when the model does not return one scalar loss.
@@ -486,6 +486,18 @@ def pending_counts(name: str, S: int, M: int) -> tuple[int, ...]:
     return tuple(pending_w(make_schedule(name, M, chain(S), [False] * S)))
 
 
+@functools.lru_cache(maxsize=1024)
+def past_b_counts(name: str, S: int, M: int) -> tuple[int, ...]:
+    """Per stage of an S-stage chain, first to last: of its live peak, the microbatches past
+    their B (`actions.past_b`; all 0 where the backward is not split, or not runnable)."""
+    if not splits_backward(name):
+        return (0,) * S
+    spec = get_spec(name)
+    if S % spec.chunks or not spec.runnable(S // spec.chunks, M):
+        return (0,) * S
+    return tuple(past_b(make_schedule(name, M, chain(S), [False] * S)))
+
+
 def _shared_pending(name: str, S: int, M: int) -> int:
     """The most `pending_counts` of any stage (a schedule of several stages per lane, where
     no closed form is at hand)."""
@@ -520,4 +532,4 @@ def _depths(sup: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:
 
 __all__ = ["FILL_DRAIN", "SCHEDULES", "HeldActivations", "ScheduleSpec", "StageLine",
            "default_placement", "get_spec", "looped", "make_schedule", "register", "registered",
-           "pending_counts", "require_runs", "splits_backward", "v_shape"]
+           "past_b_counts", "pending_counts", "require_runs", "splits_backward", "v_shape"]

@@ -85,9 +85,10 @@ def hetero_stages(prof: BlockProfile, io: BlockIO, static: np.ndarray, dev: Hete
     # this rank's rows of every batch output, assembled when the call returns
     mine = io.returned_bytes(0, local_rows(round(rows * microbatches), 1, n))[1]
     slow = min(dev.speed)
-    pre = prof.prefix_sums(("fwd", "bwd", "kept", "kept_sel", "selective", "stash"))
+    pre = prof.prefix_sums(("fwd", "bwd", "kept", "kept_sel", "selective", "stash", "bonly"))
     if not pending:
         pre.pop("stash", None)
+        pre.pop("bonly", None)
     # (recompute the whole forward, keep a recipe of the cheap ops' activations) per option
     options = [(False, False), (True, False)] if checkpointing in ("auto", "stage_aware") else \
         [(checkpointing == "on", False)]
@@ -109,8 +110,11 @@ def hetero_stages(prof: BlockProfile, io: BlockIO, static: np.ndarray, dev: Hete
         f = (pre["fwd"][r + 1, c] - pre["fwd"][lo, c]) / b
         g = (pre["bwd"][r + 1, c] - pre["bwd"][lo, c]) / b
         kept = (pre["kept"][r + 1, c] - pre["kept"][lo, c]) / b
+        # (what B changes of a microbatch's bytes per row: `tables.stage_tables`)
         stash = (pre["stash"][r + 1, c] - pre["stash"][lo, c]) / b if "stash" in pre and lo > 0 \
             else 0.0
+        released = (pre["bonly"][r + 1, c] - pre["bonly"][lo, c]) / b \
+            if "bonly" in pre and lo > 0 else 0.0
         work = float(prof.work[lo:r + 1, c].max())
         in0, in1 = io.inputs[0][lo, r], io.inputs[1][lo, r]
         out0, out1 = io.outputs[0][lo, r], io.outputs[1][lo, r]
@@ -145,7 +149,8 @@ def hetero_stages(prof: BlockProfile, io: BlockIO, static: np.ndarray, dev: Hete
             per_row = stage_memory(0.0, 0.0, in1, out1, k_row, in_flight=in_flight,
                                    saved_inputs=saved, recompute=float(rc),
                                    microbatches=microbatches, held_outputs=held1.held,
-                                   stash=stash, pending=pending)
+                                   stash=stash, released=0.0 if sel else released,
+                                   pending=pending)
             caps = [min(_rows_within(dev.memory[x], fixed, per_row), _rows_within(dev.memory[x], at0, at1))
                     for x in ranks]
             try:

@@ -34,7 +34,7 @@ import numpy as np
 from rannc.atomic.components import AtomicPartition
 from rannc.graph.task_graph import TaskGraph
 from rannc.schedule import get_spec
-from rannc.schedule.spec import pending_counts
+from rannc.schedule.spec import past_b_counts, pending_counts
 from rannc.stage_dp.refine import Tabler
 from rannc.stage_dp.search import (
     Simulated,
@@ -124,8 +124,9 @@ def aligned_best(sims: Sequence[Simulated], layers: Sequence[int], comp_time: np
             # each stage's table for the microbatches it holds, first to last
             counts = reversed(in_flight_counts(c.schedule, len(reps), c.microbatches))
             pend = pending_counts(c.schedule, len(reps), c.microbatches)
-            tabs = [table(c.devices, c.copies, c.microbatches, n, saved, c.schedule, pending=p)
-                    for n, p in zip(counts, pend, strict=True)]
+            past = past_b_counts(c.schedule, len(reps), c.microbatches)
+            tabs = [table(c.devices, c.copies, c.microbatches, n, saved, c.schedule, pending=p,
+                          past_b=q) for n, p, q in zip(counts, pend, past, strict=True)]
             splits = {min_max_bounds([t.h[:, :, d] for t, d in zip(tabs, reps, strict=True)]),
                       min_max_parts(weight, len(reps)), equal_parts(L, len(reps))}
             for bounds in sorted(b for b in splits if b is not None):

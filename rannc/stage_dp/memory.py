@@ -15,21 +15,34 @@ added here reaches all of them.
            + saved_inputs * inputs        eager schedules: stage inputs kept for the late pass
            + work                         the largest single task's live bytes
            + alive(f) * kept              activations kept for backward
-           + pending * stash              a backward split into B and W (zero-bubble schedules):
-                                          the gradients B keeps for W (`saved.wgrad_stash`) of
-                                          the microbatches between their B and W
-                                          (`actions.pending_w`)
+           + split(stash, released)       a backward split into B and W (zero-bubble schedules)
            + held outputs                 batch outputs (logits) kept until the call returns
 
 where `kept` is one microbatch's activations kept for backward (what autograd saves,
 `rannc.profile.saved`) and f the fraction of them recomputed: recomputation drops f of every
 microbatch's kept activations but one (the one being rebuilt), so alive(f) = in_flight - f *
-(in_flight - 1); under a split backward a microbatch rebuilt before its B keeps them until its
-W, so all but `pending`: alive(f) = in_flight - f * (in_flight - pending). The stage's peak
-is the larger of that and its memory when the call returns (`at_return_memory`: every
-microbatch's batch outputs and this rank's rows of them assembled, which recomputation cannot
-free). All functions take numpy arrays or floats alike (the tables
-call them on (k, k) arrays, the mixed-cluster DP on floats).
+(in_flight - 1) (a split backward: below). The stage's peak is the larger of that and its
+memory when the call returns (`at_return_memory`: every microbatch's batch outputs and this
+rank's rows of them assembled, which recomputation cannot free). All functions take numpy
+arrays or floats alike (the tables call them on (k, k) arrays, the mixed-cluster DP on floats).
+
+A split backward: B keeps for W the gradients into the nodes where a weight's path meets the
+activations' (`stash`, `saved.wgrad_stash`), and once it has run the runtime releases the
+activations only B reads (`released`, `saved.b_only`; none under selective recomputation), so
+B changes a microbatch's bytes by d = stash - released (negative on a transformer layer:
+GELU inputs, attention, masks outweigh the gradients). A stage's line has at most `in_flight`
+microbatches live, at most A of them before their B and at most `pending` between B and W
+(`actions.pending_w`), so any moment's activations, a * kept + p * (kept + d) with a <= A,
+p <= pending, a + p <= in_flight, are at most in_flight * kept + pending * d where d > 0, and
+in_flight * kept + past_b * d where it is not, past_b = in_flight - A (`actions.past_b`; 0,
+the bound, where unknown). While B runs, its microbatch holds its stash before anything is
+released: the moment after it plus min(stash, released) (with fewer than `pending` past B
+then, where d <= 0). Recomputation drops f of the
+kept activations of the microbatches before their B but the one being rebuilt; those past B
+hold what W reads whatever f. On the zero-bubble lines a stage rebuilds a microbatch only
+while fewer than `pending` are past B, so alive(f) = in_flight - f * (in_flight -
+max(pending, 1)) bounds every moment (tested against each action of the lines: exact at f = 0
+and 1 on ZB-H1 with M >= S, a bound between and elsewhere).
 
 Index conventions: none; every argument is one stage's (or one array of stages').
 """
@@ -129,22 +142,23 @@ def posted_ahead(in_flight: int, saved_inputs: int, microbatches: int) -> int:
 
 def memory_terms(static: Any, work: Any, inputs: Any, outputs: Any, kept: Any, *,
                  in_flight: int, saved_inputs: int, microbatches: int,
-                 held_outputs: Any = 0.0, stash: Any = 0.0, pending: int = 0) -> tuple[Any, Any]:
+                 held_outputs: Any = 0.0, stash: Any = 0.0, released: Any = 0.0,
+                 pending: int = 0, past_b: int = 0) -> tuple[Any, Any]:
     """(the stage's memory with nothing recomputed, the bytes one unit of recomputed fraction
     frees): memory(f) = full - f * per_fraction (`with_recompute`). `static` includes the
     gradient bucket (`bucket_memory`); inputs, outputs and kept are one microbatch's bytes;
     `held_outputs` the batch outputs kept to be returned while microbatches run
-    (`Returned.held`); `stash` one microbatch's gradients kept from B for W where the schedule
-    splits the backward, counted `pending` times (`actions.pending_w`: the most microbatches
-    between B and W at once; with the in-flight peak, a bound on the stage's activations and
-    stashes at every point of its line). Recomputation frees none of it (gradients)."""
+    (`Returned.held`); where the schedule splits the backward (`pending` > 0), `stash` one
+    microbatch's gradients kept from B for W and `released` its activations only B reads,
+    counted as the module docstring says (`actions.pending_w`, `actions.past_b`)."""
     ahead = posted_ahead(in_flight, saved_inputs, microbatches)
     base = static + (in_flight + ahead) * inputs + in_flight * outputs + saved_inputs * inputs \
-        + work + held_outputs + pending * stash
+        + work + held_outputs
+    if pending:
+        d = stash - released
+        base = base + pending * np.maximum(d, 0.0) + past_b * np.minimum(d, 0.0) \
+            + np.minimum(stash, released)
     full = base + in_flight * kept
-    # recomputation drops f of the kept activations of every microbatch but those rebuilt at
-    # once: one (rebuilt just before its backward), or under a split backward the `pending`
-    # ones (rebuilt before B, alive until W)
     return full, max(in_flight - max(pending, 1), 0) * kept
 
 
@@ -155,12 +169,14 @@ def with_recompute(full: Any, per_fraction: Any, fraction: Any) -> Any:
 
 def stage_memory(static: Any, work: Any, inputs: Any, outputs: Any, kept: Any, *,
                  in_flight: int, saved_inputs: int, microbatches: int, recompute: Any = 0.0,
-                 held_outputs: Any = 0.0, stash: Any = 0.0, pending: int = 0) -> Any:
+                 held_outputs: Any = 0.0, stash: Any = 0.0, released: Any = 0.0,
+                 pending: int = 0, past_b: int = 0) -> Any:
     """The stage's memory while microbatches run, with `recompute` (a fraction in [0, 1]) of
     its kept activations recomputed."""
     full, per = memory_terms(static, work, inputs, outputs, kept, in_flight=in_flight,
                              saved_inputs=saved_inputs, microbatches=microbatches,
-                             held_outputs=held_outputs, stash=stash, pending=pending)
+                             held_outputs=held_outputs, stash=stash, released=released,
+                             pending=pending, past_b=past_b)
     return with_recompute(full, per, recompute)
 
 
@@ -218,7 +234,8 @@ def at_return_memory(static: Any, inputs: Any, outputs: Any, kept: Any, ret: Ret
 
 def stage_peak(static: Any, work: Any, inputs: Any, outputs: Any, kept: Any, ret: Returned, *,
                in_flight: int, saved_inputs: int, microbatches: int, recompute: Any = 0.0,
-               stash: Any = 0.0, pending: int = 0) -> Any:
+               stash: Any = 0.0, released: Any = 0.0, pending: int = 0,
+               past_b: int = 0) -> Any:
     """The stage's peak: while microbatches run (`stage_memory`) or when the call returns
     (`at_return_memory`), whichever is larger. `static` includes the gradient bucket in both
     (an upper bound when the call returns: the bucket's buffer lives while gradients are
@@ -226,7 +243,7 @@ def stage_peak(static: Any, work: Any, inputs: Any, outputs: Any, kept: Any, ret
     running = stage_memory(static, work, inputs, outputs, kept, in_flight=in_flight,
                            saved_inputs=saved_inputs, microbatches=microbatches,
                            recompute=recompute, held_outputs=ret.held, stash=stash,
-                           pending=pending)
+                           released=released, pending=pending, past_b=past_b)
     return np.maximum(running, at_return_memory(static, inputs, outputs, kept, ret,
                                                 in_flight=in_flight, saved_inputs=saved_inputs,
                                                 microbatches=microbatches))

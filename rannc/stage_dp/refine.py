@@ -178,8 +178,9 @@ def refine_boundaries(best: Simulated, block_of: Sequence[int], io: BlockIO,
         # `simulate_candidate` does), not the search's common bound: a later 1F1B stage holds
         # fewer and recomputes less
         pend = best.pending or (0,) * len(best.in_flight)
-        tabs = [table(c.devices, c.copies, c.microbatches, n, saved, c.schedule, pending=p)
-                for n, p in zip(best.in_flight, pend, strict=True)]
+        past = best.past_b or (0,) * len(best.in_flight)
+        tabs = [table(c.devices, c.copies, c.microbatches, n, saved, c.schedule, pending=p,
+                      past_b=q) for n, p, q in zip(best.in_flight, pend, past, strict=True)]
         mine = tuple(points.index(x) for x in cuts)
         hs = [t.h[:, :, d] for t, d in zip(tabs, c.replicas, strict=True)]
         refs = [(r, b) for b in split_options(hs, c.schedule) if b != mine

@@ -49,7 +49,7 @@ from rannc.schedule import (
     simulate,
     splits_backward,
 )
-from rannc.schedule.actions import pending_w
+from rannc.schedule.actions import past_b, pending_w
 from rannc.stage_dp.dp import stage_dp, stage_dp_by_position
 from rannc.stage_dp.memory import MB, MemoryModel, rank_overhead
 from rannc.stage_dp.tables import (
@@ -110,8 +110,10 @@ class Simulated:
     wgrad: tuple[float, ...]  # the weight-gradient seconds within bwd
     selective: tuple[bool, ...]  # per stage, selective recomputation
     selective_s: tuple[float, ...]  # its seconds, in bwd
-    # per stage, microbatches whose gradients kept from B for W it holds besides (`pending_w`)
+    # per stage where the backward is split: the most microbatches between B and W at once
+    # (`pending_w`), and of its live peak those past B (`past_b`)
     pending: tuple[int, ...] = ()
+    past_b: tuple[int, ...] = ()
 
 
 class TableCache:
@@ -129,21 +131,23 @@ class TableCache:
         self.cluster, self.link_bw = cluster, link_bw
         self.width = width  # replica counts beyond it are not tabled
         self.only = only  # the replica counts tabled (None: all up to the width)
-        self.tables: dict[tuple[int, int, int, int, int, bool, int, float | None, int],
+        self.tables: dict[tuple[int, int, int, int, int, bool, int, float | None, int, int],
                           StageTables] = {}
         # a device's stages may split its memory unevenly only where every device is alike: a
         # mixed cluster's placement (`placement.place`) gives each stage 1/chunks of a device
         self.lane_shares = cluster.is_homogeneous
 
     def __call__(self, D: int, R: int, m: int, n_in: int, saved: int, sched: str,
-                 share: float | None = None, *, pending: int) -> StageTables:
+                 share: float | None = None, *, pending: int, past_b: int = 0) -> StageTables:
         """The tables; `share`: of the device's memory for each stage where several share a
-        device (default 1/chunks); `pending`: microbatches whose gradients kept from B for W
-        count besides (a schedule splitting the backward: `spec.pending_counts`; else 0)."""
+        device (default 1/chunks); `pending`, `past_b`: where the schedule splits the backward,
+        the most microbatches between B and W (`spec.pending_counts`; else 0) and those past B
+        at the live peak (`actions.past_b`; 0, the bound, where not known per stage)."""
         chunks = get_spec(sched).chunks
         # (share None is 1/chunks: one key for both, so the search's tables serve the costing)
         part = None if chunks == 1 else 1.0 / chunks if share is None else share
-        key = (D, R, m, n_in, saved, reduction_overlaps_backward(sched), chunks, part, pending)
+        key = (D, R, m, n_in, saved, reduction_overlaps_backward(sched), chunks, part, pending,
+               past_b)
         if key not in self.tables:
             c = self.cluster
             link = self.link_bw
@@ -154,7 +158,8 @@ class TableCache:
                                             batch_size=self.batch_size, devices=width, copies=R,
                                             microbatches=m, link_bw=link, allreduce_bw=ar_bw,
                                             inflight=n_in, saved_inputs=saved, only=self.only,
-                                            overlap=key[5], world=D * R, pending=pending)
+                                            overlap=key[5], world=D * R, pending=pending,
+                                            past_b=past_b)
         return self.tables[key]
 
 
@@ -588,7 +593,7 @@ def simulate_candidate(c: Candidate, table: TableCache,
     # the schedule's own in-flight counts (recomputation does not change them)
     line = make_schedule(sched, c.microbatches, chain(S), [False] * S, place)
     counts = [n for n, _ in in_flight(line)]
-    pend = pending_w(line)
+    pend = list(zip(pending_w(line), past_b(line), strict=True))
     shares: list[float | None] = [None] * S  # (None: 1/chunks, the even split)
     best = _costed(c, table, counts, pend, saved, place, shares)
     # Greedily, device by device, the split of its memory the simulator finds fastest (the
@@ -606,15 +611,17 @@ def simulate_candidate(c: Candidate, table: TableCache,
     return best
 
 
-def _costed(c: Candidate, table: TableCache, counts: Sequence[int], pend: Sequence[int],
-            saved: int, place: Sequence[int], shares: Sequence[float | None]) -> Simulated | None:
-    """`simulate_candidate` for one split of the devices' memory among their stages."""
+def _costed(c: Candidate, table: TableCache, counts: Sequence[int],
+            pend: Sequence[tuple[int, int]], saved: int, place: Sequence[int],
+            shares: Sequence[float | None]) -> Simulated | None:
+    """`simulate_candidate` for one split of the devices' memory among their stages; `pend`:
+    per stage (`pending_w`, `past_b`)."""
     S, sched = len(c.replicas), c.schedule
     rows: list[StageCost] = []
     for s in range(S):
         x = (c.bounds[s], c.bounds[s + 1] - 1, c.replicas[s])
         tab = table(c.devices, c.copies, c.microbatches, counts[s], saved, sched, shares[s],
-                    pending=pend[s])
+                    pending=pend[s][0], past_b=pend[s][1])
         if not math.isfinite(float(tab.h[x])):
             return None
         rows.append(StageCost(recompute=float(tab.recompute[x]), fwd=float(tab.fwd[x]),
@@ -636,7 +643,8 @@ def _costed(c: Candidate, table: TableCache, counts: Sequence[int], pend: Sequen
                      tuple(r.bwd for r in rows), tuple(r.allreduce for r in rows),
                      tuple(r.memory for r in rows), tuple(counts), tuple(r.recompute_s for r in rows),
                      tuple(r.wgrad for r in rows), tuple(r.selective for r in rows),
-                     tuple(r.selective_s for r in rows), tuple(pend))
+                     tuple(r.selective_s for r in rows), tuple(p for p, _ in pend),
+                     tuple(b for _, b in pend))
 
 
 # The grain of the shares of a device's memory that `lane_share_options` gives its stages
@@ -645,7 +653,8 @@ SHARE_GRAIN = 32
 
 
 def lane_share_options(c: Candidate, table: TableCache, counts: Sequence[int],
-                       pend: Sequence[int], saved: int, place: Sequence[int], stages: Sequence[int]
+                       pend: Sequence[tuple[int, int]], saved: int, place: Sequence[int],
+                       stages: Sequence[int]
                        ) -> list[tuple[int, int, list[float]]]:
     """Where two stages share each device (ZB-V, interleaved 1F1B over two chunks) and the
     cluster's devices are alike: per device running one of `stages`, its stages a and b and
@@ -664,7 +673,7 @@ def lane_share_options(c: Candidate, table: TableCache, counts: Sequence[int],
     def keeps_all(s: int) -> float | None:  # the share stage s needs to recompute nothing
         x = (c.bounds[s], c.bounds[s + 1] - 1, c.replicas[s])
         t = table(c.devices, c.copies, c.microbatches, counts[s], saved, c.schedule,
-                  pending=pend[s])
+                  pending=pend[s][0], past_b=pend[s][1])
         need = float(t.memory_keep[x]) / table.mem.limit
         return math.ceil(need * SHARE_GRAIN) / SHARE_GRAIN if math.isfinite(need) else None
 

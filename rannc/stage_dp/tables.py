@@ -259,7 +259,7 @@ def stage_tables(prof: BlockProfile, io: BlockIO, mem: MemoryModel, *, batch_siz
                  devices: int, copies: int, microbatches: int, link_bw: float, allreduce_bw: float,
                  inflight: int | None = None, saved_inputs: int = 0,
                  only: Collection[int] | None = None, overlap: bool = False,
-                 world: int | None = None, pending: int = 0) -> StageTables:
+                 world: int | None = None, pending: int = 0, past_b: int = 0) -> StageTables:
     """`inflight`: microbatches whose activations a stage holds at once (fill-drain: all of
     them; 1F1B: at most the stages from it to the end); `saved_inputs`: microbatches whose stage
     inputs are kept besides (eager schedules keep them for a late backward pass); `only`: the
@@ -268,10 +268,12 @@ def stage_tables(prof: BlockProfile, io: BlockIO, mem: MemoryModel, *, batch_siz
     microbatch's backward (`reduction_overlaps_backward`), and only what outlasts it counts;
     `world`: the ranks feeding the global batch (default `devices * copies`; the tables may be
     narrower than the pipeline), whose rows of the batch outputs each rank assembles;
-    `pending`: the schedule runs each backward as B and W apart, and this many microbatches'
-    gradients kept from B for W count besides (the profile's `stash`; `memory_terms`). A stage
-    starting at the first block keeps none: its inputs need no gradient, so its B does nothing
-    and its W is the whole backward (the gradients arriving are its outputs').
+    `pending`, `past_b`: the schedule runs each backward as B and W apart, and a microbatch's
+    B changes its bytes by the gradients it keeps for W (the profile's `stash`) less the
+    activations only B reads, which the runtime releases (`bonly`; not under selective
+    recomputation, whose saved tensors carry hooks of their own), counted as `memory_terms`
+    says. A stage starting at the first block changes nothing: its inputs need no gradient,
+    so its B does nothing and its W is the whole backward.
 
     Recomputation is a fraction f of a stage's kept activations dropped in forward and rebuilt
     before backward (Merak's stage-aware recomputation, by memory rather than by layer): the
@@ -296,11 +298,13 @@ def stage_tables(prof: BlockProfile, io: BlockIO, mem: MemoryModel, *, batch_siz
     n_in = microbatches if inflight is None else inflight
     local = local_rows(batch_size, 1, world) if world is not None else \
         local_rows(batch_size, copies, devices)
-    pre = prof.prefix_sums(("fwd", "bwd", "kept", "wgrad", "kept_sel", "selective", "stash"))
+    pre = prof.prefix_sums(("fwd", "bwd", "kept", "wgrad", "kept_sel", "selective", "stash",
+                            "bonly"))
     pre.setdefault("wgrad", np.zeros_like(pre["fwd"]))  # (unknown: no W split out)
-    if not pending:
-        pre.pop("stash", None)
-    pre.setdefault("stash", np.zeros_like(pre["fwd"]))
+    for name in ("stash", "bonly"):
+        if not pending:
+            pre.pop(name, None)
+        pre.setdefault(name, np.zeros_like(pre["fwd"]))
     sel_ok = mem.selective and "kept_sel" in pre and "selective" in pre
     selective = np.zeros(shape, dtype=bool)
     selective_s = np.zeros(shape)
@@ -321,8 +325,8 @@ def stage_tables(prof: BlockProfile, io: BlockIO, mem: MemoryModel, *, batch_siz
             p = pre[name][:, i]
             return p[None, 1:] - p[:k, None]  # [l, r] = sum over blocks l..r
 
-        fwd, bwd, kept, stash = rng("fwd"), rng("bwd"), rng("kept"), rng("stash")
-        stash[0, :] = 0.0  # (the first stage's: see above)
+        fwd, bwd, kept, stash, released = (rng(n) for n in ("fwd", "bwd", "kept", "stash", "bonly"))
+        stash[0, :] = released[0, :] = 0.0  # (the first stage's: see above)
         inb = io.inputs[0] + io.inputs[1] * b
         outb = io.outputs[0] + io.outputs[1] * b
         comm = (inb + outb) / link_bw
@@ -335,7 +339,8 @@ def stage_tables(prof: BlockProfile, io: BlockIO, mem: MemoryModel, *, batch_siz
         full, saved_per_f = memory_terms(static + bucket, work_max[:, :, i], inb, outb, kept,
                                          in_flight=n_in, saved_inputs=saved_inputs,
                                          microbatches=microbatches, held_outputs=ret.held,
-                                         stash=stash, pending=pending)
+                                         stash=stash, released=released, pending=pending,
+                                         past_b=past_b)
         at_return = at_return_memory(static + bucket, inb, outb, kept, ret, in_flight=n_in,
                                      saved_inputs=saved_inputs, microbatches=microbatches)
         f = np.maximum(fraction_to_fit(full, saved_per_f, mem.limit), f_min)
@@ -347,7 +352,8 @@ def stage_tables(prof: BlockProfile, io: BlockIO, mem: MemoryModel, *, batch_siz
             full_s, per_s = memory_terms(static + bucket, work_max[:, :, i], inb, outb,
                                          rng("kept_sel"), in_flight=n_in,
                                          saved_inputs=saved_inputs, microbatches=microbatches,
-                                         held_outputs=ret.held, stash=stash, pending=pending)
+                                         held_outputs=ret.held, stash=stash, pending=pending,
+                                         past_b=past_b)
             f_s = np.maximum(fraction_to_fit(full_s, per_s, mem.limit), f_min)
             ok_s = valid & (f_s <= f_max) & (at_return <= mem.limit)
             f_s = np.where(ok_s, f_s, 0.0)
