@@ -219,16 +219,22 @@ def _node(root: object, name: str) -> object:
     raise AssertionError(name)
 
 
-def test_b_releases_what_only_it_reads_and_w_keeps_the_layers_inputs() -> None:
-    """After B a microbatch holds what W reads: the softmax's output (read by B alone) is
-    released, the second layer's input (the meeting node's, read by W) is not; W's gradients
-    are those of one full backward."""
+def _softmax_between_layers() -> tuple[nn.Module, nn.Module, torch.Tensor]:
+    """Two linears with a softmax between (it saves its output, which only B reads), a copy
+    whose gradients one full backward gave, and an input leaf."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Softmax(-1), nn.Linear(8, 8))
     ref = copy.deepcopy(model)
     x = torch.randn(4, 8)
     ref(x.clone().requires_grad_()).sum().backward()
-    leaf = x.clone().requires_grad_()
+    return model, ref, x.clone().requires_grad_()
+
+
+def test_b_releases_what_only_it_reads_and_w_keeps_the_layers_inputs() -> None:
+    """After B a microbatch holds what W reads: the softmax's output (read by B alone) is
+    released, the second layer's input (the meeting node's, read by W) is not; W's gradients
+    are those of one full backward."""
+    model, ref, leaf = _softmax_between_layers()
     out = model(leaf)
     soft, second = _node(out.grad_fn, "SoftmaxBackward0"), out.grad_fn
     wp = backward_input([out], [torch.ones_like(out)], [leaf], list(model.parameters()))
@@ -243,12 +249,7 @@ def test_b_releases_what_only_it_reads_and_w_keeps_the_layers_inputs() -> None:
 def test_b_leaves_tensors_saved_under_hooks_alone() -> None:
     """Tensors packed by saved-tensor hooks at forward (selective recomputation's recipes)
     have hooks of their own: B cannot release them, and W still reads them."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 8), nn.Softmax(-1), nn.Linear(8, 8))
-    ref = copy.deepcopy(model)
-    x = torch.randn(4, 8)
-    ref(x.clone().requires_grad_()).sum().backward()
-    leaf = x.clone().requires_grad_()
+    model, ref, leaf = _softmax_between_layers()
     with torch.autograd.graph.saved_tensors_hooks(lambda t: (t,), lambda p: p[0]):
         out = model(leaf)
     soft = _node(out.grad_fn, "SoftmaxBackward0")

@@ -229,30 +229,29 @@ def in_flight(sched: Schedule) -> list[tuple[int, int]]:
     return out
 
 
+def _most_between(sched: Schedule, s: int, opens: Op, closes: Op) -> int:
+    """The most microbatches of stage s at once between their `opens` action and their
+    `closes` one, along its lane's line."""
+    now = most = 0
+    for a in sched.actions[sched.lane_of(s)]:
+        if a.stage != s:
+            continue
+        if a.op is opens:
+            now += 1
+            most = max(most, now)
+        elif a.op is closes:
+            now -= 1
+    return most
+
+
 def pending_w(sched: Schedule) -> list[int]:
     """Per stage where the backward is split: the most microbatches at once between their B
-    and their W, each holding the gradients B keeps for W (0 where the backward is not
-    split). The memory model counts that many stashes on top of the stage's peak of live
-    microbatches (`in_flight`): exact where the two peaks coincide (ZB-H1's stage s holds
-    s + 1 with all its microbatches live), a bound elsewhere. It is also how many microbatches'
-    recomputed activations are alive at once there (a microbatch rebuilt just before its B
-    keeps them until its W), which `in_flight` counts on lines that recompute."""
-    out = []
-    for s in range(sched.stages):
-        if not sched.splits_backward(s):
-            out.append(0)
-            continue
-        pend = peak = 0
-        for a in sched.actions[sched.lane_of(s)]:
-            if a.stage != s:
-                continue
-            if a.op is Op.B:
-                pend += 1
-                peak = max(peak, pend)
-            elif a.op is Op.W:
-                pend -= 1
-        out.append(peak)
-    return out
+    and their W, each holding what W reads and the gradients B keeps for it (0 where the
+    backward is not split). The memory model counts them besides the stage's peak of live
+    microbatches (`in_flight`; `rannc.stage_dp.memory`: where B adds more than it releases);
+    ZB-H1's stage s: s + 1 (M >= S)."""
+    return [_most_between(sched, s, Op.B, Op.W) if sched.splits_backward(s) else 0
+            for s in range(sched.stages)]
 
 
 def past_b(sched: Schedule) -> list[int]:
@@ -262,22 +261,8 @@ def past_b(sched: Schedule) -> list[int]:
     model counts this many of the peak's microbatches at that size (`rannc.stage_dp.memory`:
     at any moment the live ones before B number at most peak - past_b). ZB-H1's stage s: s
     (M >= S); 0 where the backward is not split."""
-    out = []
-    for s, (peak, _) in zip(range(sched.stages), in_flight(sched), strict=True):
-        if not sched.splits_backward(s):
-            out.append(0)
-            continue
-        before = most = 0
-        for a in sched.actions[sched.lane_of(s)]:
-            if a.stage != s:
-                continue
-            if a.op is Op.F:
-                before += 1
-                most = max(most, before)
-            elif a.op is Op.B:
-                before -= 1
-        out.append(peak - most)
-    return out
+    return [peak - _most_between(sched, s, Op.F, Op.B) if sched.splits_backward(s) else 0
+            for s, (peak, _) in enumerate(in_flight(sched))]
 
 
 __all__ = ["BACKWARD_SIDE", "COMPUTE", "Action", "Op", "Schedule", "ScheduleError", "chain", "in_flight",
