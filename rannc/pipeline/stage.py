@@ -13,7 +13,8 @@ and where its outputs and input gradients go is the executor's business, so a ra
 several `Stage`s (interleaved schedules). `backward` computes input and weight gradients in one
 autograd pass; a zero-bubble schedule splits it into `backward_input` (B: the stage inputs'
 gradients, which the previous stage waits for) and `backward_weight` (W: the parameters', run
-later in an idle slot), from the same autograd graphs (`rannc.pipeline.split_backward`).
+later in an idle slot), from the same autograd graphs, of which B releases what only it reads
+(`rannc.pipeline.split_backward`).
 
 Index conventions: m microbatches; v value names.
 """
@@ -240,8 +241,8 @@ class Stage:
     def backward_input(self, mic: Micro, grad_inputs: frozenset[str]) -> None:
         """B of a split backward (zero-bubble schedules): as `backward`, but into the stage
         inputs alone (`mic.in_grads`, sent back at once); the parameters' gradients wait in
-        `mic.weight` for `backward_weight`, the autograd graphs kept until then
-        (`rannc.pipeline.split_backward`). One W pass per part, so a parameter read by both
+        `mic.weight` for `backward_weight`, the autograd graphs kept until then less what only
+        B reads (`rannc.pipeline.split_backward`). One W pass per part, so a parameter read by both
         parts accumulates twice per microbatch, as in `backward` (the reducer counts that)."""
         assert mic.out_grads is not None and mic.ins is not None
         grad_of = dict(zip(self.outputs, mic.out_grads, strict=True))
