@@ -9,6 +9,10 @@
 #
 # Needs the mpich and mpi4py wheels for its Python in .whl/ (README of the device tool).
 #
+# Prepared for the sixth lease: the GPU lane first measures the memory forecast with the loop
+# that holds its outputs (gpu_memory.py --loop hold; the fp32 cells read 0.81-0.87 with Trainer's
+# loop in the second lease, and the CPU at that shape gives 0.99 with hold), and zero-bubble's
+# input pass now releases what only it reads (rannc_zb's row in the zb16 lane).
 # Prepared for the fifth lease (the fourth's calls: fac5d4a and BENCHMARKS.md "The fourth lease"):
 # gpu_study's predicted column now includes the estimate's host floor (DeviceSpec.host_per_op,
 # calibrated on the fourth lease's BERT-Large bf16 stages: check it on the GPU, the two-stage
@@ -57,7 +61,8 @@ peers="$cpu python3 benchmarks/runtime_peers.py --repeats 3 --models bert --laye
 # launch stops the lane: not among the variants)
 B=${LANE_SECONDS:-300}
 
-lane gpu 0-1 "$B" "python3 benchmarks/gpu_study.py --dtypes bf16 --iters 6 --measure-seconds 1" \
+lane gpu 0-1 "$B" "python3 benchmarks/gpu_memory.py --loop hold --rows 8 32" \
+  "python3 benchmarks/gpu_study.py --dtypes bf16 --iters 6 --measure-seconds 1" \
   "python3 benchmarks/gpu_profile.py --dtypes bf16 --iters 4" &
 lane peers4 2-5 "$B" "$cpu python3 benchmarks/runtime_peers.py --repeats 4 --malloc reuse --models bert resnet --ranks 4 --variants rannc_1f1b pipe_1f1b" &
 lane peers2 6-7 "$B" "$cpu python3 benchmarks/runtime_peers.py --repeats 4 --malloc reuse --models bert resnet --ranks 2 --variants rannc_1f1b pipe_1f1b rannc_gpipe pipe_gpipe" &
