@@ -121,7 +121,7 @@ def forecast_terms(plan: Any, st: Any, opt_factor: float, fused: bool = False) -
     from rannc.profile.estimate import GraphCosts
     from rannc.schedule import get_spec
     from rannc.schedule.spec import past_b_counts, pending_counts
-    from rannc.stage_dp.memory import local_rows, rank_overhead, returned_memory
+    from rannc.stage_dp.memory import local_rows, rank_overhead, returned_memory, split_backward_bytes
     from rannc.stage_dp.tables import BlockIO
 
     graph, atomic = plan.source
@@ -145,10 +145,8 @@ def forecast_terms(plan: Any, st: Any, opt_factor: float, fused: bool = False) -
         return float(((x[:, 0] + x[:, 1] * b)[costs.pair_task])[mask].sum()) if x is not None else 0.0
 
     # (under selective recomputation the saved tensors carry hooks of their own: none released)
-    released = 0.0 if st.selective else stage_sum(costs.bonly)
     grads = stage_sum(costs.stash) if st.index > 0 else 0.0
-    released = released if st.index > 0 else 0.0
-    split = grads - released
+    released = stage_sum(costs.bonly) if st.index > 0 and not st.selective else 0.0
     n = st.predicted["in_flight"]
     saved = get_spec(plan.schedule).held(len(plan.stages), plan.microbatches, True).saved_inputs
     inb = float(io.inputs[0][j, j] + io.inputs[1][j, j] * b)
@@ -158,8 +156,7 @@ def forecast_terms(plan: Any, st: Any, opt_factor: float, fused: bool = False) -
     return dict(params=float(io.params[j, j]), grads=float(io.grad_params[j, j]),
                 optimizer=opt_factor * float(io.grad_params[j, j]), kept=n * kept,
                 inputs_outputs=n * (inb + outb), saved_inputs=saved * inb, work=work,
-                stash=(pend * max(split, 0.0) + past * min(split, 0.0) + min(grads, released))
-                if pend else 0.0,
+                stash=float(split_backward_bytes(grads, released, pend, past)),
                 returned_held=float(ret.held[j, j]), at_return=float(ret.at_return[j, j]),
                 overhead=0.0 if fused else rank_overhead(["local-cpu"], len(graph.tasks)))
 

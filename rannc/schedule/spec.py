@@ -474,28 +474,29 @@ def _shared_in_flight(name: str, S: int, M: int) -> int:
     return max(n for n, _ in in_flight(make_schedule(name, M, chain(S), [False] * S)))
 
 
-@functools.lru_cache(maxsize=1024)
 def pending_counts(name: str, S: int, M: int) -> tuple[int, ...]:
-    """Per stage of an S-stage chain, first to last: the microbatches whose B-to-W gradients
-    the memory model counts (`actions.pending_w`; all 0 where the backward is not split)."""
-    if not splits_backward(name):
-        return (0,) * S
-    spec = get_spec(name)
-    if S % spec.chunks or not spec.runnable(S // spec.chunks, M):
-        return (M,) * S  # (not runnable there: the most any line could hold)
-    return tuple(pending_w(make_schedule(name, M, chain(S), [False] * S)))
+    """Per stage of an S-stage chain, first to last: the most microbatches between their B and
+    their W (`actions.pending_w`; all 0 where the backward is not split)."""
+    return _split_counts(name, S, M)[0]
 
 
-@functools.lru_cache(maxsize=1024)
 def past_b_counts(name: str, S: int, M: int) -> tuple[int, ...]:
     """Per stage of an S-stage chain, first to last: of its live peak, the microbatches past
     their B (`actions.past_b`; all 0 where the backward is not split, or not runnable)."""
+    return _split_counts(name, S, M)[1]
+
+
+@functools.lru_cache(maxsize=1024)
+def _split_counts(name: str, S: int, M: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(`pending_counts`, `past_b_counts`), read off one S-stage chain's lines; where its lines
+    do not run, every stage at the bounds: M pending (the most any line could hold), 0 past B."""
     if not splits_backward(name):
-        return (0,) * S
+        return (0,) * S, (0,) * S
     spec = get_spec(name)
     if S % spec.chunks or not spec.runnable(S // spec.chunks, M):
-        return (0,) * S
-    return tuple(past_b(make_schedule(name, M, chain(S), [False] * S)))
+        return (M,) * S, (0,) * S
+    line = make_schedule(name, M, chain(S), [False] * S)
+    return tuple(pending_w(line)), tuple(past_b(line))
 
 
 def _shared_pending(name: str, S: int, M: int) -> int:

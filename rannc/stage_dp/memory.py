@@ -153,13 +153,20 @@ def memory_terms(static: Any, work: Any, inputs: Any, outputs: Any, kept: Any, *
     counted as the module docstring says (`actions.pending_w`, `actions.past_b`)."""
     ahead = posted_ahead(in_flight, saved_inputs, microbatches)
     base = static + (in_flight + ahead) * inputs + in_flight * outputs + saved_inputs * inputs \
-        + work + held_outputs
-    if pending:
-        d = stash - released
-        base = base + pending * np.maximum(d, 0.0) + past_b * np.minimum(d, 0.0) \
-            + np.minimum(stash, released)
+        + work + held_outputs + split_backward_bytes(stash, released, pending, past_b)
     full = base + in_flight * kept
     return full, max(in_flight - max(pending, 1), 0) * kept
+
+
+def split_backward_bytes(stash: Any, released: Any, pending: int, past_b: int) -> Any:
+    """What a split backward adds to a stage's activations counted at `in_flight` x kept (the
+    module docstring): B's change d = stash - released of a microbatch, `pending` times where
+    positive and `past_b` times where not, and the stash of the microbatch inside its B before
+    its release; 0 where the backward is not split (`pending` 0)."""
+    if not pending:
+        return 0.0
+    d = stash - released
+    return pending * np.maximum(d, 0.0) + past_b * np.minimum(d, 0.0) + np.minimum(stash, released)
 
 
 def with_recompute(full: Any, per_fraction: Any, fraction: Any) -> Any:
@@ -273,4 +280,4 @@ def rows_that_fit(memory: float, static: float, rows: float, capacity: float) ->
 __all__ = ["MB", "RANK_BYTES", "TASK_BYTES", "MemoryModel", "Returned", "at_return_memory",
            "bucket_memory", "fraction_to_fit", "held_outputs", "local_rows", "memory_terms", "posted_ahead",
            "rank_overhead", "returned_memory", "rows_scaled", "rows_that_fit", "stage_memory",
-           "stage_peak", "static_memory", "with_recompute"]
+           "split_backward_bytes", "stage_peak", "static_memory", "with_recompute"]
