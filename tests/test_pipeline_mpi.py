@@ -430,15 +430,20 @@ def test_zero_bubble_runs_weight_gradients_apart(launches: CaseLaunches) -> None
 @pytest.mark.cases(_case("holdings", 4, ["--model", "bert", "--partition-num", "4", "--microbatches", "2",
                                           "--steps", "1"]))
 def test_receives_are_posted_ahead_of_the_actions_that_take_them() -> None:
-    """A gloo transfer moves only once its receive is posted: each receive is posted while the
-    action before it runs, or with the other pieces of its action where that action settles a
-    guessed layout; none is a blocking recv (tests/scripts/prefetch_check.py; exact against
-    the unwrapped model)."""
+    """A gloo transfer moves only once its receive is posted: each receive is posted while the action
+    before it runs, or with the other pieces of its action where that action settles a guessed
+    layout; none is a blocking recv. A send is dropped once the other rank's messages prove it
+    arrived: of 8 microbatches, 1F1B and zero-bubble hold at most the 2 their first stage keeps
+    in flight (each rank: its outputs, or its input gradients; fill-drain: its whole forward's,
+    until forward() returns) (tests/scripts/prefetch_check.py; exact against the unwrapped
+    model)."""
     res = run_mpi(TESTS / "scripts" / "prefetch_check.py", 2, [])
-    got = re.findall(r"PASS (\S+) rank (\d) calls (\d+) blocking (\d+) posted (\d+)", res.stdout)
+    got = re.findall(r"PASS (\S+) rank (\d) calls (\d+) blocking (\d+) posted (\d+) held (\d+)",
+                     res.stdout)
     assert len(got) == 6, res.stdout
-    for _sched, _rank, calls, blocking, posted in got:
+    for sched, _rank, calls, blocking, posted, held in got:
         assert int(blocking) == 0 < int(calls) < int(posted), got
+        assert 0 < int(held) <= (8 if sched == "gpipe" else 2), got
 
 
 def test_each_rank_holds_only_its_parameters(launches: CaseLaunches) -> None:

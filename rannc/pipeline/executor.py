@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.autograd import _profiler_enabled
 
 from rannc.graph.task_graph import eval_dim
+from rannc.pipeline.arrivals import Arrivals
 from rannc.pipeline.grads import GradReducer
 from rannc.pipeline.routes import OWNERS, Routes
 from rannc.pipeline.rows import Range, RowLayout, intersect
@@ -66,6 +67,7 @@ class Executor:
         self.routes, self.plan, self.schedule, self.grads = routes, plan, schedule, grads
         self.summed = summed  # scalar outputs whose pieces add up (`piece_weight`)
         self.rank, self.world_size = rank, world_size
+        self.arrivals = Arrivals(schedule, routes)  # which sends a receive proves arrived
         self._has_consumers = {s: bool(schedule.consumers(s)) for s in self.stages}
         self._split = {s: schedule.splits_backward(s) for s in self.stages}  # B and W apart
         self._keeps_inputs = routes.has_batch_grad_outputs()
@@ -101,7 +103,16 @@ class Executor:
             scalar_g: dict[str, torch.Tensor] | None = None, arm: Action | None = None) -> None:
         """Run `acts`; `arm`: the action before which the gradient reducer is armed. The scalar
         outputs' all-reduce starts as soon as this rank's last piece of them is in (and the
-        layout is agreed), so that the ranks do not meet for it at the end of the call."""
+        layout is agreed), so that the ranks do not meet for it at the end of the call. While
+        the line runs, a send is dropped once a receive proves it arrived (`Arrivals`)."""
+        call.transport.arrivals = self.arrivals
+        try:
+            self._run_line(call, acts, scalars, scalar_g, arm)
+        finally:
+            call.transport.arrivals = None
+
+    def _run_line(self, call: Call, acts: Sequence[Action], scalars: dict[str, torch.Tensor],
+                  scalar_g: dict[str, torch.Tensor] | None, arm: Action | None) -> None:
         last = max((i for i, a in enumerate(acts) if a.op is Op.F and a.stage in self._scalar_stages
                     and not call.micro[(a.stage, a.micro)].empty), default=-1)
         # the actions that receive from other ranks, by index: each one's receives are posted

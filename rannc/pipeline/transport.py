@@ -8,15 +8,17 @@ instead of mixing two transfers.
 
 `Transport` is one call's messages: the schedule's executor names what goes where (a key, this
 rank's rows, the (rank, rows) pieces at the other end) and never builds a tag or calls isend.
-Sends never block (isend, waited for at the end of the call); receives block until the pieces
-are there. A receive may be posted ahead (`expect`), while this rank still computes: a gloo
-transfer only moves once its receive is posted, so a receive posted when the executor gets
-to it puts the whole hand-over on the critical path (ResNet, 2 CPU ranks: 1 to 9 ms per
-microbatch). A piece for this rank itself is handed over in memory. A call run on a guessed row
-layout (no collective at the start of a step) holds back its sends to other ranks until the
-ranks' agreement on the layout arrives (`settle`), at the latest before its first receive from
-another rank, so nothing computed on a wrong guess ever leaves the rank; when the guess was
-wrong `settle` raises `LayoutChanged` and the call runs again.
+Sends never block (isend); one is waited for and dropped, freeing its tensor, as soon as a
+message received proves it arrived (`arrivals.Arrivals`, while a line runs), the rest at the
+end of the call. Receives block until the pieces are there. A receive may be posted ahead
+(`expect`), while this rank still computes: a gloo transfer only moves once its receive is
+posted, so a receive posted when the executor gets to it puts the whole hand-over on the
+critical path (ResNet, 2 CPU ranks: 1 to 9 ms per microbatch). A piece for this rank itself is
+handed over in memory. A call run on a guessed row layout (no collective at the start of a
+step) holds back its sends to other ranks until the ranks' agreement on the layout arrives
+(`settle`), at the latest before its first receive from another rank, so nothing computed on a
+wrong guess ever leaves the rank; when the guess was wrong `settle` raises `LayoutChanged` and
+the call runs again.
 
 Index conventions: r ranks; m microbatches.
 """
@@ -36,6 +38,7 @@ from rannc.graph.task_graph import Value, eval_dim
 from rannc.pipeline.rows import Range, intersect
 
 if TYPE_CHECKING:
+    from rannc.pipeline.arrivals import Arrivals
     from rannc.validate import CallAgreement
 
 # torch.distributed takes a tag as a C int; gloo refuses negative ones.
@@ -121,9 +124,12 @@ class Transport:
                  guess: Guess | None = None) -> None:
         self.rank, self.tags, self.values, self.device = rank, tags, values, device
         self.guess = guess
-        self._sends: list[Any] = []  # isend works, waited for by `wait_sends`
+        # per destination rank, its isend works and their keys, waited for when a receive
+        # from that rank proves them arrived (`arrivals`) or by `wait_sends`
+        self._sends: dict[int, list[tuple[Any, Key]]] = {}
+        self.arrivals: Arrivals | None = None  # set while a line of the schedule runs
         self._local: dict[Key, torch.Tensor] = {}  # pieces this rank sent itself
-        self._held_back: list[tuple[torch.Tensor, int, int]] = []  # (piece, rank, tag)
+        self._held_back: list[tuple[torch.Tensor, int, Key]] = []  # (piece, rank, key)
         # receives posted ahead (`expect`): per key, per piece its buffer and work (None: local)
         self._posted: dict[Key, list[tuple[torch.Tensor, Any] | None]] = {}
         self._received: set[Key] = set()  # keys this call has received (none is posted twice)
@@ -174,6 +180,7 @@ class Transport:
                 buf = self.empty(key.value, have[1] - have[0])
                 dist.recv(buf, r, tag=self.tags(key))
             pieces.append(buf)
+            self._arrived(r, key)
         d = self.values[key.value].batch_dim or 0
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, d)
 
@@ -215,13 +222,34 @@ class Transport:
         if dst == self.rank:
             self._local[key] = x.detach()
         elif self.guess is not None:
-            self._held_back.append((x.detach().contiguous(), dst, self.tags(key)))
+            self._held_back.append((x.detach().contiguous(), dst, key))
         else:
-            self._sends.append(dist.isend(x.detach().contiguous(), dst, tag=self.tags(key)))
+            self._isend(x.detach().contiguous(), dst, key)
+
+    def _isend(self, x: torch.Tensor, dst: int, key: Key) -> None:
+        self._sends.setdefault(dst, []).append((dist.isend(x, dst, tag=self.tags(key)), key))
+
+    def _arrived(self, r: int, key: Key) -> None:
+        """Message `key` came from rank r: drop the sends to r it proves arrived."""
+        sends = self._sends.get(r)
+        if self.arrivals is None or not sends:
+            return
+        keep = []
+        for work, k in sends:
+            if self.arrivals.proves(k, key):
+                work.wait()  # (returns at once: r has taken it)
+            else:
+                keep.append((work, k))
+        self._sends[r] = keep
+
+    def pending_sends(self) -> list[tuple[int, Key]]:
+        """(destination, key) of the sends not yet waited for."""
+        return [(r, k) for r, sends in self._sends.items() for _, k in sends]
 
     def wait_sends(self) -> None:
-        for w in self._sends:
-            w.wait()
+        for sends in self._sends.values():
+            for w, _ in sends:
+                w.wait()
         self._sends.clear()
 
     # -- a guessed layout ----------------------------------------------------------------------
@@ -242,8 +270,8 @@ class Transport:
         if sizes != self.guess.sizes:
             raise LayoutChanged(sizes)
         self.guess = None
-        for x, dst, tag in self._held_back:
-            self._sends.append(dist.isend(x, dst, tag=tag))
+        for x, dst, key in self._held_back:
+            self._isend(x, dst, key)
         self._held_back.clear()
 
 
