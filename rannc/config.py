@@ -127,10 +127,12 @@ class Config:
     """Pipeline schedule: auto (the planner picks by simulated time within memory), or one of
     rannc.schedule.SCHEDULES: gpipe (fill-drain), 1f1b, scp (Merak's shifted critical path),
     zero_bubble (ZB-H1: each backward split into an input-gradient and a weight-gradient pass,
-    the latter deferred into the pipeline's idle time), interleaved_1f1b (two stages per
-    rank: s and s + partition_num / 2 on the same ranks, replicas given per rank of a pipeline),
-    or zero_bubble_v (ZB-V: two stages per rank in a V, s and partition_num - 1 - s on the same
-    ranks, each backward split as under zero_bubble; replicas given per rank of a pipeline)."""
+    the latter deferred into the pipeline's idle time), zero_bubble_lag1 (the same with each
+    weight pass deferred by at most one microbatch: less memory on the later stages),
+    interleaved_1f1b (two stages per rank: s and s + partition_num / 2 on the same ranks,
+    replicas given per rank of a pipeline), or zero_bubble_v (ZB-V: two stages per rank in a V,
+    s and partition_num - 1 - s on the same ranks, each backward split as under zero_bubble;
+    replicas given per rank of a pipeline)."""
     checkpointing: str = _f("auto", choices=_CHECKPOINTING)
     """Recomputation (activation checkpointing) in backward: "auto" (the planner chooses, per
     stage, the fraction of the stage to recompute that fits its memory), "on" (every stage

@@ -131,6 +131,10 @@ SCHEDULED = [
          "zero_bubble", "--recompute-fraction", "0.5", "--grad-scaler"], ALL),
     (2, ["--partition-num", "2", "--microbatches", "4", "--batch", "8", "--schedule", "zero_bubble",
          "--loss-scale", "0.5", "--extra-forward"], "bert,gpt2"),
+    # ZB-H1 with W deferred by at most one microbatch: 4 stages (lags 0, 1, 1, 1, where ZB-H1's
+    # are 0 to 3), partial recomputation
+    (4, ["--partition-num", "4", "--microbatches", "6", "--batch", "12", "--schedule",
+         "zero_bubble_lag1", "--recompute-fraction", "0.5"], "bert,gpt2"),
     # interleaved: two stages per rank (s and s + P on the same ranks), replicas per pipeline
     # position [1, 2], partial recomputation; fork_join falls back to fill-drain over the same
     # shared ranks, kwargs takes the late pass

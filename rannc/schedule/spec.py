@@ -8,8 +8,9 @@ schedule is one `ScheduleSpec` (with its line generator) passed to `register`.
 
 Registered: fill-drain ("gpipe"), 1F1B, Merak's shifted critical path ("scp"), ZB-H1
 ("zero_bubble": its lines carry W actions, so the runtime splits each backward into B and W),
-interleaved 1F1B ("interleaved_1f1b": `chunks` stages per lane, looped) and ZB-V
-("zero_bubble_v": two stages per lane in a V, with B and W split).
+ZB-H1 with each W deferred by at most one microbatch ("zero_bubble_lag1"), interleaved 1F1B
+("interleaved_1f1b": `chunks` stages per lane, looped) and ZB-V ("zero_bubble_v": two stages
+per lane in a V, with B and W split).
 
 Index conventions: s stages; m microbatches; S, M their counts.
 """
@@ -210,17 +211,20 @@ def _shifted_critical_path(line: StageLine) -> list[Action]:
     return _one_f_one_b(line, early_recompute=True)
 
 
-def _zero_bubble_h1(line: StageLine) -> list[Action]:
+def _zero_bubble_h1(line: StageLine, most_lag: int | None = None) -> list[Action]:
     """ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", section 3): 1F1B's order with
     each backward split into B (input gradients, sent back at once) and W (weight gradients),
     the W of stage s deferred by its distance from the first stage, so the chain of B
     passes that ends the iteration runs without the W passes on it and the later stages fill
     their cool-down waits with the deferred W. Stage s then holds at most the first stage's
     1F1B count of microbatches (theirs until its W), 1F1B's peak activation memory, and besides
-    the gradients B keeps for W of s + 1 microbatches (`actions.pending_w`)."""
+    the gradients B keeps for W of s + 1 microbatches (`actions.pending_w`). `most_lag`: W
+    deferred by at most that many microbatches (`_zero_bubble_lag1`)."""
     M = line.microbatches
     warm = min(line.depth, M)
     lag = line.max_depth - line.depth  # W passes deferred (torch's num_1f1b_microbatches: rank)
+    if most_lag is not None:
+        lag = min(lag, most_lag)
     acts: list[Action] = []
     for m in range(warm):
         acts += line.forward(m)
@@ -233,6 +237,18 @@ def _zero_bubble_h1(line: StageLine) -> list[Action]:
     for i in range(max(0, M - lag), M):
         acts += line.weight(i)
     return acts
+
+
+def _zero_bubble_lag1(line: StageLine) -> list[Action]:
+    """ZB-H1 with each W deferred by at most one microbatch: a later stage holds at most two
+    microbatches between B and W (ZB-H1's stage s holds s + 1), each keeping what W reads and
+    the gradients B keeps for it, so it needs about 1F1B's memory on every stage, not the
+    first stage's count on each. Where the last stage is the largest (an LM head and its
+    vocabulary-wide gradients), ZB-H1 does not fit at the memory limit and this does: its W
+    passes fill less of the cool-down than ZB-H1's, but the B chain still runs without them
+    (Llama-3-8B on 8 and 16 H100 by the estimate oracle: 1.1 and 1.5 % faster plans,
+    BENCHMARKS.md)."""
+    return _zero_bubble_h1(line, most_lag=1)
 
 
 def _interleaved_one_f_one_b(line: StageLine) -> list[Action]:
@@ -385,6 +401,11 @@ register(ScheduleSpec("scp", _shifted_critical_path, eager=True, recompute_last=
 register(ScheduleSpec("zero_bubble", _zero_bubble_h1, eager=True, recompute_last=True,
                       in_flight=lambda S, M: min(S, M), pending=lambda S, M: min(S, M),
                       summary="zero-bubble ZB-H1 (backward split into input and weight passes)"))
+# ZB-H1 with W deferred by at most one microbatch: at most 2 pending on any stage.
+register(ScheduleSpec("zero_bubble_lag1", _zero_bubble_lag1, eager=True, recompute_last=True,
+                      in_flight=lambda S, M: min(S, M), pending=lambda S, M: min(S, M, 2),
+                      summary="ZB-H1 with each weight pass deferred by at most one microbatch "
+                              "(less memory on the later stages)"))
 # Interleaved 1F1B: stage s on lane s % P (the ranks of pipeline position s % P).
 register(ScheduleSpec("interleaved_1f1b", _interleaved_one_f_one_b, eager=True,
                       recompute_last=True,
