@@ -129,6 +129,7 @@ class Config:
     zero_bubble (ZB-H1: each backward split into an input-gradient and a weight-gradient pass,
     the latter deferred into the pipeline's idle time), zero_bubble_lag1 (the same with each
     weight pass deferred by at most one microbatch: less memory on the later stages),
+    zero_bubble_lag0 (by none: 1F1B's memory, input gradients sent before the weight pass),
     interleaved_1f1b (two stages per rank: s and s + partition_num / 2 on the same ranks,
     replicas given per rank of a pipeline), or zero_bubble_v (ZB-V: two stages per rank in a V,
     s and partition_num - 1 - s on the same ranks, each backward split as under zero_bubble;

@@ -135,6 +135,9 @@ SCHEDULED = [
     # are 0 to 3), partial recomputation
     (4, ["--partition-num", "4", "--microbatches", "6", "--batch", "12", "--schedule",
          "zero_bubble_lag1", "--recompute-fraction", "0.5"], "bert,gpt2"),
+    # ... and by none (each W right after its B, which is sent back first), with replicas
+    (3, ["--replicas", "2,1", "--microbatches", "4", "--batch", "10", "--schedule",
+         "zero_bubble_lag0", "--grad-scaler"], "bert,gpt2"),
     # interleaved: two stages per rank (s and s + P on the same ranks), replicas per pipeline
     # position [1, 2], partial recomputation; fork_join falls back to fill-drain over the same
     # shared ranks, kwargs takes the late pass

@@ -254,7 +254,8 @@ def test_each_schedules_layer_aligned_plan_is_refined_when_close(
     plan = plan_graph(graph, atomic, cluster, rannc.Config(partition_num=4), batch_size=64)
     assert all(len(p) == 1 for p in pools)  # one schedule at a time
     # (no schedule of two stages per rank: 4 stages forced count one per rank)
-    assert set().union(*pools) == {"gpipe", "1f1b", "scp", "zero_bubble", "zero_bubble_lag1"}
+    assert set().union(*pools) == {"gpipe", "1f1b", "scp", "zero_bubble", "zero_bubble_lag1",
+                                      "zero_bubble_lag0"}
     monkeypatch.setattr(planner, "ALIGNED_SLACK", 0.0)
     strict = plan_graph(graph, atomic, cluster, rannc.Config(partition_num=4), batch_size=64)
     assert plan.predicted_iteration_time < strict.predicted_iteration_time * 0.99
