@@ -224,6 +224,7 @@ def test_zero_microbatches() -> None:
 def test_unknown_schedule() -> None:
     with pytest.raises(ConfigError, match=r"Config.schedule='zigzag' is not valid: schedule must "
                                           r"be one of 'auto', 'gpipe', '1f1b', 'scp', 'zero_bubble', "
+                                          r"'zero_bubble_lag1', 'zero_bubble_lag0', "
                                           r"'interleaved_1f1b', 'zero_bubble_v'. Fix: pass "
                                           r"schedule='auto'"):
         rannc.RaNNCModule(nn.Linear(2, 2), schedule="zigzag")
