@@ -28,7 +28,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -279,7 +279,7 @@ def _plan_graph(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, con
     refine = bool(config.extra.get("boundary_refinement", True))
     with _timed(stats, "refine"):  # stage boundaries below block level
         tabler = Tabler(graph, atomic, oracle, mem, cluster, batch_size, spec.link_bandwidth, uses)
-        best, plan_of, plan_io = refine_best(
+        best, plan_of, plan_io, own = refine_best(
             ranked(sims), block_of, io, comp_time, tabler, late, enabled=refine,
             steps=lambda s: progress.iterate("refining stage boundaries", s))
     with _timed(stats, "layers"):  # the best layouts split at the model's layer boundaries
@@ -288,7 +288,7 @@ def _plan_graph(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, con
         if layers is not None:
             best, plan_of, plan_io = _layer_aligned(best, plan_of, plan_io, ranked(sims), layers,
                                                     graph, atomic, uses, comp_time, tabler, late,
-                                                    config)
+                                                    config, own)
     out = to_plan(graph, atomic, costs, best, plan_of, cluster.size, batch_size, blocks=k)
     if not cluster.is_homogeneous:
         # (the best plan of each other stage count too, at block level: the fastest on the
@@ -309,21 +309,26 @@ ALIGNED_SLACK = 0.05
 def _layer_aligned(best: Simulated, plan_of: list[int], plan_io: BlockIO,
                    sims: Sequence[Simulated], layers: list[int], graph: TaskGraph,
                    atomic: AtomicPartition, uses: ValueUses, comp_time: np.ndarray,
-                   tabler: Tabler, late: bool, config: Config
+                   tabler: Tabler, late: bool, config: Config, own: Mapping[str, float]
                    ) -> tuple[Simulated, list[int], BlockIO]:
     """The plan so far, or a layer-aligned one (`aligned_best`) with its boundaries then moved
     inside the layers (`refine_boundaries`) where that is predicted faster. Per schedule, from
-    its plans among the first `REFINED` distinct ones and its own best: a schedule whose plans
-    rank behind at block level can win once aligned and refined (Llama-3-8B on 8 H100: ZB-V's
-    best aligned plan, 1.0x the scp plan so far, refines to 48.55 s against 49.14 s)."""
-    first = with_each_schedule(sims, REFINED, each=1)
+    its own first `REFINED` distinct plans, and refined when it starts within `ALIGNED_SLACK`
+    of that schedule's own fastest refined plan (`own`): a schedule whose plans rank behind at
+    block level can win once aligned and refined (Llama-3-8B on 8 H100: ZB-V's best aligned
+    plan, 1.0x the scp plan so far, refines to 48.55 s against 49.14 s), and nothing a schedule
+    gets depends on the other schedules searched, so searching one more never gives a slower
+    plan (Mixtral-8x7B on 64 H100: held against the fastest plan of all, scp's aligned plan
+    was left unrefined once two more zero-bubble schedules lowered that, 6.118 s against
+    5.906 s)."""
+    first = with_each_schedule(sims, REFINED)
     layer_io = BlockIO.of(graph, atomic, layers, uses)
     out = (best, plan_of, plan_io)
     for sched in dict.fromkeys(r.cand.schedule for r in first):
         aligned = aligned_best([r for r in first if r.cand.schedule == sched], layers, comp_time,
                                tabler, late, replicas_forced=config.replicas is not None,
                                stages=config.partition_num)
-        if aligned is None or aligned.time >= out[0].time * (1 + ALIGNED_SLACK):
+        if aligned is None or aligned.time >= own.get(sched, out[0].time) * (1 + ALIGNED_SLACK):
             continue
         got = refine_boundaries(aligned, layers, layer_io, comp_time, tabler, late)
         if got[0].time < out[0].time * (1 - 1e-9):

@@ -26,6 +26,7 @@ Positions: p in 0..n is the boundary before the p-th component of that list (n: 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -206,19 +207,23 @@ def refine_boundaries(best: Simulated, block_of: Sequence[int], io: BlockIO,
 def refine_best(sims: Sequence[Simulated], block_of: Sequence[int], io: BlockIO,
                 comp_time: np.ndarray, tabler: Tabler, late: bool, enabled: bool = True,
                 steps: Callable[[list[Simulated]], Iterable[Simulated]] = iter,
-                ) -> tuple[Simulated, list[int], BlockIO]:
+                ) -> tuple[Simulated, list[int], BlockIO, dict[str, float]]:
     """The fastest after refining the boundaries of the first `REFINED` distinct plans of
     `sims` (the winner first) and each schedule's best (`with_each_schedule`), ties to the
     earlier. Refining only the winner can miss a plan whose block-level split was further from
     its own best split (BERT 256x2048 at 32 devices: 13.68 s refined from the winner, 13.34 s
     from the fourth). `enabled=False`: the winner as it is, stages as runs of whole blocks as
-    the paper plans them (benchmarks compare)."""
+    the paper plans them (benchmarks compare). Also returns each schedule's fastest refined
+    time (what its layer-aligned plan is held against: `planner._layer_aligned`)."""
     best: tuple[Simulated, list[int], BlockIO] | None = None
+    own: dict[str, float] = {}
     for sim in steps(with_each_schedule(sims) if enabled else distinct(sims)[:1]):
         got = refine_boundaries(sim, block_of, io, comp_time, tabler, late) if enabled else \
             (sim, list(block_of), io)
+        s = sim.cand.schedule
+        own[s] = min(own.get(s, math.inf), got[0].time)
         if best is None or got[0].time < best[0].time * (1 - 1e-9):
             best = got
     if best is None:
         raise ValueError("refine_best needs at least one plan")
-    return best
+    return (*best, own)
