@@ -18,9 +18,10 @@
   device (an interleaved rank holds two stages: their sum).
 * ``measured``: the runtime on CPU ranks (gloo, one thread each), the BERT of
   benchmarks/runtime_peers.py (pre-LN layers, hidden 256, 8 layers, sequence 64, global batch
-  32), ``--microbatches`` (8), no recomputation: 1F1B and zero_bubble on the same stages (one per rank:
-  rannc's 1F1B plan, loaded again with the schedule changed), and interleaved_1f1b and
-  zero_bubble_v each on its own plan of two stages per rank. All four models live in the same
+  32), ``--microbatches`` (8), no recomputation: 1F1B and the zero_bubble schedules
+  (zero_bubble, zero_bubble_lag1, zero_bubble_lag0) on the same stages (one per rank: rannc's
+  1F1B plan, loaded again with the schedule changed), and interleaved_1f1b and zero_bubble_v
+  each on its own plan of two stages per rank. All six models live in the same
   ranks and take turns step by step (A B C D A B C D ...), so a drift in the machine's load
   hits them alike; per schedule the
   median step time (forward, backward, optimizer step; rank 0's clock between barriers) over
@@ -174,7 +175,9 @@ def pictures() -> None:
         print(f"wrote {base}.png and .json")
 
 
-MEASURED = ("1f1b", "zero_bubble", "interleaved_1f1b", "zero_bubble_v")
+# the schedules run on 1F1B's very stages (its plan loaded again with the schedule changed)
+SAME_STAGES = ("zero_bubble", "zero_bubble_lag1", "zero_bubble_lag0")
+MEASURED = ("1f1b", *SAME_STAGES, "interleaved_1f1b", "zero_bubble_v")
 
 
 def measured(a: argparse.Namespace) -> None:
@@ -251,15 +254,15 @@ def worker(a: argparse.Namespace) -> None:
         stages = get_spec(name).chunks * world
         opts: dict[str, Any] = dict(partition_num=stages, microbatches=a.microbatches,
                                     checkpointing="off", schedule=name, profiler="estimate")
-        if stand and name != "zero_bubble":
+        if stand and name not in SAME_STAGES:
             opts.update(load_deployment=True, deployment_file=str(tmp / f"plan_{name}.json"))
-        elif name == "zero_bubble":  # 1F1B's very stages
+        elif name in SAME_STAGES:  # 1F1B's very stages
             plan_file = tmp / "plan_1f1b.json"
             if rank == 0:
-                zb = dataclasses.replace(rannc.Plan.load(plan_file), schedule="zero_bubble")
-                zb.save(tmp / "plan_zb.json")
+                zb = dataclasses.replace(rannc.Plan.load(plan_file), schedule=name)
+                zb.save(tmp / f"plan_same_{name}.json")
             dist.barrier()
-            opts.update(load_deployment=True, deployment_file=str(tmp / "plan_zb.json"))
+            opts.update(load_deployment=True, deployment_file=str(tmp / f"plan_same_{name}.json"))
         elif name == "1f1b":
             tmp.mkdir(exist_ok=True)
             opts.update(save_deployment=True, deployment_file=str(tmp / "plan_1f1b.json"))

@@ -42,7 +42,8 @@ def test_new_schedules_benchmark() -> None:
 @pytest.mark.parametrize("model", [pytest.param("bert", marks=pytest.mark.full), "standin"])
 def test_new_schedules_measured_benchmark(model: str) -> None:
     out = run("benchmarks/new_schedules.py", "--only", "measured", "--ranks", "2", "--model", model)
-    assert [r[1] for r in rows(out, "| 2 |")] == ["1f1b", "zero_bubble", "interleaved_1f1b",
+    assert [r[1] for r in rows(out, "| 2 |")] == ["1f1b", "zero_bubble", "zero_bubble_lag1",
+                                                  "zero_bubble_lag0", "interleaved_1f1b",
                                                   "zero_bubble_v"], out
 
 
