@@ -328,7 +328,7 @@ def _layer_aligned(best: Simulated, plan_of: list[int], plan_io: BlockIO,
         aligned = aligned_best([r for r in first if r.cand.schedule == sched], layers, comp_time,
                                tabler, late, replicas_forced=config.replicas is not None,
                                stages=config.partition_num)
-        if aligned is None or aligned.time >= own.get(sched, out[0].time) * (1 + ALIGNED_SLACK):
+        if aligned is None or aligned.time >= own[sched] * (1 + ALIGNED_SLACK):
             continue
         got = refine_boundaries(aligned, layers, layer_io, comp_time, tabler, late)
         if got[0].time < out[0].time * (1 - 1e-9):

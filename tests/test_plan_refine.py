@@ -224,6 +224,19 @@ def test_the_boundaries_of_each_schedules_best_plans_are_refined(
     assert {id(s) for s in refined[:REFINED]} == {id(s) for s in first[:REFINED]}
 
 
+def _bert_on_8_v100() -> tuple[TaskGraph, AtomicPartition, rannc.Cluster]:
+    """BERT 8 x 256 (meta device) and 8 V100 counting device time only: at these sizes the V100
+    entry's host time per op would bind every stage alike, and the tests using it check the
+    refinement, not the host model."""
+    from examples.models.bert_factory import bert
+
+    with torch.device("meta"):
+        model, kw = bert(8, 256, 64, seq=128, vocab=1024)
+    graph = capture(model, (), kw).graph
+    v100 = dataclasses.replace(rannc.KNOWN_DEVICES["V100-32GB"], host_per_op=0.0)
+    return graph, atomic_components(graph), rannc.Cluster.homogeneous(v100, 8, 8)
+
+
 def test_each_schedules_layer_aligned_plan_is_refined_when_close(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The planner aligns the splits of each schedule's best plans to the model's layers and
@@ -233,16 +246,8 @@ def test_each_schedules_layer_aligned_plan_is_refined_when_close(
     schedule searched gets its own aligned plan (Llama-3-8B on 8 H100: ZB-V's, refined, is
     the plan, 48.55 s against 49.14 s)."""
     import rannc.planner as planner
-    from examples.models.bert_factory import bert
 
-    with torch.device("meta"):
-        model, kw = bert(8, 256, 64, seq=128, vocab=1024)
-    graph = capture(model, (), kw).graph
-    atomic = atomic_components(graph)
-    # (device time only: at these sizes the V100 entry's host time per op would bind every
-    # stage alike, and this checks the refinement, not the host model)
-    v100 = dataclasses.replace(rannc.KNOWN_DEVICES["V100-32GB"], host_per_op=0.0)
-    cluster = rannc.Cluster.homogeneous(v100, 8, 8)
+    graph, atomic, cluster = _bert_on_8_v100()
     pools: list[set[str]] = []
     real = planner.aligned_best
 
@@ -270,14 +275,8 @@ def test_what_a_schedule_is_aligned_from_does_not_depend_on_the_others(
     reads under schedule="auto" are those it reads with scp forced, and auto's plan is no
     slower than scp's."""
     import rannc.planner as planner
-    from examples.models.bert_factory import bert
 
-    with torch.device("meta"):
-        model, kw = bert(8, 256, 64, seq=128, vocab=1024)
-    graph = capture(model, (), kw).graph
-    atomic = atomic_components(graph)
-    v100 = dataclasses.replace(rannc.KNOWN_DEVICES["V100-32GB"], host_per_op=0.0)
-    cluster = rannc.Cluster.homogeneous(v100, 8, 8)
+    graph, atomic, cluster = _bert_on_8_v100()
     real = planner.aligned_best
     read: dict[str, list[object]] = {}
 

@@ -35,7 +35,7 @@ class Arrivals:
     arrived (`proves`)."""
 
     def __init__(self, schedule: Schedule, routes: Routes) -> None:
-        self.schedule, self.routes = schedule, routes
+        self.routes = routes
         self._at: dict[tuple[Op, int, int], Moment] = {}  # (op, stage, micro) -> its moment
         for d, acts in enumerate(schedule.actions):
             for i, a in enumerate(acts):
@@ -63,8 +63,14 @@ class Arrivals:
         """Whether receiving `received` from a rank proves that our message `sent` to that same
         rank has arrived: the rank takes `sent` in an action of its line before the one in which
         it sends `received`."""
-        taken, then = self.taken(sent), self.sent(received)
-        return taken is not None and then is not None and taken[0] == then[0] and taken[1] < then[1]
+        then = self.sent(received)
+        return then is not None and self.taken_before(sent, then)
+
+    def taken_before(self, sent: Key, then: Moment) -> bool:
+        """Whether message `sent` is taken in the same line before moment `then` (`proves`, with
+        the received message's moment looked up once for all the sends it may prove)."""
+        taken = self.taken(sent)
+        return taken is not None and taken[0] == then[0] and taken[1] < then[1]
 
 
 __all__ = ["Arrivals"]

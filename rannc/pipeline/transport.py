@@ -231,12 +231,15 @@ class Transport:
 
     def _arrived(self, r: int, key: Key) -> None:
         """Message `key` came from rank r: drop the sends to r it proves arrived."""
-        sends = self._sends.get(r)
-        if self.arrivals is None or not sends:
+        sends, arrivals = self._sends.get(r), self.arrivals
+        if not sends or arrivals is None:
+            return
+        then = arrivals.sent(key)
+        if then is None:  # (a message sent outside the lines proves nothing)
             return
         keep = []
         for work, k in sends:
-            if self.arrivals.proves(k, key):
+            if arrivals.taken_before(k, then):
                 work.wait()  # (returns at once: r has taken it)
             else:
                 keep.append((work, k))
