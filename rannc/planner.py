@@ -153,10 +153,12 @@ def plan_graph(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, conf
     zeros = [0, 1] if auto else [int(config.zero_stage) if config.zero_stage != "auto" else 0]
     for attempt in range(_FINER_BLOCKS + 1):
         for z in zeros:
+            finer = min(2 * k, len(atomic.components))
+            last = z == zeros[-1] and (attempt == _FINER_BLOCKS or finer <= k)
             try:
                 plan = _plan_graph(graph, atomic, cluster, dataclasses.replace(config, zero_stage=z),
                                    batch_size=batch_size, oracle=oracle, costs=costs, stats=stats,
-                                   progress=progress)
+                                   progress=progress, explain=last)
                 plan = dataclasses.replace(plan, zero_stage=z)
                 # (ZeRO-1 only frees memory: it can help where the plan has replicas, whose
                 # copies of the state it shares out, or where memory bound it, a stage
@@ -183,8 +185,7 @@ def plan_graph(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, conf
                             + (" with ZeRO-1" if z_off else ""))
                 return plan
             except PlanInfeasibleError:
-                finer = min(2 * k, len(atomic.components))
-                if z == zeros[-1] and (attempt == _FINER_BLOCKS or finer <= k):
+                if last:
                     raise
                 if z != zeros[-1]:
                     log.info("rannc: no plan fits without ZeRO-1 in %d blocks; planning with the "
@@ -210,7 +211,7 @@ def _plan_or_none(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, c
     """The plan under `config` (its zero_stage recorded), or None when none fits."""
     try:
         plan = _plan_graph(graph, atomic, cluster, config, batch_size=batch_size, oracle=oracle,
-                           costs=costs, stats=stats, progress=progress)
+                           costs=costs, stats=stats, progress=progress, explain=False)
     except PlanInfeasibleError:
         return None
     return dataclasses.replace(plan, zero_stage=int(config.zero_stage))
@@ -227,8 +228,11 @@ def _faster(plan: Plan, other: Plan | None, what: str) -> Plan:
 
 def _plan_graph(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, config: Config, *,
                 batch_size: int, oracle: BlockOracle | None = None, costs: GraphCosts | None = None,
-                stats: PlanStats | None = None, progress: Progress = NO_PROGRESS) -> Plan:
-    """One attempt: phase 2, phase 3's search, refinement and the Plan, at `config.blocks`."""
+                stats: PlanStats | None = None, progress: Progress = NO_PROGRESS,
+                explain: bool = True) -> Plan:
+    """One attempt: phase 2, phase 3's search, refinement and the Plan, at `config.blocks`;
+    `explain=False`: where none fits, the error without the memory it would need (the caller
+    tries again and reads none of it: `infeasible_error`)."""
     config = _batchnorm_config(graph, config)
     stats = stats if stats is not None else PlanStats()
     with _timed(stats, "costs"):
@@ -271,7 +275,7 @@ def _plan_graph(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, con
             if alts:
                 return min(alts, key=lambda p: p.predicted_iteration_time or math.inf)
             raise infeasible_error(infeasible, layouts, mbs, config, mem, spec, cluster.size,
-                                   batch_size)
+                                   batch_size, explain=explain)
         sims = simulate_best(found, schedules, table, late)
         if not sims:  # a candidate's stages hold no more than the bound it was split under
             raise RaNNCError("planner: no candidate survived simulation; please report this")

@@ -388,3 +388,48 @@ def test_a_split_backward_is_counted_at_every_moment_of_its_line(name: str, S: i
             assert model >= most - 1e-9, (s, f)
             if name == "zero_bubble" and M >= S and f in (0.0, 1.0):
                 assert model == pytest.approx(most), (s, f)
+
+
+@pytest.mark.parametrize("checkpointing,selective", [("auto", False), ("auto", True), ("on", False)])
+def test_tables_computed_for_several_replica_counts_at_once_match_each_alone(
+        gpt2: tuple[BlockIO, GraphCosts, int], checkpointing: str, selective: bool) -> None:
+    """`stage_tables` computes the replica counts' columns several at a time; each column
+    is exactly (bitwise) what it is when tabled alone, and the tables built over one shared
+    `BlockSums` equal those built from the profile afresh (the search's TableCache shares
+    them across tables). A memory limit that makes some ranges recompute and others not fit
+    exercises every branch."""
+    from rannc.stage_dp.tables import BlockSums
+
+    io, costs, k = gpt2
+    n = len(costs.comp_params)
+    D = 9  # more replica counts than one batch of columns
+    prof = costs.block_profile(SPEC, [c * k // n for c in range(n)],
+                               sorted({-(-BATCH // (4 * d)) for d in range(1, D + 1)}))
+    free = MemoryModel(opt_param_factor=2.0, limit=1e30, checkpointing=checkpointing,
+                       selective=selective)
+    kw: dict[str, Any] = dict(batch_size=BATCH, devices=D, copies=1, microbatches=4,
+                              link_bw=1e10, allreduce_bw=1e9, inflight=4, saved_inputs=1,
+                              pending=2, past_b=1, overlap=True)
+    top = stage_tables(prof, io, dataclasses.replace(free, checkpointing="auto"), **kw)
+    upper = np.triu(np.ones((k, k), dtype=bool))
+    # between what the ranges need recomputing all and keeping all: some recompute, some
+    # do not fit
+    between = (top.memory_min[:, :, 1] + top.memory_keep[:, :, 1])[upper] / 2
+    mem = dataclasses.replace(free, limit=float(np.median(between)))
+    sums = BlockSums(prof)
+    together = stage_tables(prof, io, mem, sums=sums, **kw)
+    again = stage_tables(prof, io, mem, sums=sums, **kw)
+    ranges = together.h[:, :, 1:][upper]  # (ranges, replica counts 1..D)
+    assert np.isfinite(ranges).any() and np.isinf(ranges).any()  # some do not fit
+    assert (together.recompute > 0).any() and (together.selective.any() or not selective)
+    for d in range(1, D + 1):
+        alone = stage_tables(prof, io, mem, only={d}, **kw)
+        for name in ("h", "fwd", "bwd", "allreduce", "memory", "memory_min", "memory_keep",
+                     "recompute", "recompute_s", "selective", "selective_s", "wgrad"):
+            assert np.array_equal(getattr(together, name)[:, :, d], getattr(alone, name)[:, :, d]), \
+                (name, d)
+            assert np.array_equal(getattr(again, name), getattr(together, name)), name
+    with pytest.raises(ValueError, match="another profile"):
+        stage_tables(costs.block_profile(SPEC, [0] * n, [1]), io, mem, sums=sums, **kw)
+    with pytest.raises(ValueError):  # what every table shares cannot be written through
+        sums.range("fwd", 0)[0, 0] = 1.0

@@ -23,6 +23,7 @@ from rannc.schedule import (
     ScheduleError,
     StageCosts,
     chain,
+    default_placement,
     get_spec,
     in_flight,
     make_schedule,
@@ -76,6 +77,25 @@ def test_a_stage_graph_with_a_skip_connection(name: str) -> None:
     assert Schedule.parse(str(sched)) == sched
     assert sched.consumers(0) == [1, 2]
     simulate(sched, StageCosts.uniform(4))
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_the_planners_simulation_without_events_times_the_same(name: str) -> None:
+    """The planner simulates without recording events (`record=False`); the times are
+    those of the recorded timeline, whose lanes end where the iteration says, under uneven
+    stages with transfers, recomputation, weight passes and all-reduces."""
+    S = 4
+    place = default_placement(name, S)
+    sched = make_schedule(name, 8, chain(S), [True, False, True, False], place)
+    costs = StageCosts(fwd=[1.0, 1.3, 0.7, 1.1], bwd=[2.1, 2.5, 1.2, 2.0],
+                       recompute=[0.9, 0.0, 0.6, 0.0], comm_fwd=[0.0, 0.2, 0.1, 0.3],
+                       comm_bwd=[0.15, 0.05, 0.25, 0.0], allreduce=[0.4, 0.0, 0.3, 0.8],
+                       wgrad=[0.9, 1.0, 0.5, 0.7])
+    full, quick = simulate(sched, costs), simulate(sched, costs, record=False)
+    assert quick.iteration_time == full.iteration_time and quick.allreduce == full.allreduce
+    assert all(not lane for lane in quick.events)
+    ends = [lane[-1].end + ar for lane, ar in zip(full.events, full.allreduce, strict=True)]
+    assert max(ends) == full.iteration_time
 
 
 @pytest.mark.parametrize(("S", "M"), [(2, 1), (2, 4), (4, 4), (4, 8), (8, 32)])

@@ -62,7 +62,8 @@ class Event:
 @dataclass(frozen=True, slots=True)
 class Timeline:
     schedule: Schedule
-    events: tuple[tuple[Event, ...], ...]  # per lane (one stage per lane but interleaved)
+    events: tuple[tuple[Event, ...], ...]  # per lane (one stage per lane but interleaved;
+    # empty lanes where simulated without `record`)
     iteration_time: float  # to the end of the slowest lane's all-reduce
     allreduce: tuple[float, ...]  # per lane
 
@@ -80,17 +81,24 @@ class Timeline:
         return (span * len(self.events) - busy) / busy if busy else 0.0
 
 
-def simulate(sched: Schedule, costs: StageCosts) -> Timeline:
+def simulate(sched: Schedule, costs: StageCosts, *, record: bool = True) -> Timeline:
+    """The timeline of `sched` under `costs` (see the module docstring). `record=False`: the
+    iteration time and all-reduces alone, without the events (the planner simulates thousands
+    of candidates and reads nothing else; the times are the same either way)."""
     S, L = sched.stages, sched.lanes
     consumers = [sched.consumers(s) for s in range(S)]
-    sent: dict[tuple[Op, int, int], float] = {}  # (SF|SB, stage, micro) -> time sent
+    # what each send sent when, per direction: (stage, micro) -> time (keys without the Op,
+    # whose Enum hash is Python code, on the planner's hottest loop)
+    sent_f: dict[tuple[int, int], float] = {}
+    sent_b: dict[tuple[int, int], float] = {}
     clock = [0.0] * L
     nxt = [0] * L
     events: list[list[Event]] = [[] for _ in range(L)]
     split = [sched.splits_backward(s) for s in range(S)]
-    dur = {Op.F: list(costs.fwd), Op.R: list(costs.recompute),
-           Op.B: [costs.bwd[s] - (costs.weight(s) if split[s] else 0.0) for s in range(S)],
-           Op.W: [costs.weight(s) for s in range(S)]}
+    f_s, r_s = list(costs.fwd), list(costs.recompute)
+    b_s = [costs.bwd[s] - (costs.weight(s) if split[s] else 0.0) for s in range(S)]
+    w_s = [costs.weight(s) for s in range(S)]
+    comm_f, comm_b = list(costs.comm_fwd), list(costs.comm_bwd)
     remaining = sum(len(a) for a in sched.actions)
     # Fill-drain returns from forward() between its two halves: the outputs are gathered and
     # every rank meets in the loss gradient's all-reduce before any backward starts.
@@ -98,6 +106,7 @@ def simulate(sched: Schedule, costs: StageCosts) -> Timeline:
     halves = [len(sched.forward_part(d)) if spec is not None and not spec.eager else -1
               for d in range(L)]
     fwd_end: dict[int, float] = {}
+    F, B, R, W, SF, SB, RF = Op.F, Op.B, Op.R, Op.W, Op.SF, Op.SB, Op.RF
     while remaining:
         moved = False
         for d in range(L):
@@ -110,18 +119,31 @@ def simulate(sched: Schedule, costs: StageCosts) -> Timeline:
                         break
                     clock[d] = max(clock[d], max(fwd_end.values()))
                 t0 = clock[d]
-                if a.op in dur:
-                    t1 = t0 + dur[a.op][a.stage]
-                elif a.op in (Op.SF, Op.SB):
-                    sent[(a.op, a.stage, a.micro)] = t0
+                op = a.op
+                if op is F:
+                    t1 = t0 + f_s[a.stage]
+                elif op is B:
+                    t1 = t0 + b_s[a.stage]
+                elif op is W:
+                    t1 = t0 + w_s[a.stage]
+                elif op is R:
+                    t1 = t0 + r_s[a.stage]
+                elif op is SF:
+                    sent_f[(a.stage, a.micro)] = t0
                     t1 = t0
-                else:
-                    peers = sched.suppliers[a.stage] if a.op is Op.RF else consumers[a.stage]
-                    ready = _arrival(a, peers, sent, costs)
+                elif op is SB:
+                    sent_b[(a.stage, a.micro)] = t0
+                    t1 = t0
+                else:  # a receive: when every matching send has arrived
+                    fwd = op is RF
+                    ready = _arrival(a.micro, sched.suppliers[a.stage] if fwd else consumers[a.stage],
+                                     sent_f if fwd else sent_b,
+                                     comm_f[a.stage] if fwd else comm_b[a.stage])
                     if ready is None:
                         break
                     t1 = max(t0, ready)
-                events[d].append(Event(a, t0, t1))
+                if record:
+                    events[d].append(Event(a, t0, t1))
                 clock[d] = t1
                 nxt[d] += 1
                 remaining -= 1
@@ -135,15 +157,15 @@ def simulate(sched: Schedule, costs: StageCosts) -> Timeline:
     return Timeline(sched, tuple(tuple(e) for e in events), total, ar)
 
 
-def _arrival(a: Action, peers: Sequence[int], sent: dict[tuple[Op, int, int], float],
-             costs: StageCosts) -> float | None:
-    op = Op.SF if a.op is Op.RF else Op.SB
+def _arrival(micro: int, peers: Sequence[int], sent: dict[tuple[int, int], float],
+             lag: float) -> float | None:
+    """When microbatch `micro`'s messages from every one of `peers` have arrived (`lag` after
+    each was sent); None while one is not sent yet."""
     latest = 0.0
     for p in peers:
-        t = sent.get((op, p, a.micro))
+        t = sent.get((p, micro))
         if t is None:
             return None
-        lag = costs.comm_fwd[a.stage] if a.op is Op.RF else costs.comm_bwd[a.stage]
         latest = max(latest, t + lag)
     return latest
 

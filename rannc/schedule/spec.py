@@ -18,6 +18,7 @@ Index conventions: s stages; m microbatches; S, M their counts.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import functools
 from collections.abc import Callable, Iterator, Sequence
@@ -43,6 +44,11 @@ class StageLine:
     recompute: bool  # this stage drops activations in F and rebuilds them (R) before B
     placement: tuple[int, ...] = ()  # per stage: its lane (empty: one stage per lane)
     recomputes: tuple[bool, ...] = ()  # per stage (empty: `recompute` for this lane's stage)
+    # the stages some stage receives from (read per action group: built once)
+    consumed: frozenset[int] = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "consumed", frozenset(s for x in self.suppliers for s in x))
 
     @property
     def depth(self) -> int:
@@ -90,7 +96,7 @@ class StageLine:
         return [Action(self.stage if s is None else s, m, Op.W)]
 
     def _has_consumers(self, s: int) -> bool:
-        return any(s in x for x in self.suppliers)
+        return s in self.consumed
 
     def _recomputes(self, s: int) -> bool:
         return self.recomputes[s] if self.recomputes else self.recompute
@@ -501,6 +507,12 @@ def default_placement(name: str, n_stages: int) -> tuple[int, ...]:
 
 
 def _shared_in_flight(name: str, S: int, M: int) -> int:
+    """`_shared_in_flight_of`, read once per (name, S, M): the search asks for every layout."""
+    return _shared_in_flight_of(name, S, M)
+
+
+@functools.lru_cache(maxsize=1024)
+def _shared_in_flight_of(name: str, S: int, M: int) -> int:
     """The most microbatches any stage of an S-stage chain holds under schedule `name` of
     several stages per lane (read off its lines, as the planner's memory model does); where it
     cannot run (stages not a multiple of its chunks, or a microbatch count its lines do not

@@ -74,7 +74,7 @@ class MemoryModel:
     overhead: float = 0.0  # bytes each rank needs beyond its tensors (`rank_overhead`)
     selective: bool = False  # selective recomputation may be chosen (Config.selective_recompute)
 
-    def static(self, params: Any, grad_params: Any, ranks: int, zero_stage: int) -> Any:
+    def static(self, params: Any, grad_params: Any, ranks: Any, zero_stage: int) -> Any:
         """What one replica of a stage holds whatever the batch: `static_memory` and the
         rank's `overhead` (the gradient bucket apart: `bucket_memory`). Arrays or floats."""
         return static_memory(params, grad_params, self.opt_param_factor, ranks, zero_stage) + \
@@ -91,7 +91,7 @@ class MemoryModel:
         return dataclasses.replace(self, limit=self.limit * (1.0 / stages if share is None else share))
 
 
-def static_memory(params: Any, grad_params: Any, opt_param_factor: float, ranks: int,
+def static_memory(params: Any, grad_params: Any, opt_param_factor: float, ranks: Any,
                   zero_stage: int) -> Any:
     """Bytes a stage holds whatever the batch: its parameters, their gradients and the
     optimizer state, which ZeRO-1 spreads over the stage's `ranks` replicas (each keeps about

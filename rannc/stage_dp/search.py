@@ -54,6 +54,7 @@ from rannc.stage_dp.dp import stage_dp, stage_dp_by_position
 from rannc.stage_dp.memory import MB, MemoryModel, rank_overhead
 from rannc.stage_dp.tables import (
     BlockIO,
+    BlockSums,
     StageTables,
     batch_per_replica,
     iteration_estimate,
@@ -128,6 +129,7 @@ class TableCache:
                  batch_size: int, link_bw: float, width: int | None = None,
                  only: frozenset[int] | None = None) -> None:
         self.prof, self.io, self.mem, self.batch_size = prof, io, mem, batch_size
+        self.sums = BlockSums(prof)  # (what all its tables read of the profile, once)
         self.cluster, self.link_bw = cluster, link_bw
         self.width = width  # replica counts beyond it are not tabled
         self.only = only  # the replica counts tabled (None: all up to the width)
@@ -159,7 +161,7 @@ class TableCache:
                                             microbatches=m, link_bw=link, allreduce_bw=ar_bw,
                                             inflight=n_in, saved_inputs=saved, only=self.only,
                                             overlap=key[5], world=D * R, pending=pending,
-                                            past_b=past_b)
+                                            past_b=past_b, sums=self.sums)
         return self.tables[key]
 
 
@@ -270,6 +272,19 @@ def in_flight_by_position(sched: str, D: int, m: int) -> tuple[int, ...] | None:
 def in_flight_counts(sched: str, S: int, m: int) -> tuple[int, ...]:
     """Microbatches in flight per stage of an S-stage chain, the last stage first."""
     return tuple(n for n, _ in reversed(in_flight(make_schedule(sched, m, chain(S), [False] * S))))
+
+
+@functools.lru_cache(maxsize=1024)
+def line_counts(sched: str, m: int, place: tuple[int, ...]
+                ) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...]]:
+    """Per stage of a chain of len(place) stages on lanes `place`, first to last: the
+    microbatches in flight (`in_flight`; recomputation does not change them), and
+    (`pending_w`, `past_b`). Read off the schedule's lines once per shape: the planner asks for
+    every candidate it simulates."""
+    S = len(place)
+    line = make_schedule(sched, m, chain(S), [False] * S, place)
+    return (tuple(n for n, _ in in_flight(line)),
+            tuple(zip(pending_w(line), past_b(line), strict=True)))
 
 
 @dataclass
@@ -385,9 +400,12 @@ def lane_counts(table: TableCache, D: int, m: int, config: Config, sched: str) -
 
 def infeasible_error(infeasible: Infeasible, layouts: Sequence[tuple[int, int]],
                      mbs: Sequence[int], config: Config, mem: MemoryModel, spec: DeviceSpec,
-                     world: int, batch_size: int) -> Exception:
+                     world: int, batch_size: int, explain: bool = True) -> Exception:
     """The error when nothing fits: the batch is too small for every layout (ConfigError), or
-    the smallest per-device memory any split needs (PlanInfeasibleError)."""
+    the smallest per-device memory any split needs (PlanInfeasibleError). `explain=False`: a
+    PlanInfeasibleError without that figure (needed_bytes nan), where the planner tries again
+    (finer blocks, ZeRO-1) and nobody reads it: the figure is a stage DP per layout tried,
+    which was a quarter of planning a model that fits only on finer blocks."""
     if not infeasible.tried and not infeasible.lanes:  # no layout was even tried: the batch
         # has too few rows for them all
         rows = min((m * R for _D, R in layouts for m in mbs), default=0)
@@ -396,6 +414,8 @@ def infeasible_error(infeasible: Infeasible, layouts: Sequence[tuple[int, int]],
             f"(microbatches {sorted(mbs)}, pipeline copies {sorted({R for _D, R in layouts})}) "
             f"needs at least one row per microbatch of each copy, so at least {rows} rows; "
             "use a larger global batch, or force fewer microbatches or replicas")
+    if not explain:
+        return PlanInfeasibleError("no plan fits (planning tries again)", needed_bytes=math.nan)
     smallest = min([memory_needed(tabs, table_of, D, config, ok)
                     for tabs, table_of, D, ok in infeasible.tried]
                    + [lanes_memory_needed(*x) for x in infeasible.lanes], default=math.inf)
@@ -590,10 +610,7 @@ def simulate_candidate(c: Candidate, table: TableCache,
     sched = c.schedule
     saved = get_spec(sched).held(S, c.microbatches, late).saved_inputs
     place = placement(c)
-    # the schedule's own in-flight counts (recomputation does not change them)
-    line = make_schedule(sched, c.microbatches, chain(S), [False] * S, place)
-    counts = [n for n, _ in in_flight(line)]
-    pend = list(zip(pending_w(line), past_b(line), strict=True))
+    counts, pend = line_counts(sched, c.microbatches, place)
     shares: list[float | None] = [None] * S  # (None: 1/chunks, the even split)
     best = _costed(c, table, counts, pend, saved, place, shares)
     # Greedily, device by device, the split of its memory the simulator finds fastest (the
@@ -638,7 +655,7 @@ def _costed(c: Candidate, table: TableCache, counts: Sequence[int],
                         StageCosts(fwd=[r.fwd for r in rows], bwd=[r.bwd - r.recompute_s for r in rows],
                                    recompute=[r.recompute_s for r in rows], comm_fwd=[0.0] * S,
                                    comm_bwd=[0.0] * S, allreduce=[r.allreduce for r in rows],
-                                   wgrad=[r.wgrad for r in rows]))
+                                   wgrad=[r.wgrad for r in rows]), record=False)
     return Simulated(c, timeline.iteration_time, tuple(rc), tuple(r.fwd for r in rows),
                      tuple(r.bwd for r in rows), tuple(r.allreduce for r in rows),
                      tuple(r.memory for r in rows), tuple(counts), tuple(r.recompute_s for r in rows),

@@ -75,10 +75,10 @@ class BlockIO:
             return self.shared_params
         return np.where(self.shared_grad > 0, 2.0, 0.0)
 
-    def returned_bytes(self, rows: int, local: int) -> tuple[np.ndarray, float]:
+    def returned_bytes(self, rows: int | np.ndarray, local: int) -> tuple[np.ndarray, float]:
         """(bytes of the batch outputs each stage [l, r] computes per microbatch of `rows` rows
         per replica, bytes of this rank's `local` rows of every batch output): the inputs of
-        `memory.returned_memory`."""
+        `memory.returned_memory`. `rows` an array of shape (n, 1, 1): [j, l, r] for rows[j]."""
         k = self.params.shape[0]
         if self.returned is None or self.returned_all is None:
             return np.zeros((k, k)), 0.0
@@ -250,6 +250,72 @@ class StageTables:
     batch: np.ndarray  # (D+1,) rows per replica per microbatch
 
 
+class BlockSums:
+    """What every stage table over one profile reads, computed once: per profile column (a
+    per-replica batch size), each field's sum over every run of blocks l..r, and the largest
+    working bytes of any block in the run. Why: the planner builds many tables over one
+    profile (`search.TableCache`: one per in-flight count, pending count and memory share;
+    the boundary refinement several per level), and these sums were most of each table's
+    cost. The arrays are read-only: every table shares them."""
+
+    FIELDS = ("fwd", "bwd", "kept", "wgrad", "kept_sel", "selective", "stash", "bonly")
+
+    def __init__(self, prof: BlockProfile) -> None:
+        self.prof = prof
+        self.k = prof.fwd.shape[0]
+        self._pre = prof.prefix_sums(self.FIELDS)
+        # selective recomputation is offered only where the profile has both of its fields
+        self.selective = "kept_sel" in self._pre and "selective" in self._pre
+        for name in ("wgrad", "stash", "bonly"):  # (unknown: none)
+            self._pre.setdefault(name, np.zeros_like(self._pre["fwd"]))
+        self._ranges: dict[tuple[str, int], np.ndarray] = {}
+        self._work: dict[int, np.ndarray] = {}
+        self._stacked: dict[tuple[str, tuple[int, ...]], np.ndarray] = {}
+
+    def ranges(self, name: str, cols: tuple[int, ...]) -> np.ndarray:
+        """`range` at each of profile columns `cols`, stacked: [j, l, r] at column cols[j]."""
+        key = (name, cols)
+        if key not in self._stacked:
+            out = np.stack([self.range(name, i) for i in cols])
+            out.flags.writeable = False
+            self._stacked[key] = out
+        return self._stacked[key]
+
+    def work_maxes(self, cols: tuple[int, ...]) -> np.ndarray:
+        """`work_max` at each of profile columns `cols`, stacked as `ranges`."""
+        key = ("work", cols)
+        if key not in self._stacked:
+            out = np.stack([self.work_max(i) for i in cols])
+            out.flags.writeable = False
+            self._stacked[key] = out
+        return self._stacked[key]
+
+    def range(self, name: str, i: int) -> np.ndarray:
+        """[l, r] = field `name` summed over blocks l..r, at profile column i. A stage starting
+        at the first block has no B-to-W stash and releases nothing after B (its inputs need no
+        gradient, so its B does nothing: `stage_tables`)."""
+        key = (name, i)
+        if key not in self._ranges:
+            p = self._pre[name][:, i]
+            out = p[None, 1:] - p[:self.k, None]
+            if name in ("stash", "bonly"):
+                out[0, :] = 0.0
+            out.flags.writeable = False
+            self._ranges[key] = out
+        return self._ranges[key]
+
+    def work_max(self, i: int) -> np.ndarray:
+        """[l, r] = the largest working bytes of blocks l..r, at profile column i."""
+        if i not in self._work:
+            k, w = self.k, self.prof.work[:, i]
+            out = np.zeros((k, k))
+            for lo in range(k):
+                out[lo, lo:] = np.maximum.accumulate(w[lo:])
+            out.flags.writeable = False
+            self._work[i] = out
+        return self._work[i]
+
+
 def batch_per_replica(batch_size: int, copies: int, microbatches: int, d: int) -> int:
     """Rows the busiest replica computes per microbatch."""
     return math.ceil(batch_size / (copies * microbatches * d))
@@ -259,7 +325,8 @@ def stage_tables(prof: BlockProfile, io: BlockIO, mem: MemoryModel, *, batch_siz
                  devices: int, copies: int, microbatches: int, link_bw: float, allreduce_bw: float,
                  inflight: int | None = None, saved_inputs: int = 0,
                  only: Collection[int] | None = None, overlap: bool = False,
-                 world: int | None = None, pending: int = 0, past_b: int = 0) -> StageTables:
+                 world: int | None = None, pending: int = 0, past_b: int = 0,
+                 sums: BlockSums | None = None) -> StageTables:
     """`inflight`: microbatches whose activations a stage holds at once (fill-drain: all of
     them; 1F1B: at most the stages from it to the end); `saved_inputs`: microbatches whose stage
     inputs are kept besides (eager schedules keep them for a late backward pass); `only`: the
@@ -273,7 +340,8 @@ def stage_tables(prof: BlockProfile, io: BlockIO, mem: MemoryModel, *, batch_siz
     activations only B reads, which the runtime releases (`bonly`; not under selective
     recomputation, whose saved tensors carry hooks of their own), counted as `memory_terms`
     says. A stage starting at the first block changes nothing: its inputs need no gradient,
-    so its B does nothing and its W is the whole backward.
+    so its B does nothing and its W is the whole backward. `sums`: `prof`'s (`BlockSums`),
+    where the caller builds several tables over one profile.
 
     Recomputation is a fraction f of a stage's kept activations dropped in forward and rebuilt
     before backward (Merak's stage-aware recomputation, by memory rather than by layer): the
@@ -298,45 +366,44 @@ def stage_tables(prof: BlockProfile, io: BlockIO, mem: MemoryModel, *, batch_siz
     n_in = microbatches if inflight is None else inflight
     local = local_rows(batch_size, 1, world) if world is not None else \
         local_rows(batch_size, copies, devices)
-    pre = prof.prefix_sums(("fwd", "bwd", "kept", "wgrad", "kept_sel", "selective", "stash",
-                            "bonly"))
-    pre.setdefault("wgrad", np.zeros_like(pre["fwd"]))  # (unknown: no W split out)
-    for name in ("stash", "bonly"):
-        if not pending:
-            pre.pop(name, None)
-        pre.setdefault(name, np.zeros_like(pre["fwd"]))
-    sel_ok = mem.selective and "kept_sel" in pre and "selective" in pre
+    sums = sums if sums is not None else BlockSums(prof)
+    if sums.prof is not prof:
+        raise ValueError("stage_tables: `sums` is another profile's")
+    sel_ok = mem.selective and sums.selective
     selective = np.zeros(shape, dtype=bool)
     selective_s = np.zeros(shape)
-    work_max = np.zeros((k, k, prof.work.shape[1]))
-    for lo in range(k):
-        work_max[lo, lo:] = np.maximum.accumulate(prof.work[lo:], axis=0)
     f_min = 1.0 if mem.checkpointing == "on" else 0.0
     f_max = 0.0 if mem.checkpointing in ("off", "selective") else 1.0
     only_sel = mem.checkpointing == "selective"  # (every stage selective, nothing else)
     for d in range(1, devices + 1):
-        b = batch_per_replica(batch_size, copies, microbatches, d)
-        batch[d] = b
-        if b < 1 or (only is not None and d not in only):
-            continue
-        i = prof.column(b)
+        batch[d] = batch_per_replica(batch_size, copies, microbatches, d)
+    wanted = [d for d in range(1, devices + 1)
+              if batch[d] >= 1 and (only is None or d in only)]
+    # The replica counts' columns a few at a time, each array (columns, l, r): one numpy call
+    # per term for several columns where the tables are small (the search's, where a call's
+    # overhead is most of its cost), one at a time where they are large (the temporaries then
+    # stay in the cache: 8 columns of 128 x 128 blocks at once took longer than one by one).
+    per = max(1, _CELLS // (k * k))
+    for at in range(0, len(wanted), per):
+        ds = wanted[at:at + per]
+        cols = tuple(prof.column(int(batch[d])) for d in ds)
 
-        def rng(name: str, i: int = i) -> np.ndarray:
-            p = pre[name][:, i]
-            return p[None, 1:] - p[:k, None]  # [l, r] = sum over blocks l..r
+        def rng(name: str, cols: tuple[int, ...] = cols) -> np.ndarray:  # [., l, r]: blocks l..r
+            return sums.ranges(name, cols)
 
         fwd, bwd, kept, stash, released = (rng(n) for n in ("fwd", "bwd", "kept", "stash", "bonly"))
-        stash[0, :] = released[0, :] = 0.0  # (the first stage's: see above)
+        work = sums.work_maxes(cols)
+        b = batch[ds].reshape(-1, 1, 1)
         inb = io.inputs[0] + io.inputs[1] * b
         outb = io.outputs[0] + io.outputs[1] * b
         comm = (inb + outb) / link_bw
-        ranks = d * copies
+        ranks = np.asarray(ds, dtype=np.int64).reshape(-1, 1, 1) * copies
         reduce_s = 2.0 * io.grad_params * (ranks - 1) / ranks / allreduce_bw
         static = mem.static(io.params, io.grad_params, ranks, mem.zero_stage)
         bucket = bucket_memory(io.grad_params, io.shared_grad, io.shared_count(), ranks > 1,
                                mem.bucket_bytes)
         ret = returned_memory(*io.returned_bytes(b, local), microbatches, n_in)
-        full, saved_per_f = memory_terms(static + bucket, work_max[:, :, i], inb, outb, kept,
+        full, saved_per_f = memory_terms(static + bucket, work, inb, outb, kept,
                                          in_flight=n_in, saved_inputs=saved_inputs,
                                          microbatches=microbatches, held_outputs=ret.held,
                                          stash=stash, released=released, pending=pending,
@@ -349,7 +416,7 @@ def stage_tables(prof: BlockProfile, io: BlockIO, mem: MemoryModel, *, batch_siz
         memory = np.maximum(with_recompute(full, saved_per_f, f), at_return)
         extra = f * fwd  # recomputation's seconds
         if sel_ok:  # selective recomputation, with a prefix recomputed on top where needed
-            full_s, per_s = memory_terms(static + bucket, work_max[:, :, i], inb, outb,
+            full_s, per_s = memory_terms(static + bucket, work, inb, outb,
                                          rng("kept_sel"), in_flight=n_in,
                                          saved_inputs=saved_inputs, microbatches=microbatches,
                                          held_outputs=ret.held, stash=stash, pending=pending,
@@ -361,8 +428,8 @@ def stage_tables(prof: BlockProfile, io: BlockIO, mem: MemoryModel, *, batch_siz
             use = ok_s & (~ok | ((f > 0) & (extra_s < extra)))  # (only where memory asks)
             if only_sel:
                 ok, use = ok_s, ok_s
-            selective[:, :, d] = use
-            selective_s[:, :, d] = np.where(use, rng("selective"), 0.0)
+            selective[:, :, ds] = _last(use)
+            selective_s[:, :, ds] = _last(np.where(use, rng("selective"), 0.0))
             ok = ok | use
             f = np.where(use, f_s, f)
             extra = np.where(use, extra_s, extra)
@@ -372,22 +439,30 @@ def stage_tables(prof: BlockProfile, io: BlockIO, mem: MemoryModel, *, batch_siz
         ar = exposed_reduction(reduce_s, g, io.grad_params, mem.bucket_bytes, overlap)
         if mem.zero_stage:  # the owners' new parameters go to the other replicas after the step
             ar = ar + 0.5 * reduce_s  # an all-gather: half an all-reduce
-        out["fwd"][:, :, d] = np.where(ok, fw, math.inf)
-        out["bwd"][:, :, d] = np.where(ok, g, math.inf)
-        out["allreduce"][:, :, d] = np.where(ok, ar, math.inf)
-        out["h"][:, :, d] = np.where(ok, fw + g + ar / microbatches, math.inf)
-        out["memory"][:, :, d] = np.where(ok, memory, math.inf)
+        out["fwd"][:, :, ds] = _last(np.where(ok, fw, math.inf))
+        out["bwd"][:, :, ds] = _last(np.where(ok, g, math.inf))
+        out["allreduce"][:, :, ds] = _last(np.where(ok, ar, math.inf))
+        out["h"][:, :, ds] = _last(np.where(ok, fw + g + ar / microbatches, math.inf))
+        out["memory"][:, :, ds] = _last(np.where(ok, memory, math.inf))
         smallest = np.maximum(with_recompute(full, saved_per_f, f_max), at_return)
         if sel_ok:
             smallest = np.minimum(smallest, np.maximum(with_recompute(full_s, per_s, f_max), at_return))
-        out["memory_min"][:, :, d] = np.where(valid, smallest, math.inf)
-        out["memory_keep"][:, :, d] = np.where(valid, np.maximum(full, at_return), math.inf)
-        recompute[:, :, d] = f
-        recompute_s[:, :, d] = f * fwd
-        wgrad[:, :, d] = np.where(ok, rng("wgrad"), 0.0)
+        out["memory_min"][:, :, ds] = _last(np.where(valid, smallest, math.inf))
+        out["memory_keep"][:, :, ds] = _last(np.where(valid, np.maximum(full, at_return), math.inf))
+        recompute[:, :, ds] = _last(f)
+        recompute_s[:, :, ds] = _last(f * fwd)
+        wgrad[:, :, ds] = _last(np.where(ok, rng("wgrad"), 0.0))
     return StageTables(recompute=recompute, recompute_s=recompute_s, selective=selective,
                        selective_s=selective_s,
                        wgrad=wgrad, batch=batch, **out)
+
+
+_CELLS = 1 << 14  # (l, r, replicas) cells `stage_tables` computes in one go, about
+
+
+def _last(x: np.ndarray) -> np.ndarray:
+    """(columns, l, r) as (l, r, columns), the tables' layout."""
+    return np.moveaxis(x, 0, -1)
 
 
 def reduction_overlaps_backward(schedule: str) -> bool:
