@@ -157,3 +157,30 @@ def test_a_mixed_cluster_gets_no_slower_plan_than_a_forced_stage_count() -> None
         assert forced.predicted_iteration_time is not None
         assert auto.predicted_iteration_time <= forced.predicted_iteration_time * (1 + 1e-9), \
             (n, auto.summary(), forced.summary())
+
+
+def test_the_mixed_cluster_dp_runs_once_per_memory_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The mixed-cluster DP's split depends on a schedule only through what each stage holds
+    (in-flight and kept inputs, B-to-W pending, the overlapped reduction), so schedules
+    holding alike share one run (1F1B and scp), and every schedule still gets its plan."""
+    from rannc.stage_dp import placement
+
+    calls: list[tuple[object, ...]] = []
+    real = placement.hetero_stages
+
+    def counting(*args: object, **kw: object) -> object:
+        calls.append((kw["microbatches"], kw["in_flight"], kw["saved"], kw["pending"],
+                      kw["overlap"]))
+        return real(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(placement, "hetero_stages", counting)
+    case = make_case("gpt2", batch=32)
+    g = capture(case.model, case.args, case.kwargs).graph
+    atomic = atomic_components(g)
+    cluster = rannc.Cluster([rannc.DeviceSpec(**FAST), rannc.DeviceSpec(**SLOW)], per_node=2)
+    plan_graph(g, atomic, cluster, rannc.Config(partition_num=2, microbatches=4, zero_stage=0),
+               batch_size=32)
+    assert calls and len(set(calls)) == len(calls)
+    runs = {name for name in rannc.schedule.SCHEDULES if rannc.schedule.get_spec(name).runs
+            and rannc.schedule.get_spec(name).chunks == 1}
+    assert len(calls) < len(runs)  # some shared

@@ -26,7 +26,7 @@ from rannc.profile.device import Cluster
 from rannc.profile.estimate import BlockProfile
 from rannc.schedule import get_spec
 from rannc.stage_dp.assemble import module_range
-from rannc.stage_dp.hetero import HeteroDevices, hetero_stages
+from rannc.stage_dp.hetero import HeteroDevices, HeteroStage, hetero_stages
 from rannc.stage_dp.memory import (
     MB,
     MemoryModel,
@@ -77,19 +77,24 @@ def mixed_plans(graph: TaskGraph, atomic: AtomicPartition, prof: BlockProfile, i
         if config.microbatches is not None and m != config.microbatches:
             continue
         batch_of = [0] + [batch_per_replica(batch_size, 1, m, d) for d in range(1, world + 1)]
+        # the DP's split for each distinct memory bound: schedules holding alike share one
+        # (1F1B and scp do; the DP is this planner's slowest step, in Python)
+        split: dict[tuple[int, int, int, bool], list[HeteroStage] | None] = {}
         for sched in schedules:
             if get_spec(sched).chunks > 1:
                 continue  # the mixed-cluster DP places one stage per device group
             held = get_spec(sched).held(world, m, late)
-            hs = hetero_stages(prof, io, static, dev, rows=batch_size / m, batch_of=batch_of,
-                               in_flight=held.in_flight,
-                               saved=held.saved_inputs, link_bw=link_bw,
-                               allreduce_bw=ar_bw, microbatches=m,
-                               checkpointing=config.checkpointing, stages=config.partition_num,
-                               replicas=config.replicas, bucket_bytes=config.bucket_mb * MB,
-                               overlap=reduction_overlaps_backward(sched),
-                               selective=selective_allowed(config),
-                               pending=held.pending)
+            key = (held.in_flight, held.saved_inputs, held.pending,
+                   reduction_overlaps_backward(sched))
+            if key not in split:
+                split[key] = hetero_stages(
+                    prof, io, static, dev, rows=batch_size / m, batch_of=batch_of,
+                    in_flight=held.in_flight, saved=held.saved_inputs, link_bw=link_bw,
+                    allreduce_bw=ar_bw, microbatches=m, checkpointing=config.checkpointing,
+                    stages=config.partition_num, replicas=config.replicas,
+                    bucket_bytes=config.bucket_mb * MB, overlap=key[3],
+                    selective=selective_allowed(config), pending=held.pending)
+            hs = split[key]
             if hs is None:
                 continue
             stages = []
