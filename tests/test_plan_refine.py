@@ -294,3 +294,39 @@ def test_what_a_schedule_is_aligned_from_does_not_depend_on_the_others(
     scp = plan_graph(graph, atomic, cluster, rannc.Config(schedule="scp"), batch_size=64)
     assert under_auto == read["scp"]
     assert auto.predicted_iteration_time <= scp.predicted_iteration_time * (1 + 1e-9)
+
+
+def test_alignment_costs_each_layout_once_and_finds_what_each_candidate_alone_does(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The candidates of one layout and microbatch count share their uniform variants, so
+    `aligned_best` costs each (layout, microbatches, replicas) once; its plan is the fastest
+    of those each candidate alone gives."""
+    import rannc.planner as planner
+    from rannc.stage_dp import layers as layers_mod
+    from rannc.stage_dp.refine import Tabler
+
+    graph, atomic, cluster = _bert_on_8_v100()
+    seen: list[tuple[list[object], tuple[object, ...]]] = []
+    real = planner.aligned_best
+
+    def keep(sims: list[object], *a: object, **k: object) -> object:
+        seen.append((list(sims), a))
+        return real(sims, *a, **k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(planner, "aligned_best", keep)
+    plan_graph(graph, atomic, cluster, rannc.Config(zero_stage=0), batch_size=64)
+    sims, args = max(seen, key=lambda s: len(s[0]))  # the schedule with the most plans
+    assert len(sims) >= 2
+    costed: list[tuple[object, ...]] = []
+    real_call = Tabler.__call__
+
+    def counting(self: Tabler, block_of: object, c: object) -> object:
+        costed.append((c.schedule, c.devices, c.copies, c.microbatches, c.replicas))  # type: ignore[attr-defined]
+        return real_call(self, block_of, c)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Tabler, "__call__", counting)
+    together = layers_mod.aligned_best(sims, *args)  # type: ignore[arg-type]
+    assert costed and len(set(costed)) == len(costed)
+    alone = [layers_mod.aligned_best([s], *args) for s in sims]  # type: ignore[arg-type]
+    best = min((a for a in alone if a is not None), key=lambda a: a.time)
+    assert together is not None and together.time == best.time
