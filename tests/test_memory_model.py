@@ -432,4 +432,4 @@ def test_tables_computed_for_several_replica_counts_at_once_match_each_alone(
     with pytest.raises(ValueError, match="another profile"):
         stage_tables(costs.block_profile(SPEC, [0] * n, [1]), io, mem, sums=sums, **kw)
     with pytest.raises(ValueError):  # what every table shares cannot be written through
-        sums.range("fwd", 0)[0, 0] = 1.0
+        sums.ranges("fwd", (0,))[0, 0, 0] = 1.0

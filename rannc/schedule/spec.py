@@ -507,7 +507,9 @@ def default_placement(name: str, n_stages: int) -> tuple[int, ...]:
 
 
 def _shared_in_flight(name: str, S: int, M: int) -> int:
-    """`_shared_in_flight_of`, read once per (name, S, M): the search asks for every layout."""
+    """`_shared_in_flight_of`, read once per (name, S, M): the search asks for every layout.
+    (A plain function, as `_shared_pending` over `_split_counts`: the registrations above name
+    it before its definition, which mypy cannot type for a decorated one.)"""
     return _shared_in_flight_of(name, S, M)
 
 

@@ -49,7 +49,7 @@ from rannc.schedule import (
     simulate,
     splits_backward,
 )
-from rannc.schedule.actions import past_b, pending_w
+from rannc.schedule.spec import past_b_counts, pending_counts
 from rannc.stage_dp.dp import stage_dp, stage_dp_by_position
 from rannc.stage_dp.memory import MB, MemoryModel, rank_overhead
 from rannc.stage_dp.tables import (
@@ -272,19 +272,6 @@ def in_flight_by_position(sched: str, D: int, m: int) -> tuple[int, ...] | None:
 def in_flight_counts(sched: str, S: int, m: int) -> tuple[int, ...]:
     """Microbatches in flight per stage of an S-stage chain, the last stage first."""
     return tuple(n for n, _ in reversed(in_flight(make_schedule(sched, m, chain(S), [False] * S))))
-
-
-@functools.lru_cache(maxsize=1024)
-def line_counts(sched: str, m: int, place: tuple[int, ...]
-                ) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...]]:
-    """Per stage of a chain of len(place) stages on lanes `place`, first to last: the
-    microbatches in flight (`in_flight`; recomputation does not change them), and
-    (`pending_w`, `past_b`). Read off the schedule's lines once per shape: the planner asks for
-    every candidate it simulates."""
-    S = len(place)
-    line = make_schedule(sched, m, chain(S), [False] * S, place)
-    return (tuple(n for n, _ in in_flight(line)),
-            tuple(zip(pending_w(line), past_b(line), strict=True)))
 
 
 @dataclass
@@ -610,7 +597,11 @@ def simulate_candidate(c: Candidate, table: TableCache,
     sched = c.schedule
     saved = get_spec(sched).held(S, c.microbatches, late).saved_inputs
     place = placement(c)
-    counts, pend = line_counts(sched, c.microbatches, place)
+    # the schedule's own counts per stage, first to last (recomputation does not change them;
+    # each read off its lines once per shape: the lines of `default_placement`, as `place`)
+    counts = in_flight_counts(sched, S, c.microbatches)[::-1]
+    pend = tuple(zip(pending_counts(sched, S, c.microbatches),
+                     past_b_counts(sched, S, c.microbatches), strict=True))
     shares: list[float | None] = [None] * S  # (None: 1/chunks, the even split)
     best = _costed(c, table, counts, pend, saved, place, shares)
     # Greedily, device by device, the split of its memory the simulator finds fastest (the

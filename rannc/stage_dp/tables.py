@@ -268,52 +268,37 @@ class BlockSums:
         self.selective = "kept_sel" in self._pre and "selective" in self._pre
         for name in ("wgrad", "stash", "bonly"):  # (unknown: none)
             self._pre.setdefault(name, np.zeros_like(self._pre["fwd"]))
-        self._ranges: dict[tuple[str, int], np.ndarray] = {}
-        self._work: dict[int, np.ndarray] = {}
-        self._stacked: dict[tuple[str, tuple[int, ...]], np.ndarray] = {}
+        self._got: dict[tuple[str, tuple[int, ...]], np.ndarray] = {}
 
     def ranges(self, name: str, cols: tuple[int, ...]) -> np.ndarray:
-        """`range` at each of profile columns `cols`, stacked: [j, l, r] at column cols[j]."""
+        """[j, l, r] = field `name` summed over blocks l..r at profile column cols[j]. A stage
+        starting at the first block has no B-to-W stash and releases nothing after B (its
+        inputs need no gradient, so its B does nothing: `stage_tables`)."""
         key = (name, cols)
-        if key not in self._stacked:
-            out = np.stack([self.range(name, i) for i in cols])
-            out.flags.writeable = False
-            self._stacked[key] = out
-        return self._stacked[key]
+        if key not in self._got:
+            p = self._pre[name][:, list(cols)].T  # (columns, k + 1)
+            out = p[:, None, 1:] - p[:, :self.k, None]
+            if name in ("stash", "bonly"):
+                out[:, 0, :] = 0.0
+            self._got[key] = _frozen(out)
+        return self._got[key]
 
     def work_maxes(self, cols: tuple[int, ...]) -> np.ndarray:
-        """`work_max` at each of profile columns `cols`, stacked as `ranges`."""
+        """[j, l, r] = the largest working bytes of blocks l..r at profile column cols[j]."""
         key = ("work", cols)
-        if key not in self._stacked:
-            out = np.stack([self.work_max(i) for i in cols])
-            out.flags.writeable = False
-            self._stacked[key] = out
-        return self._stacked[key]
-
-    def range(self, name: str, i: int) -> np.ndarray:
-        """[l, r] = field `name` summed over blocks l..r, at profile column i. A stage starting
-        at the first block has no B-to-W stash and releases nothing after B (its inputs need no
-        gradient, so its B does nothing: `stage_tables`)."""
-        key = (name, i)
-        if key not in self._ranges:
-            p = self._pre[name][:, i]
-            out = p[None, 1:] - p[:self.k, None]
-            if name in ("stash", "bonly"):
-                out[0, :] = 0.0
-            out.flags.writeable = False
-            self._ranges[key] = out
-        return self._ranges[key]
-
-    def work_max(self, i: int) -> np.ndarray:
-        """[l, r] = the largest working bytes of blocks l..r, at profile column i."""
-        if i not in self._work:
-            k, w = self.k, self.prof.work[:, i]
-            out = np.zeros((k, k))
+        if key not in self._got:
+            k, w = self.k, self.prof.work[:, list(cols)]
+            out = np.zeros((len(cols), k, k))
             for lo in range(k):
-                out[lo, lo:] = np.maximum.accumulate(w[lo:])
-            out.flags.writeable = False
-            self._work[i] = out
-        return self._work[i]
+                out[:, lo, lo:] = np.maximum.accumulate(w[lo:], axis=0).T
+            self._got[key] = _frozen(out)
+        return self._got[key]
+
+
+def _frozen(x: np.ndarray) -> np.ndarray:
+    """`x`, read-only (what several tables share)."""
+    x.flags.writeable = False
+    return x
 
 
 def batch_per_replica(batch_size: int, copies: int, microbatches: int, d: int) -> int:
