@@ -390,6 +390,26 @@ def test_a_split_backward_is_counted_at_every_moment_of_its_line(name: str, S: i
                 assert model == pytest.approx(most), (s, f)
 
 
+def _binding_limit(gpt2: tuple[BlockIO, GraphCosts, int], checkpointing: str, selective: bool,
+                   D: int) -> tuple[BlockProfile, MemoryModel, dict[str, Any]]:
+    """GPT-2's 6-block profile for replica counts 1..D, a memory model whose limit lies between
+    what its ranges need recomputing all and keeping all (some recompute, some do not fit),
+    and `stage_tables`' other arguments: every branch of the tables."""
+    io, costs, k = gpt2
+    n = len(costs.comp_params)
+    prof = costs.block_profile(SPEC, [c * k // n for c in range(n)],
+                               sorted({-(-BATCH // (4 * d)) for d in range(1, D + 1)}))
+    free = MemoryModel(opt_param_factor=2.0, limit=1e30, checkpointing=checkpointing,
+                       selective=selective)
+    kw: dict[str, Any] = dict(batch_size=BATCH, devices=D, copies=1, microbatches=4,
+                              link_bw=1e10, allreduce_bw=1e9, inflight=4, saved_inputs=1,
+                              pending=2, past_b=1, overlap=True)
+    top = stage_tables(prof, io, dataclasses.replace(free, checkpointing="auto"), **kw)
+    upper = np.triu(np.ones((k, k), dtype=bool))
+    between = (top.memory_min[:, :, 1] + top.memory_keep[:, :, 1])[upper] / 2
+    return prof, dataclasses.replace(free, limit=float(np.median(between))), kw
+
+
 @pytest.mark.parametrize("checkpointing,selective", [("auto", False), ("auto", True), ("on", False)])
 def test_tables_computed_for_several_replica_counts_at_once_match_each_alone(
         gpt2: tuple[BlockIO, GraphCosts, int], checkpointing: str, selective: bool) -> None:
@@ -401,21 +421,9 @@ def test_tables_computed_for_several_replica_counts_at_once_match_each_alone(
     from rannc.stage_dp.tables import BlockSums
 
     io, costs, k = gpt2
-    n = len(costs.comp_params)
     D = 9  # more replica counts than one batch of columns
-    prof = costs.block_profile(SPEC, [c * k // n for c in range(n)],
-                               sorted({-(-BATCH // (4 * d)) for d in range(1, D + 1)}))
-    free = MemoryModel(opt_param_factor=2.0, limit=1e30, checkpointing=checkpointing,
-                       selective=selective)
-    kw: dict[str, Any] = dict(batch_size=BATCH, devices=D, copies=1, microbatches=4,
-                              link_bw=1e10, allreduce_bw=1e9, inflight=4, saved_inputs=1,
-                              pending=2, past_b=1, overlap=True)
-    top = stage_tables(prof, io, dataclasses.replace(free, checkpointing="auto"), **kw)
+    prof, mem, kw = _binding_limit(gpt2, checkpointing, selective, D)
     upper = np.triu(np.ones((k, k), dtype=bool))
-    # between what the ranges need recomputing all and keeping all: some recompute, some
-    # do not fit
-    between = (top.memory_min[:, :, 1] + top.memory_keep[:, :, 1])[upper] / 2
-    mem = dataclasses.replace(free, limit=float(np.median(between)))
     sums = BlockSums(prof)
     together = stage_tables(prof, io, mem, sums=sums, **kw)
     again = stage_tables(prof, io, mem, sums=sums, **kw)
@@ -430,6 +438,66 @@ def test_tables_computed_for_several_replica_counts_at_once_match_each_alone(
                 (name, d)
             assert np.array_equal(getattr(again, name), getattr(together, name)), name
     with pytest.raises(ValueError, match="another profile"):
-        stage_tables(costs.block_profile(SPEC, [0] * n, [1]), io, mem, sums=sums, **kw)
+        stage_tables(costs.block_profile(SPEC, [0] * len(costs.comp_params), [1]), io, mem, sums=sums, **kw)
     with pytest.raises(ValueError):  # what every table shares cannot be written through
         sums.ranges("fwd", (0,))[0, 0, 0] = 1.0
+
+
+@pytest.mark.parametrize("checkpointing,selective", [("auto", False), ("auto", True), ("on", False)])
+def test_tables_computed_for_a_few_stages_alone_match_the_whole_tables(
+        gpt2: tuple[BlockIO, GraphCosts, int], checkpointing: str, selective: bool) -> None:
+    """`stage_tables(cells=...)` computes only the stages asked for (what a simulated plan
+    reads of a key no table was built for: `TableCache.stage_cost`); every field of each is
+    bitwise what the whole table holds there: every run of blocks, those starting at the first
+    block (no B-to-W stash), empty runs (l > r, infeasible), under a limit where some recompute
+    and some do not fit."""
+    from rannc.stage_dp.tables import BlockSums
+
+    io, costs, k = gpt2
+    D = 5
+    prof, mem, kw = _binding_limit(gpt2, checkpointing, selective, D)
+    upper = np.triu(np.ones((k, k), dtype=bool))
+    sums = BlockSums(prof)
+    whole = stage_tables(prof, io, mem, sums=sums, **kw)
+    assert np.isfinite(whole.h[upper]).any() and np.isinf(whole.h[upper]).any()
+    assert (whole.recompute > 0).any() and (whole.selective.any() or not selective)
+    first, last = (x.ravel() for x in np.indices((k, k)))  # every (l, r), l > r too
+    order = np.random.default_rng(0).permutation(len(first))  # (in no particular order)
+    cells = stage_tables(prof, io, mem, sums=sums, cells=(first[order], last[order]), **kw)
+    fresh = stage_tables(prof, io, mem, cells=([0, 2], [k - 1, 2]), only={3}, **kw)
+    for name in ("h", "fwd", "bwd", "allreduce", "memory", "memory_min", "memory_keep",
+                 "recompute", "recompute_s", "selective", "selective_s", "wgrad"):
+        dense, few = getattr(whole, name), getattr(cells, name)
+        assert few.shape == (k * k, D + 1), name
+        assert np.array_equal(few, dense[first[order], last[order]]), name
+        assert np.array_equal(getattr(fresh, name)[:, 3], dense[[0, 2], [k - 1, 2], 3]), name
+
+
+def test_a_plan_reads_its_stages_alone_where_no_whole_table_was_built(
+        gpt2: tuple[BlockIO, GraphCosts, int]) -> None:
+    """`TableCache.stage_cost` reads a stage from the key's whole table where one was built
+    and else computes that stage alone (kept for the next read); both give the same costs,
+    and `forget` (the search, after each layout) drops the whole tables and not those."""
+    from rannc.stage_dp.search import TableCache, _stage_cost
+
+    io, costs, k = gpt2
+    n = len(costs.comp_params)
+    D = 4
+    prof = costs.block_profile(SPEC, [c * k // n for c in range(n)],
+                               sorted({-(-BATCH // (2 * d)) for d in range(1, D + 1)}))
+    mem = MemoryModel(opt_param_factor=2.0, limit=1e30, checkpointing="auto")
+    cluster = rannc.Cluster.homogeneous(SPEC, D, D)
+    cache = TableCache(prof, io, mem, cluster, BATCH, 1e10)
+    args = dict(D=D, R=1, m=2, n_in=2, saved=0, sched="zero_bubble_v")
+    stages = [(lo, hi, d) for lo in range(k) for hi in range(lo, k) for d in (1, 2)]
+    for share in (None, 0.75):
+        alone = [cache.stage_cost(**args, share=share, pending=1, past_b=0, first=lo, last=hi,
+                                  replicas=d) for lo, hi, d in stages]
+        assert not cache.tables  # (nothing built whole)
+        tab = cache(**args, share=share, pending=1)
+        assert [_stage_cost(tab, x) for x in stages] == alone
+        assert [cache.stage_cost(**args, share=share, pending=1, past_b=0, first=lo, last=hi,
+                                 replicas=d) for lo, hi, d in stages] == alone
+        assert any(a is not None for a in alone)
+        cache.forget()
+    assert not cache.tables and cache._cells

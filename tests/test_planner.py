@@ -301,3 +301,37 @@ def test_forced_lanes_that_do_not_divide_the_devices_say_what_is_needed() -> Non
     need, plan_with = _stated_need(
         rannc.Config(schedule="zero_bubble_v", partition_num=6, microbatches=4))
     assert len(plan_with(need * 1.0001 / 1e9).stages) == 6
+
+
+def test_the_search_tables_are_dropped_once_its_plans_are_simulated_and_plan_the_same(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planner drops the search's whole stage tables once its candidates are simulated
+    (`TableCache.forget`: the 12.96 B BERT's search held 1,059, 2.0 GB, to the end of
+    planning); the refinement and the layer alignment then read what they need of the search's
+    plans alone (`TableCache.stage_cost`). The plans are the same as with every table kept,
+    roomy and under memory limits where stages recompute selectively or a prefix, with
+    ZeRO-1."""
+    from rannc.stage_dp import search
+
+    case = make_case("gpt2", batch=8)
+    graph = capture(case.model, case.args, case.kwargs).graph
+    atomic = atomic_components(graph)
+    cluster = rannc.Cluster.homogeneous(SPEC, n=8, per_node=4)
+    roomy = plan_graph(graph, atomic, cluster, rannc.Config(), batch_size=8)
+    need = max(st.predicted["memory_bytes"] for st in roomy.stages)
+    configs = [rannc.Config()] + [rannc.Config(mem_limit_gb=need * f / 0.9 / 1e9) for f in (0.4, 0.3)]
+    held: list[int] = []  # the tables each forget() dropped
+    forget = search.TableCache.forget
+
+    def counted(self: Any) -> None:
+        held.append(len(self.tables))
+        forget(self)
+        assert not self.tables
+
+    monkeypatch.setattr(search.TableCache, "forget", counted)
+    plans = [plan_graph(graph, atomic, cluster, c, batch_size=8).to_dict() for c in configs]
+    assert any(st["selective"] for st in plans[1]["stages"])  # (memory binds)
+    assert any(st["recompute"] > 0 for st in plans[2]["stages"])
+    assert len(held) >= len(configs) and min(held) > 10  # (every search's, once)
+    monkeypatch.setattr(search.TableCache, "forget", lambda self: None)
+    assert [plan_graph(graph, atomic, cluster, c, batch_size=8).to_dict() for c in configs] == plans

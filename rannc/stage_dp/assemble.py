@@ -30,7 +30,7 @@ def to_plan(graph: TaskGraph, atomic: AtomicPartition, costs: GraphCosts, best: 
     for s in range(len(c.replicas)):
         lo, hi, d = c.bounds[s], c.bounds[s + 1] - 1, c.replicas[s]
         comps = tuple(i for i, b in enumerate(block_of) if lo <= b <= hi)
-        rows = float(c.tables.batch[d])
+        rows = float(c.batch[d])
         stages.append(StagePlan(
             index=s, components=comps, ranks=ranks[s], shares=tuple(1.0 / len(ranks[s]) for _ in ranks[s]),
             recompute=component_fraction(costs, comps, best.recompute[s], rows),

@@ -76,7 +76,7 @@ class Candidate:
     microbatches: int
     bounds: tuple[int, ...]
     replicas: tuple[int, ...]
-    tables: StageTables
+    batch: np.ndarray  # rows per replica per microbatch, by replica count (`StageTables.batch`)
     schedule: str
 
 
@@ -135,6 +135,7 @@ class TableCache:
         self.only = only  # the replica counts tabled (None: all up to the width)
         self.tables: dict[tuple[int, int, int, int, int, bool, int, float | None, int, int],
                           StageTables] = {}
+        self._cells: dict[tuple[object, ...], StageCost | None] = {}  # (`stage_cost`)
         # a device's stages may split its memory unevenly only where every device is alike: a
         # mixed cluster's placement (`placement.place`) gives each stage 1/chunks of a device
         self.lane_shares = cluster.is_homogeneous
@@ -145,24 +146,72 @@ class TableCache:
         device (default 1/chunks); `pending`, `past_b`: where the schedule splits the backward,
         the most microbatches between B and W (`spec.pending_counts`; else 0) and those past B
         at the live peak (`actions.past_b`; 0, the bound, where not known per stage)."""
+        key = self._key(D, R, m, n_in, saved, sched, share, pending, past_b)
+        if key not in self.tables:
+            self.tables[key] = self._build(key)
+        return self.tables[key]
+
+    def forget(self) -> None:
+        """Drop the whole tables built so far (what `stage_cost` computed stays)."""
+        self.tables.clear()
+
+    def stage_cost(self, D: int, R: int, m: int, n_in: int, saved: int, sched: str,
+                   share: float | None, *, pending: int, past_b: int, first: int, last: int,
+                   replicas: int) -> StageCost | None:
+        """Blocks first..last as one stage on `replicas` replicas, under the key of `__call__`
+        (None: it does not fit). Read from that key's tables where they are built; else that
+        one stage is computed alone (and kept), the same values: a memory share tried for one
+        plan's device (`lane_share_options`) is a key of its own, and whole tables built to
+        read one stage of each were a quarter of planning the 12.96 B BERT (k = 349 segments
+        in the boundary refinement: 121,801 runs of segments per replica count, for one)."""
+        key = self._key(D, R, m, n_in, saved, sched, share, pending, past_b)
+        x = (first, last, replicas)
+        if key in self.tables:
+            return _stage_cost(self.tables[key], x)
+        at = (key, x)
+        if at not in self._cells:
+            one = self._build(key, cells=([first], [last]), only=frozenset([replicas]))
+            self._cells[at] = _stage_cost(one, (0, replicas))
+        return self._cells[at]
+
+    def _key(self, D: int, R: int, m: int, n_in: int, saved: int, sched: str,
+             share: float | None, pending: int, past_b: int
+             ) -> tuple[int, int, int, int, int, bool, int, float | None, int, int]:
         chunks = get_spec(sched).chunks
         # (share None is 1/chunks: one key for both, so the search's tables serve the costing)
         part = None if chunks == 1 else 1.0 / chunks if share is None else share
-        key = (D, R, m, n_in, saved, reduction_overlaps_backward(sched), chunks, part, pending,
-               past_b)
-        if key not in self.tables:
-            c = self.cluster
-            link = self.link_bw
-            cross_node = R > 1 or D > c.per_node
-            ar_bw = c.inter_node_bandwidth if cross_node else link
-            width = D if self.width is None else min(D, self.width)
-            self.tables[key] = stage_tables(self.prof, self.io, self.mem.sharing(chunks, part),
-                                            batch_size=self.batch_size, devices=width, copies=R,
-                                            microbatches=m, link_bw=link, allreduce_bw=ar_bw,
-                                            inflight=n_in, saved_inputs=saved, only=self.only,
-                                            overlap=key[5], world=D * R, pending=pending,
-                                            past_b=past_b, sums=self.sums)
-        return self.tables[key]
+        return (D, R, m, n_in, saved, reduction_overlaps_backward(sched), chunks, part, pending,
+                past_b)
+
+    def _build(self, key: tuple[int, int, int, int, int, bool, int, float | None, int, int],
+               cells: tuple[list[int], list[int]] | None = None,
+               only: frozenset[int] | None = None) -> StageTables:
+        D, R, m, n_in, saved, overlap, chunks, part, pending, past_b = key
+        c = self.cluster
+        link = self.link_bw
+        cross_node = R > 1 or D > c.per_node
+        ar_bw = c.inter_node_bandwidth if cross_node else link
+        width = D if self.width is None else min(D, self.width)
+        if only is not None and self.only is not None:
+            only = only & self.only
+        return stage_tables(self.prof, self.io, self.mem.sharing(chunks, part),
+                            batch_size=self.batch_size, devices=width, copies=R,
+                            microbatches=m, link_bw=link, allreduce_bw=ar_bw,
+                            inflight=n_in, saved_inputs=saved,
+                            only=self.only if only is None else only, overlap=overlap,
+                            world=D * R, pending=pending, past_b=past_b, sums=self.sums,
+                            cells=cells)
+
+
+def _stage_cost(tab: StageTables, x: tuple[int, ...]) -> StageCost | None:
+    """The stage at index `x` of `tab` ([l, r, d], or [cell, d]); None where it does not fit."""
+    if not math.isfinite(float(tab.h[x])):
+        return None
+    return StageCost(recompute=float(tab.recompute[x]), fwd=float(tab.fwd[x]),
+                     bwd=float(tab.bwd[x]), allreduce=float(tab.allreduce[x]),
+                     memory=float(tab.memory[x]), recompute_s=float(tab.recompute_s[x]),
+                     wgrad=float(tab.wgrad[x]), selective=bool(tab.selective[x]),
+                     selective_s=float(tab.selective_s[x]))
 
 
 def selective_allowed(config: Config) -> bool:
@@ -584,7 +633,7 @@ def candidate(tabs: Sequence[StageTables], D: int, R: int, m: int, bounds: Seque
                            [float(tb.allreduce[x]) for tb, x in zip(tabs, idx, strict=True)], m,
                            get_spec(sched).eager, get_spec(sched).chunks,
                            default_placement(sched, len(reps)))
-    return Candidate(t, D, R, m, tuple(bounds), tuple(reps), tabs[0], sched)
+    return Candidate(t, D, R, m, tuple(bounds), tuple(reps), tabs[0].batch, sched)
 
 
 def simulate_candidate(c: Candidate, table: TableCache,
@@ -627,16 +676,16 @@ def _costed(c: Candidate, table: TableCache, counts: Sequence[int],
     S, sched = len(c.replicas), c.schedule
     rows: list[StageCost] = []
     for s in range(S):
-        x = (c.bounds[s], c.bounds[s + 1] - 1, c.replicas[s])
-        tab = table(c.devices, c.copies, c.microbatches, counts[s], saved, sched, shares[s],
-                    pending=pend[s][0], past_b=pend[s][1])
-        if not math.isfinite(float(tab.h[x])):
+        # (from the key's whole table where one is built, else this stage alone: a share
+        # tried for this plan's device, or the stage's own in-flight count where the search
+        # budgeted every stage for a common bound)
+        row = table.stage_cost(c.devices, c.copies, c.microbatches, counts[s], saved, sched,
+                               shares[s], pending=pend[s][0], past_b=pend[s][1],
+                               first=c.bounds[s], last=c.bounds[s + 1] - 1,
+                               replicas=c.replicas[s])
+        if row is None:
             return None
-        rows.append(StageCost(recompute=float(tab.recompute[x]), fwd=float(tab.fwd[x]),
-                              bwd=float(tab.bwd[x]), allreduce=float(tab.allreduce[x]),
-                              memory=float(tab.memory[x]), recompute_s=float(tab.recompute_s[x]),
-                              wgrad=float(tab.wgrad[x]), selective=bool(tab.selective[x]),
-                              selective_s=float(tab.selective_s[x])))
+        rows.append(row)
     if not get_spec(sched).recompute_last:  # e.g. scp: its last stage holds one microbatch
         last = rows[-1]
         rows[-1] = dataclasses.replace(last, recompute=0.0, bwd=last.bwd - last.recompute_s,

@@ -78,12 +78,24 @@ class BlockIO:
     def returned_bytes(self, rows: int | np.ndarray, local: int) -> tuple[np.ndarray, float]:
         """(bytes of the batch outputs each stage [l, r] computes per microbatch of `rows` rows
         per replica, bytes of this rank's `local` rows of every batch output): the inputs of
-        `memory.returned_memory`. `rows` an array of shape (n, 1, 1): [j, l, r] for rows[j]."""
-        k = self.params.shape[0]
+        `memory.returned_memory`. `rows` an array of shape (n, 1, 1): [j, l, r] for rows[j]
+        (of a `pick`: (n, 1), [j, cell])."""
         if self.returned is None or self.returned_all is None:
-            return np.zeros((k, k)), 0.0
+            return np.zeros(self.params.shape), 0.0
         return (self.returned[0] + self.returned[1] * rows,
                 float(self.returned_all[0] + self.returned_all[1] * local))
+
+    def pick(self, first: np.ndarray, last: np.ndarray) -> BlockIO:
+        """The tables of the block ranges [first[i], last[i]] alone, each (k, k) array as
+        (n,): what `stage_tables` reads for a few cells. `cut_ok` stays whole (it is per
+        boundary, not per range)."""
+        def at(x: np.ndarray | None) -> np.ndarray | None:
+            return None if x is None else x[..., first, last]
+
+        return BlockIO(self.inputs[:, first, last], self.outputs[:, first, last],
+                       self.params[first, last], self.grad_params[first, last], self.cut_ok,
+                       self.shared_grad[first, last], at(self.returned), self.returned_all,
+                       at(self.shared_params))
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,7 +245,8 @@ def _upto_next(k: int, blk: np.ndarray, use: np.ndarray, lo: np.ndarray,
 
 @dataclass(frozen=True, slots=True)
 class StageTables:
-    """For one (devices per pipeline, pipeline copies, microbatches): arrays over [l, r, d]."""
+    """For one (devices per pipeline, pipeline copies, microbatches): arrays over [l, r, d]
+    (over [cell, d] where `stage_tables` was given cells)."""
 
     h: np.ndarray  # bottleneck time per microbatch (inf: infeasible)
     fwd: np.ndarray  # forward seconds incl. receiving inputs
@@ -283,6 +296,23 @@ class BlockSums:
             self._got[key] = _frozen(out)
         return self._got[key]
 
+    def cells(self, name: str, cols: tuple[int, ...], first: np.ndarray,
+              last: np.ndarray) -> np.ndarray:
+        """[j, i] = `ranges(name, cols)[j, first[i], last[i]]`, computed for those cells alone
+        (the same subtraction of prefix sums, so the same values)."""
+        p = self._pre[name][:, list(cols)].T  # (columns, k + 1)
+        out = p[:, last + 1] - p[:, first]
+        if name in ("stash", "bonly"):
+            out[:, first == 0] = 0.0
+        return out
+
+    def cell_work_maxes(self, cols: tuple[int, ...], first: np.ndarray,
+                        last: np.ndarray) -> np.ndarray:
+        """[j, i] = `work_maxes(cols)[j, first[i], last[i]]`, for those cells alone."""
+        w = self.prof.work[:, list(cols)]
+        return np.stack([w[lo:hi + 1].max(axis=0) if hi >= lo else np.zeros(len(cols))
+                         for lo, hi in zip(first.tolist(), last.tolist(), strict=True)], axis=1)
+
     def work_maxes(self, cols: tuple[int, ...]) -> np.ndarray:
         """[j, l, r] = the largest working bytes of blocks l..r at profile column cols[j]."""
         key = ("work", cols)
@@ -311,7 +341,8 @@ def stage_tables(prof: BlockProfile, io: BlockIO, mem: MemoryModel, *, batch_siz
                  inflight: int | None = None, saved_inputs: int = 0,
                  only: Collection[int] | None = None, overlap: bool = False,
                  world: int | None = None, pending: int = 0, past_b: int = 0,
-                 sums: BlockSums | None = None) -> StageTables:
+                 sums: BlockSums | None = None,
+                 cells: tuple[Sequence[int], Sequence[int]] | None = None) -> StageTables:
     """`inflight`: microbatches whose activations a stage holds at once (fill-drain: all of
     them; 1F1B: at most the stages from it to the end); `saved_inputs`: microbatches whose stage
     inputs are kept besides (eager schedules keep them for a late backward pass); `only`: the
@@ -326,7 +357,10 @@ def stage_tables(prof: BlockProfile, io: BlockIO, mem: MemoryModel, *, batch_siz
     recomputation, whose saved tensors carry hooks of their own), counted as `memory_terms`
     says. A stage starting at the first block changes nothing: its inputs need no gradient,
     so its B does nothing and its W is the whole backward. `sums`: `prof`'s (`BlockSums`),
-    where the caller builds several tables over one profile.
+    where the caller builds several tables over one profile. `cells`: (first blocks, last
+    blocks): only those stages, each array then (cells, replicas) instead of (l, r, replicas),
+    for a caller that reads a few stages of one key (a memory share tried for one plan: `search.
+    TableCache.stage_cost`); elementwise the same arithmetic, so the same values.
 
     Recomputation is a fraction f of a stage's kept activations dropped in forward and rebuilt
     before backward (Merak's stage-aware recomputation, by memory rather than by layer): the
@@ -340,20 +374,40 @@ def stage_tables(prof: BlockProfile, io: BlockIO, mem: MemoryModel, *, batch_siz
     top if that still does not fit; it is chosen where keeping everything does not fit and it
     costs fewer seconds than the prefix alone (under checkpointing "selective": everywhere)."""
     k = io.params.shape[0]
-    shape = (k, k, devices + 1)
+    sums = sums if sums is not None else BlockSums(prof)
+    if sums.prof is not prof:
+        raise ValueError("stage_tables: `sums` is another profile's")
+    if cells is None:
+        where: tuple[int, ...] = (k, k)
+        valid = np.triu(np.ones((k, k), dtype=bool)) & io.cut_ok[:k, None] & io.cut_ok[None, 1:]
+
+        def rng(name: str, cols: tuple[int, ...]) -> np.ndarray:  # [., l, r]: blocks l..r
+            return sums.ranges(name, cols)
+
+        def work_of(cols: tuple[int, ...]) -> np.ndarray:
+            return sums.work_maxes(cols)
+    else:
+        first, last = (np.asarray(x, dtype=np.int64) for x in cells)
+        where = (len(first),)
+        valid = (first <= last) & io.cut_ok[first] & io.cut_ok[last + 1]
+        io = io.pick(first, last)
+
+        def rng(name: str, cols: tuple[int, ...]) -> np.ndarray:  # [., i]: cell i
+            return sums.cells(name, cols, first, last)
+
+        def work_of(cols: tuple[int, ...]) -> np.ndarray:
+            return sums.cell_work_maxes(cols, first, last)
+    shape = (*where, devices + 1)
+    ones = (1,) * len(where)  # (a column's scalars broadcast over the cells)
     out = {n: np.full(shape, math.inf)
            for n in ("h", "fwd", "bwd", "allreduce", "memory", "memory_min", "memory_keep")}
     recompute = np.zeros(shape)
     recompute_s = np.zeros(shape)
     wgrad = np.zeros(shape)
     batch = np.zeros(devices + 1, dtype=np.int64)
-    valid = np.triu(np.ones((k, k), dtype=bool)) & io.cut_ok[:k, None] & io.cut_ok[None, 1:]
     n_in = microbatches if inflight is None else inflight
     local = local_rows(batch_size, 1, world) if world is not None else \
         local_rows(batch_size, copies, devices)
-    sums = sums if sums is not None else BlockSums(prof)
-    if sums.prof is not prof:
-        raise ValueError("stage_tables: `sums` is another profile's")
     sel_ok = mem.selective and sums.selective
     selective = np.zeros(shape, dtype=bool)
     selective_s = np.zeros(shape)
@@ -368,21 +422,18 @@ def stage_tables(prof: BlockProfile, io: BlockIO, mem: MemoryModel, *, batch_siz
     # per term for several columns where the tables are small (the search's, where a call's
     # overhead is most of its cost), one at a time where they are large (the temporaries then
     # stay in the cache: 8 columns of 128 x 128 blocks at once took longer than one by one).
-    per = max(1, _CELLS // (k * k))
+    per = max(1, _CELLS // math.prod(where))
     for at in range(0, len(wanted), per):
         ds = wanted[at:at + per]
         cols = tuple(prof.column(int(batch[d])) for d in ds)
-
-        def rng(name: str, cols: tuple[int, ...] = cols) -> np.ndarray:  # [., l, r]: blocks l..r
-            return sums.ranges(name, cols)
-
-        fwd, bwd, kept, stash, released = (rng(n) for n in ("fwd", "bwd", "kept", "stash", "bonly"))
-        work = sums.work_maxes(cols)
-        b = batch[ds].reshape(-1, 1, 1)
+        fwd, bwd, kept, stash, released = (rng(n, cols)
+                                           for n in ("fwd", "bwd", "kept", "stash", "bonly"))
+        work = work_of(cols)
+        b = batch[ds].reshape(-1, *ones)
         inb = io.inputs[0] + io.inputs[1] * b
         outb = io.outputs[0] + io.outputs[1] * b
         comm = (inb + outb) / link_bw
-        ranks = np.asarray(ds, dtype=np.int64).reshape(-1, 1, 1) * copies
+        ranks = np.asarray(ds, dtype=np.int64).reshape(-1, *ones) * copies
         reduce_s = 2.0 * io.grad_params * (ranks - 1) / ranks / allreduce_bw
         static = mem.static(io.params, io.grad_params, ranks, mem.zero_stage)
         bucket = bucket_memory(io.grad_params, io.shared_grad, io.shared_count(), ranks > 1,
@@ -402,19 +453,19 @@ def stage_tables(prof: BlockProfile, io: BlockIO, mem: MemoryModel, *, batch_siz
         extra = f * fwd  # recomputation's seconds
         if sel_ok:  # selective recomputation, with a prefix recomputed on top where needed
             full_s, per_s = memory_terms(static + bucket, work, inb, outb,
-                                         rng("kept_sel"), in_flight=n_in,
+                                         rng("kept_sel", cols), in_flight=n_in,
                                          saved_inputs=saved_inputs, microbatches=microbatches,
                                          held_outputs=ret.held, stash=stash, pending=pending,
                                          past_b=past_b)
             f_s = np.maximum(fraction_to_fit(full_s, per_s, mem.limit), f_min)
             ok_s = valid & (f_s <= f_max) & (at_return <= mem.limit)
             f_s = np.where(ok_s, f_s, 0.0)
-            extra_s = rng("selective") + f_s * fwd
+            extra_s = rng("selective", cols) + f_s * fwd
             use = ok_s & (~ok | ((f > 0) & (extra_s < extra)))  # (only where memory asks)
             if only_sel:
                 ok, use = ok_s, ok_s
-            selective[:, :, ds] = _last(use)
-            selective_s[:, :, ds] = _last(np.where(use, rng("selective"), 0.0))
+            selective[..., ds] = _last(use)
+            selective_s[..., ds] = _last(np.where(use, rng("selective", cols), 0.0))
             ok = ok | use
             f = np.where(use, f_s, f)
             extra = np.where(use, extra_s, extra)
@@ -424,19 +475,19 @@ def stage_tables(prof: BlockProfile, io: BlockIO, mem: MemoryModel, *, batch_siz
         ar = exposed_reduction(reduce_s, g, io.grad_params, mem.bucket_bytes, overlap)
         if mem.zero_stage:  # the owners' new parameters go to the other replicas after the step
             ar = ar + 0.5 * reduce_s  # an all-gather: half an all-reduce
-        out["fwd"][:, :, ds] = _last(np.where(ok, fw, math.inf))
-        out["bwd"][:, :, ds] = _last(np.where(ok, g, math.inf))
-        out["allreduce"][:, :, ds] = _last(np.where(ok, ar, math.inf))
-        out["h"][:, :, ds] = _last(np.where(ok, fw + g + ar / microbatches, math.inf))
-        out["memory"][:, :, ds] = _last(np.where(ok, memory, math.inf))
+        out["fwd"][..., ds] = _last(np.where(ok, fw, math.inf))
+        out["bwd"][..., ds] = _last(np.where(ok, g, math.inf))
+        out["allreduce"][..., ds] = _last(np.where(ok, ar, math.inf))
+        out["h"][..., ds] = _last(np.where(ok, fw + g + ar / microbatches, math.inf))
+        out["memory"][..., ds] = _last(np.where(ok, memory, math.inf))
         smallest = np.maximum(with_recompute(full, saved_per_f, f_max), at_return)
         if sel_ok:
             smallest = np.minimum(smallest, np.maximum(with_recompute(full_s, per_s, f_max), at_return))
-        out["memory_min"][:, :, ds] = _last(np.where(valid, smallest, math.inf))
-        out["memory_keep"][:, :, ds] = _last(np.where(valid, np.maximum(full, at_return), math.inf))
-        recompute[:, :, ds] = _last(f)
-        recompute_s[:, :, ds] = _last(f * fwd)
-        wgrad[:, :, ds] = _last(np.where(ok, rng("wgrad"), 0.0))
+        out["memory_min"][..., ds] = _last(np.where(valid, smallest, math.inf))
+        out["memory_keep"][..., ds] = _last(np.where(valid, np.maximum(full, at_return), math.inf))
+        recompute[..., ds] = _last(f)
+        recompute_s[..., ds] = _last(f * fwd)
+        wgrad[..., ds] = _last(np.where(ok, rng("wgrad", cols), 0.0))
     return StageTables(recompute=recompute, recompute_s=recompute_s, selective=selective,
                        selective_s=selective_s,
                        wgrad=wgrad, batch=batch, **out)
@@ -446,7 +497,8 @@ _CELLS = 1 << 14  # (l, r, replicas) cells `stage_tables` computes in one go, ab
 
 
 def _last(x: np.ndarray) -> np.ndarray:
-    """(columns, l, r) as (l, r, columns), the tables' layout."""
+    """(columns, l, r) as (l, r, columns), the tables' layout (or (columns, cells) as (cells,
+    columns))."""
     return np.moveaxis(x, 0, -1)
 
 
