@@ -296,23 +296,6 @@ class BlockSums:
             self._got[key] = _frozen(out)
         return self._got[key]
 
-    def cells(self, name: str, cols: tuple[int, ...], first: np.ndarray,
-              last: np.ndarray) -> np.ndarray:
-        """[j, i] = `ranges(name, cols)[j, first[i], last[i]]`, computed for those cells alone
-        (the same subtraction of prefix sums, so the same values)."""
-        p = self._pre[name][:, list(cols)].T  # (columns, k + 1)
-        out = p[:, last + 1] - p[:, first]
-        if name in ("stash", "bonly"):
-            out[:, first == 0] = 0.0
-        return out
-
-    def cell_work_maxes(self, cols: tuple[int, ...], first: np.ndarray,
-                        last: np.ndarray) -> np.ndarray:
-        """[j, i] = `work_maxes(cols)[j, first[i], last[i]]`, for those cells alone."""
-        w = self.prof.work[:, list(cols)]
-        return np.stack([w[lo:hi + 1].max(axis=0) if hi >= lo else np.zeros(len(cols))
-                         for lo, hi in zip(first.tolist(), last.tolist(), strict=True)], axis=1)
-
     def work_maxes(self, cols: tuple[int, ...]) -> np.ndarray:
         """[j, l, r] = the largest working bytes of blocks l..r at profile column cols[j]."""
         key = ("work", cols)
@@ -377,26 +360,21 @@ def stage_tables(prof: BlockProfile, io: BlockIO, mem: MemoryModel, *, batch_siz
     sums = sums if sums is not None else BlockSums(prof)
     if sums.prof is not prof:
         raise ValueError("stage_tables: `sums` is another profile's")
+    # what the sums are read at: [., l, r] every run of blocks, or [., i] the cells' (read
+    # from the same arrays `sums` keeps, so the same values)
+    sel: tuple[Any, ...] = (slice(None),)
     if cells is None:
         where: tuple[int, ...] = (k, k)
         valid = np.triu(np.ones((k, k), dtype=bool)) & io.cut_ok[:k, None] & io.cut_ok[None, 1:]
-
-        def rng(name: str, cols: tuple[int, ...]) -> np.ndarray:  # [., l, r]: blocks l..r
-            return sums.ranges(name, cols)
-
-        def work_of(cols: tuple[int, ...]) -> np.ndarray:
-            return sums.work_maxes(cols)
     else:
         first, last = (np.asarray(x, dtype=np.int64) for x in cells)
-        where = (len(first),)
+        where, sel = (len(first),), (slice(None), first, last)
         valid = (first <= last) & io.cut_ok[first] & io.cut_ok[last + 1]
         io = io.pick(first, last)
 
-        def rng(name: str, cols: tuple[int, ...]) -> np.ndarray:  # [., i]: cell i
-            return sums.cells(name, cols, first, last)
+    def rng(name: str, cols: tuple[int, ...]) -> np.ndarray:
+        return sums.ranges(name, cols)[sel]
 
-        def work_of(cols: tuple[int, ...]) -> np.ndarray:
-            return sums.cell_work_maxes(cols, first, last)
     shape = (*where, devices + 1)
     ones = (1,) * len(where)  # (a column's scalars broadcast over the cells)
     out = {n: np.full(shape, math.inf)
@@ -428,7 +406,7 @@ def stage_tables(prof: BlockProfile, io: BlockIO, mem: MemoryModel, *, batch_siz
         cols = tuple(prof.column(int(batch[d])) for d in ds)
         fwd, bwd, kept, stash, released = (rng(n, cols)
                                            for n in ("fwd", "bwd", "kept", "stash", "bonly"))
-        work = work_of(cols)
+        work = sums.work_maxes(cols)[sel]
         b = batch[ds].reshape(-1, *ones)
         inb = io.inputs[0] + io.inputs[1] * b
         outb = io.outputs[0] + io.outputs[1] * b
