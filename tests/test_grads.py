@@ -86,6 +86,32 @@ def test_gradients_add_to_what_grad_held_and_no_sync_keeps_local_sums(group: obj
         torch.testing.assert_close(p.grad, q.grad, msg=n)
 
 
+def test_an_accumulation_adds_up_in_one_gradient_tensor_per_parameter(group: object) -> None:
+    """no_sync() backwards and the synchronised one after them add up in the `.grad` the first
+    one made, in place (as autograd accumulates under DDP), so a rank holds one gradient per
+    parameter between the calls, not the local sums a second time; same values bit for bit."""
+    model = _mlp(depth=3)
+    ref = copy.deepcopy(model)
+    xs = [torch.randn(3, 16) for _ in range(4)]
+    for x in xs:
+        ref(x).sum().backward()
+    red = _reducer(model, group, bucket_bytes=256)
+    first: dict[str, torch.Tensor] = {}
+    for i, x in enumerate(xs):
+        sync = i == len(xs) - 1
+        red.begin()
+        if sync:  # (as the runtime: buckets start during a synchronised backward only)
+            red.arm()
+        model(x).sum().backward()
+        red.finish(sync=sync)
+        for n, p in model.named_parameters():
+            assert p.grad is first.setdefault(n, p.grad), (i, n)
+            assert i == len(xs) - 1 or red.pending[n] is p.grad, (i, n)
+    assert not red.pending
+    for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=n)
+
+
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_zero_grad_after_no_sync_drops_the_local_sums(group: object, set_to_none: bool) -> None:
     """An accumulation given up: the next synchronised backward reduces its own gradients only

@@ -56,6 +56,17 @@ class Call:
     scalar_share: tuple[list[str], torch.Tensor, Any] | None = None
     t0: float = 0.0
 
+    def release(self) -> None:
+        """Once its backward has run: drop what it kept for it. The user's loss keeps the call
+        (its autograd node) until the next forward() returns, and with it, otherwise, the
+        microbatches' stage inputs and outputs and the eager line's gradients where `.grad`
+        got other tensors (a loss gradient other than 1, gradients accumulated under
+        no_sync()): a copy of the stage's gradients alive through the next call's line."""
+        self.stash = None
+        self.input_stash = {}
+        self.micro = {}
+        self.env = {}
+
 
 class Executor:
     """Runs the actions of the `stages` this rank holds (one replica each)."""

@@ -386,9 +386,15 @@ class GradReducer:
                 continue
             new = p.grad if p.grad is not None else torch.zeros_like(p)
             pend = self.pending.get(n)
-            self.pending[n] = new if pend is None else pend + new
             prev = st.before[n]
-            p.grad = new if prev is None else prev + new
+            if pend is not None and pend is prev:
+                # `.grad` is the pending sum itself, as the last no_sync() backward left it
+                # (`reconcile`): one tensor keeps adding up, as autograd's own accumulation,
+                # instead of a second copy of the stage's gradients beside `.grad`
+                p.grad = prev.add_(new)
+            else:
+                self.pending[n] = new if pend is None else pend + new
+                p.grad = new if prev is None else prev + new
             self.accumulation.mark(n, p.grad)
 
     def _prepare(self, n: str, st: _State | None = None) -> None:
@@ -411,6 +417,12 @@ class GradReducer:
         if g is not None or pend is not None:
             st.got.add(n)
         prev = st.before[n]
+        if pend is not None and pend is prev:
+            # `.grad` is the pending sum itself (`_keep_pending`): it is what gets summed over
+            # the holders, and nothing of it is added back afterwards
+            st.base[n] = None
+            st.new[n] = pend if g is None else pend.add_(g)
+            return
         st.base[n] = prev if pend is None or prev is None else prev - pend
         st.new[n] = pend if g is None else g if pend is None else g + pend
 

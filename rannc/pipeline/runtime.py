@@ -595,6 +595,7 @@ class PipelineRuntime:
         self.acc.last_sync = self.sync
         self.acc.same_got = self.acc.same_got or self.sync
         call.transport.wait_sends()
+        call.release()
         self.iteration_s = time.perf_counter() - call.t0
         return in_grads
 
@@ -694,6 +695,7 @@ class PipelineRuntime:
         self.acc.last_sync = True
         self.acc.same_got = True
         call.transport.wait_sends()
+        call.release()
         self.iteration_s = time.perf_counter() - call.t0
         return in_grads
 

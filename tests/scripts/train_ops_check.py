@@ -17,8 +17,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import gc
 import math
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -139,17 +141,50 @@ def check_clip(pr: Pair) -> None:
     pr.zero_grad()
 
 
+def _live_bytes() -> int:
+    """Bytes of the distinct CPU storages of every live tensor of this process."""
+    gc.collect()
+    seen: dict[int, int] = {}
+    with warnings.catch_warnings():  # isinstance() touches deprecated torch.distributed aliases
+        warnings.simplefilter("ignore")
+        for t in gc.get_objects():
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu" and not t.is_meta:
+                with contextlib.suppress(RuntimeError, NotImplementedError):
+                    s = t.untyped_storage()
+                    if s.nbytes():
+                        seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
 def check_accumulation(pr: Pair) -> None:
     """K calls, the first K-1 under no_sync(), each backward of loss / K, equal one call on the
-    K-times larger batch; then clip and an AdamW step."""
+    K-times larger batch; then clip and an AdamW step. Between the calls the rank keeps one
+    gradient per parameter, as DDP's accumulation: what it holds after the first no_sync()
+    backward does not grow with the later ones (it used to keep the local sums a second time,
+    beside `.grad`), nor with the loss a loop keeps until its next forward (which kept the
+    gradients of an eager schedule's line a second time where `.grad` got other tensors)."""
     pr.zero_grad()
+    live, kept = [], []
     for k in range(K):
         ctx = pr.model.no_sync() if k < K - 1 else contextlib.nullcontext()
         with ctx:
-            (pr.loss(k) / K).backward()
+            loss = pr.loss(k) / K
+            loss.backward()
+        held = _live_bytes()
+        del loss
+        live.append(_live_bytes())
+        kept.append(held - live[-1])
         if k == 0:
             pr.refused(lambda: pr.model.clip_grad_norm_(1.0), "no_sync",
                        "clip_grad_norm_ under no_sync")
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in pr.model.parameters()
+                if p.grad is not None)
+    # (slack: small per-call state, e.g. a routing table or a loss scalar)
+    assert max(live[:-1]) - live[0] < 0.05 * grads, (f"{pr.tag}: live tensor bytes after each "
+                                                     f"no_sync() backward {live[:-1]}, "
+                                                     f"gradients {grads}")
+    assert max(kept) < 0.05 * grads, (f"{pr.tag}: bytes the loss kept alive after each "
+                                      f"backward {kept}, gradients {grads}")
     pr.ref_loss(None).backward()
     pr.check_grads("accumulated")
     got = pr.model.clip_grad_norm_(0.5)
