@@ -22,9 +22,11 @@ runs one plain process). Per rank it reports:
 * measured / forecast: the goal is within 15 % (0.87 to 1.15).
 
 `--loop drop` (the default) is Trainer's loop: the batch outputs go before backward and
-`zero_grad()` frees the gradients; `--loop hold` keeps the outputs through the step and zeroes
-the gradients in place (Hugging Face's `no_trainer` examples keep `outputs` alive), which is
-what the forecast reserves for, so its tensor peak is the one the forecast must not fall below.
+`zero_grad()` frees the gradients; `--loop accumulate` is that loop over two calls a step, the
+first under `no_sync()`; `--loop hold` keeps the outputs through the step and zeroes
+the gradients in place (Hugging Face's `no_trainer` examples keep `outputs` alive); the
+forecast reserves for its outputs, not for its zeroed gradients beside the ones a schedule that
+runs backward inside forward() computes (BENCHMARKS.md, "Gradients kept twice").
 
 On a GPU the right measure is `torch.cuda.max_memory_allocated`; this script measures the CPU
 process, whose peak also holds what the forecast does not count (the captured and stage graphs,
@@ -218,18 +220,23 @@ def worker(a: argparse.Namespace) -> None:
             prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
                            with_stack=True)
             prof.__enter__()
+        if a.loop == "accumulate":  # Trainer's loop over 2 micro-steps, the first under no_sync()
+            with model.no_sync():
+                with casting:
+                    loss = model(**batch).loss
+                (loss / 2).backward()
         with casting:
             out_ = model(**batch)
         loss = out_.loss
-        if a.loop == "drop":  # the batch outputs (logits) go before backward, as Trainer's loop
+        if a.loop != "hold":  # the batch outputs (logits) go before backward, as Trainer's loop
             del out_
         losses.append(float(loss))
-        loss.backward()
+        (loss / 2 if a.loop == "accumulate" else loss).backward()
         opt.step()
         # "hold": the gradients stay allocated (zeroed in place) and the outputs live through
         # backward and the step, as in Hugging Face's no_trainer examples: what the forecast
         # reserves for, so the two loops bracket what users run
-        opt.zero_grad(set_to_none=a.loop == "drop")
+        opt.zero_grad(set_to_none=a.loop != "hold")
         out_ = None
         if last:
             prof.__exit__(None, None, None)
@@ -337,10 +344,12 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--loop", default="drop", choices=("drop", "hold"),
+    p.add_argument("--loop", default="drop", choices=("drop", "hold", "accumulate"),
                    help="drop: the outputs go before backward and zero_grad sets gradients to None "
                         "(Trainer's loop); hold: the outputs live through the step and the "
-                        "gradients are zeroed in place (the forecast's assumption)")
+                        "gradients are zeroed in place; accumulate: drop's loop over two calls "
+                        "a step, the first under no_sync() (so the plan, made by the first, "
+                        "counts an accumulation: grad_accumulation 'auto')")
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--smoke", action="store_true", help="2 layers H64, 1 and 2 stages, 3 steps")

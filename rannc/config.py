@@ -197,6 +197,14 @@ class Config:
     in the last microbatch's backward, overlapping the rest. The reduction holds at most one
     bucket beyond the gradients, which the planner's memory model counts on every stage whose
     gradients are reduced. Smaller: more, shorter collectives that start earlier."""
+    grad_accumulation: bool | str = _f("auto", choices=("auto", "on", "off"), aliases=_SWITCH)
+    """Whether the training loop accumulates gradients over calls under `no_sync()`, which the
+    memory model then counts: under the schedules that run backward inside forward(), a
+    micro-step's own gradients exist beside the accumulated ones while its forward runs (the
+    loss gradient that scales them comes with backward()), one more copy of each stage's
+    gradients. "auto": as the first call, planned for accumulation when it is made under
+    `no_sync()` (an accumulation's first micro-step; `rannc.plan()`, without a call, plans
+    without); "on" (True) or "off" (False) either way. Read back as "auto", "on" or "off"."""
     trace: bool = _f(False)
     """Record each rank's pipeline actions with their times, for `RaNNCModule.write_trace`
     (a Perfetto trace and a timeline PNG beside the simulator's prediction)."""

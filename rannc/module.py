@@ -15,6 +15,7 @@ names and BatchNorm statistics keep their meaning.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import sys
@@ -178,6 +179,14 @@ class RaNNCModule(nn.Module):
         values = run_chain(dep.modules, dep.stages, dep.captured.bind(self.module, leaves))
         return dep.captured.unflatten_outputs(values)
 
+    def _planning_config(self) -> Config:
+        """The configuration the first call plans with: grad_accumulation "auto" is "on" when
+        that call is made under no_sync() (an accumulation's first micro-step), else "off"."""
+        cfg = self.rannc_config
+        if cfg.grad_accumulation != "auto":
+            return cfg
+        return dataclasses.replace(cfg, grad_accumulation="off" if self._sync else "on")
+
     def compile(self, *args: Any, **kwargs: Any) -> None:
         """Not supported: rannc plans and communicates in Python around the graphs it runs; use
         `RaNNCModule(model, opt, compile=True)` to torch.compile each stage's graph."""
@@ -232,8 +241,8 @@ class RaNNCModule(nn.Module):
                 cap, atomic = capture_signature(self.module, args, kwargs, progress)
             validate.agree_on_graph(cap.graph.fingerprint(), sizes, ctx.device)
             if self._plan is None:
-                plan = deployment_plan(self.rannc_config, self.module, self.optimizer, cap, atomic,
-                                       ctx, leaves, sizes, progress)
+                plan = deployment_plan(self._planning_config(), self.module, self.optimizer, cap,
+                                       atomic, ctx, leaves, sizes, progress)
                 if ctx.rank == 0:
                     _show_plan(plan)
                 self._plan = plan

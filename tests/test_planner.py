@@ -215,6 +215,32 @@ def test_each_stage_is_budgeted_for_the_microbatches_its_position_holds(
         plan_graph(graph, atomic, cluster, cfg, batch_size=32)
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble", "gpipe"])
+def test_an_accumulation_counts_the_gradients_of_an_eager_line_twice(schedule: str) -> None:
+    """Under an accumulation (Config.grad_accumulation "on") a schedule that runs backward inside
+    forward() holds the micro-step's own gradients beside the accumulated `.grad`: each stage's
+    forecast grows by exactly its gradients' bytes. Fill-drain runs backward in backward(),
+    where activations are being freed: unchanged. "auto" plans, without a call, as "off"."""
+    model, kw = _vocab_heavy_bert()
+    model = _LossOnly(model)
+    cap = capture(model, (), kw)
+    graph, atomic = cap.graph, atomic_components(cap.graph)
+    cluster = rannc.Cluster.homogeneous(SPEC, n=2, per_node=2)
+    opts = dict(partition_num=2, microbatches=4, schedule=schedule, checkpointing="off")
+    plans = {acc: plan_graph(graph, atomic, cluster, rannc.Config(**opts, grad_accumulation=acc),
+                             batch_size=32) for acc in ("off", "on", "auto")}
+    params = dict(model.named_parameters(remove_duplicate=False))
+    eager = schedule != "gpipe"
+    for off, on, auto in zip(*(plans[a].stages for a in ("off", "on", "auto")), strict=True):
+        assert off.components == on.components == auto.components
+        held = {id(params[n]): params[n] for n in off.param_names}  # (a tied weight once)
+        grads = sum(p.numel() * p.element_size() for p in held.values())
+        assert grads > 0
+        grew = on.predicted["memory_bytes"] - off.predicted["memory_bytes"]
+        assert grew == pytest.approx(grads if eager else 0.0, rel=1e-9, abs=1.0), (off.index, grew)
+        assert auto.predicted["memory_bytes"] == off.predicted["memory_bytes"]
+
+
 def test_when_nothing_fits_in_k_blocks_the_planner_tries_finer_ones(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A stage is a run of whole blocks, so k blocks allow at most k stages and none smaller than

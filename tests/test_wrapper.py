@@ -80,6 +80,20 @@ def test_one_process_has_a_plan_too() -> None:
     assert rannc.Plan.from_dict(plan.to_dict()) == plan
 
 
+def test_the_first_call_under_no_sync_plans_for_an_accumulation() -> None:
+    """grad_accumulation "auto" plans for an accumulation when the first call (the one that
+    plans) is an accumulation's first micro-step, under no_sync(); "on" and "off" as set."""
+    m = rannc.RaNNCModule(nn.Linear(4, 4))
+    assert m._planning_config().grad_accumulation == "off"
+    with m.no_sync():
+        assert m._planning_config().grad_accumulation == "on"
+    for fixed in ("on", "off"):
+        f = rannc.RaNNCModule(nn.Linear(4, 4), grad_accumulation=fixed)
+        with f.no_sync():
+            assert f._planning_config().grad_accumulation == fixed
+        assert f._planning_config().grad_accumulation == fixed
+
+
 def test_plain_python_starts_no_process_group() -> None:
     import torch.distributed as dist
 

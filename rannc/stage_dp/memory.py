@@ -7,6 +7,9 @@ written once, and its inputs are explicit arguments (no profile or table objects
 added here reaches all of them.
 
     memory = static                       parameters, gradients, optimizer state (ZeRO-1: a share)
+                                          (the gradients twice under an accumulation on a
+                                          schedule that runs backward inside forward(): the
+                                          micro-step's own beside the accumulated `.grad`)
            + overhead                     what a rank holds beyond tensors (a CPU rank: host memory)
            + buckets                      the gradient reduction's one bucket beyond the gradients
            + in_flight * (inputs + outputs)   each microbatch alive: what it received and sends on
@@ -73,12 +76,23 @@ class MemoryModel:
     bucket_bytes: float = 0.0  # the gradient reduction's bucket (Config.bucket_mb)
     overhead: float = 0.0  # bytes each rank needs beyond its tensors (`rank_overhead`)
     selective: bool = False  # selective recomputation may be chosen (Config.selective_recompute)
+    # the loop accumulates gradients under no_sync() (Config.grad_accumulation)
+    accumulating: bool = False
+    # a second copy of the gradients: this model's schedule runs backward inside forward(), and
+    # under an accumulation that line's gradients exist beside the accumulated `.grad` until
+    # backward() scales and adds them (`rannc.pipeline.runtime`, `_run_eager`)
+    second_grads: bool = False
 
     def static(self, params: Any, grad_params: Any, ranks: Any, zero_stage: int) -> Any:
         """What one replica of a stage holds whatever the batch: `static_memory` and the
         rank's `overhead` (the gradient bucket apart: `bucket_memory`). Arrays or floats."""
         return static_memory(params, grad_params, self.opt_param_factor, ranks, zero_stage) + \
-            self.overhead
+            self.overhead + (grad_params if self.second_grads else 0.0)
+
+    def second_copy(self, eager: bool) -> bool:
+        """Whether a schedule (`eager`: it runs backward inside forward()) holds the gradients
+        twice: under an accumulation only."""
+        return eager and self.accumulating
 
     def sharing(self, stages: int, share: float | None = None) -> MemoryModel:
         """The model for one of `stages` stages that share each device (an interleaved

@@ -135,7 +135,9 @@ def place(plan: Plan, cluster: Cluster, dev: HeteroDevices, io: BlockIO, mem: Me
     from rannc.schedule.predict import predict
 
     speed, capacity = dev.speed, dev.memory
-    static = mem.static(io.params, io.grad_params, 1, 0)
+    eager = get_spec(plan.schedule).eager  # (under an accumulation: the gradients twice)
+    static = dataclasses.replace(mem, second_grads=mem.second_copy(eager)).static(
+        io.params, io.grad_params, 1, 0)
     order = dev.order() if balance else list(range(cluster.size))
     slow = min(speed)
     share = get_spec(plan.schedule).chunks  # stages sharing each device

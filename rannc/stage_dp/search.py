@@ -117,6 +117,11 @@ class Simulated:
     past_b: tuple[int, ...] = ()
 
 
+# (devices, replicas, microbatches, in flight, saved inputs, reduction overlaps backward, chunks,
+# memory share, pending W, past B, gradients held twice): what a `TableCache` table depends on
+TableKey = tuple[int, int, int, int, int, bool, int, float | None, int, int, bool]
+
+
 class TableCache:
     """Stage tables per (devices per pipeline D, copies R, microbatches m, in-flight bound,
     saved inputs, whether the schedule overlaps the gradient reduction, the stages sharing each
@@ -133,8 +138,7 @@ class TableCache:
         self.cluster, self.link_bw = cluster, link_bw
         self.width = width  # replica counts beyond it are not tabled
         self.only = only  # the replica counts tabled (None: all up to the width)
-        self.tables: dict[tuple[int, int, int, int, int, bool, int, float | None, int, int],
-                          StageTables] = {}
+        self.tables: dict[TableKey, StageTables] = {}
         self._cells: dict[tuple[object, ...], StageCost | None] = {}  # (`stage_cost`)
         # a device's stages may split its memory unevenly only where every device is alike: a
         # mixed cluster's placement (`placement.place`) gives each stage 1/chunks of a device
@@ -176,17 +180,20 @@ class TableCache:
 
     def _key(self, D: int, R: int, m: int, n_in: int, saved: int, sched: str,
              share: float | None, pending: int, past_b: int
-             ) -> tuple[int, int, int, int, int, bool, int, float | None, int, int]:
-        chunks = get_spec(sched).chunks
+             ) -> TableKey:
+        spec = get_spec(sched)
+        chunks = spec.chunks
         # (share None is 1/chunks: one key for both, so the search's tables serve the costing)
         part = None if chunks == 1 else 1.0 / chunks if share is None else share
+        # (whether the gradients are held twice: the only way eager and fill-drain tables differ,
+        # and only under an accumulation, so they share their tables otherwise)
         return (D, R, m, n_in, saved, reduction_overlaps_backward(sched), chunks, part, pending,
-                past_b)
+                past_b, self.mem.second_copy(spec.eager))
 
-    def _build(self, key: tuple[int, int, int, int, int, bool, int, float | None, int, int],
+    def _build(self, key: TableKey,
                cells: tuple[list[int], list[int]] | None = None,
                only: frozenset[int] | None = None) -> StageTables:
-        D, R, m, n_in, saved, overlap, chunks, part, pending, past_b = key
+        D, R, m, n_in, saved, overlap, chunks, part, pending, past_b, second = key
         c = self.cluster
         link = self.link_bw
         cross_node = R > 1 or D > c.per_node
@@ -194,7 +201,9 @@ class TableCache:
         width = D if self.width is None else min(D, self.width)
         if only is not None and self.only is not None:
             only = only & self.only
-        return stage_tables(self.prof, self.io, self.mem.sharing(chunks, part),
+        mem = self.mem.sharing(chunks, part)
+        mem = dataclasses.replace(mem, second_grads=True) if second else mem
+        return stage_tables(self.prof, self.io, mem,
                             batch_size=self.batch_size, devices=width, copies=R,
                             microbatches=m, link_bw=link, allreduce_bw=ar_bw,
                             inflight=n_in, saved_inputs=saved,
@@ -235,6 +244,7 @@ def memory_model(cluster: Cluster, config: Config, tasks: int) -> tuple[DeviceSp
                              zero_stage=1 if config.zero_stage == 1 else 0,
                              bucket_bytes=config.bucket_mb * MB,
                              selective=selective_allowed(config),
+                             accumulating=config.grad_accumulation == "on",
                              overhead=rank_overhead([d.name for d in cluster.devices], tasks))
 
 
