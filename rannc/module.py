@@ -105,6 +105,7 @@ class RaNNCModule(nn.Module):
         # micro-steps of an accumulation may run different graphs (dynamic padding)
         self._accumulation = Accumulation()
         self._plan: Plan | None = None
+        self._planned_accumulation = False  # the plan counts an accumulation's gradients
         self._runtimes: OrderedDict[tuple[Any, ...], PipelineRuntime] = OrderedDict()
         self._warned_recapture = False
         self._calls = 0  # forward() calls: the "step" a failure report names
@@ -241,8 +242,12 @@ class RaNNCModule(nn.Module):
                 cap, atomic = capture_signature(self.module, args, kwargs, progress)
             validate.agree_on_graph(cap.graph.fingerprint(), sizes, ctx.device)
             if self._plan is None:
-                plan = deployment_plan(self._planning_config(), self.module, self.optimizer, cap,
-                                       atomic, ctx, leaves, sizes, progress)
+                cfg = self._planning_config()
+                plan = deployment_plan(cfg, self.module, self.optimizer, cap, atomic, ctx, leaves,
+                                       sizes, progress)
+                # (a loaded plan says nothing of it: taken as not counted)
+                self._planned_accumulation = cfg.grad_accumulation == "on" \
+                    and not cfg.load_deployment
                 if ctx.rank == 0:
                     _show_plan(plan)
                 self._plan = plan
@@ -259,7 +264,8 @@ class RaNNCModule(nn.Module):
                                  wrap_stage=_compile_stage if self.rannc_config.compile else None,
                                  batchnorm=self.rannc_config.batchnorm,
                                  bucket_mb=self.rannc_config.bucket_mb,
-                                 accumulation=self._accumulation)
+                                 accumulation=self._accumulation,
+                                 planned_accumulation=self._planned_accumulation)
             rt.sync = self._sync
             if not self._runtimes:
                 _seed_at_deployment(self.rannc_config)

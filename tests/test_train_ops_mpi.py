@@ -17,6 +17,7 @@ from mpi_harness import TESTS, Case, CaseLaunches, case_launches_fixture, case_o
 
 import rannc
 from rannc.module import optimizer_state_factor
+from rannc.schedule import get_spec
 
 # (timeout: the first test of a rank count waits for its whole launch)
 pytestmark = [pytest.mark.layer("multi_rank"), pytest.mark.timeout(3600)]
@@ -63,6 +64,12 @@ def test_clip_accumulate_and_optimizers_equal_the_unwrapped_model(
         assert got == [str(r) for r in range(n)], (model, res.stdout)
     if "--schedule" in args:
         assert f"SCHEDULE {args[args.index('--schedule') + 1]}" in res.stdout, res.stdout
+    # The accumulation's second call starts an eager line with gradients held, which a plan not
+    # made under no_sync() did not count: rank 0 warns once per wrapped model (none under
+    # fill-drain, whose backward runs in backward())
+    eager = sum(get_spec(s).eager for s in re.findall(r"SCHEDULE (\S+)", res.stdout))
+    warned = (res.stdout + res.stderr).count("forward() started while .grad held gradients")
+    assert warned == eager, (warned, eager, res.stderr[-3000:])
 
 
 @pytest.mark.cases(_case("buckets", 4, ["--model", "bert", "--microbatches", "2", "--batch", "8",

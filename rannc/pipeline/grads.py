@@ -90,6 +90,9 @@ class Accumulation:
     # every replica computed rows in every call since the last synchronised backward: every
     # rank got a gradient for the same parameters (`GradReducer.finish`'s `same_got`)
     same_got: bool = True
+    # rank 0 warned that an eager line started with gradients the plan did not count beside
+    # its own (`rannc.pipeline.runtime`): once per wrapped model
+    warned_twice: bool = False
 
     def mark(self, n: str, grad: torch.Tensor) -> None:
         self.marks[n] = (weakref.ref(grad), grad._version)

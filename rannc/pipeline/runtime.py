@@ -54,7 +54,7 @@ import logging
 import math
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -110,7 +110,8 @@ class PipelineRuntime:
                  trace: bool = False,
                  wrap_stage: Callable[[fx.GraphModule], Any] | None = None,
                  batchnorm: str = "local", bucket_mb: float = 25.0,
-                 accumulation: Accumulation | None = None) -> None:
+                 accumulation: Accumulation | None = None,
+                 planned_accumulation: bool = False) -> None:
         self.model, self.cap, self.plan = model, captured, plan
         self.rank, self.world_size, self.device = rank, world_size, device
         self.graph = captured.graph
@@ -182,6 +183,8 @@ class PipelineRuntime:
                         "the loss as sum / %s inside the model for the exact global value",
                         COUNT_KWARG, COUNT_KWARG)
         self._late_logged = False
+        # the plan counted an eager line's gradients beside `.grad` (Config.grad_accumulation)
+        self.planned_accumulation = planned_accumulation
         # a stand-in parameter in the optimizer of a rank that holds none (see _stand_in)
         self.placeholder: nn.Parameter | None = None
         # (digest, every rank's local batch size) of the last call: the guess for the next one.
@@ -459,6 +462,8 @@ class PipelineRuntime:
         scaled), and only when the next backward is synchronised too (`backward` checks)."""
         call.reducing = self.sync and self.acc.last_sync and bool(self.grads.shared)
         before = {n: p.grad for n, p in self.held.items()}
+        if not self.planned_accumulation and not self.acc.warned_twice and self.rank == 0:
+            self.acc.warned_twice = _warn_grads_twice(self.spec.name, before.values())
         if call.reducing:
             self.grads.begin()  # (sets .grad aside as below, and remembers it)
         for p in self.held.values():
@@ -806,6 +811,24 @@ class PipelineRuntime:
         finally:
             self.sync = prev
 
+
+
+def _warn_grads_twice(schedule: str, grads: Iterable[torch.Tensor | None]) -> bool:
+    """Warn (and return True) where an eager line starts while `.grad` holds gradients, which a
+    plan not made for an accumulation did not count beside the line's own (an accumulation it
+    was not planned for, or a loop zeroing gradients in place). Once per wrapped model, on
+    rank 0 (`Accumulation.warned_twice`)."""
+    held = sum(g.numel() * g.element_size() for g in grads if g is not None)
+    if not held:
+        return False
+    log.warning(
+        "rannc: forward() started while .grad held gradients (%.1f MiB on rank 0): under "
+        "schedule %r backward runs inside forward() and its gradients wait beside them until "
+        "backward(), a second copy of each stage's gradients that this plan's memory forecast "
+        "does not count. For a gradient accumulation, make the first call under no_sync() or "
+        "pass grad_accumulation='on' so the plan counts it; otherwise zero_grad() with "
+        "set_to_none=True (the default) frees them", held / 2**20, schedule)
+    return True
 
 
 class PipelineFunction(torch.autograd.Function):
