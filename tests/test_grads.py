@@ -86,10 +86,14 @@ def test_gradients_add_to_what_grad_held_and_no_sync_keeps_local_sums(group: obj
         torch.testing.assert_close(p.grad, q.grad, msg=n)
 
 
-def test_an_accumulation_adds_up_in_one_gradient_tensor_per_parameter(group: object) -> None:
+@pytest.mark.parametrize("in_place", [False, True])
+def test_an_accumulation_adds_up_in_one_gradient_tensor_per_parameter(group: object,
+                                                                      in_place: bool) -> None:
     """no_sync() backwards and the synchronised one after them add up in the `.grad` the first
     one made, in place (as autograd accumulates under DDP), so a rank holds one gradient per
-    parameter between the calls, not the local sums a second time; same values bit for bit."""
+    parameter between the calls, not the local sums a second time; same values bit for bit.
+    `in_place` (fill-drain's backward, run for its real loss gradient): autograd adds into that
+    `.grad` during the backward itself, which holds no second copy alongside either."""
     model = _mlp(depth=3)
     ref = copy.deepcopy(model)
     xs = [torch.randn(3, 16) for _ in range(4)]
@@ -99,10 +103,12 @@ def test_an_accumulation_adds_up_in_one_gradient_tensor_per_parameter(group: obj
     first: dict[str, torch.Tensor] = {}
     for i, x in enumerate(xs):
         sync = i == len(xs) - 1
-        red.begin()
+        red.begin(in_place=in_place)
         if sync:  # (as the runtime: buckets start during a synchronised backward only)
             red.arm()
         model(x).sum().backward()
+        if i > 0:  # during the backward: the pending sum itself, or a new tensor beside it
+            assert all((p.grad is first[n]) == in_place for n, p in model.named_parameters()), i
         red.finish(sync=sync)
         for n, p in model.named_parameters():
             assert p.grad is first.setdefault(n, p.grad), (i, n)

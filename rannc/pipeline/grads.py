@@ -130,6 +130,9 @@ class _State:
     ready: set[str] = field(default_factory=set)
     unready: dict[int, int] = field(default_factory=dict)  # id(bucket) -> names not ready yet
     counts: dict[int, int] = field(default_factory=dict)  # id(param) -> accumulations seen
+    # names whose `.grad` is the pending no_sync() sum, left in place for autograd to add this
+    # backward's gradients into (`begin(in_place=True)`)
+    inplace: set[str] = field(default_factory=set)
     # a factor this rank's gradients of this backward still need before they are summed
     # (None, or a function returning it or None: `begin`)
     factor: Callable[[], torch.Tensor | None] | None = None
@@ -203,12 +206,16 @@ class GradReducer:
         return self.accumulation.pending
 
     # -- one backward --------------------------------------------------------------------------
-    def begin(self, factor: Callable[[], torch.Tensor | None] | None = None) -> None:
+    def begin(self, factor: Callable[[], torch.Tensor | None] | None = None,
+              in_place: bool = False) -> None:
         """Before this rank's part of a backward: set `.grad` aside (the backward's own
         gradients accumulate from None; `finish` adds the old ones back). `factor`: a function
         giving what this rank's gradients of this backward are still to be multiplied by
         before they join the sum (or None), asked when the first of them becomes final (a
-        backward run from a loss gradient the ranks had not agreed on yet)."""
+        backward run from a loss gradient the ranks had not agreed on yet). `in_place`: the
+        backward runs here, for its real loss gradient (fill-drain's): a `.grad` that is the
+        pending no_sync() sum stays, and autograd adds into it, as under DDP, instead of a
+        second copy of the gradients alongside while the backward runs."""
         self._drop_hooks()
         self._buffered = None  # (a backward that raised may have left one)
         for grp in self.groups:
@@ -219,9 +226,13 @@ class GradReducer:
                 b.buf = b.work = None
         self.extra_bytes = 0
         self.accumulation.reconcile(self.held)
-        self._state = _State({n: p.grad for n, p in self.held.items()}, factor=factor)
-        for p in self.held.values():
-            p.grad = None
+        st = self._state = _State({n: p.grad for n, p in self.held.items()}, factor=factor)
+        for n, p in self.held.items():
+            if in_place and factor is None and p.grad is not None \
+                    and self.pending.get(n) is p.grad:
+                st.inplace.add(n)
+            else:
+                p.grad = None
 
     def arm(self) -> None:
         """The last microbatch's backward on this stage starts: from here a gradient that has
@@ -384,6 +395,9 @@ class GradReducer:
         """no_sync(): this backward's local gradients join the pending local sums (reduced
         together by the next synchronised backward) and show in `.grad`."""
         for n, p in self.held.items():
+            if n in st.inplace and p.grad is not None:  # (the pending sum, added to in place)
+                self.accumulation.mark(n, p.grad)
+                continue
             if p.grad is None and n not in self.pending:
                 p.grad = st.before[n]
                 continue
@@ -420,6 +434,10 @@ class GradReducer:
         if g is not None or pend is not None:
             st.got.add(n)
         prev = st.before[n]
+        if n in st.inplace:  # `.grad` is the pending sum, this backward's gradients added in
+            st.base[n] = None
+            st.new[n] = g
+            return
         if pend is not None and pend is prev:
             # `.grad` is the pending sum itself (`_keep_pending`): it is what gets summed over
             # the holders, and nothing of it is added back afterwards

@@ -575,8 +575,11 @@ class PipelineRuntime:
             return self._finish_eager(call, grad_of, posted)
         seed = self._speculative_seed(call, grad_of)
         agreed = posted.resolve() if seed is None else None
-        # (from a speculative seed, each gradient is corrected on this rank as it becomes final)
-        self.grads.begin(None if seed is None else _Correction(posted, self._loss, seed))
+        # (from a speculative seed, each gradient is corrected on this rank as it becomes final;
+        # else fill-drain's backward, run here for the real loss gradient, adds into a pending
+        # no_sync() sum in place)
+        self.grads.begin(None if seed is None else _Correction(posted, self._loss, seed),
+                         in_place=call.mode == "split")
         if call.mode == "split":
             rest = self.line[len(self._forward_line):]
             # the last microbatch's backward (its W where split off) makes gradients final:
