@@ -234,8 +234,7 @@ def worker(a: argparse.Namespace) -> None:
         (loss / 2 if a.loop == "accumulate" else loss).backward()
         opt.step()
         # "hold": the gradients stay allocated (zeroed in place) and the outputs live through
-        # backward and the step, as in Hugging Face's no_trainer examples: what the forecast
-        # reserves for, so the two loops bracket what users run
+        # backward and the step, as in Hugging Face's no_trainer examples
         opt.zero_grad(set_to_none=a.loop != "hold")
         out_ = None
         if last:

@@ -266,9 +266,8 @@ def _plan_graph(graph: TaskGraph, atomic: AtomicPartition, cluster: Cluster, con
                                    steps=lambda s: progress.iterate("stage DP search", s))
         stats.candidates += len(found)
         # (mixed devices: all state; under an accumulation the gradients twice, whichever of the
-        # schedules a mixed plan takes: `MemoryModel.second_copy`)
-        static = dataclasses.replace(mem, second_grads=mem.accumulating).static(
-            io.params, io.grad_params, 1, 0)
+        # schedules a mixed plan takes, as an eager one would hold them)
+        static = mem.scheduled(eager=True).static(io.params, io.grad_params, 1, 0)
         if not found:
             # The search plans every stage within the smallest device's memory; on a mixed
             # cluster the mixed-cluster DP may still fit, with each stage on its own devices.

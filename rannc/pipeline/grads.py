@@ -130,9 +130,6 @@ class _State:
     ready: set[str] = field(default_factory=set)
     unready: dict[int, int] = field(default_factory=dict)  # id(bucket) -> names not ready yet
     counts: dict[int, int] = field(default_factory=dict)  # id(param) -> accumulations seen
-    # names whose `.grad` is the pending no_sync() sum, left in place for autograd to add this
-    # backward's gradients into (`begin(in_place=True)`)
-    inplace: set[str] = field(default_factory=set)
     # a factor this rank's gradients of this backward still need before they are summed
     # (None, or a function returning it or None: `begin`)
     factor: Callable[[], torch.Tensor | None] | None = None
@@ -226,12 +223,13 @@ class GradReducer:
                 b.buf = b.work = None
         self.extra_bytes = 0
         self.accumulation.reconcile(self.held)
-        st = self._state = _State({n: p.grad for n, p in self.held.items()}, factor=factor)
+        self._state = _State({n: p.grad for n, p in self.held.items()}, factor=factor)
         for n, p in self.held.items():
-            if in_place and factor is None and p.grad is not None \
-                    and self.pending.get(n) is p.grad:
-                st.inplace.add(n)
-            else:
+            # (a `.grad` left in place is still the pending sum at `finish`: the gradients
+            # autograd added into it are the tensor itself, which `_keep_pending` and
+            # `_prepare` tell by identity)
+            if not (in_place and factor is None and p.grad is not None
+                    and self.pending.get(n) is p.grad):
                 p.grad = None
 
     def arm(self) -> None:
@@ -395,9 +393,6 @@ class GradReducer:
         """no_sync(): this backward's local gradients join the pending local sums (reduced
         together by the next synchronised backward) and show in `.grad`."""
         for n, p in self.held.items():
-            if n in st.inplace and p.grad is not None:  # (the pending sum, added to in place)
-                self.accumulation.mark(n, p.grad)
-                continue
             if p.grad is None and n not in self.pending:
                 p.grad = st.before[n]
                 continue
@@ -407,8 +402,9 @@ class GradReducer:
             if pend is not None and pend is prev:
                 # `.grad` is the pending sum itself, as the last no_sync() backward left it
                 # (`reconcile`): one tensor keeps adding up, as autograd's own accumulation,
-                # instead of a second copy of the stage's gradients beside `.grad`
-                p.grad = prev.add_(new)
+                # instead of a second copy of the stage's gradients beside `.grad` (where it
+                # was left in place, `begin(in_place=True)`, autograd has added into it)
+                p.grad = prev if new is prev else prev.add_(new)
             else:
                 self.pending[n] = new if pend is None else pend + new
                 p.grad = new if prev is None else prev + new
@@ -434,15 +430,12 @@ class GradReducer:
         if g is not None or pend is not None:
             st.got.add(n)
         prev = st.before[n]
-        if n in st.inplace:  # `.grad` is the pending sum, this backward's gradients added in
-            st.base[n] = None
-            st.new[n] = g
-            return
         if pend is not None and pend is prev:
             # `.grad` is the pending sum itself (`_keep_pending`): it is what gets summed over
-            # the holders, and nothing of it is added back afterwards
+            # the holders, and nothing of it is added back afterwards (left in place,
+            # `begin(in_place=True)`, it already holds this backward's gradients: g is it)
             st.base[n] = None
-            st.new[n] = pend if g is None else pend.add_(g)
+            st.new[n] = pend if g is None or g is pend else pend.add_(g)
             return
         st.base[n] = prev if pend is None or prev is None else prev - pend
         st.new[n] = pend if g is None else g if pend is None else g + pend

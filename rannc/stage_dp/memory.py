@@ -94,6 +94,11 @@ class MemoryModel:
         twice: under an accumulation only."""
         return eager and self.accumulating
 
+    def scheduled(self, eager: bool) -> MemoryModel:
+        """The model for a schedule that runs backward inside forward() (`eager`) or not."""
+        second = self.second_copy(eager)
+        return self if second == self.second_grads else dataclasses.replace(self, second_grads=second)
+
     def sharing(self, stages: int, share: float | None = None) -> MemoryModel:
         """The model for one of `stages` stages that share each device (an interleaved
         schedule's chunks, `ScheduleSpec.chunks`): each planned within `share` of the limit

@@ -135,9 +135,8 @@ def place(plan: Plan, cluster: Cluster, dev: HeteroDevices, io: BlockIO, mem: Me
     from rannc.schedule.predict import predict
 
     speed, capacity = dev.speed, dev.memory
-    eager = get_spec(plan.schedule).eager  # (under an accumulation: the gradients twice)
-    static = dataclasses.replace(mem, second_grads=mem.second_copy(eager)).static(
-        io.params, io.grad_params, 1, 0)
+    # (under an accumulation an eager schedule holds the gradients twice)
+    static = mem.scheduled(get_spec(plan.schedule).eager).static(io.params, io.grad_params, 1, 0)
     order = dev.order() if balance else list(range(cluster.size))
     slow = min(speed)
     share = get_spec(plan.schedule).chunks  # stages sharing each device

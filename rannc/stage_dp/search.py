@@ -201,9 +201,8 @@ class TableCache:
         width = D if self.width is None else min(D, self.width)
         if only is not None and self.only is not None:
             only = only & self.only
-        mem = self.mem.sharing(chunks, part)
-        mem = dataclasses.replace(mem, second_grads=True) if second else mem
-        return stage_tables(self.prof, self.io, mem,
+        # (`second` holds only where the schedule is eager: `second_copy`)
+        return stage_tables(self.prof, self.io, self.mem.sharing(chunks, part).scheduled(second),
                             batch_size=self.batch_size, devices=width, copies=R,
                             microbatches=m, link_bw=link, allreduce_bw=ar_bw,
                             inflight=n_in, saved_inputs=saved,
