@@ -16,7 +16,7 @@ from torch import nn
 
 import rannc
 from rannc.errors import ConfigError
-from rannc.pipeline.grads import GradReducer, not_finite
+from rannc.pipeline.grads import GradReducer, LossSeed, not_finite
 
 pytestmark = pytest.mark.layer("single_process")
 
@@ -284,6 +284,65 @@ def test_pure_data_parallelism_with_rows_on_every_replica_meets_no_more_after_th
         assert model[0].weight.grad is not None and model[1].weight.grad is None
         # one bucket (the four parameters' 40 numbers), then the flags: [overflow, 4 names]
         assert calls == ([40, 5] if flags else [40]), (everywhere, same_got, calls)
+
+
+@pytest.mark.parametrize(("own", "used", "sums"), [(2.0, 2.0, 1), (0.0, 1.0, 2), (0.1, 0.1, 1)])
+def test_a_loss_gradient_travels_in_the_one_bucket_and_a_differing_one_sums_again(
+        group: object, monkeypatch: pytest.MonkeyPatch, own: float, used: float, sums: int) -> None:
+    """One bucket over every rank carries the backward's loss gradient after the gradients
+    (`LossSeed`): the ranks meet once. Where the ranks' loss gradients differ from the one the
+    backward ran from (here: this rank passed 0 and ran from 1), the gradients are scaled by
+    mean / used and the bucket is summed again; otherwise they are the plain backward's, exactly."""
+    calls: list[int] = []
+    real = dist.all_reduce
+
+    def counted(t: torch.Tensor, *args: object, **kwargs: object) -> object:
+        calls.append(t.numel())
+        return real(t, *args, **kwargs)
+
+    monkeypatch.setattr(dist, "all_reduce", counted)
+    model = _mlp(depth=3)
+    ref = copy.deepcopy(model)
+    x = torch.randn(4, 16)
+    (ref(x).square().sum() * own).backward()
+    held = dict(model.named_parameters())
+    red = GradReducer(held, [((0,), list(held), group)], {n: i for i, n in enumerate(held)},
+                      1 << 20, {id(p): 1 for p in held.values()}, everywhere=True)
+    assert red.carries_seed
+    red.begin(seed=LossSeed(torch.tensor(own, dtype=torch.float64),
+                            torch.tensor(used, dtype=torch.float64)))
+    red.arm()
+    (model(x).square().sum() * used).backward()
+    red.finish(sync=True, same_got=True)
+    total = sum(p.numel() for p in model.parameters())
+    assert calls == [total + 8] + [total] * (sums - 1)  # (8 slots: the one rank's seed)
+    for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=n)
+
+
+@pytest.mark.layer("pure")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_loss_gradients_read_back_exactly_from_a_summed_bucket_of_any_dtype(dtype: torch.dtype) -> None:
+    """Each rank's float64 loss gradient in its own 8 slots of the bucket's dtype, zeros in
+    the others': the sum over the ranks gives every rank's value back bit for bit, and the factor
+    is None exactly when every rank passed the value the backward ran from."""
+    def summed(seeds: list[float]) -> torch.Tensor:
+        tails = []
+        for i, s in enumerate(seeds):
+            t = torch.zeros(8 * len(seeds), dtype=dtype)
+            t[8 * i:8 * i + 8] = LossSeed(torch.tensor(s, dtype=torch.float64), torch.ones(())).slots(dtype)
+            tails.append(t)
+        return torch.stack(tails).sum(0).to(dtype)
+
+    odd = [1 / 3, -2.5e-20, 65536.0]
+    one = LossSeed(torch.tensor(1 / 3, dtype=torch.float64), torch.tensor(1 / 3, dtype=torch.float64))
+    assert one.factor(summed([1 / 3] * 3)) is None
+    f = one.factor(summed(odd))
+    assert f is not None and float(f) == (sum(torch.tensor(odd, dtype=torch.float64)) / 3 / (1 / 3)).item()
+    assert summed(odd).round().to(torch.uint8).view(torch.float64).tolist() == odd
+    zero = LossSeed(torch.zeros((), dtype=torch.float64), torch.ones((), dtype=torch.float64))
+    z = zero.factor(summed([0.0, 0.0]))
+    assert z is not None and float(z) == 0.0  # every rank passed 0: the gradients are zero
 
 
 @pytest.mark.layer("pure")

@@ -21,6 +21,10 @@ process group start strictly in their order on every rank, so the collectives ma
 order the gradients become final in. A hook never waits: a rank waiting there for a peer that
 waits for this rank's next send would deadlock; it only starts buckets whose turn it is.
 
+A loss gradient the ranks have not agreed on yet may travel in the gradients' own all-reduce
+(`LossSeed`, `carries_seed`): one bucket over every rank, so the ranks meet once a backward, as
+under DDP, instead of also agreeing on the loss gradient in a collective of its own.
+
 Semantics are the runtime's (DDP's): gradients are summed over the holders (the 1/W is in the
 loss gradient), `no_sync()` keeps local sums in `Accumulation.pending` until the next
 synchronised backward (one record per wrapped model and rank, shared by the reducers of all its
@@ -119,6 +123,39 @@ class Accumulation:
                 self.mark(n, g)
 
 
+# A float64 loss gradient travels in a bucket as its 8 bytes, one per element: the integers 0
+# to 255 are exact in every floating-point dtype a gradient has (bfloat16's 8 significant bits
+# included), and a sum of one of them with zeros is exact too.
+_SEED_SLOTS = 8
+
+
+@dataclass
+class LossSeed:
+    """The loss gradient of a backward that started before the ranks agreed on it, carried in
+    its gradients' one bucket (`GradReducer.carries_seed`): `own` is what this rank
+    back-propagates, `used` what its backward ran from (`own`, or 1 where `own` is 0 or not
+    finite). When the bucket is summed every rank reads every rank's `own`, all alike. Where
+    they differ (rare: every rank usually passes the same value), the gradients needed the
+    ranks' mean: each rank scales its own by mean / used (still intact in `.grad`'s tensors:
+    the sums are in the kept buffer until copied back) and the bucket is summed again: the
+    gradients scaled as `begin`'s `factor` scales them before the sum, one collective later."""
+
+    own: torch.Tensor  # float64, 0-dim
+    used: torch.Tensor  # float64, 0-dim
+
+    def slots(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.own.reshape(1).to(torch.float64).view(torch.uint8).to(dtype)
+
+    def factor(self, tail: torch.Tensor) -> torch.Tensor | None:
+        """From the summed slots of every rank (`tail`): what this rank's gradients still
+        need before they are summed, or None."""
+        every = tail.round().to(torch.uint8).view(torch.float64)
+        if bool((every == every[0]).all()) and bool(every[0] == self.used):
+            return None
+        mean = every.sum() / every.numel()
+        return None if bool(mean == self.used) else mean / self.used
+
+
 @dataclass
 class _State:
     """One synchronised backward's bookkeeping."""
@@ -133,6 +170,8 @@ class _State:
     # a factor this rank's gradients of this backward still need before they are summed
     # (None, or a function returning it or None: `begin`)
     factor: Callable[[], torch.Tensor | None] | None = None
+    # the loss gradient the bucket carries, until it is read (`LossSeed`)
+    seed: LossSeed | None = None
 
 
 class GradReducer:
@@ -174,6 +213,8 @@ class GradReducer:
         self._hooks: list[Any] = []
         self._buffered: _Bucket | None = None  # the one bucket whose buffer is in use
         self._spares: dict[torch.dtype, torch.Tensor] = {}  # the buffer, per dtype (`_buffer`)
+        # (the slots of every rank's loss gradient after the bucket, where it can carry them)
+        self._tail = _SEED_SLOTS * len(self.groups[0].ranks) if self.carries_seed else 0
         self.extra_bytes = 0  # bytes the reduction holds beyond the gradients, now
         self.peak_extra_bytes = 0  # the most it held, since construction
 
@@ -198,13 +239,22 @@ class GradReducer:
         return _Bucket(names, sum(self.held[n].numel() for n in names), self.held[names[0]].dtype)
 
     @property
+    def carries_seed(self) -> bool:
+        """Whether a backward's loss gradient can travel in its gradients' all-reduce
+        (`LossSeed`): one bucket, over every rank (each holds every parameter), summed in the
+        kept buffer, so this rank's gradients stay intact until the ranks' loss gradients are
+        read. (The same on every rank: the plan's.)"""
+        return (self.everywhere and len(self.groups) == 1 and len(self.groups[0].buckets) == 1
+                and not self.groups[0].buckets[0].in_place)
+
+    @property
     def pending(self) -> dict[str, torch.Tensor]:
         """no_sync(): this rank's local sums awaiting a reduce (shared: `Accumulation`)."""
         return self.accumulation.pending
 
     # -- one backward --------------------------------------------------------------------------
     def begin(self, factor: Callable[[], torch.Tensor | None] | None = None,
-              in_place: bool = False) -> None:
+              in_place: bool = False, seed: LossSeed | None = None) -> None:
         """Before this rank's part of a backward: set `.grad` aside (the backward's own
         gradients accumulate from None; `finish` adds the old ones back). `factor`: a function
         giving what this rank's gradients of this backward are still to be multiplied by
@@ -212,7 +262,10 @@ class GradReducer:
         backward run from a loss gradient the ranks had not agreed on yet). `in_place`: the
         backward runs here, for its real loss gradient (fill-drain's): a `.grad` that is the
         pending no_sync() sum stays, and autograd adds into it, as under DDP, instead of a
-        second copy of the gradients alongside while the backward runs."""
+        second copy of the gradients alongside while the backward runs. `seed`: the loss
+        gradient this backward ran from, not agreed on yet, carried in the bucket (only where
+        `carries_seed`, synchronised, nothing pending: the caller decides alike on every rank)."""
+        assert seed is None or (factor is None and self.carries_seed and not self.pending)
         self._drop_hooks()
         self._buffered = None  # (a backward that raised may have left one)
         for grp in self.groups:
@@ -223,7 +276,7 @@ class GradReducer:
                 b.buf = b.work = None
         self.extra_bytes = 0
         self.accumulation.reconcile(self.held)
-        self._state = _State({n: p.grad for n, p in self.held.items()}, factor=factor)
+        self._state = _State({n: p.grad for n, p in self.held.items()}, factor=factor, seed=seed)
         for n, p in self.held.items():
             # (a `.grad` left in place is still the pending sum at `finish`: the gradients
             # autograd added into it are the tensor itself, which `_keep_pending` and
@@ -321,6 +374,7 @@ class GradReducer:
                 self._mark_overflow(extra)
             return
         if not sync:
+            assert st.seed is None
             if st.factor is not None:
                 assert scale is None
                 scale = st.factor
@@ -471,7 +525,21 @@ class GradReducer:
             b.work = dist.all_reduce(t, group=group, async_op=True)
             return
         buf, views = self._buffer(b)
+        self._fill(b, views, st)
+        if st.seed is not None:  # this rank's loss gradient in its slots, zeros in the others'
+            buf = self._spares[b.dtype][:b.numel + self._tail]
+            tail = buf[b.numel:]
+            tail.zero_()
+            at = _SEED_SLOTS * self._slot
+            tail[at:at + _SEED_SLOTS] = st.seed.slots(b.dtype)
         self._account(buf.numel() * buf.element_size())
+        b.buf = buf
+        b.work = dist.all_reduce(buf, group=group, async_op=True)
+        self._buffered = b
+
+    @staticmethod
+    def _fill(b: _Bucket, views: Sequence[torch.Tensor], st: _State) -> None:
+        """Copy bucket b's gradients into its pieces of the buffer (zeros for those with none)."""
         # one foreach copy per bucket: a copy per parameter cost a Python call and a dispatch
         # each (0.5 ms a step for a ResNet's 62 gradients on the CPU ranks here)
         dst, src, zeros = [], [], []
@@ -486,9 +554,11 @@ class GradReducer:
             torch._foreach_copy_(dst, src)
         if zeros:
             torch._foreach_zero_(zeros)
-        b.buf = buf
-        b.work = dist.all_reduce(buf, group=group, async_op=True)
-        self._buffered = b
+
+    @property
+    def _slot(self) -> int:
+        """This rank's place among the loss gradients' slots (`carries_seed`: one group)."""
+        return self.groups[0].ranks.index(dist.get_rank())
 
     def _buffer(self, b: _Bucket) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Bucket b's flat buffer, and its piece for each of b's parameters (shaped like it): a
@@ -498,8 +568,8 @@ class GradReducer:
         of the speed of copies into warm ones. The pieces are made once per bucket."""
         spare = self._spares.get(b.dtype)
         if spare is None:
-            size = max(x.numel for grp in self.groups for x in grp.buckets
-                       if x.dtype == b.dtype and not x.in_place)
+            size = self._tail + max(x.numel for grp in self.groups for x in grp.buckets
+                                    if x.dtype == b.dtype and not x.in_place)
             spare = self._spares[b.dtype] = torch.empty(
                 size, dtype=b.dtype, device=self.held[b.names[0]].device)
         buf = spare[:b.numel]
@@ -523,6 +593,8 @@ class GradReducer:
                 self._account(-t.numel() * t.element_size())  # becomes .grad only if got
             return
         assert b.buf is not None and b.views is not None
+        if st.seed is not None:
+            self._settle_seed(b, st)
         dst, src = [], []
         for n, piece in zip(b.names, b.views, strict=True):
             t = st.new[n]
@@ -537,6 +609,23 @@ class GradReducer:
         b.buf = None
         if self._buffered is b:
             self._buffered = None
+
+    def _settle_seed(self, b: _Bucket, st: _State) -> None:
+        """The bucket that carried the ranks' loss gradients is summed: where they differ, scale
+        this rank's gradients by what they needed and sum again (every rank reads the same
+        slots, so all do it or none)."""
+        assert st.seed is not None and b.buf is not None and b.views is not None
+        f = st.seed.factor(b.buf[b.numel:])
+        st.seed = None
+        if f is None:
+            return
+        for n in b.names:
+            t = st.new[n]
+            if t is not None:
+                t.mul_(f.to(t.dtype))
+        self._fill(b, b.views, st)
+        with health.phase("gradient all-reduce"):
+            dist.all_reduce(b.buf[:b.numel], group=self.groups[0].group)
 
     def _account(self, nbytes: int) -> None:
         self.extra_bytes += nbytes
@@ -573,4 +662,4 @@ def not_finite(grads: Sequence[torch.Tensor]) -> bool:
     return bool(found) and bool(torch.cat(found).any())
 
 
-__all__ = ["GradReducer", "ParamGroup", "not_finite"]
+__all__ = ["GradReducer", "LossSeed", "ParamGroup", "not_finite"]

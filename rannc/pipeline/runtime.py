@@ -73,7 +73,7 @@ from rannc.graph.model_state import model_state
 from rannc.graph.task_graph import ValueKind
 from rannc.pipeline import batchnorm as bnorm
 from rannc.pipeline.executor import Call, Executor
-from rannc.pipeline.grads import Accumulation, GradReducer, ParamGroup, not_finite
+from rannc.pipeline.grads import Accumulation, GradReducer, LossSeed, ParamGroup, not_finite
 from rannc.pipeline.routes import Routes
 from rannc.pipeline.rows import RowLayout
 from rannc.pipeline.stage import Part, Stage, build_parts
@@ -208,6 +208,7 @@ class PipelineRuntime:
                            and kinds <= {ValueKind.BUFFER, ValueKind.ACTIVATION})
         self.guessed_calls = 0  # calls run on a guessed layout (their agreement not waited for)
         self.rerun_calls = 0  # of those, run again because a batch size changed
+        self.carried_seeds = 0  # backwards whose loss gradient travelled in the gradients' bucket
         self.iteration_s = 0.0  # the last iteration's seconds from forward() to the gradients
 
     @property
@@ -570,16 +571,19 @@ class PipelineRuntime:
                 f"{self.spec.name!r} the gradients' all-reduce starts inside forward(), so "
                 "no_sync() must hold the forward call too (as DistributedDataParallel.no_sync "
                 "requires): with model.no_sync(): loss = model(...); loss.backward()")
-        posted = self._post_loss_gradients(call, grad_of)
         if call.reducing:  # its buckets are in flight: the agreement is waited for after them
-            return self._finish_eager(call, grad_of, posted)
+            return self._finish_eager(call, grad_of, self._post_loss_gradients(call, grad_of))
         seed = self._speculative_seed(call, grad_of)
-        agreed = posted.resolve() if seed is None else None
-        # (from a speculative seed, each gradient is corrected on this rank as it becomes final;
-        # else fill-drain's backward, run here for the real loss gradient, adds into a pending
-        # no_sync() sum in place)
-        self.grads.begin(None if seed is None else _Correction(posted, self._loss, seed),
-                         in_place=call.mode == "split")
+        carried = self._carried_seed(seed, grad_of)
+        posted = None if carried is not None else self._post_loss_gradients(call, grad_of)
+        self.carried_seeds += carried is not None
+        agreed = posted.resolve() if seed is None and posted is not None else None
+        # (from a speculative seed, each gradient is corrected on this rank as it becomes final,
+        # or once the bucket carrying the ranks' seeds is summed; else fill-drain's backward,
+        # run here for the real loss gradient, adds into a pending no_sync() sum in place)
+        self.grads.begin(None if seed is None or posted is None
+                         else _Correction(posted, self._loss, seed),
+                         in_place=call.mode == "split", seed=carried)
         if call.mode == "split":
             rest = self.line[len(self._forward_line):]
             # the last microbatch's backward (its W where split off) makes gradients final:
@@ -631,6 +635,18 @@ class PipelineRuntime:
             return torch.ones((), dtype=torch.float64)
         g = g.detach().to(torch.float64).reshape(())
         return g if bool(torch.isfinite(g)) and bool(g != 0) else torch.ones((), dtype=torch.float64)
+
+    def _carried_seed(self, seed: torch.Tensor | None,
+                      grad_of: dict[str, torch.Tensor | None]) -> LossSeed | None:
+        """A speculative seed whose agreement can travel in the gradients' own all-reduce
+        (`LossSeed`; `GradReducer.carries_seed`: one bucket, every rank holding every
+        parameter) instead of an all-reduce of its own: then the ranks meet once a
+        synchronised backward, as under DDP. Not under no_sync() (no bucket is summed) nor
+        right after it (the pending sums are in `.grad`'s tensors). The same choice on every
+        rank: the plan's, the graph's and the sync state's."""
+        if seed is None or not self.sync or not self.acc.last_sync or not self.grads.carries_seed:
+            return None
+        return LossSeed(_grad_or_zero(grad_of.get(self._loss)), seed)
 
     @functools.cached_property
     def _loss_outputs(self) -> tuple[list[str], list[str]]:

@@ -28,6 +28,7 @@ import case_batch  # noqa: E402
 
 import rannc  # noqa: E402
 from rannc import dist as rdist  # noqa: E402
+from rannc.schedule.spec import FILL_DRAIN  # noqa: E402
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -162,6 +163,12 @@ def check_loss_grad(a: argparse.Namespace, rank: int, world: int) -> None:
         close(loss, ref(x, y), f"rank {rank} call {step} loss")
         if sync:
             grads_close_then_step(wrapped, ref, (opt_w, opt_r), f"rank {rank} call {step}")
+    # One stage under fill-drain: the loss gradients travel in the gradients' one bucket in the
+    # synchronised calls that follow a synchronised one (calls 0, different, and 1, the same),
+    # in an all-reduce of their own under no_sync() and right after it.
+    carried = sum(rt.carried_seeds for rt in wrapped._runtimes.values())
+    one = len(wrapped.plan.stages) == 1 and wrapped.plan.schedule == FILL_DRAIN
+    assert carried == (2 if one else 0), (carried, wrapped.plan.schedule)
     print(f"PASS loss_grad rank {rank} stages {len(wrapped.plan.stages)} "
           f"schedule {wrapped.plan.schedule}", flush=True)
 
