@@ -226,12 +226,15 @@ class RaNNCModule(nn.Module):
         key = (layout.signature, self.training, autocast_state())
         # Before anything a rank might do alone: every rank raises at `resolve`, or none does.
         # A call like the last one runs on its row layout before the ranks agree (see
-        # PipelineRuntime.forward); any other waits for the agreement here.
+        # PipelineRuntime.forward); any other waits for the agreement here. (Where the runtime
+        # carries the call's scalar sums in it, a guessed call posts it once they are known.)
         agreement = validate.post_call(args, kwargs, leaves, layout, ctx,
                                        validate.call_mode(self.training, key[2])
-                                       + _grad_inputs_text(args, kwargs))
+                                       + _grad_inputs_text(args, kwargs), start=False)
         rt = self._runtimes.get(key)
         guess = rt.guess_sizes(agreement) if rt is not None else None
+        if guess is None or rt is None or not rt.carries_scalars:
+            agreement.start()
         sizes = guess if guess is not None else agreement.resolve()
         if rt is not None:
             self._runtimes.move_to_end(key)

@@ -13,7 +13,10 @@ covers, like the input devices, then give the same verdict everywhere by constru
 The all-gather need not be waited for at once: `post_call` starts it, and a rank that guesses
 the row layout from its last call computes until the first transfer to or from another rank,
 which waits for it (`PipelineRuntime.forward`); so stage 0 starts its next forwards while the
-last stage still runs its optimizer step. Everything but `agree_on_call`, `post_call` and
+last stage still runs its optimizer step. A rank whose call sends nothing to another rank
+before its scalar outputs are summed (one stage on every rank) may instead post it at the end
+of the call, carrying those sums (`CallAgreement.start`): one meeting of the ranks for both.
+Everything but `agree_on_call`, `post_call` and
 `agree_on_collective`/`agree_on_graph` is a pure function.
 """
 
@@ -128,21 +131,41 @@ def call_digest(layout: InputLayout, leaves: Sequence[Any], mode: str = "") -> i
 
 
 class CallAgreement:
-    """A call's all-gather of [local rows, digest], posted without waiting (`post_call`).
+    """A call's all-gather of [local rows, digest, carried sums], posted without waiting
+    (`post_call`).
 
     A rank that can guess the row layout (its runtime's last call, `PipelineRuntime.forward`)
     computes while the all-gather completes, and `resolve`s it before any data leaves the
     rank; every other rank resolves it at once. `resolve` returns every rank's local batch
-    size, or raises the same error on every rank (`agree_on_call`)."""
+    size, or raises the same error on every rank (`agree_on_call`).
+
+    Not started (`start=False`), it is posted when the guessing rank calls `start` with the
+    sums it carries (a call's scalar outputs), or at `resolve` without. `carried` is then the
+    sums over the ranks where every rank carried some, else None: the same on every rank, so
+    all of them sum those values in a collective of their own, or none does."""
 
     def __init__(self, args: Sequence[Any], kwargs: Mapping[str, Any], leaves: Sequence[Any],
-                 layout: InputLayout, ctx: DistContext, mode: str) -> None:
+                 layout: InputLayout, ctx: DistContext, mode: str, start: bool = True) -> None:
         self._call: tuple[Any, ...] | None = (args, kwargs, leaves, layout, ctx, mode)
         self.rows = layout.batch or 0
         self.digest = call_digest(layout, leaves, mode)
-        self._every, self._work = _gather_digest(self.rows, self.digest, ctx.device,
-                                                 ctx.world_size, async_op=True)
+        self._device, self._world = ctx.device, ctx.world_size
+        self._every: list[torch.Tensor] | None = None
+        self._work: Any = None
         self._sizes: list[int] | None = None
+        self.carried: torch.Tensor | None = None  # float64, CARRIED long (see the class)
+        if start:
+            self.start()
+
+    @property
+    def started(self) -> bool:
+        return self._every is not None
+
+    def start(self, carry: Sequence[torch.Tensor] = ()) -> None:
+        """Post the all-gather, with up to CARRIED float64 sums of this rank's to add up."""
+        assert self._every is None
+        self._every, self._work = _gather_digest(self.rows, self.digest, self._device,
+                                                 self._world, async_op=True, carry=carry)
 
     @property
     def resolved(self) -> bool:
@@ -150,14 +173,17 @@ class CallAgreement:
 
     def ready(self) -> bool:
         """Whether `resolve` would return without waiting on another rank."""
-        return self._sizes is not None or self._work is None or self._work.is_completed()
+        return self._sizes is not None or (
+            self._every is not None and (self._work is None or self._work.is_completed()))
 
     def resolve(self) -> list[int]:
         if self._sizes is not None:
             return self._sizes
+        if self._every is None:
+            self.start()
         if self._work is not None:
             self._work.wait()
-        assert self._call is not None
+        assert self._call is not None and self._every is not None
         args, kwargs, leaves, layout, ctx, mode = self._call
         sizes = [int(x[0]) for x in self._every]
         if len({int(x[1]) for x in self._every}) > 1:  # all ranks see this, so all gather the details
@@ -170,13 +196,17 @@ class CallAgreement:
             check_devices(call_signature(args, kwargs, layout.batch_leaves), ctx.device)
         self._sizes = sizes
         self._call = None  # (the call's inputs need not outlive it)
+        every = torch.stack(self._every).cpu()
+        if bool((every[:, 2] == 1).all()):
+            self.carried = every[:, 3:].contiguous().view(torch.float64).sum(0)
         return sizes
 
 
 def post_call(args: Sequence[Any], kwargs: Mapping[str, Any], leaves: Sequence[Any],
-              layout: InputLayout, ctx: DistContext, mode: str) -> CallAgreement:
-    """Start the call's agreement (one all-gather, not waited for); see `CallAgreement`."""
-    return CallAgreement(args, kwargs, leaves, layout, ctx, mode)
+              layout: InputLayout, ctx: DistContext, mode: str, start: bool = True) -> CallAgreement:
+    """Start the call's agreement (one all-gather, not waited for; with `start=False`, when
+    the caller says); see `CallAgreement`."""
+    return CallAgreement(args, kwargs, leaves, layout, ctx, mode, start)
 
 
 def agree_on_call(args: Sequence[Any], kwargs: Mapping[str, Any], leaves: Sequence[Any],
@@ -188,14 +218,27 @@ def agree_on_call(args: Sequence[Any], kwargs: Mapping[str, Any], leaves: Sequen
     return post_call(args, kwargs, leaves, layout, ctx, mode).resolve()
 
 
+# How many float64 sums a call's agreement can carry (`CallAgreement.start`): a model's scalar
+# outputs (its loss, and a few more), beside the flag saying it carries them.
+CARRIED = 3
+
+
 def _gather_digest(rows: int, digest: int, device: torch.device, world: int,
-                   async_op: bool = False) -> tuple[list[torch.Tensor], Any]:
-    """The all-gather every rannc collective call starts with: [rows, digest of the call]. One
-    shape for every kind of call, so ranks in different calls still meet here and compare,
-    instead of pairing unrelated transfers (gloo aborted: "Received data size doesn't match").
-    Returns the gathered rows and, with `async_op`, the work to wait for."""
-    mine = torch.tensor([rows, digest], dtype=torch.int64, device=device)
-    every = [torch.zeros(2, dtype=torch.int64, device=device) for _ in range(world)]
+                   async_op: bool = False,
+                   carry: Sequence[torch.Tensor] = ()) -> tuple[list[torch.Tensor], Any]:
+    """The all-gather every rannc collective call starts with: [rows, digest of the call,
+    1 if it carries sums, CARRIED float64 sums as their bits]. One shape for every kind of call,
+    so ranks in different calls still meet here and compare, instead of pairing unrelated
+    transfers (gloo aborted: "Received data size doesn't match"). Returns the gathered rows
+    and, with `async_op`, the work to wait for."""
+    assert len(carry) <= CARRIED
+    sums = torch.zeros(CARRIED, dtype=torch.float64)
+    if carry:
+        sums[:len(carry)] = torch.stack([x.detach().reshape(()).to("cpu", torch.float64)
+                                         for x in carry])
+    head = torch.tensor([rows, digest, int(bool(carry))], dtype=torch.int64)
+    mine = torch.cat([head, sums.view(torch.int64)]).to(device)
+    every = [torch.zeros(3 + CARRIED, dtype=torch.int64, device=device) for _ in range(world)]
     work = dist.all_gather(every, mine, async_op=async_op)
     return every, work
 

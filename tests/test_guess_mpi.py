@@ -21,3 +21,13 @@ def test_a_wrong_guess_puts_back_the_buffers_it_wrote() -> None:
         assert sorted(got) == [0, 1], (model, res.stdout)
         # rank 0 ran two calls on a wrong guess, having written buffers on its stage
         assert got[0][1] == 2 and got[0][2] > 0, (model, got)
+
+
+def test_one_stage_calls_carry_their_scalar_sums_in_the_agreement_and_rerun_when_a_batch_shrinks() -> None:
+    res = run_mpi(TESTS / "scripts" / "carry_check.py", 3, [])
+    got = {int(r): (int(c), int(g), int(x)) for r, c, g, x in re.findall(
+        r"PASS carry rank (\d+) carried (\d+) guessed (\d+) rerun (\d+)", res.stdout)}
+    assert sorted(got) == [0, 1, 2], res.stdout
+    # calls 1, 2 and 4 carried their sums on every rank; at call 3 the last rank's batch shrank:
+    # it did not guess, the others guessed wrong and ran the call again
+    assert got == {0: (3, 4, 1), 1: (3, 4, 1), 2: (3, 3, 0)}, got

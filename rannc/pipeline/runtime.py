@@ -91,6 +91,7 @@ from rannc.schedule import (
     make_schedule,
     validate,
 )
+from rannc.validate import CARRIED
 
 if TYPE_CHECKING:
     from rannc.validate import CallAgreement
@@ -209,6 +210,7 @@ class PipelineRuntime:
         self.guessed_calls = 0  # calls run on a guessed layout (their agreement not waited for)
         self.rerun_calls = 0  # of those, run again because a batch size changed
         self.carried_seeds = 0  # backwards whose loss gradient travelled in the gradients' bucket
+        self.carried_calls = 0  # calls whose scalar sums travelled in their agreement
         self.iteration_s = 0.0  # the last iteration's seconds from forward() to the gradients
 
     @property
@@ -489,10 +491,29 @@ class PipelineRuntime:
         last = [a for a in acts if a.op is final and not call.micro[(a.stage, a.micro)].empty]
         return last[-1] if last else None
 
+    @functools.cached_property
+    def carries_scalars(self) -> bool:
+        """Whether a call on a guessed layout posts its agreement once its scalar outputs
+        are computed, carrying their sums (`validate.CallAgreement.start`): one all-gather where
+        the ranks would meet twice. Where nothing leaves a rank before those sums: one stage
+        on every rank, no BatchNorm statistics to sum (they ride in the scalars' all-reduce);
+        and on the CPU (on a GPU the scalars would have to come to the host first)."""
+        n = len(self.routes.scalar_outputs())
+        return (len(self.plan.stages) == 1 and self.world_size > 1 and not self._bn.sites
+                and 0 < n <= CARRIED and self.device.type == "cpu")
+
     def _collect_outputs(self, call: Call, scalars: dict[str, torch.Tensor]) -> list[Any]:
+        guess = call.transport.guess
+        names = sorted(scalars)
+        if guess is not None and not guess.agreement.started and scalars:
+            guess.agreement.start([scalars[v] for v in names])
         call.transport.settle()
         if scalars:
-            for v, x in self.executor.shared_scalars(call, scalars).items():
+            carried = guess.agreement.carried if guess is not None else None
+            self.carried_calls += carried is not None
+            sums = (dict(zip(names, carried, strict=False)) if carried is not None
+                    else self.executor.shared_scalars(call, scalars))
+            for v, x in sums.items():
                 scalars[v] = x.to(getattr(torch, self.graph.values[v].dtype))
         batch_out = self.executor.receive_outputs(call, scalars)
         call.transport.wait_sends()
