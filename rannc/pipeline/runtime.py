@@ -496,11 +496,13 @@ class PipelineRuntime:
         """Whether a call on a guessed layout posts its agreement once its scalar outputs
         are computed, carrying their sums (`validate.CallAgreement.start`): one all-gather where
         the ranks would meet twice. Where nothing leaves a rank before those sums: one stage
-        on every rank, no BatchNorm statistics to sum (they ride in the scalars' all-reduce);
-        and on the CPU (on a GPU the scalars would have to come to the host first)."""
+        on every rank, no BatchNorm statistics to sum (they ride in the scalars' all-reduce),
+        a schedule whose forward() runs no backward (an eager line's buckets settle the layout
+        first: the gather would be posted late and waited for at once); and on the CPU (on a
+        GPU the scalars would have to come to the host first)."""
         n = len(self.routes.scalar_outputs())
         return (len(self.plan.stages) == 1 and self.world_size > 1 and not self._bn.sites
-                and 0 < n <= CARRIED and self.device.type == "cpu")
+                and not self.spec.eager and 0 < n <= CARRIED and self.device.type == "cpu")
 
     def _collect_outputs(self, call: Call, scalars: dict[str, torch.Tensor]) -> list[Any]:
         guess = call.transport.guess
