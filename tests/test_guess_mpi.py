@@ -29,5 +29,10 @@ def test_one_stage_calls_carry_their_scalar_sums_in_the_agreement_and_rerun_when
         r"PASS carry rank (\d+) carried (\d+) guessed (\d+) rerun (\d+)", res.stdout)}
     assert sorted(got) == [0, 1, 2], res.stdout
     # calls 1, 2 and 4 carried their sums on every rank; at call 3 the last rank's batch shrank:
-    # it did not guess, the others guessed wrong and ran the call again
-    assert got == {0: (3, 4, 1), 1: (3, 4, 1), 2: (3, 3, 0)}, got
+    # it did not guess, the others guessed wrong and ran the call again (and rank 0 guessed the
+    # call that met the others' state_dict(), below)
+    assert got == {0: (3, 5, 1), 1: (3, 4, 1), 2: (3, 3, 0)}, got
+    # then rank 0 makes such a call while the others call state_dict(): all three say so
+    says = ("CallOrderError: ranks made different rannc calls at the same time (rank 0: forward "
+            "(a call of the model); ranks 1, 2: state_dict())")
+    assert all(f"ORDER rank {r} {says}" in res.stdout for r in range(3)), res.stdout

@@ -5,7 +5,9 @@ it does not guess and posts its agreement at once, carrying nothing; the others,
 see the new layout in the same all-gather and run the call again, and every rank then sums the
 scalars in an all-reduce of their own. Every call's outputs, the gradients and the parameters
 after SGD steps equal the unwrapped model's on the global batch (fp32, rtol 1e-5), in training
-and under torch.no_grad(). Prints "PASS carry rank R carried C guessed G rerun X"."""
+and under torch.no_grad(). Then rank 0 makes such a call while the others call state_dict():
+every rank raises CallOrderError ("ORDER rank R <error>"). Prints "PASS carry rank R carried C
+guessed G rerun X"."""
 
 from __future__ import annotations
 
@@ -68,6 +70,25 @@ def main() -> None:
             opt.step()
             opt.zero_grad()
     rts = list(wrapped._runtimes.values())
+    carried = sum(r.carried_calls for r in rts)
+    # A rank in another rannc call meets a call that posts its agreement late, carrying its
+    # sums, in the same shape: every rank raises CallOrderError, none waits.
+    sizes = calls[-1]
+    lo, hi = sum(sizes[:rank]), sum(sizes[:rank + 1])
+    x, y = torch.randn(sum(sizes), 8), torch.randn(sum(sizes), 8)
+    wrapped(x[lo:hi], y[lo:hi])[0].backward()  # (a training call again: the next one guesses)
+    guessed = sum(r.guessed_calls for r in rts)
+    try:
+        if rank == 0:
+            wrapped(x[lo:hi], y[lo:hi])
+        else:
+            wrapped.state_dict()
+        print(f"ORDER rank {rank} no error", flush=True)
+    except rannc.RaNNCError as e:
+        print(f"ORDER rank {rank} {type(e).__name__}: {' '.join(str(e).split())}", flush=True)
+    # rank 0's call ran on the guessed layout, its agreement posted only at its end
+    assert sum(r.guessed_calls for r in rts) == guessed + (rank == 0)
+    assert sum(r.carried_calls for r in rts) == carried
     print(f"PASS carry rank {rank} carried {sum(r.carried_calls for r in rts)} "
           f"guessed {sum(r.guessed_calls for r in rts)} rerun {sum(r.rerun_calls for r in rts)}",
           flush=True)
