@@ -39,6 +39,19 @@ def _mlp(width: int = 16, depth: int = 12) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
+def _count_all_reduces(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The numel of every all-reduce from here on, in order."""
+    calls: list[int] = []
+    real = dist.all_reduce
+
+    def counted(t: torch.Tensor, *args: object, **kwargs: object) -> object:
+        calls.append(t.numel())
+        return real(t, *args, **kwargs)
+
+    monkeypatch.setattr(dist, "all_reduce", counted)
+    return calls
+
+
 def _reducer(model: nn.Module, group: object, bucket_bytes: int,
              accumulations: int = 1) -> GradReducer:
     held = dict(model.named_parameters())
@@ -263,14 +276,7 @@ def test_pure_data_parallelism_with_rows_on_every_replica_meets_no_more_after_th
     got-a-gradient flags are the same on every rank and a non-finite sum shows on every rank,
     so `finish` runs the buckets' all-reduces only; a parameter without a gradient still keeps
     None. Without either condition the flags' all-reduce still runs."""
-    calls: list[int] = []
-    real = dist.all_reduce
-
-    def counted(t: torch.Tensor, *args: object, **kwargs: object) -> object:
-        calls.append(t.numel())
-        return real(t, *args, **kwargs)
-
-    monkeypatch.setattr(dist, "all_reduce", counted)
+    calls = _count_all_reduces(monkeypatch)
     for everywhere, same_got, flags in ((True, True, False), (True, False, True), (False, True, True)):
         model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
         held = dict(model.named_parameters())
@@ -293,14 +299,7 @@ def test_a_loss_gradient_travels_in_the_one_bucket_and_a_differing_one_sums_agai
     (`LossSeed`): the ranks meet once. Where the ranks' loss gradients differ from the one the
     backward ran from (here: this rank passed 0 and ran from 1), the gradients are scaled by
     mean / used and the bucket is summed again; otherwise they are the plain backward's, exactly."""
-    calls: list[int] = []
-    real = dist.all_reduce
-
-    def counted(t: torch.Tensor, *args: object, **kwargs: object) -> object:
-        calls.append(t.numel())
-        return real(t, *args, **kwargs)
-
-    monkeypatch.setattr(dist, "all_reduce", counted)
+    calls = _count_all_reduces(monkeypatch)
     model = _mlp(depth=3)
     ref = copy.deepcopy(model)
     x = torch.randn(4, 16)
