@@ -185,8 +185,9 @@ class CallAgreement:
             self._work.wait()
         assert self._call is not None and self._every is not None
         args, kwargs, leaves, layout, ctx, mode = self._call
-        sizes = [int(x[0]) for x in self._every]
-        if len({int(x[1]) for x in self._every}) > 1:  # all ranks see this, so all gather the details
+        every = torch.stack(self._every).cpu()  # (one copy to the host, not one per number)
+        sizes = every[:, 0].tolist()
+        if len(set(every[:, 1].tolist())) > 1:  # all ranks see this, so all gather the details
             sigs: list[Any] = [None] * ctx.world_size
             dist.all_gather_object(sigs, call_signature(args, kwargs, layout.batch_leaves, mode))
             if any(isinstance(x, str) for x in sigs):
@@ -196,7 +197,6 @@ class CallAgreement:
             check_devices(call_signature(args, kwargs, layout.batch_leaves), ctx.device)
         self._sizes = sizes
         self._call = None  # (the call's inputs need not outlive it)
-        every = torch.stack(self._every).cpu()
         if bool((every[:, 2] == 1).all()):
             self.carried = every[:, 3:].contiguous().view(torch.float64).sum(0)
         return sizes
