@@ -74,3 +74,23 @@ def test_one_state_per_model_and_what_was_replaced() -> None:
     assert replaced(state.params(), deployed) == []
     m[0].weight = nn.Parameter(torch.zeros(3, 2))
     assert replaced(state.params(), deployed) == ["0.weight"]
+
+
+def test_unchanged_checks_once_at_its_start() -> None:
+    m = _model()
+    state = ModelState(m)
+    state.params()
+    before = state.checks
+    with state.unchanged():
+        with state.unchanged():  # (nested: still the one check)
+            for _ in range(3):
+                state.params()
+                state.both()
+    assert state.checks == before + 1
+    state.buffers()  # outside the block every read checks again
+    assert state.checks == before + 2
+    m[0].weight = nn.Parameter(torch.zeros(3, 2))  # a change between blocks is still seen
+    with state.unchanged():
+        assert state.params()["0.weight"] is m[0].weight
+    assert state.builds == 2
+

@@ -371,6 +371,12 @@ class PipelineRuntime:
         rest of the line when `backward()` comes. Under 1F1B and the shifted critical path the
         whole line runs here, seeded with a unit gradient of the loss, and `backward()` commits
         the gradients scaled by the real one (gradients are linear in it)."""
+        with model_state(self.model).unchanged():  # (one check of the model's tensors a call)
+            out = self._forward_guessed(leaves, sizes, agreement)
+        return out
+
+    def _forward_guessed(self, leaves: Sequence[Any], sizes: Sequence[int],
+                         agreement: CallAgreement | None) -> list[Any]:
         guessed = agreement is not None and not agreement.resolved
         if guessed:
             assert agreement is not None
