@@ -78,6 +78,7 @@ _context: DistContext | None = None
 _owned = False  # whether we created the default group (and so may destroy it)
 _timeout = datetime.timedelta(seconds=300.0)
 _groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+_groups_of: object = None  # the default group `_groups` were made under (a new one: made anew)
 _saved_gloo_ifname: tuple[bool, str | None] = (False, None)  # (we changed it, previous value)
 
 
@@ -222,6 +223,11 @@ def _start_watchdog(ctx: DistContext, timeout_s: float) -> None:
 def new_group(ranks: Sequence[int]) -> dist.ProcessGroup | None:
     """A process group over ``ranks``, created once and cached by its sorted rank tuple.
 
+    Why cached: torch never frees a group (a gloo group holds a connection to each member and
+    threads; an NCCL one a communicator and its buffers), and every runtime (one per input
+    signature: each new sequence length of an unpadded batch, eval mode) needs groups over the
+    same ranks; made per runtime they grew by a few with every capture, without bound.
+
     torch requires *every* rank of the world -- members or not -- to call ``new_group`` for every
     group, in the same order (creating a group synchronizes over the default group's store);
     callers must therefore create groups in a deterministic order on all ranks, e.g. by
@@ -241,6 +247,10 @@ def new_group(ranks: Sequence[int]) -> dist.ProcessGroup | None:
             raise ValueError(f"new_group ranks contain duplicates: {list(ranks)!r}")
         if key[0] < 0 or key[-1] >= world:
             raise ValueError(f"new_group ranks {list(key)!r} out of range for world size {world}")
+        global _groups_of
+        if _groups_of is not dist.group.WORLD:  # (the default group was destroyed and made anew)
+            _groups.clear()
+            _groups_of = dist.group.WORLD
         if key in _groups:
             return _groups[key]
         pg = dist.new_group(list(key), timeout=_timeout)

@@ -64,6 +64,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
+from rannc import dist as rdist
 from rannc import health
 from rannc.atomic.components import AtomicPartition
 from rannc.errors import ConfigError, InputMismatchError, RaNNCError
@@ -232,7 +233,7 @@ class PipelineRuntime:
         where = {t for t, st in enumerate(self.stages) if set(st.tasks) & set(tasks)}
         for t in sorted(where):  # every rank creates every group, in the same order
             ranks = list(self.plan.stages[t].ranks)
-            group = dist.new_group(ranks) if len(ranks) > 1 else None
+            group = self._group(ranks)
             if t in self.mine and state.group is None:  # (stages sharing ranks: the same ranks)
                 state.group = group
                 state.world = group is not None and len(ranks) == self.world_size
@@ -337,10 +338,25 @@ class PipelineRuntime:
             by_set.setdefault(tuple(sorted(holders[n])), []).append(n)
         out = []
         for ranks in sorted(by_set):
-            group = dist.new_group(list(ranks)) if len(ranks) > 1 else None
+            group = self._group(ranks)
             if self.rank in ranks:
                 out.append((ranks, by_set[ranks], group))
         return out
+
+    def _group(self, ranks: Sequence[int]) -> Any:
+        """The process group of the gradient and BatchNorm collectives over `ranks` (None for
+        one rank); every rank asks for every group, in the same order. Where the plan has one
+        stage, every rank runs the same actions and posts every collective in the same order,
+        so a group over all of them is the default group itself, as DDP's: no second set of
+        connections and threads to wake for the buckets (0.1 to 0.9 ms a step on 2 to 4 CPU
+        ranks here, BENCHMARKS.md). Elsewhere the ranks of different stages post the groups'
+        collectives at different points of the step, and each set of ranks has a group of its
+        own, shared by every runtime (`rannc.dist.new_group`)."""
+        if len(ranks) < 2:
+            return None
+        if len(self.plan.stages) == 1 and len(set(ranks)) == self.world_size:
+            return dist.group.WORLD
+        return rdist.new_group(ranks)
 
     # -- forward ---------------------------------------------------------------------------------
     def guess_sizes(self, agreement: CallAgreement) -> list[int] | None:
