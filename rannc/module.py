@@ -43,7 +43,7 @@ from rannc.errors import RaNNCError
 from rannc.graph.capture import autocast_state, flatten_inputs
 from rannc.graph.extract import run_chain
 from rannc.graph.model_state import model_state, replaced
-from rannc.pipeline.grads import Accumulation
+from rannc.pipeline.grads import Accumulation, BucketBuffers
 from rannc.pipeline.runtime import COUNT_KWARG, PipelineFunction, PipelineRuntime
 from rannc.plans import Plan
 from rannc.progress import NO_PROGRESS, progress_for
@@ -104,6 +104,7 @@ class RaNNCModule(nn.Module):
         # no_sync()'s local sums and flags, one record for every input signature's runtime: the
         # micro-steps of an accumulation may run different graphs (dynamic padding)
         self._accumulation = Accumulation()
+        self._bucket_buffers = BucketBuffers()  # (likewise shared by every input signature's)
         self._plan: Plan | None = None
         self._planned_accumulation = False  # the plan counts an accumulation's gradients
         self._runtimes: OrderedDict[tuple[Any, ...], PipelineRuntime] = OrderedDict()
@@ -268,7 +269,8 @@ class RaNNCModule(nn.Module):
                                  batchnorm=self.rannc_config.batchnorm,
                                  bucket_mb=self.rannc_config.bucket_mb,
                                  accumulation=self._accumulation,
-                                 planned_accumulation=self._planned_accumulation)
+                                 planned_accumulation=self._planned_accumulation,
+                                 buffers=self._bucket_buffers)
             rt.sync = self._sync
             if not self._runtimes:
                 _seed_at_deployment(self.rannc_config)

@@ -16,7 +16,7 @@ from torch import nn
 
 import rannc
 from rannc.errors import ConfigError
-from rannc.pipeline.grads import GradReducer, LossSeed, not_finite
+from rannc.pipeline.grads import BucketBuffers, GradReducer, LossSeed, not_finite
 
 pytestmark = pytest.mark.layer("single_process")
 
@@ -53,10 +53,11 @@ def _count_all_reduces(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 def _reducer(model: nn.Module, group: object, bucket_bytes: int,
-             accumulations: int = 1) -> GradReducer:
+             accumulations: int = 1, buffers: BucketBuffers | None = None) -> GradReducer:
     held = dict(model.named_parameters())
     return GradReducer(held, [((0,), list(held), group)], {n: i for i, n in enumerate(held)},
-                       bucket_bytes, {id(p): accumulations for p in held.values()})
+                       bucket_bytes, {id(p): accumulations for p in held.values()},
+                       buffers=buffers)
 
 
 def test_buckets_start_in_backward_with_at_most_one_bucket_beyond_the_gradients(group: object) -> None:
@@ -255,6 +256,41 @@ def test_an_eager_line_hands_its_gradients_over_before_grad_is_restored(group: o
     red.finish(sync=True)
     for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=n)
+
+
+def test_the_input_signatures_reducers_share_one_buffer_and_a_pending_bucket_keeps_its_sums(
+        group: object) -> None:
+    """Every input signature has a reducer of its own; they fill one kept buffer (the memory
+    model counts one: a buffer each held up to max_captures). An eager forward whose bucket is
+    still in the buffer when another signature's backward takes it hands its sums over first,
+    so its backward() still reduces its own gradients, not the other's."""
+    model = _mlp(depth=3)
+    ref_a, ref_b = copy.deepcopy(model), copy.deepcopy(model)
+    xa, xb = torch.randn(3, 16), torch.randn(5, 16)
+    ref_a(xa).sum().backward()
+    ref_b(xb).square().sum().backward()
+    buffers = BucketBuffers()
+    red_a = _reducer(model, group, bucket_bytes=1 << 20, buffers=buffers)  # one bucket each
+    red_b = _reducer(model, group, bucket_bytes=1 << 20, buffers=buffers)
+    red_a.begin()  # signature a: an eager line, its bucket started in forward()
+    model(xa).sum().backward()
+    red_a.prepare_rest()
+    stash_a = {n: p.grad for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = None
+    red_b.begin()  # signature b: a whole backward in between, in the same buffer
+    red_b.arm()
+    model(xb).square().sum().backward()
+    red_b.finish(sync=True)
+    for (n, p), q in zip(model.named_parameters(), ref_b.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=n)
+    for n, p in model.named_parameters():
+        p.grad = None
+    red_a.finish(sync=True)  # a's backward() after all: its own sums
+    for (n, p), q in zip(model.named_parameters(), ref_a.parameters(), strict=True):
+        torch.testing.assert_close(stash_a[n], q.grad, rtol=0, atol=0, msg=n)
+    a_buf = red_a.groups[0].buckets[0].spare
+    assert a_buf is not None and a_buf is red_b.groups[0].buckets[0].spare
 
 
 def test_an_overflow_elsewhere_marks_this_ranks_first_gradient(group: object) -> None:

@@ -61,6 +61,7 @@ class _Bucket:
     buf: torch.Tensor | None = None  # the flat copy while it is reduced (several parameters)
     work: Any = None  # the async all-reduce
     views: list[torch.Tensor] | None = None  # per name: its piece of the kept buffer (`_buffer`)
+    spare: torch.Tensor | None = None  # the kept buffer the views are of
 
     @property
     def in_place(self) -> bool:
@@ -74,6 +75,32 @@ class _Group:
     group: Any
     buckets: list[_Bucket]
     started: int = 0  # buckets started so far this backward (they start in order)
+
+
+class BucketBuffers:
+    """The kept bucket buffer, one per dtype, of one wrapped model on this rank, shared by the
+    reducers of all its input signatures (as `Accumulation` is). Why: each reducer kept its own,
+    so a model called with many sequence lengths (each a runtime and reducer of its own) held a
+    bucket's buffer per signature, up to `max_captures` of them, where the memory model counts
+    one. One reducer fills a buffer at a time: before another takes it, the last one to fill it
+    copies its sums out (`GradReducer.release_buffer`: what it does itself before its own next
+    bucket), so an eager forward's bucket whose backward is still to come keeps its sums."""
+
+    def __init__(self) -> None:
+        self._spares: dict[torch.dtype, torch.Tensor] = {}
+        self._user: weakref.ref[GradReducer] | None = None
+
+    def take(self, user: GradReducer, dtype: torch.dtype, size: int,
+             device: torch.device) -> torch.Tensor:
+        """The buffer of `dtype`, at least `size` long, for `user` to fill."""
+        last = self._user() if self._user is not None else None
+        if last is not None and last is not user:
+            last.release_buffer()
+        self._user = weakref.ref(user)
+        spare = self._spares.get(dtype)
+        if spare is None or spare.numel() < size or spare.device != device:
+            spare = self._spares[dtype] = torch.empty(size, dtype=dtype, device=device)
+        return spare
 
 
 @dataclass
@@ -181,7 +208,8 @@ class GradReducer:
                  first_use: Mapping[str, int], bucket_bytes: int,
                  accumulations: Mapping[int, int], shared: Sequence[str] | None = None,
                  device: torch.device | None = None, everywhere: bool = False,
-                 accumulation: Accumulation | None = None) -> None:
+                 accumulation: Accumulation | None = None,
+                 buffers: BucketBuffers | None = None) -> None:
         """`first_use[n]`: the position of parameter n's first reader in the whole graph (the
         same on every rank, so every holder cuts the same buckets; they start in reverse, the
         order backward finishes them). `accumulations[id(p)]`: how many backward passes of
@@ -191,7 +219,8 @@ class GradReducer:
         whose every rank holds the same groups). `everywhere`: every rank holds every
         parameter (data parallelism alone), so the sums themselves carry a non-finite gradient
         to every rank and the overflow check is skipped. `accumulation`: the no_sync() record
-        this reducer shares with the model's other input signatures (default: its own)."""
+        this reducer shares with the model's other input signatures (default: its own); `buffers`
+        likewise, the kept bucket buffers."""
         self.held: dict[str, nn.Parameter] = {}
         for n, p in held.items():  # a parameter held under two names: reduced under the first
             if all(q is not p for q in self.held.values()):
@@ -212,7 +241,8 @@ class GradReducer:
         self._state: _State | None = None
         self._hooks: list[Any] = []
         self._buffered: _Bucket | None = None  # the one bucket whose buffer is in use
-        self._spares: dict[torch.dtype, torch.Tensor] = {}  # the buffer, per dtype (`_buffer`)
+        self.buffers = buffers if buffers is not None else BucketBuffers()  # (`_buffer`)
+        self._spare_sizes: dict[torch.dtype, int] = {}
         # (the slots of every rank's loss gradient after the bucket, where it can carry them)
         self._tail = _SEED_SLOTS * len(self.groups[0].ranks) if self.carries_seed else 0
         self.extra_bytes = 0  # bytes the reduction holds beyond the gradients, now
@@ -527,7 +557,8 @@ class GradReducer:
         buf, views = self._buffer(b)
         self._fill(b, views, st)
         if st.seed is not None:  # this rank's loss gradient in its slots, zeros in the others'
-            buf = self._spares[b.dtype][:b.numel + self._tail]
+            assert b.spare is not None
+            buf = b.spare[:b.numel + self._tail]
             tail = buf[b.numel:]
             tail.zero_()
             at = _SEED_SLOTS * self._slot
@@ -565,21 +596,29 @@ class GradReducer:
         view of one kept buffer (per dtype) as long as the largest bucket. Only one buffer is in
         use at a time (`_buffered`), and keeping it spares a fresh allocation per bucket and
         step: measured on the CPU ranks here, copies into freshly allocated pages ran at a third
-        of the speed of copies into warm ones. The pieces are made once per bucket."""
-        spare = self._spares.get(b.dtype)
-        if spare is None:
-            size = self._tail + max(x.numel for grp in self.groups for x in grp.buckets
-                                    if x.dtype == b.dtype and not x.in_place)
-            spare = self._spares[b.dtype] = torch.empty(
-                size, dtype=b.dtype, device=self.held[b.names[0]].device)
+        of the speed of copies into warm ones. The buffer is the wrapped model's
+        (`BucketBuffers`: one for all its input signatures); the pieces are made once per bucket
+        and buffer."""
+        size = self._spare_sizes.get(b.dtype)
+        if size is None:
+            size = self._spare_sizes[b.dtype] = self._tail + max(
+                x.numel for grp in self.groups for x in grp.buckets
+                if x.dtype == b.dtype and not x.in_place)
+        spare = self.buffers.take(self, b.dtype, size, self.held[b.names[0]].device)
         buf = spare[:b.numel]
-        if b.views is None:
-            b.views, at = [], 0
+        if b.views is None or b.spare is not spare:
+            b.spare, b.views, at = spare, [], 0
             for n in b.names:
                 p = self.held[n]
                 b.views.append(buf[at:at + p.numel()].view(p.shape))
                 at += p.numel()
         return buf, b.views
+
+    def release_buffer(self) -> None:
+        """Another reducer of the model takes the kept buffer: copy the sums of the bucket in it
+        out first (an eager forward's last bucket, its backward still to come)."""
+        if self._buffered is not None and self._state is not None:
+            self._complete(self._buffered, self._state)
 
     def _complete(self, b: _Bucket, st: _State) -> None:
         """Wait for bucket b and copy its sums back into the gradients."""

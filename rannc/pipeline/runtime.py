@@ -74,7 +74,7 @@ from rannc.graph.model_state import model_state
 from rannc.graph.task_graph import ValueKind
 from rannc.pipeline import batchnorm as bnorm
 from rannc.pipeline.executor import Call, Executor
-from rannc.pipeline.grads import Accumulation, GradReducer, LossSeed, ParamGroup, not_finite
+from rannc.pipeline.grads import Accumulation, BucketBuffers, GradReducer, LossSeed, ParamGroup, not_finite
 from rannc.pipeline.routes import Routes
 from rannc.pipeline.rows import RowLayout
 from rannc.pipeline.stage import Part, Stage, build_parts
@@ -113,7 +113,8 @@ class PipelineRuntime:
                  wrap_stage: Callable[[fx.GraphModule], Any] | None = None,
                  batchnorm: str = "local", bucket_mb: float = 25.0,
                  accumulation: Accumulation | None = None,
-                 planned_accumulation: bool = False) -> None:
+                 planned_accumulation: bool = False,
+                 buffers: BucketBuffers | None = None) -> None:
         self.model, self.cap, self.plan = model, captured, plan
         self.rank, self.world_size, self.device = rank, world_size, device
         self.graph = captured.graph
@@ -153,7 +154,7 @@ class PipelineRuntime:
                                  int(bucket_mb * 2**20), self._accumulations(),
                                  shared=self._shared_names(), device=device,
                                  everywhere=self._everyone_holds_everything(),
-                                 accumulation=accumulation)
+                                 accumulation=accumulation, buffers=buffers)
         # no_sync()'s state, shared with the model's other input signatures' runtimes
         self.acc = self.grads.accumulation
         self._bn = self._batch_norm(batchnorm)

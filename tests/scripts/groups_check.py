@@ -6,7 +6,8 @@ runtime grew by a few with every capture, without bound (with NCCL, a communicat
 buffers each). Two models, called with sequence lengths 4, 6, 8, 10 and 6 again, a training
 step and an eval call each: one stage on both ranks (its gradients are summed in the default
 group itself: no other group at all) and two stages sharing a tied weight (one group over both
-ranks for it, made once). The losses equal the unwrapped model's on the global batch.
+ranks for it, made once), and the runtimes' gradient reducers share one kept bucket buffer.
+The losses equal the unwrapped model's on the global batch.
 Prints "PASS groups rank R one-stage G1 two-stage G2" with the most process groups seen."""
 
 from __future__ import annotations
@@ -76,6 +77,9 @@ def run(partition_num: int, rank: int, world: int) -> int:
         seen.append(groups())
     # the first signature made what the model needs; the other nine captures made nothing
     assert len(set(seen)) == 1, f"process groups after each step: {seen}"
+    # and their reducers fill one kept bucket buffer (a buffer each: up to max_captures)
+    reducers = [rt.grads for rt in wrapped._runtimes.values()]
+    assert len(reducers) > 2 and len({id(r.buffers) for r in reducers}) == 1, reducers
     return seen[-1]
 
 
