@@ -303,3 +303,11 @@ def test_gpu_memory_benchmark() -> None:
 def test_attention_probe_benchmark() -> None:
     out = run("benchmarks/attention_probe.py")
     assert "bert: captured graph" in out and "dispatched, captured" in out, out
+
+
+@pytest.mark.layer("multi_rank")
+def test_signatures_benchmark() -> None:
+    out = run("benchmarks/signatures.py")
+    got = rows(out, "| ")[1:]  # (less the header)
+    assert [r[1] for r in got] == ["8", "12", "16"], out
+    assert {r[3] for r in got} == {"1"} and {r[4] for r in got} == {"1"}, out

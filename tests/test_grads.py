@@ -284,10 +284,10 @@ def test_the_input_signatures_reducers_share_one_buffer_and_a_pending_bucket_kee
     red_b.finish(sync=True)
     for (n, p), q in zip(model.named_parameters(), ref_b.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=n)
-    for n, p in model.named_parameters():
+    for p in model.parameters():
         p.grad = None
     red_a.finish(sync=True)  # a's backward() after all: its own sums
-    for (n, p), q in zip(model.named_parameters(), ref_a.parameters(), strict=True):
+    for (n, _p), q in zip(model.named_parameters(), ref_a.parameters(), strict=True):
         torch.testing.assert_close(stash_a[n], q.grad, rtol=0, atol=0, msg=n)
     a_buf = red_a.groups[0].buckets[0].spare
     assert a_buf is not None and a_buf is red_b.groups[0].buckets[0].spare
