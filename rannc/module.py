@@ -40,6 +40,7 @@ from rannc.deploy import Holdings, OneProcess, capture_signature, deployment_pla
 from rannc.deploy import optimizer_state_factor as optimizer_state_factor  # (its old home)
 from rannc.derive import derive_plan
 from rannc.errors import RaNNCError
+from rannc.graph import fx_sources
 from rannc.graph.capture import autocast_state, flatten_inputs
 from rannc.graph.extract import run_chain
 from rannc.graph.model_state import model_state, replaced
@@ -109,6 +110,10 @@ class RaNNCModule(nn.Module):
         self._planned_accumulation = False  # the plan counts an accumulation's gradients
         self._runtimes: OrderedDict[tuple[Any, ...], PipelineRuntime] = OrderedDict()
         self._warned_recapture = False
+        # torch.fx's cached sources of each capture's graph modules, given back when it is dropped
+        # or the wrapper is gone (`rannc.graph.fx_sources`)
+        self._sources: dict[tuple[Any, ...], list[str]] = {}
+        weakref.finalize(self, _forget_sources, self._sources)
         self._calls = 0  # forward() calls: the "step" a failure report names
         self._last_rt: PipelineRuntime | None = None
         self._owned: list[nn.Parameter] | None = None  # the parameters this rank counts in norms
@@ -157,6 +162,7 @@ class RaNNCModule(nn.Module):
         dep = self._deployments.get(key)
         if dep is None:
             first = not self._deployments
+            mark = fx_sources.Mark()
             validate.check_capturable(self.module, leaves, [layout.batch or 0], first)
             cap, atomic = capture_signature(self.module, args, kwargs,
                                             progress_for(self.rannc_config.progress, 0))
@@ -170,6 +176,7 @@ class RaNNCModule(nn.Module):
                                              atomic, None, leaves, [layout.batch or 0],
                                              NO_PROGRESS)
             self._deployments[key] = dep
+            self._sources[key] = mark.new()
             self._bound_cache(self._deployments, pinned=None)
             if first:
                 _seed_at_deployment(self.rannc_config)
@@ -240,6 +247,7 @@ class RaNNCModule(nn.Module):
         if rt is not None:
             self._runtimes.move_to_end(key)
         else:
+            mark = fx_sources.Mark()
             validate.check_capturable(self.module, leaves, sizes, self._plan is None)
             progress = progress_for(self.rannc_config.progress, ctx.rank)
             with self._held.shaped_params(self.module):
@@ -282,6 +290,7 @@ class RaNNCModule(nn.Module):
             # The runtime of the planned deployment stays: the parameters this rank holds are
             # its stage's (a derived plan's stages hold a subset of them). (Not the first key:
             # move_to_end reorders the cache at every call.)
+            self._sources[key] = mark.new()
             self._bound_cache(self._runtimes, pinned=self._planned_key())
         cap = rt.cap
         self._last_rt = rt
@@ -324,6 +333,7 @@ class RaNNCModule(nn.Module):
                 break
             if key != pinned:
                 del cache[key]
+                fx_sources.forget(self._sources.pop(key, ()))
 
     def write_trace(self, path: str, *, predicted_from: str = "plan") -> list[str]:
         """Write the last iteration's per-rank events (recorded with `config.trace`) as a
@@ -607,6 +617,11 @@ class _BackwardOnce:
                 "(retain_graph=True): the pipelined model runs its backward once per forward, "
                 "across ranks. Fix: add the losses and call backward() once "
                 "((loss_a + loss_b).backward()), or call the model again for another backward")
+
+
+def _forget_sources(sources: dict[tuple[Any, ...], list[str]]) -> None:
+    for keys in sources.values():
+        fx_sources.forget(keys)
 
 
 def _seed_at_deployment(config: Config) -> None:

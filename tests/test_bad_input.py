@@ -214,6 +214,33 @@ def test_the_capture_cache_is_bounded_and_warns_once() -> None:
     assert list(model._deployments.values())[:2] == [kept[2], kept[0]]
 
 
+def test_dropped_captures_give_back_torch_fx_cached_sources() -> None:
+    """torch.fx keeps the generated source of every graph module it compiles, process-wide, and
+    a capture makes several: a model called with a new input shape at every call grew that
+    cache at every call. The sources of a dropped capture go with it, and all of a wrapped
+    model's when it is gone."""
+    import gc
+
+    from torch.fx.graph_module import _loader
+
+    def train(sizes: list[int]) -> None:  # (its frame, and the model with it, gone at return)
+        model = rannc.RaNNCModule(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)),
+                                  max_captures=2)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (the capture cache's own warning)
+            for length in range(1, 9):
+                model(torch.randn(2, length, 4)).sum().backward()
+                sizes.append(len(_loader.eval_cache))
+
+    start = len(_loader.eval_cache)
+    sizes: list[int] = []
+    train(sizes)
+    assert sizes[0] > start
+    assert len(set(sizes[1:])) == 1 and sizes[1] > sizes[0], sizes  # bounded from the second on
+    gc.collect()
+    assert len(_loader.eval_cache) == start
+
+
 def test_zero_microbatches() -> None:
     with pytest.raises(ConfigError, match=r"Config.microbatches=0 is not valid: microbatches must "
                                           r"be an integer >= 1, or None \(unset\). Fix: pass "

@@ -137,15 +137,21 @@ def meta_net() -> nn.Module:
 def capture_cache_is_bounded(rank: int, n: int) -> None:
     """A sequence length that changes at every call: at most max_captures runtimes are kept
     (the planned one, even when it is not the oldest entry, and the most recent), with one
-    warning saying to pad."""
+    warning saying to pad; torch.fx's cached sources of the dropped captures go with them."""
+    from torch.fx.graph_module import _loader
+
     model = rannc.RaNNCModule(Net(), partition_num=2, profiler="estimate", max_captures=2)
+    sources = []
     with warnings.catch_warnings(record=True) as got:
         warnings.simplefilter("always")
         # the planned length (1) used again makes it the most recent, not the first, entry
         for length in (1, 2, 1, 3, 4, 5):
             model(torch.randn(n, length, WIDTH)).backward()
+            sources.append(len(_loader.eval_cache))
     said = [str(w.message) for w in got if "max_captures" in str(w.message)]
     kept = any(rt is model._held.runtime for rt in model._runtimes.values())
+    # (lengths 3, 4 and 5 each drop a capture as they make one)
+    assert sources[3] == sources[4] == sources[5], f"torch.fx sources after each call: {sources}"
     say(f"CACHE rank {rank} runtimes {len(model._runtimes)} planned kept {kept} warnings "
         f"{len(said)} {' '.join(said[0].split()) if said else ''}")
 
