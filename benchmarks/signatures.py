@@ -9,8 +9,9 @@ a runtime for it (up to `max_captures` are kept). Every rank trains a transforme
 `BertForSequenceClassification` (random weights, one stage on every rank) for one step per
 sequence length and makes an eval call after each, then prints, per step, the process groups
 this rank is in (torch never frees one: a gloo group holds a connection to each member and
-threads, an NCCL one a communicator and its buffers) and the kept gradient-bucket buffers of
-all the model's runtimes (distinct storages and their MiB) beside the gradients' MiB.
+threads, an NCCL one a communicator and its buffers), the kept gradient-bucket buffers of
+all the model's runtimes (distinct storages and their MiB) beside the gradients' MiB, and the
+generated sources torch.fx keeps process-wide (one per graph module compiled: entries, MB).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ def kept_buffers(wrapped: Any) -> dict[int, int]:
 def worker(a: argparse.Namespace) -> None:
     import torch
     from torch.distributed import distributed_c10d as c10d
+    from torch.fx.graph_module import _loader
     from transformers import BertConfig, BertForSequenceClassification
 
     import rannc
@@ -72,7 +74,9 @@ def worker(a: argparse.Namespace) -> None:
         kept = kept_buffers(wrapped)
         rows.append({"step": step, "seq": seq, "groups": len(c10d._world.pg_map),
                      "buffers": len(kept), "buffer_mib": sum(kept.values()) / 2**20,
-                     "grad_mib": grads / 2**20, "runtimes": len(wrapped._runtimes)})
+                     "grad_mib": grads / 2**20, "runtimes": len(wrapped._runtimes),
+                     "fx_sources": len(_loader.eval_cache),
+                     "fx_mb": sum(len(s) for s in _loader.eval_cache.values()) / 1e6})
     if rank == 0:
         print("RESULT " + json.dumps({"ranks": world, "rows": rows}), flush=True)
     rdist.shutdown()
@@ -97,17 +101,19 @@ def launch(a: argparse.Namespace) -> None:
     got = json.loads(line[len("RESULT "):])
     print(f"\n{got['ranks']} ranks, rank 0, after each training step and eval call:\n")
     print("| step | sequence length | runtimes | process groups | kept bucket buffers | their MiB "
-          "| gradients MiB |")
-    print("|---|---|---|---|---|---|---|")
+          "| gradients MiB | torch.fx sources | their MB |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in got["rows"]:
         print(f"| {r['step']} | {r['seq']} | {r['runtimes']} | {r['groups']} | {r['buffers']} "
-              f"| {r['buffer_mib']:.2f} | {r['grad_mib']:.2f} |")
+              f"| {r['buffer_mib']:.2f} | {r['grad_mib']:.2f} | {r['fx_sources']} "
+              f"| {r['fx_mb']:.2f} |")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--launch", type=int, default=2, help="ranks")
-    p.add_argument("--seqs", type=int, nargs="+", default=[16, 24, 32, 48, 64, 80, 96, 128])
+    p.add_argument("--seqs", type=int, nargs="+",
+                   default=[16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 16])
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
