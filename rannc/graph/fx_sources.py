@@ -3,15 +3,15 @@
 Why: each `GraphModule` compiles its code from a generated source that torch.fx stores in a
 process-wide cache (`torch.fx.graph_module._loader.eval_cache`, with a `linecache` entry, so
 that tracebacks show the lines) and never removes. A capture makes several (torch.export's
-passes, the stage modules, their recompilations): about 90 KB of source per capture of a
-2-layer BERT, megabytes for a large model. rannc keeps `max_captures` captures and drops the
+passes, the stage modules, their recompilations): about 0.15 MB of source per capture of a
+small BERT, megabytes for a large model. rannc keeps `max_captures` captures and drops the
 least recently used, so a model called with a new input shape at every step (an unpadded
-sequence length) grew the cache at every step, without bound (`tests/test_wrapper.py`).
+sequence length) grew the cache at every step, without bound (`tests/test_bad_input.py`).
 
 How: a `Mark` taken before a capture and its deployment are built gives the keys the cache
-gained since (`Mark.new`); `forget` removes them when that capture is dropped, or when the wrapped model is
-gone. A key of a module still alive only loses its traceback lines. Where torch.fx has no such
-cache (another version), nothing is done.
+gained since (`Mark.new`); `forget` removes them when that capture is dropped, or when the
+wrapped model is gone. A key of a module still alive would only lose its traceback lines.
+Where torch.fx has no such cache (another version), nothing is done.
 """
 
 from __future__ import annotations
