@@ -77,7 +77,7 @@ _lock = threading.RLock()
 _context: DistContext | None = None
 _owned = False  # whether we created the default group (and so may destroy it)
 _timeout = datetime.timedelta(seconds=300.0)
-_groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+_groups: dict[tuple[str, tuple[int, ...]], dist.ProcessGroup | None] = {}
 _groups_of: object = None  # the default group `_groups` were made under (a new one: made anew)
 _saved_gloo_ifname: tuple[bool, str | None] = (False, None)  # (we changed it, previous value)
 
@@ -220,13 +220,19 @@ def _start_watchdog(ctx: DistContext, timeout_s: float) -> None:
             "timeout after %.0f s instead", type(e).__name__, e, timeout_s)
 
 
-def new_group(ranks: Sequence[int]) -> dist.ProcessGroup | None:
-    """A process group over ``ranks``, created once and cached by its sorted rank tuple.
+def new_group(ranks: Sequence[int], purpose: str = "") -> dist.ProcessGroup | None:
+    """A process group over ``ranks``, created once and cached by ``purpose`` and its sorted rank
+    tuple.
 
     Why cached: torch never frees a group (a gloo group holds a connection to each member and
     threads; an NCCL one a communicator and its buffers), and every runtime (one per input
     signature: each new sequence length of an unpadded batch, eval mode) needs groups over the
-    same ranks; made per runtime they grew by a few with every capture, without bound.
+    same ranks; made per runtime they grew by a few with every capture, without bound. Why by
+    purpose: the collectives of one group must be posted in the same order on every rank, and
+    those of different purposes (gradient buckets started as backward finishes them, BatchNorm
+    statistics, the default group's scalar sums) are not ordered against each other alike on
+    every rank (an eager schedule's buckets and its loss's sum, say): each purpose keeps groups
+    of its own, as each runtime had. Within one purpose the runtimes post in program order.
 
     torch requires *every* rank of the world -- members or not -- to call ``new_group`` for every
     group, in the same order (creating a group synchronizes over the default group's store);
@@ -251,12 +257,12 @@ def new_group(ranks: Sequence[int]) -> dist.ProcessGroup | None:
         if _groups_of is not dist.group.WORLD:  # (the default group was destroyed and made anew)
             _groups.clear()
             _groups_of = dist.group.WORLD
-        if key in _groups:
-            return _groups[key]
+        if (purpose, key) in _groups:
+            return _groups[purpose, key]
         pg = dist.new_group(list(key), timeout=_timeout)
         # torch returns a sentinel (GroupMember.NON_GROUP_MEMBER) to non-members; say None.
         group: dist.ProcessGroup | None = pg if isinstance(pg, dist.ProcessGroup) else None
-        _groups[key] = group
+        _groups[purpose, key] = group
         return group
 
 

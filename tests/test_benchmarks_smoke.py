@@ -310,4 +310,4 @@ def test_signatures_benchmark() -> None:
     out = run("benchmarks/signatures.py")
     got = rows(out, "| ")[1:]  # (less the header)
     assert [r[1] for r in got] == ["8", "12", "16"], out
-    assert {r[3] for r in got} == {"1"} and {r[4] for r in got} == {"1"}, out
+    assert {r[3] for r in got} == {"2"} and {r[4] for r in got} == {"1"}, out

@@ -262,8 +262,9 @@ def test_the_input_signatures_reducers_share_one_buffer_and_a_pending_bucket_kee
         group: object) -> None:
     """Every input signature has a reducer of its own; they fill one kept buffer (the memory
     model counts one: a buffer each held up to max_captures). An eager forward whose bucket is
-    still in the buffer when another signature's backward takes it hands its sums over first,
-    so its backward() still reduces its own gradients, not the other's."""
+    still in the buffer when another signature's backward begins finishes its buckets first
+    (in order, as the shared process groups need), so its backward() still reduces its own
+    gradients, not the other's."""
     model = _mlp(depth=3)
     ref_a, ref_b = copy.deepcopy(model), copy.deepcopy(model)
     xa, xb = torch.randn(3, 16), torch.randn(5, 16)

@@ -79,24 +79,31 @@ class _Group:
 
 class BucketBuffers:
     """The kept bucket buffer, one per dtype, of one wrapped model on this rank, shared by the
-    reducers of all its input signatures (as `Accumulation` is). Why: each reducer kept its own,
-    so a model called with many sequence lengths (each a runtime and reducer of its own) held a
-    bucket's buffer per signature, up to `max_captures` of them, where the memory model counts
-    one. One reducer fills a buffer at a time: before another takes it, the last one to fill it
-    copies its sums out (`GradReducer.release_buffer`: what it does itself before its own next
-    bucket), so an eager forward's bucket whose backward is still to come keeps its sums."""
+    reducers of all its input signatures (as `Accumulation` is, and as their process groups
+    are: `rannc.dist.new_group`). Why: each reducer kept its own, so a model called with many
+    sequence lengths (each a runtime and reducer of its own) held a bucket's buffer per
+    signature, up to `max_captures` of them, where the memory model counts one.
+
+    One reducer reduces at a time: when another begins (`claim`, at the same point of the
+    program on every rank), the last one finishes what it left (`GradReducer.flush`: an eager
+    forward whose backward is still to come has its buckets started and summed, in their
+    order, and its sums copied out of the buffer), so the shared groups see every reducer's
+    buckets in the same order on every rank and no sums are overwritten."""
 
     def __init__(self) -> None:
         self._spares: dict[torch.dtype, torch.Tensor] = {}
         self._user: weakref.ref[GradReducer] | None = None
 
+    def claim(self, user: GradReducer) -> None:
+        last = self._user() if self._user is not None else None
+        if last is not None and last is not user:
+            last.flush()
+        self._user = weakref.ref(user)
+
     def take(self, user: GradReducer, dtype: torch.dtype, size: int,
              device: torch.device) -> torch.Tensor:
         """The buffer of `dtype`, at least `size` long, for `user` to fill."""
-        last = self._user() if self._user is not None else None
-        if last is not None and last is not user:
-            last.release_buffer()
-        self._user = weakref.ref(user)
+        self.claim(user)
         spare = self._spares.get(dtype)
         if spare is None or spare.numel() < size or spare.device != device:
             spare = self._spares[dtype] = torch.empty(size, dtype=dtype, device=device)
@@ -297,6 +304,7 @@ class GradReducer:
         `carries_seed`, synchronised, nothing pending: the caller decides alike on every rank)."""
         assert seed is None or (factor is None and self.carries_seed and not self.pending)
         self._drop_hooks()
+        self.buffers.claim(self)  # (another signature's reducer finishes what it left first)
         self._buffered = None  # (a backward that raised may have left one)
         for grp in self.groups:
             grp.started = 0
@@ -614,11 +622,17 @@ class GradReducer:
                 at += p.numel()
         return buf, b.views
 
-    def release_buffer(self) -> None:
-        """Another reducer of the model takes the kept buffer: copy the sums of the bucket in it
-        out first (an eager forward's last bucket, its backward still to come)."""
-        if self._buffered is not None and self._state is not None:
-            self._complete(self._buffered, self._state)
+    def flush(self) -> None:
+        """Another reducer of the model begins: start and sum every bucket this one left (an
+        eager forward's, every gradient final, its backward still to come), in order, and copy
+        the sums out of the shared buffer; `finish` does the rest when that backward comes."""
+        st = self._state
+        if st is None:
+            return
+        self._start_ready(wait=True, st=st)
+        for grp in self.groups:
+            for b in grp.buckets:
+                self._complete(b, st)
 
     def _complete(self, b: _Bucket, st: _State) -> None:
         """Wait for bucket b and copy its sums back into the gradients."""

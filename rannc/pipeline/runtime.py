@@ -234,7 +234,7 @@ class PipelineRuntime:
         where = {t for t, st in enumerate(self.stages) if set(st.tasks) & set(tasks)}
         for t in sorted(where):  # every rank creates every group, in the same order
             ranks = list(self.plan.stages[t].ranks)
-            group = self._group(ranks)
+            group = self._group(ranks, "batchnorm")
             if t in self.mine and state.group is None:  # (stages sharing ranks: the same ranks)
                 state.group = group
                 state.world = group is not None and len(ranks) == self.world_size
@@ -339,25 +339,21 @@ class PipelineRuntime:
             by_set.setdefault(tuple(sorted(holders[n])), []).append(n)
         out = []
         for ranks in sorted(by_set):
-            group = self._group(ranks)
+            group = self._group(ranks, "gradients")
             if self.rank in ranks:
                 out.append((ranks, by_set[ranks], group))
         return out
 
-    def _group(self, ranks: Sequence[int]) -> Any:
-        """The process group of the gradient and BatchNorm collectives over `ranks` (None for
-        one rank); every rank asks for every group, in the same order. Where the plan has one
-        stage, every rank runs the same actions and posts every collective in the same order,
-        so a group over all of them is the default group itself, as DDP's: no second set of
-        connections and threads to wake for the buckets (0.1 to 0.9 ms a step on 2 to 4 CPU
-        ranks here, BENCHMARKS.md). Elsewhere the ranks of different stages post the groups'
-        collectives at different points of the step, and each set of ranks has a group of its
-        own, shared by every runtime (`rannc.dist.new_group`)."""
-        if len(ranks) < 2:
-            return None
-        if len(self.plan.stages) == 1 and len(set(ranks)) == self.world_size:
-            return dist.group.WORLD
-        return rdist.new_group(ranks)
+    @staticmethod
+    def _group(ranks: Sequence[int], purpose: str) -> Any:
+        """The process group of `purpose`'s collectives over `ranks` (None for one rank); every
+        rank asks for every group, in the same order. One per purpose and set of ranks, shared
+        by every runtime (`rannc.dist.new_group`: made per runtime, they grew with every new
+        input signature). Not the default group even where `ranks` are the world: an eager
+        schedule's buckets and its scalar sums are not posted in the same order on every rank,
+        and in one group they met the wrong peers (gloo aborted: "Received data size doesn't
+        match", a random-model case of tests/test_random_models_mpi.py)."""
+        return rdist.new_group(ranks, purpose) if len(ranks) > 1 else None
 
     # -- forward ---------------------------------------------------------------------------------
     def guess_sizes(self, agreement: CallAgreement) -> list[int] | None:

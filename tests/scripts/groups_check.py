@@ -4,9 +4,9 @@ Every new input signature (here: each sequence length, in training and in eval) 
 again and gets a runtime of its own; torch never frees a process group, so groups made per
 runtime grew by a few with every capture, without bound (with NCCL, a communicator and its
 buffers each). Two models, called with sequence lengths 4, 6, 8, 10 and 6 again, a training
-step and an eval call each: one stage on both ranks (its gradients are summed in the default
-group itself: no other group at all) and two stages sharing a tied weight (one group over both
-ranks for it, made once), and the runtimes' gradient reducers share one kept bucket buffer.
+step and an eval call each: one stage on both ranks (one group for its gradients beside the
+default group, made once) and two stages sharing a tied weight (one group over both ranks for
+it, made once), and the runtimes' gradient reducers share one kept bucket buffer.
 The losses equal the unwrapped model's on the global batch.
 Prints "PASS groups rank R one-stage G1 two-stage G2" with the most process groups seen."""
 
@@ -87,7 +87,7 @@ def main() -> None:
     rdist.init_process_group(timeout_s=300)
     rank, world = rdist.get_rank(), rdist.get_world_size()
     one = run(1, rank, world)
-    assert one == 1, f"one stage on every rank: {one} process groups, the default one expected"
+    assert one == 2, f"one stage on every rank: {one} process groups, the default and one more expected"
     two = run(2, rank, world)
     print(f"PASS groups rank {rank} one-stage {one} two-stage {two}", flush=True)
     rdist.shutdown()
