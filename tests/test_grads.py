@@ -280,6 +280,9 @@ def test_the_input_signatures_reducers_share_one_buffer_and_a_pending_bucket_kee
     for p in model.parameters():
         p.grad = None
     red_b.begin()  # signature b: a whole backward in between, in the same buffer
+    # (a's buckets all started and summed first, in order, as the shared groups need)
+    assert red_a.groups[0].started == len(red_a.groups[0].buckets)
+    assert all(b.work is None for b in red_a.groups[0].buckets)
     red_b.arm()
     model(xb).square().sum().backward()
     red_b.finish(sync=True)

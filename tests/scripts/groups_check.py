@@ -6,8 +6,11 @@ runtime grew by a few with every capture, without bound (with NCCL, a communicat
 buffers each). Two models, called with sequence lengths 4, 6, 8, 10 and 6 again, a training
 step and an eval call each: one stage on both ranks (one group for its gradients beside the
 default group, made once) and two stages sharing a tied weight (one group over both ranks for
-it, made once), and the runtimes' gradient reducers share one kept bucket buffer.
-The losses equal the unwrapped model's on the global batch.
+it, made once), and the runtimes' gradient reducers share one kept bucket buffer. Then two
+sequence lengths' calls before one backward through both, under 1F1B (whose forward() starts
+the gradient buckets) with small buckets: the second call's reducer finishes the first's
+buckets before it begins, in the shared group. Losses and gradients equal the unwrapped
+model's on the global batch.
 Prints "PASS groups rank R one-stage G1 two-stage G2" with the most process groups seen."""
 
 from __future__ import annotations
@@ -83,9 +86,30 @@ def run(partition_num: int, rank: int, world: int) -> int:
     return seen[-1]
 
 
+def two_calls_one_backward(rank: int, world: int) -> None:
+    torch.manual_seed(1)
+    model = Tied()
+    ref = copy.deepcopy(model)
+    wrapped = rannc.RaNNCModule(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                partition_num=1, microbatches=2, schedule="1f1b", bucket_mb=1e-4)
+    losses, wants = [], []
+    for step, seq in enumerate([4, 7]):
+        g = torch.Generator().manual_seed(10 + step)
+        ids = torch.randint(0, 16, (4 * world, seq), generator=g)
+        y = torch.randint(0, 16, (4 * world,), generator=g)
+        mine = slice(4 * rank, 4 * rank + 4)
+        losses.append(wrapped(ids[mine], y[mine]))
+        wants.append(ref(ids, y))
+    (losses[0] + 2 * losses[1]).backward()
+    (wants[0] + 2 * wants[1]).backward()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL, msg=n)
+
+
 def main() -> None:
     rdist.init_process_group(timeout_s=300)
     rank, world = rdist.get_rank(), rdist.get_world_size()
+    two_calls_one_backward(rank, world)
     one = run(1, rank, world)
     assert one == 2, f"one stage on every rank: {one} process groups, the default and one more expected"
     two = run(2, rank, world)
