@@ -431,11 +431,7 @@ class GradReducer:
             raise RuntimeError(f"rannc internal error: no_sync() left local gradient sums of "
                                f"{sorted(self.pending)[:3]} on rank {dist.get_rank()}, which this "
                                "input signature's stages do not hold")
-        with health.phase("gradient all-reduce"):
-            self._start_ready(wait=True, st=st)
-            for grp in self.groups:
-                for b in grp.buckets:
-                    self._complete(b, st)
+        self._sum_buckets(st)
         if callable(scale):
             scale = scale()
         # Each gradient as it will be if some holder got one: the reduced sum is exactly zero
@@ -626,13 +622,17 @@ class GradReducer:
         """Another reducer of the model begins: start and sum every bucket this one left (an
         eager forward's, every gradient final, its backward still to come), in order, and copy
         the sums out of the shared buffer; `finish` does the rest when that backward comes."""
-        st = self._state
-        if st is None:
-            return
-        self._start_ready(wait=True, st=st)
-        for grp in self.groups:
-            for b in grp.buckets:
-                self._complete(b, st)
+        if self._state is not None:
+            self._sum_buckets(self._state)
+
+    def _sum_buckets(self, st: _State) -> None:
+        """Start every bucket not started yet, in order, and wait for each, its sums copied back
+        (`finish`, `flush`)."""
+        with health.phase("gradient all-reduce"):
+            self._start_ready(wait=True, st=st)
+            for grp in self.groups:
+                for b in grp.buckets:
+                    self._complete(b, st)
 
     def _complete(self, b: _Bucket, st: _State) -> None:
         """Wait for bucket b and copy its sums back into the gradients."""
