@@ -10,8 +10,10 @@ a runtime for it (up to `max_captures` are kept). Every rank trains a transforme
 sequence length and makes an eval call after each, then prints, per step, the process groups
 this rank is in (torch never frees one: a gloo group holds a connection to each member and
 threads, an NCCL one a communicator and its buffers), the kept gradient-bucket buffers of
-all the model's runtimes (distinct storages and their MiB) beside the gradients' MiB, and the
-generated sources torch.fx keeps process-wide (one per graph module compiled: entries, MB).
+all the model's runtimes (distinct storages and their MiB) beside the gradients' MiB, the
+generated sources torch.fx keeps process-wide (one per graph module compiled: entries, MB), the
+torch ShapeEnvs alive (one per capture torch.export made: its fake mode, fake tensors, caches)
+and the process's resident MiB.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def kept_buffers(wrapped: Any) -> dict[int, int]:
@@ -40,8 +43,12 @@ def kept_buffers(wrapped: Any) -> dict[int, int]:
 
 
 def worker(a: argparse.Namespace) -> None:
+    import gc
+
+    import pipeline_memory as pm
     import torch
     from torch.distributed import distributed_c10d as c10d
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
     from torch.fx.graph_module import _loader
     from transformers import BertConfig, BertForSequenceClassification
 
@@ -72,11 +79,15 @@ def worker(a: argparse.Namespace) -> None:
             wrapped(input_ids=ids)
         wrapped.train()
         kept = kept_buffers(wrapped)
+        gc.collect()
+        gc.collect()  # (what the first pass makes collectable)
         rows.append({"step": step, "seq": seq, "groups": len(c10d._world.pg_map),
                      "buffers": len(kept), "buffer_mib": sum(kept.values()) / 2**20,
                      "grad_mib": grads / 2**20, "runtimes": len(wrapped._runtimes),
                      "fx_sources": len(_loader.eval_cache),
-                     "fx_mb": sum(len(s) for s in _loader.eval_cache.values()) / 1e6})
+                     "fx_mb": sum(len(s) for s in _loader.eval_cache.values()) / 1e6,
+                     "shape_envs": sum(isinstance(o, ShapeEnv) for o in gc.get_objects()),
+                     "rss_mib": pm.status_kb("VmRSS") / 1024})
     if rank == 0:
         print("RESULT " + json.dumps({"ranks": world, "rows": rows}), flush=True)
     rdist.shutdown()
@@ -101,12 +112,12 @@ def launch(a: argparse.Namespace) -> None:
     got = json.loads(line[len("RESULT "):])
     print(f"\n{got['ranks']} ranks, rank 0, after each training step and eval call:\n")
     print("| step | sequence length | runtimes | process groups | kept bucket buffers | their MiB "
-          "| gradients MiB | torch.fx sources | their MB |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| gradients MiB | torch.fx sources | their MB | ShapeEnvs | resident MiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in got["rows"]:
         print(f"| {r['step']} | {r['seq']} | {r['runtimes']} | {r['groups']} | {r['buffers']} "
               f"| {r['buffer_mib']:.2f} | {r['grad_mib']:.2f} | {r['fx_sources']} "
-              f"| {r['fx_mb']:.2f} |")
+              f"| {r['fx_mb']:.2f} | {r['shape_envs']} | {r['rss_mib']:.0f} |")
 
 
 def main() -> None:

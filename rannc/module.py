@@ -40,7 +40,7 @@ from rannc.deploy import Holdings, OneProcess, capture_signature, deployment_pla
 from rannc.deploy import optimizer_state_factor as optimizer_state_factor  # (its old home)
 from rannc.derive import derive_plan
 from rannc.errors import RaNNCError
-from rannc.graph import fx_sources
+from rannc.graph import leftovers
 from rannc.graph.capture import autocast_state, flatten_inputs
 from rannc.graph.extract import run_chain
 from rannc.graph.model_state import model_state, replaced
@@ -110,10 +110,10 @@ class RaNNCModule(nn.Module):
         self._planned_accumulation = False  # the plan counts an accumulation's gradients
         self._runtimes: OrderedDict[tuple[Any, ...], PipelineRuntime] = OrderedDict()
         self._warned_recapture = False
-        # torch.fx's cached sources of each capture's graph modules, given back when it is dropped
-        # or the wrapper is gone (`rannc.graph.fx_sources`)
-        self._sources: dict[tuple[Any, ...], list[str]] = {}
-        weakref.finalize(self, _forget_sources, self._sources)
+        # what torch keeps of each capture (cached sources, its ShapeEnv), given back when it is
+        # dropped or the wrapper is gone (`rannc.graph.leftovers`)
+        self._leftovers: dict[tuple[Any, ...], leftovers.Leftovers] = {}
+        weakref.finalize(self, _forget_leftovers, self._leftovers)
         self._calls = 0  # forward() calls: the "step" a failure report names
         self._last_rt: PipelineRuntime | None = None
         self._owned: list[nn.Parameter] | None = None  # the parameters this rank counts in norms
@@ -162,7 +162,7 @@ class RaNNCModule(nn.Module):
         dep = self._deployments.get(key)
         if dep is None:
             first = not self._deployments
-            mark = fx_sources.Mark()
+            mark = leftovers.Mark()
             validate.check_capturable(self.module, leaves, [layout.batch or 0], first)
             cap, atomic = capture_signature(self.module, args, kwargs,
                                             progress_for(self.rannc_config.progress, 0))
@@ -176,7 +176,7 @@ class RaNNCModule(nn.Module):
                                              atomic, None, leaves, [layout.batch or 0],
                                              NO_PROGRESS)
             self._deployments[key] = dep
-            self._sources[key] = mark.new()
+            self._leftovers[key] = mark.new(cap.gm)
             self._bound_cache(self._deployments, pinned=None)
             if first:
                 _seed_at_deployment(self.rannc_config)
@@ -247,7 +247,7 @@ class RaNNCModule(nn.Module):
         if rt is not None:
             self._runtimes.move_to_end(key)
         else:
-            mark = fx_sources.Mark()
+            mark = leftovers.Mark()
             validate.check_capturable(self.module, leaves, sizes, self._plan is None)
             progress = progress_for(self.rannc_config.progress, ctx.rank)
             with self._held.shaped_params(self.module):
@@ -290,7 +290,7 @@ class RaNNCModule(nn.Module):
             # The runtime of the planned deployment stays: the parameters this rank holds are
             # its stage's (a derived plan's stages hold a subset of them). (Not the first key:
             # move_to_end reorders the cache at every call.)
-            self._sources[key] = mark.new()
+            self._leftovers[key] = mark.new(cap.gm)
             self._bound_cache(self._runtimes, pinned=self._planned_key())
         cap = rt.cap
         self._last_rt = rt
@@ -333,7 +333,7 @@ class RaNNCModule(nn.Module):
                 break
             if key != pinned:
                 del cache[key]
-                fx_sources.forget(self._sources.pop(key, ()))
+                leftovers.forget(self._leftovers.pop(key, None))
 
     def write_trace(self, path: str, *, predicted_from: str = "plan") -> list[str]:
         """Write the last iteration's per-rank events (recorded with `config.trace`) as a
@@ -619,9 +619,8 @@ class _BackwardOnce:
                 "((loss_a + loss_b).backward()), or call the model again for another backward")
 
 
-def _forget_sources(sources: dict[tuple[Any, ...], list[str]]) -> None:
-    for keys in sources.values():
-        fx_sources.forget(keys)
+def _forget_leftovers(kept: dict[tuple[Any, ...], leftovers.Leftovers]) -> None:
+    leftovers.forget_all(kept.values())
 
 
 def _seed_at_deployment(config: Config) -> None:

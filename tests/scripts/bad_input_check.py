@@ -137,7 +137,11 @@ def meta_net() -> nn.Module:
 def capture_cache_is_bounded(rank: int, n: int) -> None:
     """A sequence length that changes at every call: at most max_captures runtimes are kept
     (the planned one, even when it is not the oldest entry, and the most recent), with one
-    warning saying to pad; torch.fx's cached sources of the dropped captures go with them."""
+    warning saying to pad; what torch kept of the dropped captures (torch.fx's cached sources,
+    their ShapeEnvs) goes with them."""
+    import gc
+
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
     from torch.fx.graph_module import _loader
 
     model = rannc.RaNNCModule(Net(), partition_num=2, profiler="estimate", max_captures=2)
@@ -147,11 +151,13 @@ def capture_cache_is_bounded(rank: int, n: int) -> None:
         # the planned length (1) used again makes it the most recent, not the first, entry
         for length in (1, 2, 1, 3, 4, 5):
             model(torch.randn(n, length, WIDTH)).backward()
-            sources.append(len(_loader.eval_cache))
+            gc.collect()
+            gc.collect()  # (a ShapeEnv given back in the first pass is freed in the second)
+            sources.append((len(_loader.eval_cache), sum(isinstance(o, ShapeEnv) for o in gc.get_objects())))
     said = [str(w.message) for w in got if "max_captures" in str(w.message)]
     kept = any(rt is model._held.runtime for rt in model._runtimes.values())
     # (lengths 3, 4 and 5 each drop a capture as they make one)
-    assert sources[3] == sources[4] == sources[5], f"torch.fx sources after each call: {sources}"
+    assert sources[3] == sources[4] == sources[5], f"(torch.fx sources, ShapeEnvs) after each call: {sources}"
     say(f"CACHE rank {rank} runtimes {len(model._runtimes)} planned kept {kept} warnings "
         f"{len(said)} {' '.join(said[0].split()) if said else ''}")
 
