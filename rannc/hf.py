@@ -53,12 +53,24 @@ class RaNNCTrainer(Trainer):
     `pad_across_ranks` (default True): a padding collator's token inputs (`input_ids` with their
     `attention_mask`, `labels`, ...) are padded on the right to the longest across ranks at each
     call, since a pipeline needs one shape on every rank; False: the collator must give every
-    rank one length."""
+    rank one length.
+
+    `pad_to_multiple_of` (default None): those inputs are padded on, to a multiple of this many
+    positions (also in one process), hidden the same way. Each new sequence length is a new
+    input signature, captured again (seconds; `max_captures` kept); with dynamic padding nearly
+    every batch has a length of its own, and a multiple such as 64 leaves a few. The results
+    are the unwrapped model's on the unpadded batch, up to rounding; the price is the padded
+    positions' compute."""
 
     _rannc_trainer = True  # RaNNCModule.state_dict() lets this class's rank-0 writes through
 
     def __init__(self, model: Any = None, *args: Any, pad_across_ranks: bool = True,
-                 **kwargs: Any) -> None:
+                 pad_to_multiple_of: int | None = None, **kwargs: Any) -> None:
+        if pad_to_multiple_of is not None and (isinstance(pad_to_multiple_of, bool)
+                                               or not isinstance(pad_to_multiple_of, int)
+                                               or pad_to_multiple_of < 1):
+            raise RaNNCError(f"RaNNCTrainer(pad_to_multiple_of={pad_to_multiple_of!r}): give a "
+                             "positive int (e.g. 64), or None to pad only to the longest across ranks")
         if not isinstance(model, RaNNCModule):
             raise RaNNCError(f"RaNNCTrainer trains a rannc.RaNNCModule, got {type(model).__name__}; "
                              "wrap the model first: RaNNCTrainer(model=rannc.RaNNCModule(model, opt))")
@@ -72,6 +84,7 @@ class RaNNCTrainer(Trainer):
         self._rannc_model: dict[str, Any] | None = None
         self._rannc_optim: dict[str, Any] | None = None
         self._pad_across_ranks = pad_across_ranks
+        self._pad_multiple = pad_to_multiple_of or 1
         self._padded_logged = False
         super().__init__(model, *args, **kwargs)
         inner = model.module
@@ -107,7 +120,8 @@ class RaNNCTrainer(Trainer):
         return cast(RaNNCModule, self.model)
 
     def _prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
-        """Trainer's, then the token inputs padded on the right to the longest across ranks.
+        """Trainer's, then the token inputs padded on the right to the longest across ranks
+        (rounded up to `pad_to_multiple_of`).
 
         A padding collator (DataCollatorWithPadding, DataCollatorForSeq2Seq, ...) pads each
         rank's batch to its own longest sequence; under DDP each rank runs its own graph, but a
@@ -116,16 +130,18 @@ class RaNNCTrainer(Trainer):
         after every real token, so the real tokens' positions and outputs do not change. A
         batch with other inputs of differing shapes is left as it is (rannc then names them)."""
         inputs = super()._prepare_inputs(inputs)
-        if not self._pad_across_ranks or rdist.get_world_size() < 2:
+        across = self._pad_across_ranks and rdist.get_world_size() > 1
+        if not across and self._pad_multiple == 1:
             return inputs
         keys = sorted(k for k, v in inputs.items() if k in _PADS and isinstance(v, torch.Tensor)
                       and v.dim() >= 2 and not v.is_floating_point())
         if not keys:
             return inputs
-        local = [inputs[k].shape[1] for k in keys]
-        longest = torch.tensor(local, device=inputs[keys[0]].device)
-        dist.all_reduce(longest, op=dist.ReduceOp.MAX)
-        want = dict(zip(keys, longest.tolist(), strict=True))
+        longest = torch.tensor([inputs[k].shape[1] for k in keys], device=inputs[keys[0]].device)
+        if across:
+            dist.all_reduce(longest, op=dist.ReduceOp.MAX)
+        m = self._pad_multiple
+        want = {k: -(-n // m) * m for k, n in zip(keys, longest.tolist(), strict=True)}
         if all(want[k] == inputs[k].shape[1] for k in keys):
             return inputs
         if any(want[k] != inputs[k].shape[1] and _NEEDS_MASK.get(k, k) not in inputs for k in keys):
@@ -140,9 +156,9 @@ class RaNNCTrainer(Trainer):
                 out[k] = torch.nn.functional.pad(inputs[k], (0, extra), value=value)
         if not self._padded_logged and rdist.get_rank() == 0:
             self._padded_logged = True
-            log.info("rannc: the ranks' batches had different sequence lengths; each call's token "
-                     "inputs are padded on the right to the longest across ranks (%s)",
-                     ", ".join(keys))
+            log.info("rannc: each call's token inputs are padded on the right to %s (%s)",
+                     " and ".join(["the longest across ranks"] * across
+                                  + [f"a multiple of {m}"] * (m > 1)), ", ".join(keys))
         return out
 
     def _pad_token_id(self) -> int:

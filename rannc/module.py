@@ -325,7 +325,8 @@ class RaNNCModule(nn.Module):
                 f"rannc: the model was called with {len(cache)} different input signatures "
                 "(shapes beyond the batch dim, keyword names, mode); each new one is captured "
                 f"again, and only the {limit} most recently used are kept (max_captures). Fix: "
-                "pad inputs to a few bucket lengths (e.g. sequence lengths to a multiple of 64, "
+                "pad inputs to a few bucket lengths (e.g. sequence lengths to a multiple of 64: "
+                "RaNNCTrainer(pad_to_multiple_of=64) or the data collator's pad_to_multiple_of; "
                 "or one maximum length), or raise max_captures if a few more shapes recur",
                 UserWarning, stacklevel=4)
         for key in list(cache):

@@ -23,7 +23,7 @@ SCRIPT = Path(__file__).resolve().parent / "scripts" / "hf_check.py"
 def test_accelerate_prepare_and_trainer_checkpoint_resume(tmp_path: Path) -> None:
     pytest.importorskip("accelerate")
     res = run_torchrun(SCRIPT, 2, ["--out", str(tmp_path / "run")], timeout=360)
-    for what in ("accelerate", "trainer", "trainer-masked", "trainer-ragged"):
+    for what in ("accelerate", "trainer", "trainer-masked", "trainer-ragged", "trainer-ragged8"):
         assert res.stdout.count(f"PASS {what} rank") == 2, res.stdout + res.stderr
     assert (tmp_path / "run" / "checkpoint-6" / "model.safetensors").is_file()
 
@@ -46,6 +46,40 @@ def test_trainer_subclass_wants_a_rannc_module() -> None:
 
     with pytest.raises(rannc.RaNNCError, match="RaNNCModule"):
         RaNNCTrainer(model=nn.Linear(2, 2))
+
+
+@pytest.mark.layer("single_process")
+def test_trainer_pads_to_a_multiple_in_one_process(tmp_path: Path) -> None:
+    """RaNNCTrainer(pad_to_multiple_of=8): a padding collator's batches of lengths 7, 9, 10 and 8
+    are padded on to 8 and 16 (two captures, not four), hidden as the collator's own padding,
+    and four SGD steps equal the unwrapped model's on the batches as the collator gave them."""
+    pytest.importorskip("accelerate")
+    import sys
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    import hf_check
+
+    from rannc.hf import RaNNCTrainer
+
+    for bad in (0, -8, 2.5, True):
+        with pytest.raises(rannc.RaNNCError, match=r"pad_to_multiple_of=.*positive int"):
+            RaNNCTrainer(model=rannc.RaNNCModule(nn.Linear(2, 2)), pad_to_multiple_of=bad)
+    data = hf_check.ragged_dataset()[:8]  # lengths 5, 7 | 9, 4 | 10, 3 | 6, 8
+    trainer, wrapped, ref = hf_check.sgd_trainer(str(tmp_path), data, {"pad_to_multiple_of": 8},
+                                                 data_collator=hf_check.pad_batch, max_steps=4)
+    trainer.train()
+    # each capture's inputs (after the call's layout): input_ids, attention_mask, labels of 8 or 16
+    # positions beyond the batch dim, and num_items_in_batch
+    lengths = [{leaf[2] for leaf in key[0][1:] if leaf[1]} for key in wrapped._deployments]
+    assert sorted(lengths, key=str) == [{(16,)}, {(8,)}], lengths
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for step in range(4):
+        batch = hf_check.pad_batch(data[2 * step:2 * step + 2])
+        count = hf_check.label_count(trainer, [batch["labels"]])
+        ref(**batch, num_items_in_batch=count).loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    hf_check.assert_same_state(0, wrapped.state_dict(), ref)
 
 
 @pytest.mark.layer("single_process")

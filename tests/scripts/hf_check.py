@@ -9,9 +9,10 @@ trains a tiny GPT-2 for 6 steps (2 stages, checkpoints at steps 3 and 6): the lo
 fresh model resumed from checkpoint-3 ends with the same parameters as the uninterrupted run;
 (3) RaNNCTrainer with unevenly masked labels (-100) equals the unwrapped model on the global batch;
 (4) so does RaNNCTrainer fed by a padding collator whose batches differ in length across ranks
-and between the calls of a gradient accumulation.
-Prints "PASS accelerate rank R", "PASS trainer rank R", "PASS trainer-masked rank R" and
-"PASS trainer-ragged rank R".
+and between the calls of a gradient accumulation, padding to the longest across ranks, and
+(5) to a multiple of 8 (pad_to_multiple_of: fewer captures).
+Prints "PASS accelerate rank R", "PASS trainer rank R", "PASS trainer-masked rank R",
+"PASS trainer-ragged rank R" and "PASS trainer-ragged8 rank R".
 --plain: the plain transformers.Trainer trains, then its rank-0 checkpoint save raises a
 RaNNCError naming rannc.hf.RaNNCTrainer (instead of hanging).
 """
@@ -124,11 +125,12 @@ def masked_dataset() -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": x, "labels": y} for x, y in zip(ids, labels, strict=True)]
 
 
-def sgd_trainer(out: str, data: list[dict[str, torch.Tensor]], **kw: Any,
-                ) -> tuple[Any, rannc.RaNNCModule, torch.nn.Module]:
+def sgd_trainer(out: str, data: list[dict[str, torch.Tensor]], trainer_kw: dict[str, Any] | None = None,
+                **kw: Any) -> tuple[Any, rannc.RaNNCModule, torch.nn.Module]:
     """RaNNCTrainer over a GPT-2 on 2 stages with SGD (lr 0.5, constant, no clipping, 2 steps),
     taking the rows in order (call c: rows 4c, 4c + 1 on rank 0; 4c + 2, 4c + 3 on rank 1),
-    and an unwrapped copy of the model for the reference. `kw`: more TrainingArguments."""
+    and an unwrapped copy of the model for the reference. `kw`: more TrainingArguments;
+    `trainer_kw`: RaNNCTrainer's own options."""
     from rannc.hf import RaNNCTrainer
 
     class InOrder(RaNNCTrainer):
@@ -141,8 +143,9 @@ def sgd_trainer(out: str, data: list[dict[str, torch.Tensor]], **kw: Any,
     wrapped = rannc.RaNNCModule(model, opt, partition_num=2, timeout_s=60)
     collator = kw.pop("data_collator", None)
     trainer = InOrder(model=wrapped, args=trainer_args(
-        out, save_strategy="no", max_grad_norm=0.0, lr_scheduler_type="constant",
-        learning_rate=0.5, max_steps=2, **kw), train_dataset=data, data_collator=collator)
+        out, **{**dict(save_strategy="no", max_grad_norm=0.0, lr_scheduler_type="constant",
+                       learning_rate=0.5, max_steps=2), **kw}), train_dataset=data, data_collator=collator,
+        **(trainer_kw or {}))
     return trainer, wrapped, ref
 
 
@@ -210,20 +213,28 @@ def pad_batch(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
                             for r in rows]) for k, v in pads.items()}
 
 
-def check_trainer_ragged(rank: int, out: str) -> None:
+def check_trainer_ragged(rank: int, out: str, multiple: int | None = None) -> None:
     """A padding collator pads each rank's batch to its own longest row, so the ranks pass
-    different sequence lengths; RaNNCTrainer pads them on to the longest across ranks. With
+    different sequence lengths; RaNNCTrainer pads them on to the longest across ranks (rounded
+    up to `multiple`: RaNNCTrainer(pad_to_multiple_of=...), fewer lengths to capture). With
     gradient_accumulation_steps=2 (Trainer's no_sync on the first call of each step) the two calls
     of a step have different lengths too: two SGD steps equal the unwrapped model's on the
     global batch, whose loss is the sum over the step's tokens over their count (Trainer's)."""
     data = ragged_dataset()
-    trainer, wrapped, ref = sgd_trainer(out, data, gradient_accumulation_steps=2,
-                                        data_collator=pad_batch)
+    trainer, wrapped, ref = sgd_trainer(out, data, {"pad_to_multiple_of": multiple},
+                                        gradient_accumulation_steps=2, data_collator=pad_batch)
     trainer.train()
     got = wrapped.state_dict()
     # evaluate() pads its ragged batches alike (eval mode: another captured graph). Both ranks
     # get the same 8 rows (one eval batch of 8 each, the shard filled by repeating rows).
     ev = trainer.evaluate(data[:8])
+    # one capture per length the calls were padded to (the training calls' 4 rows each, the
+    # eval call's 8), and mode
+    m = multiple or 1
+    lengths = {(-(-max(len(r["input_ids"]) for r in data[4 * c:4 * c + 4]) // m) * m, True)
+               for c in range(4)}
+    lengths.add((-(-max(len(r["input_ids"]) for r in data[:8]) // m) * m, False))
+    assert len(wrapped._runtimes) == len(lengths), (sorted(wrapped._runtimes), sorted(lengths))
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
     for step in range(2):
         calls = [pad_batch(data[4 * c:4 * c + 4]) for c in (2 * step, 2 * step + 1)]
@@ -240,7 +251,7 @@ def check_trainer_ragged(rank: int, out: str) -> None:
             trainer, [rows["labels"]])).loss)
     assert math.isclose(ev["eval_loss"], want_eval, rel_tol=1e-5), (ev, want_eval)
     assert_same_state(rank, got, ref)
-    print(f"PASS trainer-ragged rank {rank}", flush=True)
+    print(f"PASS trainer-ragged{multiple or ''} rank {rank}", flush=True)
 
 
 def check_plain_trainer_save(out: str) -> None:
@@ -269,6 +280,7 @@ def main() -> None:
     check_trainer(rank, a.out)
     check_trainer_masked_labels(rank, a.out + "-masked")
     check_trainer_ragged(rank, a.out + "-ragged")
+    check_trainer_ragged(rank, a.out + "-ragged8", multiple=8)
 
 
 if __name__ == "__main__":
