@@ -359,7 +359,8 @@ def worker(a: argparse.Namespace) -> None:
     Path(a.out, f"{a.worker}.rank{rank}.json").write_text(json.dumps(dict(
         rank=rank, peak_mb=peak_kb / 1024, forecast_mb=forecast / 2**20 if forecast else None,
         layout=layout, losses=losses)))
-    rdist.shutdown()
+    del run  # a DDP wrapper, before the process group goes (`pm.shutdown`)
+    pm.shutdown()
 
 
 def cpu_part(a: argparse.Namespace) -> None:

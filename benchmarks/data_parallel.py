@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def worker(a: argparse.Namespace) -> None:
+    import pipeline_memory as pm
     import torch
     import torch.distributed as dist
     from runtime_peers import batches, build
@@ -120,13 +121,8 @@ def worker(a: argparse.Namespace) -> None:
                    schedule=rmodel.plan.schedule)
         out["ratio"] = out["ddp_s"] / out["rannc_s"]
         print("RESULT " + json.dumps(out), flush=True)
-    rdist.shutdown()
-    # Leave without tearing down the two wrapped models: about one launch in ten of 4 ranks
-    # (ResNet, 1F1B) hung after this point, in the destructors run as the worker's frame
-    # ended, with no Python frame left (not yet located; noted in BENCHMARKS.md).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    ddp = None  # before the process group goes: a DDP wrapper outliving it can deadlock (`pm.shutdown`)
+    pm.shutdown()
 
 
 def launch(a: argparse.Namespace) -> None:

@@ -40,6 +40,8 @@ the C allocator keeps after tensors are freed, so it exceeds the live tensors.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import faulthandler
 import gc
 import json
 import logging
@@ -59,6 +61,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 MB = 2**20
 _TAG = "_RANNC_BENCH_LAUNCH"
+if os.environ.get(_TAG):
+    # A rank of a `launch` (its workers import this module): on SIGUSR1, which `launch` sends
+    # when the launch runs out of time, print every thread's Python stack, even while the main
+    # thread is stuck in native code (a hang is otherwise only "timed out").
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 # -- measuring --------------------------------------------------------------------------------
@@ -67,6 +74,25 @@ def cores_note(ranks: int) -> str:
     process's CPU affinity, which the ranks inherit), else ''."""
     cores = len(os.sched_getaffinity(0))
     return f" (oversubscribed: {cores} cores)" if ranks > cores else ""
+
+
+def shutdown() -> None:
+    """End a rank's process group, once the caller has dropped its DistributedDataParallel
+    wrappers (`del ddp`).
+
+    Why: a DDP wrapper's C++ Reducer holds the process group. Were it the last holder (the
+    wrapper outliving `destroy_process_group`), freeing it, which Python does holding the
+    interpreter lock, destroys the gloo group, which joins the group's worker threads; a worker
+    still freeing the work of a collective that just finished (a barrier's, with the tensors of
+    the collectives before it) needs that lock to drop their Python objects: a deadlock, in
+    perhaps one launch in a hundred on a loaded machine (seen with py-spy: the main thread in
+    ~Reducer -> ~ProcessGroupGloo -> thread::join, a worker in ~AsyncWork -> decref_pyobject ->
+    gil_scoped_acquire). Freed while the group lives, the Reducer only drops its reference, and
+    the group's own destruction releases the lock while it joins."""
+    from rannc import dist as rdist
+
+    gc.collect()  # (a wrapper in a reference cycle goes now, not at some later collection)
+    rdist.shutdown()
 
 
 def status_kb(field: str) -> int:
@@ -200,15 +226,39 @@ def worker(a: argparse.Namespace) -> None:
 
 
 # -- the driver -------------------------------------------------------------------------------
-def _kill_tagged(token: str) -> None:
-    """SIGKILL every process carrying this launch's tag (Hydra and the ranks call setsid)."""
+def _tagged(token: str) -> list[tuple[int, bytes]]:
+    """(pid, command line) of every process carrying this launch's tag (Hydra and the ranks call
+    setsid, so they are not in our process group)."""
     needle = f"{_TAG}={token}".encode()
+    found = []
     for entry in Path("/proc").glob("[0-9]*"):
         try:
             if int(entry.name) != os.getpid() and needle in (entry / "environ").read_bytes().split(b"\0"):
-                os.kill(int(entry.name), signal.SIGKILL)
+                found.append((int(entry.name), (entry / "cmdline").read_bytes()))
         except (OSError, ValueError):
             continue
+    return found
+
+
+def _kill_tagged(token: str) -> None:
+    """SIGKILL every process carrying this launch's tag."""
+    for pid, _ in _tagged(token):
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _dump_tagged(token: str) -> None:
+    """Every rank of a launch that ran out of time prints where its threads are (SIGUSR1, see
+    `faulthandler.register` at the top) to its stderr, which mpiexec passes on; the ranks live
+    on until `launch` kills them. Only the Python ranks get the signal (not mpiexec or Hydra's
+    proxies)."""
+    ranks = [pid for pid, cmd in _tagged(token) if Path(cmd.split(b"\0")[0].decode(errors="replace")).name
+             .startswith("python")]
+    print(f"  timed out: stacks of ranks (pids {ranks}) follow on stderr", flush=True)
+    for pid in ranks:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGUSR1)
+    time.sleep(2)
 
 
 def launch(cmd: list[str], timeout: float) -> None:
@@ -225,7 +275,16 @@ def launch(cmd: list[str], timeout: float) -> None:
     print("$", " ".join(cmd), flush=True)
     t0 = time.perf_counter()
     try:
-        subprocess.run(cmd, cwd=ROOT, env=env, check=True, timeout=timeout, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _dump_tagged(token)  # while mpiexec still runs, so the stacks get through
+            proc.kill()
+            proc.wait()
+            raise
+        if rc:
+            raise subprocess.CalledProcessError(rc, cmd)
     finally:
         _kill_tagged(token)
     print(f"  done in {time.perf_counter() - t0:.0f} s", flush=True)

@@ -440,7 +440,9 @@ def worker(a: argparse.Namespace) -> None:
                cpu_ms_step=1e3 * cpu_s / a.steps, faults_step=faults / a.steps,
                peak_mb=peak_kb / 1024, layout=layout, microbatches=mbs, schedule=sched_name, losses=losses)
     Path(a.out, f"{a.label}.rank{rank}.json").write_text(json.dumps(out))
-    rdist.shutdown()
+    if v == "ddp":
+        del ddp  # before the process group goes (`pm.shutdown`)
+    pm.shutdown()
 
 
 # -- the driver -------------------------------------------------------------------------------
@@ -656,6 +658,7 @@ def main() -> None:
         a.models, a.ranks, a.repeats, a.steps, a.warmup = ["bert"], [2], 1, 2, 1
         a.vocab, a.hidden, a.layers, a.heads, a.seq, a.microbatches = 128, 32, 2, 2, 16, 2
         a.batch = a.batch or 8
+        a.timeout = min(a.timeout, 180)  # a launch takes seconds: a hang shows its stacks early
     if a.new_schedules:
         a.variants = list(NEW_VARIANTS)
     a.batch_of = {"bert": a.batch or 16, "resnet": a.batch or 32, "standin": a.batch or 32}

@@ -17,9 +17,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def run(*args: str) -> str:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    res = subprocess.run([sys.executable, *args, "--smoke"], cwd=ROOT, env=env, text=True,
-                         capture_output=True, timeout=600)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    try:
+        res = subprocess.run([sys.executable, *args, "--smoke"], cwd=ROOT, env=env, text=True,
+                             capture_output=True, timeout=600)
+    except subprocess.TimeoutExpired as e:  # what it printed says where it was
+        out, err = (x.decode(errors="replace") if isinstance(x, bytes) else x or ""
+                    for x in (e.stdout, e.stderr))
+        pytest.fail(f"{args[0]} --smoke ran out of time (600 s):\n{out[-3000:]}\n{err[-6000:]}")
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-8000:]
     return res.stdout
 
 
@@ -311,3 +316,11 @@ def test_signatures_benchmark() -> None:
     got = rows(out, "| ")[1:]  # (less the header)
     assert [r[1] for r in got] == ["8", "12", "16"], out
     assert {r[3] for r in got} == {"2"} and {r[4] for r in got} == {"1"}, out
+    assert all(r[9] == r[2] for r in got), out  # a ShapeEnv alive per kept capture, no more
+
+
+@pytest.mark.layer("multi_rank")
+def test_ddp_teardown_benchmark() -> None:
+    out = run("benchmarks/ddp_teardown.py")
+    assert rows(out, "| wrapper first") == [["wrapper first", "1", "0"]], out
+    assert len(rows(out, "| group first")) == 1, out  # (which may hang: a count, not a check)
