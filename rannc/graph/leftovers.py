@@ -74,12 +74,16 @@ def shape_envs(gm: fx.GraphModule) -> list[Any]:
     """The ShapeEnvs of the fake values recorded on `gm`'s nodes (one for a torch.export)."""
     found: dict[int, Any] = {}
     for node in gm.graph.nodes:
-        val = node.meta.get("val")
-        mode = getattr(val, "fake_mode", None)  # a FakeTensor
-        env = getattr(mode, "shape_env", None) or getattr(getattr(val, "node", None), "shape_env", None)
+        env = _env_of(node.meta.get("val"))
         if env is not None:
             found.setdefault(id(env), env)
     return list(found.values())
+
+
+def _env_of(val: Any) -> Any:
+    """The ShapeEnv of a node's recorded value: a FakeTensor's mode's, or a SymInt's; else None."""
+    return getattr(getattr(val, "fake_mode", None), "shape_env", None) \
+        or getattr(getattr(val, "node", None), "shape_env", None)
 
 
 def forget(leftovers: Leftovers | None) -> None:
@@ -98,16 +102,27 @@ def forget(leftovers: Leftovers | None) -> None:
             tracked.clear()
     if envs:
         _clear_method_caches(type(envs[0]))
-        # torch.export's map from the last trace's fake tensors to its graph nodes (read only
-        # while an export runs, emptied when the next one starts): it holds the newest capture,
-        # or, when the wrapped model is gone, the last of its captures
-        try:
-            from torch.fx.experimental import proxy_tensor
-        except ImportError:  # pragma: no cover
+        _forget_last_export(envs)
+
+
+def _forget_last_export(envs: list[Any]) -> None:
+    """torch.export's map from its last trace's fake tensors to the trace's nodes (emptied when
+    the next export starts, read while one runs) holds that trace's ShapeEnv: the last capture
+    of a wrapped model that is gone. Emptied only when it is one of `envs`: this can run from a
+    finalizer in the middle of another model's export, whose map must stay."""
+    try:
+        from torch.fx.experimental import proxy_tensor
+    except ImportError:  # pragma: no cover
+        return
+    last = getattr(proxy_tensor, "_FAKE_TENSOR_ID_TO_PROXY_MAP_FOR_EXPORT", None)
+    if not isinstance(last, dict) or not last:
+        return
+    for node in last.values():
+        env = _env_of(getattr(node, "meta", {}).get("val"))
+        if env is not None:
+            if any(env is e for e in envs):
+                last.clear()
             return
-        last = getattr(proxy_tensor, "_FAKE_TENSOR_ID_TO_PROXY_MAP_FOR_EXPORT", None)
-        if isinstance(last, dict):
-            last.clear()
 
 
 def forget_all(leftovers: Iterable[Leftovers]) -> None:
