@@ -377,9 +377,7 @@ def cpu_part(a: argparse.Namespace) -> None:
         print("\n".join(log) + f" -> L{found[approach][0]}", flush=True)
     ddp_need = need_planner(bert.get(found["DDP"][0], a.cpu_hidden), cluster, bert.batch,
                             **FORCED["DDP"]) * 0.9  # the prediction, margin off
-    mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
-    if mpiexec is None:
-        sys.exit("no mpiexec next to the interpreter or on PATH (pip install mpi4py mpich)")
+    mpiexec = pm.mpiexec()
     tmp = Path(tempfile.mkdtemp(prefix="rannc_capacity_"))
     me = [sys.executable, str(Path(__file__).resolve())]
     rows = []

@@ -126,8 +126,9 @@ def worker(a: argparse.Namespace) -> None:
 
 
 def launch(a: argparse.Namespace) -> None:
-    exe = Path(sys.executable)
-    mpiexec = str(exe.parent / "mpiexec") if (exe.parent / "mpiexec").exists() else "mpiexec"
+    import pipeline_memory as pm
+
+    mpiexec = pm.mpiexec()
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]),
                                          env.get("PYTHONPATH", "")])

@@ -19,10 +19,12 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import pipeline_memory as pm  # noqa: E402  (mpiexec)
 
 ROOT = Path(__file__).resolve().parents[1]
 ORDERS = ("group first", "wrapper first")
@@ -51,9 +53,7 @@ def worker(order: str) -> None:
 
 
 def driver(a: argparse.Namespace) -> None:
-    mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
-    if mpiexec is None:
-        sys.exit("no mpiexec next to the interpreter or on PATH (pip install mpi4py mpich)")
+    mpiexec = pm.mpiexec()
     env = dict(os.environ, OMP_NUM_THREADS="1", RANNC_BACKEND="gloo",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     hung = dict.fromkeys(ORDERS, 0)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -31,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import pipeline_memory as pm  # noqa: E402  (mpiexec)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -84,9 +84,7 @@ def worker(a: argparse.Namespace) -> None:
 
 
 def driver(a: argparse.Namespace) -> None:
-    mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
-    if mpiexec is None:
-        sys.exit("no mpiexec next to the interpreter or on PATH (pip install mpi4py mpich)")
+    mpiexec = pm.mpiexec()
     variants: list[tuple[str, str, float]] = []  # (label, root, bucket_mb; 0: the default)
     if a.old_root:
         variants.append(("flat copy (before)", a.old_root, 0.0))

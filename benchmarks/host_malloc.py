@@ -82,9 +82,7 @@ def worker(a: argparse.Namespace) -> None:
 
 
 def driver(a: argparse.Namespace) -> None:
-    mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
-    if a.stages > 1 and mpiexec is None:
-        sys.exit("no mpiexec next to the interpreter or on PATH (pip install mpi4py mpich)")
+    mpiexec = pm.mpiexec() if a.stages > 1 else ""
     out = Path(tempfile.mkdtemp(prefix="rannc_host_malloc_"))
     me = [sys.executable, str(Path(__file__).resolve())]
     common = [f"--{k}={v}" for k, v in (("layers", a.layers), ("hidden", a.hidden), ("heads", a.heads),

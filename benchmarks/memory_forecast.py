@@ -266,7 +266,6 @@ def worker(a: argparse.Namespace) -> None:
 
 
 def driver(a: argparse.Namespace) -> None:
-    mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
     out = Path(tempfile.mkdtemp(prefix="rannc_memory_forecast_"))
     me = [sys.executable, str(Path(__file__).resolve())]
     common = [f"--{k}={v}" for k, v in (("layers", a.layers), ("hidden", a.hidden), ("heads", a.heads),
@@ -282,9 +281,7 @@ def driver(a: argparse.Namespace) -> None:
             for s in a.stages:
                 cmd = [*me, "--worker", "--model", model, *common]
                 if s * a.replicas > 1:
-                    if mpiexec is None:
-                        sys.exit("no mpiexec next to the interpreter or on PATH (pip install mpi4py mpich)")
-                    cmd = [mpiexec, "-n", str(s * a.replicas), *cmd]
+                    cmd = [pm.mpiexec(), "-n", str(s * a.replicas), *cmd]
                 pm.launch(cmd, a.timeout)
         rows = [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
     finally:

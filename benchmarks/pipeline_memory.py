@@ -226,6 +226,15 @@ def worker(a: argparse.Namespace) -> None:
 
 
 # -- the driver -------------------------------------------------------------------------------
+def mpiexec() -> str:
+    """The mpiexec next to the interpreter (the mpich wheel's), else the one on PATH; without
+    one, the benchmark exits naming the fix."""
+    found = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
+    if found is None:
+        sys.exit("no mpiexec next to the interpreter or on PATH (pip install mpi4py mpich)")
+    return found
+
+
 def _tagged(token: str) -> list[tuple[int, bytes]]:
     """(pid, command line) of every process carrying this launch's tag (Hydra and the ranks call
     setsid, so they are not in our process group)."""

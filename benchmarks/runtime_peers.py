@@ -457,9 +457,7 @@ def n_layers(name: str, a: argparse.Namespace) -> int:
 
 
 def driver(a: argparse.Namespace) -> None:
-    mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
-    if mpiexec is None:
-        sys.exit("no mpiexec next to the interpreter or on PATH (pip install mpi4py mpich)")
+    mpiexec = pm.mpiexec()
     if a.malloc == "reuse":  # the environment the launched ranks inherit (`pm.launch`)
         from rannc.hostmem import REUSE_THRESHOLD
 
