@@ -58,9 +58,10 @@ class RaNNCTrainer(Trainer):
     `pad_to_multiple_of` (default None): those inputs are padded on, to a multiple of this many
     positions (also in one process), hidden the same way. Each new sequence length is a new
     input signature, captured again (seconds; `max_captures` kept); with dynamic padding nearly
-    every batch has a length of its own, and a multiple such as 64 leaves a few. The results
-    are the unwrapped model's on the unpadded batch, up to rounding; the price is the padded
-    positions' compute."""
+    every batch has a length of its own, and a multiple such as 64 leaves a few. Losses and
+    gradients are the unwrapped model's on the unpadded batch, up to rounding (`predict()`'s
+    outputs carry the padded positions, labelled -100); the price is the padded positions'
+    compute."""
 
     _rannc_trainer = True  # RaNNCModule.state_dict() lets this class's rank-0 writes through
 
