@@ -8,7 +8,8 @@ barrier, and ends in one of two orders: "group first" destroys the process group
 (`rdist.shutdown()`) and then frees the DDP wrapper, as a function returning after its
 shutdown call does; "wrapper first" frees the wrapper, then destroys the group
 (`pipeline_memory.shutdown`, which says why). A launch that has not exited within
-`--timeout` seconds is killed and counted as hung. Prints the count of each order.
+`--timeout` seconds prints its ranks' stacks, is killed (`pipeline_memory.launch`) and is
+counted as hung. Prints the count of each order.
 
 (A DDP wrapper's C++ Reducer holds the group; freed last, under the interpreter lock, it
 destroys the gloo group, whose destructor joins worker threads that may need that lock.)
@@ -17,16 +18,13 @@ destroys the gloo group, whose destructor joins worker threads that may need tha
 from __future__ import annotations
 
 import argparse
-import gc
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import pipeline_memory as pm  # noqa: E402  (mpiexec)
+import pipeline_memory as pm  # noqa: E402  (mpiexec, launch, shutdown)
 
-ROOT = Path(__file__).resolve().parents[1]
 ORDERS = ("group first", "wrapper first")
 
 
@@ -45,8 +43,7 @@ def worker(order: str) -> None:
     dist.barrier()
     if order == "wrapper first":
         del ddp
-        gc.collect()
-        rdist.shutdown()
+        pm.shutdown()
     else:
         rdist.shutdown()
         del ddp  # (the last reference to the gloo group goes with the Reducer)
@@ -54,21 +51,13 @@ def worker(order: str) -> None:
 
 def driver(a: argparse.Namespace) -> None:
     mpiexec = pm.mpiexec()
-    env = dict(os.environ, OMP_NUM_THREADS="1", RANNC_BACKEND="gloo",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     hung = dict.fromkeys(ORDERS, 0)
     for _ in range(a.launches):
         for order in ORDERS:  # alternating: the machine's load meets both alike
-            proc = subprocess.Popen([mpiexec, "-n", "2", sys.executable, __file__, "--worker", order],
-                                    env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                    start_new_session=True)
-            try:
-                proc.wait(timeout=a.timeout)
+            try:  # (a launch that runs out of time prints its ranks' stacks, then is killed)
+                pm.launch([mpiexec, "-n", "2", sys.executable, __file__, "--worker", order], a.timeout)
             except subprocess.TimeoutExpired:
                 hung[order] += 1
-                os.killpg(proc.pid, 9)  # mpiexec and, through its session, its ranks' proxies
-                proc.wait()
-                subprocess.run(["pkill", "-9", "-f", f"{Path(__file__).name} --worker"], check=False)
     print("| teardown order | launches | did not exit |")
     print("|---|---|---|")
     for order in ORDERS:
