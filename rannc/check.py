@@ -10,8 +10,9 @@ directory, or a ``.py`` file) and a callable in it taking no arguments. It retur
 
 * ``model``: the unwrapped ``nn.Module`` in training mode. Every rank calls the factory after
   ``torch.manual_seed(seed)``, so building it from torch's RNG gives every rank the same model.
-  Use dropout 0 (or none): rannc replays dropout masks, but the reference here runs on the
-  whole batch and draws its masks differently.
+  On several ranks use dropout 0 (or none): each rank draws its masks for its own rows, the
+  reference here for the whole batch. In one process the reference's call starts from the
+  generator state rannc's did, so random ops (dropout, a router's sampling) are compared too.
 * ``batch(n)``: the GLOBAL batch of ``n`` rows: a dict of keyword inputs, a tuple of positional
   inputs, or one tensor. Tensors whose first dimension is ``n`` are split by rows across the
   ranks (rank order, the first ranks one row more when ``n`` does not divide); other inputs go
@@ -449,8 +450,11 @@ def _compare(case: Case, s: Settings, rank: int, world: int, checks: dict[str, C
         for k, (batch, label) in enumerate(micro):
             sync = contextlib.nullcontext() if k == len(micro) - 1 else wrapped.no_sync()
             local = input_rows(batch, mine, n)
+            draws = torch.get_rng_state()
             with sync:
                 out = call(wrapped, local)
+                if world == 1:  # in one process rannc draws what the model draws (dropout)
+                    torch.set_rng_state(draws)
                 ref_out = call(ref, batch)
                 _compare_outputs(checks["outputs"], label, out, rank_rows(ref_out, out, mine, n),
                                  tol)

@@ -666,8 +666,12 @@ def _in_plain_hf_trainer_save() -> bool:
 
 def _compile_stage(gm: fx.GraphModule) -> Any:
     """torch.compile one stage's module (Config.compile): the captured ATen graph rannc runs,
-    which Dynamo traces without the wrapper's Python (planning, collectives) in the way."""
-    return torch.compile(gm)
+    which Dynamo traces without the wrapper's Python (planning, collectives) in the way. A
+    model's own autograd.Functions run eagerly between the compiled pieces (their backward is
+    Python that the compiled graph's autograd would not call)."""
+    from rannc.graph.functions import eager_in_compile
+
+    return torch.compile(eager_in_compile(gm))
 
 
 def _show_plan(plan: Plan) -> None:

@@ -36,6 +36,7 @@ from torch.export import Dim, ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind, OutputSpec, TensorArgument
 
 from rannc.errors import CaptureError, output_type_error
+from rannc.graph import functions
 from rannc.graph.model_state import model_state
 from rannc.graph.native import forward_reachable
 from rannc.graph.task_graph import COPY_OP, WRITE_BACK_OP, Task, TaskGraph, Value, ValueKind
@@ -176,7 +177,7 @@ def capture(
     t0 = time.perf_counter()
 
     def export() -> ExportedProgram:
-        with _keywords_in_signature(model, named), _layerdrop_draws():
+        with _keywords_in_signature(model, named), _layerdrop_draws(), functions.kept_whole():
             return torch.export.export(model, tuple(ex_args), dict(ex_kwargs),
                                        dynamic_shapes=dynamic_shapes, strict=False)
     try:

@@ -160,6 +160,18 @@ def mixtral() -> Case:
 
 
 @_sequences
+def phimoe() -> Case:
+    """Its router's gradient is its own autograd.Function's (sparsemixer's estimate), which a
+    capture kept only as the derivative of its forward before (rannc.graph.functions). Its
+    training draws random numbers (Gumbel sampling of the experts): one process only, where
+    rannc draws what the model draws."""
+    from transformers import PhimoeConfig, PhimoeForCausalLM
+
+    cfg = _cfg(PhimoeConfig, **_DEC, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+    return Case(PhimoeForCausalLM(cfg), _lm_batch())
+
+
+@_sequences
 def gpt2() -> Case:
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -260,6 +272,16 @@ def albert() -> Case:
     def batch(n: int) -> dict[str, torch.Tensor]:
         return {**base(n), "sentence_order_label": torch.randint(0, 2, (n,))}
     return Case(AlbertForPreTraining(cfg), batch)
+
+
+@_sequences
+def yoso() -> Case:
+    """Attention by the expectation of LSH collisions: its own autograd.Function, whose
+    backward is its own closed form (before rannc.graph.functions, replaced by autograd of the
+    forward's ops: gradients off by up to 46x)."""
+    from transformers import YosoConfig, YosoForMaskedLM
+
+    return Case(YosoForMaskedLM(_cfg(YosoConfig, **_ENC, use_expectation=True)), _lm_batch())
 
 
 @_sequences
@@ -826,6 +848,7 @@ MODELS: dict[str, tuple[Callable[[], Case], str, bool]] = {
     "gemma": (gemma, "transformers", False),
     "phi": (phi, "transformers", False),
     "mixtral": (mixtral, "transformers", False),
+    "phimoe": (phimoe, "transformers", False),
     "gpt2": (gpt2, "transformers", False),
     "gpt_neox": (gpt_neox, "transformers", False),
     "opt": (opt, "transformers", False),
@@ -837,6 +860,7 @@ MODELS: dict[str, tuple[Callable[[], Case], str, bool]] = {
     "distilbert": (distilbert, "transformers", False),
     "albert": (albert, "transformers", False),
     "electra": (electra, "transformers", False),
+    "yoso": (yoso, "transformers", False),
     "deberta_v2": (deberta_v2, "transformers", False),
     "t5": (t5, "transformers", False),
     "bart": (bart, "transformers", False),
