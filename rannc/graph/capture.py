@@ -36,7 +36,7 @@ from torch.export import Dim, ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind, OutputSpec, TensorArgument
 
 from rannc.errors import CaptureError, output_type_error
-from rannc.graph import functions
+from rannc.graph import functions, hooks
 from rannc.graph.model_state import model_state
 from rannc.graph.native import forward_reachable
 from rannc.graph.task_graph import COPY_OP, WRITE_BACK_OP, Task, TaskGraph, Value, ValueKind
@@ -170,6 +170,7 @@ def capture(
         )
     device = _model_device(model)
     _warn_autocast_on_meta(device)
+    hooks.check_module_hooks(model)
     leaves = [_prepare_leaf(x, b, device) for x, b in zip(leaves, layout.batch_leaves, strict=True)]
     ex_args, ex_kwargs = pytree.tree_unflatten(leaves, layout.spec)
     named = _signature_naming(model, ex_kwargs)
@@ -177,7 +178,8 @@ def capture(
     t0 = time.perf_counter()
 
     def export() -> ExportedProgram:
-        with _keywords_in_signature(model, named), _layerdrop_draws(), functions.kept_whole():
+        with _keywords_in_signature(model, named), _layerdrop_draws(), functions.kept_whole(), \
+                hooks.tensor_hooks_refused():
             return torch.export.export(model, tuple(ex_args), dict(ex_kwargs),
                                        dynamic_shapes=dynamic_shapes, strict=False)
     try:
@@ -445,6 +447,8 @@ def _capture_error(model: nn.Module, e: BaseException,
     names = {id(m): n for n, m in model.named_modules()}
     path, where = site or _innermost_module(
         (frame for frame, _ in traceback.walk_tb(e.__traceback__)), names) or (None, "")
+    if isinstance(e, CaptureError):  # rannc's own refusal from inside the trace says it all
+        return CaptureError(f"{e} (in module '{path}')", module_path=path)
     reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
     if _BATCH_FIXED in str(e):
         reason += (" The model's code fixes the batch size (e.g. x.view(4, -1) or a "
