@@ -158,7 +158,7 @@ class RaNNCModule(nn.Module):
             with health.phase("forward", self._calls):
                 return self._forward_distributed(ctx, args, kwargs)
         leaves, layout = flatten_inputs(args, kwargs)
-        key = (layout.signature, self.training, autocast_state())
+        key = (layout.signature, self.training, model_state(self.module).modes(), autocast_state())
         dep = self._deployments.get(key)
         if dep is None:
             first = not self._deployments
@@ -231,13 +231,14 @@ class RaNNCModule(nn.Module):
             validate.check_config(self.rannc_config, ctx.world_size)
         self._check_kept()
         leaves, layout = flatten_inputs(args, kwargs)
-        key = (layout.signature, self.training, autocast_state())
+        modes = model_state(self.module).modes()
+        key = (layout.signature, self.training, modes, autocast_state())
         # Before anything a rank might do alone: every rank raises at `resolve`, or none does.
         # A call like the last one runs on its row layout before the ranks agree (see
         # PipelineRuntime.forward); any other waits for the agreement here. (Where the runtime
         # carries the call's scalar sums in it, a guessed call posts it once they are known.)
         agreement = validate.post_call(args, kwargs, leaves, layout, ctx,
-                                       validate.call_mode(self.training, key[2])
+                                       validate.call_mode(self.training, key[3], modes)
                                        + _grad_inputs_text(args, kwargs), start=False)
         rt = self._runtimes.get(key)
         guess = rt.guess_sizes(agreement) if rt is not None else None

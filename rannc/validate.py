@@ -85,13 +85,20 @@ class CallSignature:
     leaves: tuple[LeafSignature, ...]
 
 
-def call_mode(training: bool, autocast: Sequence[tuple[str, bool, Any]]) -> str:
+def call_mode(training: bool, autocast: Sequence[tuple[str, bool, Any]],
+              other_modes: Sequence[str] = ()) -> str:
     """How this call runs the pipeline: every rank must agree (a rank under no_grad runs only
-    forwards while the others wait for gradients). `autocast`: (device type, on, dtype)."""
+    forwards while the others wait for gradients). `autocast`: (device type, on, dtype);
+    `other_modes`: the modules in the other mode than the model (`ModelState.modes`)."""
     casts = [f"autocast({dev}, {str(dtype).removeprefix('torch.')})"
              for dev, on, dtype in autocast if on]
     grad = "grad enabled" if torch.is_grad_enabled() else "no_grad"
-    return ", ".join([f"{'train' if training else 'eval'} mode", grad, *casts])
+    mode = f"{'train' if training else 'eval'} mode"
+    if other_modes:
+        shown = ", ".join(other_modes[:3]) + (f" and {len(other_modes) - 3} more"
+                                              if len(other_modes) > 3 else "")
+        mode += f" ({shown} in {'eval' if training else 'train'} mode)"
+    return ", ".join([mode, grad, *casts])
 
 
 def call_signature(args: Sequence[Any], kwargs: Mapping[str, Any],

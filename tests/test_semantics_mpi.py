@@ -127,6 +127,20 @@ def test_batchnorm(n: int, args: list[str], launches: CaseLaunches, request: pyt
         assert "microbatches 1" in res.stdout
 
 
+CASES["frozen_bn"] = Case(3, ["--case", "frozen_bn", "--replicas", "2,1", "--microbatches", "1",
+                              "--batch", "7"])
+
+
+@pytest.mark.cases("frozen_bn")
+def test_a_submodule_switched_to_eval_and_back_is_captured_in_each_mode(launches: CaseLaunches) -> None:
+    """The embedder (its BatchNorm) frozen with .eval() under model.train() for two steps,
+    then trained again; 2 stages x replicas [2, 1], batchnorm="sync": outputs, loss, gradients
+    and every buffer equal the unwrapped model's at every step (before, the graph captured in
+    train mode kept running: its logits differed from the first frozen step on)."""
+    res = launches.result("frozen_bn")
+    _passed(res.stdout, "frozen_bn", 3)
+
+
 CASES["unused_count"] = Case(2, ["--case", "unused_count", "--partition-num", "2", "--batch", "6"])
 
 

@@ -102,6 +102,38 @@ def test_eval_mode_and_no_grad() -> None:
         assert_tree_close(wrapped(*case.args), ref(*case.args))
 
 
+def test_a_submodule_in_the_other_mode_is_captured_as_it_is() -> None:
+    """BatchNorm frozen with .eval() under model.train(), then trained again, and dropout kept
+    on under model.eval() (Monte Carlo dropout): each combination of modes runs the graph
+    captured in it (before, the first capture kept running: batch statistics for a frozen
+    BatchNorm, its running buffers updated)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8),
+                                torch.nn.Dropout(0.5), torch.nn.Linear(8, 2))
+    ref = copy.deepcopy(model)
+    wrapped = rannc.RaNNCModule(model)
+    for step, (train, bn_train, dropout_train) in enumerate(
+            [(True, True, True), (True, False, True), (True, True, True), (False, False, True)]):
+        wrapped.train(train)
+        ref.train(train)
+        for m in (model, ref):
+            m[1].train(bn_train)
+            m[2].train(dropout_train)
+        x = torch.randn(6, 4)
+        torch.manual_seed(step)
+        got = wrapped(x)
+        torch.manual_seed(step)
+        want = ref(x)
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m, s=step: f"step {s}: {m}")
+        if train:
+            got.sum().backward()
+            want.sum().backward()
+            for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+                torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=n)
+        for (n, b), c in zip(model.named_buffers(), ref.buffers(), strict=True):
+            torch.testing.assert_close(b, c, rtol=0, atol=0, msg=n)
+
+
 @pytest.mark.layer("pure")
 def test_released_parameter_memory_goes_back_to_the_os() -> None:
     """After a rank releases the parameters it does not hold, rannc trims the C heap: the

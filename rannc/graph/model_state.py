@@ -45,6 +45,7 @@ class ModelState:
         self._buffers: dict[str, torch.Tensor] = {}
         self._slots: list[_Slot] = []
         self._links: list[tuple[nn.Module, str, nn.Module]] = []  # (parent, name, child)
+        self._named: list[tuple[str, nn.Module]] = []  # every module but the model itself
         self.builds = 0  # how often the dictionaries were built (tests read it)
         self.checks = 0  # how often the tree was checked (tests read it)
         self._held = 0  # open `unchanged()` blocks: the tree was checked at the outermost
@@ -62,6 +63,18 @@ class ModelState:
         """(`params()`, `buffers()`) after one check of the tree."""
         self._check()
         return self._params, self._buffers
+
+    def modes(self) -> tuple[str, ...]:
+        """The modules whose mode (`training`) is not the model's own: a BatchNorm frozen with
+        `.eval()` under `model.train()`, dropout kept on with `.train()` under `model.eval()`.
+        Part of a capture's key: the graph records each module's mode (BatchNorm's batch or
+        running statistics, dropout or none), so a module switched after a capture needs a
+        capture of its own."""
+        self._check()
+        model = self._model()
+        assert model is not None, "ModelState of a model that is gone"
+        root = model.training
+        return tuple(path for path, m in self._named if m.training != root)
 
     @contextlib.contextmanager
     def unchanged(self) -> Iterator[None]:
@@ -99,6 +112,7 @@ class ModelState:
         self._buffers = dict(model.named_buffers(remove_duplicate=False))
         modules = dict(model.named_modules(remove_duplicate=False))
         self._links = []
+        self._named = [(path, mod) for path, mod in modules.items() if path]
         for path, mod in modules.items():
             if path:
                 parent_path, _, name = path.rpartition(".")

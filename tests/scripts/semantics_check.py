@@ -388,10 +388,42 @@ def check_batchnorm(a: argparse.Namespace, rank: int, world: int) -> None:
           f"replicas {[len(st.ranks) for st in wrapped.plan.stages]}", flush=True)
 
 
+def check_frozen_bn(a: argparse.Namespace, rank: int, world: int) -> None:
+    """A submodule switched to eval() under model.train() (BatchNorm frozen for fine-tuning)
+    and back: each switch is a capture of its own (before, rannc kept running the graph
+    captured with the module in train mode: its batch statistics, its running buffers
+    updated). Outputs, loss, gradients and every buffer equal the unwrapped model's."""
+    torch.manual_seed(0)
+    n = a.batch
+    model = tiny_resnet()
+    ref = copy.deepcopy(model)
+    sizes = local_sizes(n, world)
+    lo = sum(sizes[:rank])
+    hi = lo + sizes[rank]
+    opt_w = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)
+    opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-4)
+    wrapped = rannc.RaNNCModule(model, opt_w, batchnorm=a.bn_mode, **options(a))
+    bn_buffers = [k for k, _ in ref.named_buffers()]
+    for step, frozen in enumerate((False, True, True, False)):
+        for m in (model, ref):
+            m.resnet.embedder.train(not frozen)
+        x, y = torch.randn(n, 3, 16, 16), torch.randint(0, 5, (n,))
+        out = wrapped(pixel_values=x[lo:hi], labels=y[lo:hi])
+        ref_out = ref(pixel_values=x, labels=y)
+        what = f"rank {rank} step {step} ({'frozen' if frozen else 'training'} embedder)"
+        close(out.logits, ref_out.logits[lo:hi], f"{what} logits")
+        close(out.loss, ref_out.loss, f"{what} loss")
+        out.loss.backward()
+        ref_out.loss.backward()
+        buffers_close(wrapped.state_dict(rank0_only=False), ref, bn_buffers, what)
+        grads_close_then_step(wrapped, ref, (opt_w, opt_r), what)
+    print(f"PASS frozen_bn rank {rank}", flush=True)
+
+
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--case", required=True, choices=["input_grad", "masked_lm", "batchnorm", "unused_count",
-                                                "functional_bn", "loss_grad"])
+                                                "functional_bn", "loss_grad", "frozen_bn"])
     p.add_argument("--bn-mode", default="sync", help="batchnorm: local or sync")
     p.add_argument("--model", default="llama", help="masked_lm: llama or roberta")
     p.add_argument("--replicas", default="")
@@ -408,7 +440,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def run(a: argparse.Namespace, ctx: rdist.DistContext) -> None:
     {"input_grad": check_input_grad, "masked_lm": check_masked_lm,
      "batchnorm": check_batchnorm, "unused_count": check_unused_count,
-     "functional_bn": check_functional_bn, "loss_grad": check_loss_grad}[a.case](a, ctx.rank, ctx.world_size)
+     "functional_bn": check_functional_bn, "loss_grad": check_loss_grad,
+     "frozen_bn": check_frozen_bn}[a.case](a, ctx.rank, ctx.world_size)
 
 
 def main() -> None:
