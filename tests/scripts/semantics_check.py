@@ -334,22 +334,29 @@ def buffers_close(got: dict[str, Any], ref: nn.Module, names: list[str], what: s
         close(got[name].to(want[name].dtype), want[name], f"{what} buffer {name}")
 
 
+def resnet_pair(a: argparse.Namespace, rank: int, world: int
+                ) -> tuple[nn.Module, nn.Module, Any, tuple[Any, Any], tuple[int, int]]:
+    """The tiny ResNet (seed 0), its unwrapped copy, the wrapped one with `a.bn_mode`, both
+    AdamW optimizers, and this rank's rows of a global batch of `a.batch`."""
+    torch.manual_seed(0)
+    model = tiny_resnet()
+    ref = copy.deepcopy(model)
+    sizes = local_sizes(a.batch, world)
+    lo = sum(sizes[:rank])
+    opt_w = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)
+    opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-4)
+    wrapped = rannc.RaNNCModule(model, opt_w, batchnorm=a.bn_mode, **options(a))
+    return model, ref, wrapped, (opt_w, opt_r), (lo, lo + sizes[rank])
+
+
 def check_batchnorm(a: argparse.Namespace, rank: int, world: int) -> None:
     """batchnorm="sync": outputs, loss, gradients, running statistics, and eval() outputs after
     2 AdamW steps equal the unwrapped model's. "local" (the default): the outputs differ (each
     microbatch and replica normalises its own rows) but the running statistics of a BatchNorm
     whose input does not depend on another's are the unwrapped model's after a call."""
-    torch.manual_seed(0)
     n = a.batch
-    model = tiny_resnet()
-    ref = copy.deepcopy(model)
+    model, ref, wrapped, (opt_w, opt_r), (lo, hi) = resnet_pair(a, rank, world)
     x_all, y_all = torch.randn(n, 3, 16, 16), torch.randint(0, 5, (n,))
-    sizes = local_sizes(n, world)
-    lo = sum(sizes[:rank])
-    hi = lo + sizes[rank]
-    opt_w = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)
-    opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-4)
-    wrapped = rannc.RaNNCModule(model, opt_w, batchnorm=a.bn_mode, **options(a))
     bn_buffers = [k for k, _ in ref.named_buffers()]
     if a.bn_mode == "local":
         out = wrapped(pixel_values=x_all[lo:hi], labels=y_all[lo:hi])
@@ -393,16 +400,8 @@ def check_frozen_bn(a: argparse.Namespace, rank: int, world: int) -> None:
     and back: each switch is a capture of its own (before, rannc kept running the graph
     captured with the module in train mode: its batch statistics, its running buffers
     updated). Outputs, loss, gradients and every buffer equal the unwrapped model's."""
-    torch.manual_seed(0)
     n = a.batch
-    model = tiny_resnet()
-    ref = copy.deepcopy(model)
-    sizes = local_sizes(n, world)
-    lo = sum(sizes[:rank])
-    hi = lo + sizes[rank]
-    opt_w = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)
-    opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-4)
-    wrapped = rannc.RaNNCModule(model, opt_w, batchnorm=a.bn_mode, **options(a))
+    model, ref, wrapped, (opt_w, opt_r), (lo, hi) = resnet_pair(a, rank, world)
     bn_buffers = [k for k, _ in ref.named_buffers()]
     for step, frozen in enumerate((False, True, True, False)):
         for m in (model, ref):
