@@ -253,7 +253,7 @@ class RaNNCModule(nn.Module):
             progress = progress_for(self.rannc_config.progress, ctx.rank)
             with self._held.shaped_params(self.module):
                 cap, atomic = capture_signature(self.module, args, kwargs, progress)
-            validate.agree_on_graph(cap.graph.fingerprint(), sizes, ctx.device)
+            validate.agree_on_graph(cap.graph, sizes, ctx.device)
             if self._plan is None:
                 cfg = self._planning_config()
                 plan = deployment_plan(cfg, self.module, self.optimizer, cap, atomic, ctx, leaves,

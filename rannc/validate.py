@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -50,6 +51,7 @@ from rannc.plans import check_replicas_divide
 if TYPE_CHECKING:  # rannc.graph.capture imports this module
     from rannc.dist import DistContext
     from rannc.graph.capture import InputLayout
+    from rannc.graph.task_graph import TaskGraph
 
 _SAME_INPUTS = ("Every rank must pass the same arguments, each tensor with the same dtype, "
                 "device type and sizes in every dimension but the batch dimension (dim 0); only "
@@ -264,20 +266,38 @@ def agree_on_collective(kind: str, device: torch.device) -> None:
         raise CallOrderError(describe_call_order(calls))
 
 
-def agree_on_graph(fingerprint: str, sizes: Sequence[int], device: torch.device) -> None:
+def _digest_of(fingerprint: str) -> int:
+    return int(fingerprint[:13], 16) if re.fullmatch(r"[0-9a-f]{13,}", fingerprint) else \
+        int.from_bytes(hashlib.sha256(fingerprint.encode()).digest()[:6], "big")
+
+
+def agree_on_graph(graph: TaskGraph, sizes: Sequence[int], device: torch.device) -> None:
     """After a capture: every rank must have captured the same graph, or their pipelines would
     exchange values of different graphs (a hang or silent garbage). Ranks capture from their own
     local batch, so code that depends on the rank, on input values, or on the local batch size
-    (a 1-row batch is captured as 2 duplicated rows) can give different graphs. One small
-    all-gather per capture; every rank raises the same CaptureError, or none does."""
+    (a 1-row batch is captured as 2 duplicated rows) can give different graphs; and code that
+    iterates a set of strings traces its operations in an order that differs from process to
+    process (Python's hash randomisation: ModernBERT's rotary embeddings, one per attention
+    type). One small all-gather per capture (a second where the graphs differ, to tell the two
+    apart); every rank raises the same CaptureError, or none does."""
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
         return
-    digest = int(fingerprint[:13], 16) if re.fullmatch(r"[0-9a-f]{13,}", fingerprint) else \
-        int.from_bytes(hashlib.sha256(fingerprint.encode()).digest()[:6], "big")
-    every, _ = _gather_digest(0, digest, device, dist.get_world_size())
+    world = dist.get_world_size()
+    every, _ = _gather_digest(0, _digest_of(graph.fingerprint()), device, world)
     prints = [int(x[1]) for x in every]
     if len(set(prints)) > 1:
         per = _by_rank([f"graph {p:013x}" for p in prints])
+        every, _ = _gather_digest(0, _digest_of(graph.content_fingerprint()), device, world)
+        if len({int(x[1]) for x in every}) == 1:
+            seed = os.environ.get("PYTHONHASHSEED") or "not set"
+            raise CaptureError(
+                f"the ranks captured the same operations in a different order ({per}; the "
+                "same tasks, ops and shapes on every rank): the model's code iterates a set "
+                "(or a dict built from one) of strings, whose order Python's hash randomisation "
+                f"makes differ from process to process (PYTHONHASHSEED is {seed} here). Fix: "
+                "launch every rank with the same PYTHONHASHSEED, e.g. "
+                "`mpiexec -genv PYTHONHASHSEED 0 ...` (Open MPI: `-x PYTHONHASHSEED=0`) or "
+                "`PYTHONHASHSEED=0 torchrun ...`")
         raise CaptureError(
             f"the ranks captured different graphs ({per}; local batch sizes {list(sizes)}): the "
             "model's forward depends on something other than the input shapes -- the rank, "

@@ -67,6 +67,10 @@ CASES: dict[str, tuple[str, list[str]]] = {
     "graph_differs_across_ranks": ("CaptureError", [
         "the ranks captured different graphs (rank 0: graph", "local batch sizes [3, 5]",
         "depends on something other than the input shapes", "Fix: make forward() the same"]),
+    "graph_order_differs_across_ranks": ("CaptureError", [
+        "the ranks captured the same operations in a different order (rank 0: graph",
+        "iterates a set", "PYTHONHASHSEED is", "Fix: launch every rank with the same "
+        "PYTHONHASHSEED, e.g. `mpiexec -genv PYTHONHASHSEED 0 ...`"]),
     "meta_model_never_materialised": ("RaNNCError", [
         "of the model's parameters and buffers are on the meta device (e.g. a.weight",
         "never materialised", "model.to_empty(device='cpu')"]),

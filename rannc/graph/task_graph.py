@@ -141,6 +141,20 @@ class TaskGraph:
         text = json.dumps(self.to_json(), sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
+    def content_fingerprint(self) -> str:
+        """A hash of what the graph computes, free of the order its tasks were traced in and of
+        the names tracing gave them: the sorted tasks, each as its op, module and the shapes and
+        dtypes it reads and writes. Two graphs with equal fingerprints also have equal content
+        fingerprints; equal content fingerprints and different fingerprints mean the same
+        operations traced in another order (`rannc.validate.agree_on_graph` says so)."""
+        def shape(v: str) -> list[str]:
+            val = self.values[v]
+            return [val.dtype, *[str(d) for d in val.shape]]
+
+        rows = sorted(json.dumps([t.op, t.module_path, [shape(v) for v in t.inputs],
+                                  [shape(v) for v in t.outputs]]) for t in self.tasks)
+        return hashlib.sha256("\n".join(rows).encode()).hexdigest()[:16]
+
     def summary(self) -> str:
         kinds: dict[str, int] = {}
         for v in self.values.values():

@@ -111,6 +111,21 @@ class RankDependent(Net):
         return y * 2 if rannc.get_rank() == 1 else y
 
 
+class OrderByRank(nn.Module):
+    """The same operations, traced in an order that differs by rank, as a model iterating a set
+    of strings traces them in an order that differs by process (hash randomisation)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(WIDTH, WIDTH)
+        self.b = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        names = ["a", "b"] if rannc.get_rank() == 0 else ["b", "a"]
+        parts = [torch.tanh(getattr(self, name)(x)) for name in names]
+        return (parts[0] * parts[1]).sum()
+
+
 def backward_twice(model: nn.Module, n: int) -> None:
     loss = model(torch.randn(n, WIDTH))
     loss.backward(retain_graph=True)
@@ -220,6 +235,8 @@ def main() -> None:
         Net(), partition_num=2, profiler="estimate")(torch.randn(n if r == 0 else 0, WIDTH)))
     case("graph_differs_across_ranks", r, lambda: rannc.RaNNCModule(
         RankDependent(), partition_num=2, profiler="estimate")(torch.randn(n, WIDTH)))
+    case("graph_order_differs_across_ranks", r, lambda: rannc.RaNNCModule(
+        OrderByRank(), partition_num=2, profiler="estimate")(torch.randn(n, WIDTH)))
     case("meta_model_never_materialised", r, lambda: rannc.RaNNCModule(
         meta_net(), partition_num=2, profiler="estimate")(torch.randn(n, WIDTH)))
 
