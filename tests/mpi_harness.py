@@ -350,15 +350,17 @@ def new_launch_folder(parent: Path) -> Path:
 
 
 def launch_cases(n: int, spec: list[dict[str, Any]], folder: Path, timeout: float,
-                 case_limit_s: float | None = None) -> Ended:
+                 case_limit_s: float | None = None, env: Mapping[str, str] | None = None) -> Ended:
     """One mpiexec launch of tests/scripts/case_batch.py on `n` ranks running the cases of
     `spec` (each {"id", "script", "args", "env"}), its files in `folder`; a rank still in one
     case after `case_limit_s` ends the launch (a hung case costs its own limit, not the
-    launch's)."""
+    launch's). `env`: the launch's own environment variables (what a case's "env" cannot
+    set: those read at interpreter start, as PYTHONHASHSEED)."""
     (folder / "cases.json").write_text(json.dumps({"out_dir": str(folder), "case_limit_s": case_limit_s,
                                                    "cases": spec}))
     try:
-        res = run_mpi(CASE_RUNNER, n, [str(folder / "cases.json")], timeout=timeout, check=False)
+        res = run_mpi(CASE_RUNNER, n, [str(folder / "cases.json")], timeout=timeout, env=env,
+                      check=False)
         launch, rc = _describe(res.args, res.returncode, res.stdout, res.stderr), res.returncode
     except pytest.fail.Exception as e:  # timed out: the cases that ended still count
         launch, rc = str(e), None

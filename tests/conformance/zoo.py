@@ -560,6 +560,51 @@ def mamba() -> Case:
 
 
 @_sequences
+def mamba2() -> Case:
+    """Mamba-2: the chunked state-space duality scan (its torch path), gated RMSNorm."""
+    from transformers import Mamba2Config, Mamba2ForCausalLM
+
+    cfg = _cfg(Mamba2Config, vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_heads=8,
+               head_dim=8, state_size=8, n_groups=1, chunk_size=4, use_cache=False, pad_token_id=0)
+    return Case(Mamba2ForCausalLM(cfg), _lm_batch())
+
+
+@_sequences
+def deepseek_v3() -> Case:
+    """Multi-head latent attention (low-rank queries and keys, decoupled rotary part), a dense
+    first layer, then routed experts by group-limited top-k with a shared expert."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    cfg = _cfg(DeepseekV3Config, **_DEC, num_key_value_heads=4, n_routed_experts=4,
+               num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+               first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+               qk_nope_head_dim=8, v_head_dim=8, n_group=2, topk_group=1)
+    return Case(DeepseekV3ForCausalLM(cfg), _lm_batch())
+
+
+@_sequences
+def gpt_oss() -> Case:
+    """Attention sinks, alternating sliding-window layers, experts with clamped SwiGLU."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    cfg = _cfg(GptOssConfig, **_DEC, num_key_value_heads=2, num_local_experts=4,
+               num_experts_per_tok=2, head_dim=8, sliding_window=4)
+    return Case(GptOssForCausalLM(cfg), _lm_batch())
+
+
+@_sequences
+def modernbert() -> Case:
+    """Alternating global and local attention, rotary embeddings per attention type (built by
+    iterating a set of strings: the same PYTHONHASHSEED on every rank, see the README)."""
+    from transformers import ModernBertConfig, ModernBertForMaskedLM
+
+    cfg = _cfg(ModernBertConfig, vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+               num_hidden_layers=2, num_attention_heads=4, pad_token_id=0,
+               global_attn_every_n_layers=2, local_attention=4, max_position_embeddings=64)
+    return Case(ModernBertForMaskedLM(cfg), _lm_batch())
+
+
+@_sequences
 def xlnet() -> Case:
     """Two-stream relative attention; in eval() it returns its memories, sequence x batch x
     hidden (each rank gets its rows of dimension 1)."""
@@ -885,6 +930,10 @@ MODELS: dict[str, tuple[Callable[[], Case], str, bool]] = {
     "gpt_bigcode": (gpt_bigcode, "transformers", False),
     "codegen": (codegen, "transformers", False),
     "mamba": (mamba, "transformers", False),
+    "mamba2": (mamba2, "transformers", False),
+    "deepseek_v3": (deepseek_v3, "transformers", False),
+    "gpt_oss": (gpt_oss, "transformers", False),
+    "modernbert": (modernbert, "transformers", False),
     "xlnet": (xlnet, "transformers", False),
     "mpnet": (mpnet, "transformers", False),
     "funnel": (funnel, "transformers", False),
