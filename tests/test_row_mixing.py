@@ -30,6 +30,26 @@ def _captured(name: str) -> tuple[Any, Any]:
     return case, capture(case.model, (), case.batch(4))
 
 
+def test_sizes_from_tensor_values_are_not_the_batch_and_stay_in_their_stage() -> None:
+    """JetMoE splits its sorted tokens by each expert's count (.tolist()): those counts are
+    torch's unbacked sizes, which capture took for the batch size, so a stage cut after the
+    router split by the row count ([4, 4, 4, 4] for 96 tokens: a crash, or with a matching sum
+    the wrong tokens per expert). They keep their own symbols; what they size has no batch
+    dimension; neither may cross a stage boundary."""
+    from rannc.graph.row_mixing import unsplittable
+
+    _, cap = _captured("jetmoe")
+    g = cap.graph
+    cannot = unsplittable(g)
+    counts = [v for t in g.tasks if t.op == "aten.item.default" for v in t.outputs]
+    assert counts
+    for v in counts:
+        assert g.values[v].sym_expr is not None and "batch" not in g.values[v].sym_expr
+        assert "a size computed from tensor values" in cannot[v]
+    pieces = [v for t in g.tasks if t.op == "aten.split_with_sizes.default" for v in t.outputs]
+    assert pieces and all(g.values[v].batch_dim is None and v in cannot for v in pieces)
+
+
 @pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
 def test_an_experts_sort_is_mixed_and_its_unpermuted_output_is_not(name: str) -> None:
     _, cap = _captured(name)

@@ -34,6 +34,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.export import Dim, ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind, OutputSpec, TensorArgument
+from torch.utils._sympy.symbol import SymT, symbol_is_type
 
 from rannc.errors import CaptureError, output_type_error
 from rannc.graph import functions, hooks
@@ -489,8 +490,14 @@ def _sym(d: Any) -> int | sympy.Expr:
     expr = sympy.sympify(d.node.expr)
     if expr.is_Integer:
         return int(expr)
-    syms = sorted(expr.free_symbols, key=str)
-    # One dynamic dim is declared (the batch), so its symbol is the only free one.
+    # One dynamic dim is declared (the batch), so its symbols are the only backed free ones.
+    # A size computed from tensor values (.item(), .tolist(), nonzero: torch's unbacked u0,
+    # u1, ...) keeps its own symbol: it is not the batch (a mixture of experts' token count
+    # per expert, from .tolist(), was taken for the batch size, and a stage reading it got the
+    # row count instead), and such a value may not cross a stage boundary
+    # (rannc.graph.row_mixing.unsplittable).
+    syms = sorted((s for s in expr.free_symbols if not symbol_is_type(s, SymT.UNBACKED_INT)),
+                  key=str)
     return expr.subs({s: BATCH for s in syms})
 
 

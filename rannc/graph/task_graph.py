@@ -174,7 +174,11 @@ def _eval_sym(expr: str, batch: int) -> int:
     # microbatch, and sympify costs about 100 us.
     import sympy
 
-    return int(sympy.sympify(expr).subs(sympy.Symbol("batch"), batch))
+    e = sympy.sympify(expr)
+    # A size computed from tensor values (u0, ...: rannc.graph.capture._sym) has no value here;
+    # costs and memory estimate it as the batch, as they did before it had its own symbol
+    # (it never crosses a stage boundary, so no stage sizes a received value by it).
+    return int(e.subs({s: batch for s in e.free_symbols}))
 
 
 def topological_order(n: int, edges: Iterable[tuple[int, int]]) -> list[int]:

@@ -140,14 +140,16 @@ class ValueUses:
                 own = sum(_bytes(val))
                 par.append((own + copies.get(name, 0.0), val.kind is ValueKind.PARAM, own))
                 continue
-            if val.kind not in (ValueKind.INPUT, ValueKind.ACTIVATION) or not val.is_tensor:
-                continue
+            if val.kind not in (ValueKind.INPUT, ValueKind.ACTIVATION) or (
+                    not val.is_tensor and name not in cannot):
+                continue  # (a size from tensor values is in `cannot`: kept, to refuse its cuts)
             prod_task = graph.producer(name)
             if prod_task is not None and atomic.component_of[prod_task] < 0:
                 continue  # a constant task's output: cloned where needed, never sent
             p = -1 if prod_task is None else atomic.component_of[prod_task]
             act_use += [(len(act), c) for c in consumers]
-            act.append((*_bytes(val), p, name in out_names, name not in cannot))
+            size = _bytes(val) if val.is_tensor else (0.0, 0.0)
+            act.append((*size, p, name in out_names, name not in cannot))
 
         def pairs(x: list[tuple[int, int]]) -> np.ndarray:
             return np.array(x, dtype=np.int64).reshape(-1, 2).T

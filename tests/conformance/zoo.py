@@ -593,6 +593,19 @@ def gpt_oss() -> Case:
 
 
 @_sequences
+def jetmoe() -> Case:
+    """Mixtures of experts in both the attention and the feed-forward, each expert's token
+    count read with .tolist() to split the sorted tokens: sizes from tensor values, which
+    were taken for the batch size (a stage cut after the router split by the row count)."""
+    from transformers import JetMoeConfig, JetMoeForCausalLM
+
+    cfg = _cfg(JetMoeConfig, vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+               num_key_value_heads=2, kv_channels=8, intermediate_size=64, num_local_experts=4,
+               num_experts_per_tok=2, max_position_embeddings=64, use_cache=False, pad_token_id=0)
+    return Case(JetMoeForCausalLM(cfg), _lm_batch())
+
+
+@_sequences
 def modernbert() -> Case:
     """Alternating global and local attention, rotary embeddings per attention type (built by
     iterating a set of strings: the same PYTHONHASHSEED on every rank, see the README)."""
@@ -934,6 +947,7 @@ MODELS: dict[str, tuple[Callable[[], Case], str, bool]] = {
     "deepseek_v3": (deepseek_v3, "transformers", False),
     "gpt_oss": (gpt_oss, "transformers", False),
     "modernbert": (modernbert, "transformers", False),
+    "jetmoe": (jetmoe, "transformers", False),
     "xlnet": (xlnet, "transformers", False),
     "mpnet": (mpnet, "transformers", False),
     "funnel": (funnel, "transformers", False),
