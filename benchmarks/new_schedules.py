@@ -185,8 +185,9 @@ def measured(a: argparse.Namespace) -> None:
     import subprocess
 
     from benchmarks.pipeline_memory import cores_note
+    from benchmarks.pipeline_memory import mpiexec as find_mpiexec
 
-    mpiexec = str(Path(sys.executable).parent / "mpiexec")
+    mpiexec = find_mpiexec()
     env = dict(os.environ, PYTHONPATH=str(ROOT), RANNC_BACKEND="gloo", OMP_NUM_THREADS="1")
     if a.smoke and a.model == "standin":  # the smoke checks the script runs: 1 ms sleeps
         a.t_f = a.t_b = a.t_w = 1.0
