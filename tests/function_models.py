@@ -63,7 +63,8 @@ class ClippedSqrt(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x)
+        if ctx.needs_input_grad[0]:  # (as fused kernels choose what to save)
+            ctx.save_for_backward(x)
         return x.sqrt()
 
     @staticmethod

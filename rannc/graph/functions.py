@@ -122,7 +122,8 @@ def _fake(key: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     Function asks of it. An output that is an input, or a view of one, is copied: the op's
     outputs are new tensors (at run time `apply` makes such outputs views, as in eager)."""
     entry = _entry(key)
-    ctx = _RecordingCtx()
+    # (a forward may choose what to save by needs_input_grad: as if every tensor needed one)
+    ctx = _RecordingCtx(tuple(isinstance(a, torch.Tensor) for a in entry.call_args(tensors)))
     with torch.no_grad():
         if _has_setup_context(entry.fn):
             args = entry.call_args(tensors)
@@ -150,8 +151,9 @@ torch.library.register_fake("rannc::autograd_function", _fake, lib=_LIB)
 class _RecordingCtx(FunctionCtx):
     """A context for a forward run only for its shapes: records `mark_dirty`."""
 
-    def __init__(self) -> None:
+    def __init__(self, needs_input_grad: tuple[bool, ...]) -> None:
         self.dirty = False
+        self.needs_input_grad = needs_input_grad
 
     def mark_dirty(self, *args: torch.Tensor) -> None:
         self.dirty = True
