@@ -349,6 +349,15 @@ def new_launch_folder(parent: Path) -> Path:
     return folder
 
 
+def run_rannc_check(*args: str, timeout: float = 300) -> tuple[int, str]:
+    """`python -m rannc.check ARGS` (it launches its own ranks), with the repository and tests/
+    importable (factories such as conformance.zoo:llama); its exit status and output."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)]),
+           "OMP_NUM_THREADS": "1"}
+    res = run_command([sys.executable, "-m", "rannc.check", *args], timeout, env, check=False)
+    return res.returncode, res.stdout + res.stderr
+
+
 def launch_cases(n: int, spec: list[dict[str, Any]], folder: Path, timeout: float,
                  case_limit_s: float | None = None, env: Mapping[str, str] | None = None) -> Ended:
     """One mpiexec launch of tests/scripts/case_batch.py on `n` ranks running the cases of

@@ -5,15 +5,16 @@ router trained with other gradients, silently, even in one process."""
 
 from __future__ import annotations
 
-import sys
+import copy
 from typing import Any
 
 import pytest
 import torch
-from function_models import ClippedSqrt, FunctionsNet, GradReverse, functions_net
-from mpi_harness import ROOT, run_command
+from function_models import ClippedSqrt, FunctionsNet, GradReverse, RoundSTE, functions_net
+from mpi_harness import run_rannc_check
 from torch import nn
 
+import rannc
 from rannc.check import Settings, find_mpiexec, parse_results, run_case
 from rannc.errors import CaptureError
 from rannc.graph import functions
@@ -56,13 +57,7 @@ def test_the_gradient_reaches_the_layers_below_a_straight_through_estimator() ->
             self.b = nn.Linear(4, 1)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            from function_models import RoundSTE
-
             return self.b(RoundSTE.apply(self.a(x))).sum()
-
-    import copy
-
-    import rannc
 
     torch.manual_seed(0)
     model = Quantised()
@@ -136,22 +131,14 @@ def test_gradients_are_the_functions_own_on_several_ranks(args: tuple[str, ...])
     own backward nodes) against the unwrapped model on the global batch."""
     if find_mpiexec() is None:
         pytest.skip("no mpiexec next to this python or on PATH")
-    import os
-
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
-           "OMP_NUM_THREADS": "1"}
-    res = run_command([sys.executable, "-m", "rannc.check", "function_models:functions_net", *args],
-                      300, env, check=False)
-    out = res.stdout + res.stderr
+    rc, out = run_rannc_check("function_models:functions_net", *args)
     found = parse_results(out)
-    assert res.returncode == 0 and found["functions_net"]["passed"], out
+    assert rc == 0 and found["functions_net"]["passed"], out
 
 
 def test_a_function_defined_again_under_the_same_name_is_another_function() -> None:
     """As a notebook cell run twice defines it: the second model's graph calls the second
     class, whose backward differs."""
-    import rannc
-
     def make(k: float) -> nn.Module:
         class Scaled(torch.autograd.Function):
             @staticmethod

@@ -20,10 +20,11 @@ capture, as torch.export makes every non-tensor value), and the outputs' structu
 captures its own graphs, so a key has to mean the same only within one process; plans name
 tasks by index, never by key.
 
-What is not kept whole (the Function is traced as before, its ops recorded): Functions defined
-in torch itself (reentrant checkpointing; torch's own are traced by design), a Function given
-keyword arguments or symbolic sizes (`x.shape[0]` of a batch), one returning anything but
-tensors, and one that writes into its inputs (`ctx.mark_dirty`: refused, see `_Entry`).
+Traced as before (their ops recorded): Functions defined in torch itself (reentrant
+checkpointing; torch's own are traced by design) and calls given no tensor. Refused with a
+CaptureError naming the Function (kept whole they cannot be, traced they would be wrong):
+keyword arguments, a symbolic size (`x.shape[0]` of a batch), and a forward that writes into
+its input (`ctx.mark_dirty`). Non-tensor outputs are constants of the capture, as arguments are.
 """
 
 from __future__ import annotations
@@ -100,21 +101,25 @@ def _flat_outputs(entry: _Entry, out: Any) -> list[torch.Tensor]:
     return [x for x in leaves if isinstance(x, torch.Tensor)]
 
 
+def _run(key: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The Function itself on the call's arguments, its tensor outputs flattened."""
+    entry = _entry(key)
+    return _flat_outputs(entry, _REAL_APPLY(entry.fn, *entry.call_args(tensors)))
+
+
 def _apply(key: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Run time, above autograd: the Function itself, so its backward is recorded. While a
     graph is traced again (functionalisation), the op below autograd: recorded as it is."""
     if any(is_fake(t) for t in tensors):
         with torch._C._AutoDispatchBelowAutograd():
             return torch.ops.rannc.autograd_function.default(key, tensors)  # type: ignore[no-any-return]
-    entry = _entry(key)
-    return _flat_outputs(entry, _REAL_APPLY(entry.fn, *entry.call_args(tensors)))
+    return _run(key, tensors)
 
 
 def _below_autograd(key: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Called without autograd (inference mode): the forward alone."""
-    entry = _entry(key)
     with torch.no_grad():
-        return _flat_outputs(entry, _REAL_APPLY(entry.fn, *entry.call_args(tensors)))
+        return _run(key, tensors)
 
 
 def _fake(key: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -122,15 +127,15 @@ def _fake(key: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     Function asks of it. An output that is an input, or a view of one, is copied: the op's
     outputs are new tensors (at run time `apply` makes such outputs views, as in eager)."""
     entry = _entry(key)
+    args = entry.call_args(tensors)
     # (a forward may choose what to save by needs_input_grad: as if every tensor needed one)
-    ctx = _RecordingCtx(tuple(isinstance(a, torch.Tensor) for a in entry.call_args(tensors)))
+    ctx = _RecordingCtx(tuple(isinstance(a, torch.Tensor) for a in args))
     with torch.no_grad():
         if _has_setup_context(entry.fn):
-            args = entry.call_args(tensors)
             out = entry.fn.forward(*args)
             entry.fn.setup_context(ctx, args, out)
         else:
-            out = entry.fn.forward(ctx, *entry.call_args(tensors))
+            out = entry.fn.forward(ctx, *args)
     if ctx.dirty:
         raise CaptureError(
             f"autograd.Function {_name(entry.fn)} writes into its input in place "

@@ -5,13 +5,11 @@ per model and exits 1 when a check fails)."""
 from __future__ import annotations
 
 import math
-import os
-import sys
 
 import pytest
 import torch
 from conformance import toys
-from mpi_harness import ROOT, find_mpiexec, run_command
+from mpi_harness import find_mpiexec, run_rannc_check
 
 from rannc.check import (
     ATOL64,
@@ -105,21 +103,14 @@ def test_a_float64_check_runs_the_model_in_float64_and_passes_at_its_tolerance()
     assert rep.checks[0].compared > 0
 
 
-def _check(*args: str, timeout: float = 300) -> tuple[int, str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
-           "OMP_NUM_THREADS": "1"}
-    res = run_command([sys.executable, "-m", "rannc.check", *args], timeout, env, check=False)
-    return res.returncode, res.stdout + res.stderr
-
-
 def test_the_command_passes_a_model_and_fails_one_it_cannot_run_exactly() -> None:
     """Two ranks, two stages, two microbatches: the MLP is exact; BatchNorm normalises each
     microbatch over its own rows (by design), so its outputs and gradients differ and the
     command exits 1 naming it."""
     if find_mpiexec() is None:
         pytest.skip("no mpiexec next to this python or on PATH")
-    rc, out = _check(f"{TOYS}:mlp", f"{TOYS}:batchnorm", "--ranks", "2", "--partition-num", "2",
-                     "--microbatches", "2", "--batch", "8")
+    rc, out = run_rannc_check(f"{TOYS}:mlp", f"{TOYS}:batchnorm", "--ranks", "2", "--partition-num", "2",
+                              "--microbatches", "2", "--batch", "8")
     assert rc == 1, out
     found = parse_results(out)
     assert found["mlp"]["passed"], out
@@ -134,11 +125,11 @@ def test_the_command_passes_a_model_and_fails_one_it_cannot_run_exactly() -> Non
 
 
 def test_the_command_in_one_process_exits_0() -> None:
-    rc, out = _check(f"{TOYS}:mlp", f"{TOYS}:batchnorm", "--batch", "6")
+    rc, out = run_rannc_check(f"{TOYS}:mlp", f"{TOYS}:batchnorm", "--batch", "6")
     assert rc == 0, out
     assert all(d["passed"] and d["plan"] == "one process" for d in parse_results(out).values()), out
 
 
 def test_a_bad_target_is_an_error_naming_it() -> None:
-    rc, out = _check("tests/conformance/toys.py:nothing")
+    rc, out = run_rannc_check("tests/conformance/toys.py:nothing")
     assert rc == 1 and "has no callable 'nothing'" in out, out
