@@ -22,7 +22,7 @@ import sys
 import warnings
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, cast
 
 import torch
@@ -40,7 +40,7 @@ from rannc.deploy import Holdings, OneProcess, capture_signature, deployment_pla
 from rannc.deploy import optimizer_state_factor as optimizer_state_factor  # (its old home)
 from rannc.derive import derive_plan
 from rannc.errors import RaNNCError
-from rannc.graph import leftovers
+from rannc.graph import attributes, leftovers
 from rannc.graph.capture import autocast_state, flatten_inputs
 from rannc.graph.extract import run_chain
 from rannc.graph.model_state import model_state, replaced
@@ -50,6 +50,9 @@ from rannc.plans import Plan
 from rannc.progress import NO_PROGRESS, progress_for
 
 log = logging.getLogger(__name__)
+
+# Captures one attribute's changes may cause before that is warned about (`_changed_reads`).
+RECAPTURES_WARNED = 3
 
 
 class RaNNCModule(nn.Module):
@@ -110,6 +113,8 @@ class RaNNCModule(nn.Module):
         self._planned_accumulation = False  # the plan counts an accumulation's gradients
         self._runtimes: OrderedDict[tuple[Any, ...], PipelineRuntime] = OrderedDict()
         self._warned_recapture = False
+        self._recaptured_for: dict[str, int] = {}  # attribute -> captures its changes caused
+        self._warned_attributes = False
         # what torch keeps of each capture (cached sources, its ShapeEnv), given back when it is
         # dropped or the wrapper is gone (`rannc.graph.leftovers`)
         self._leftovers: dict[tuple[Any, ...], leftovers.Leftovers] = {}
@@ -158,16 +163,19 @@ class RaNNCModule(nn.Module):
             with health.phase("forward", self._calls):
                 return self._forward_distributed(ctx, args, kwargs)
         leaves, layout = flatten_inputs(args, kwargs)
-        key = (layout.signature, self.training, model_state(self.module).modes(), autocast_state())
-        dep = self._deployments.get(key)
-        if dep is None:
+        tree, modes = model_state(self.module).capture_key()
+        base = (layout.signature, self.training, modes, autocast_state(), tree)
+        key = _cached(self._deployments, base, lambda d: d.captured.reads)
+        if key is None:
+            changes = self._changed_reads(self._deployments, base, lambda d: d.captured.reads)
             first = not self._deployments
             mark = leftovers.Mark()
             validate.check_capturable(self.module, leaves, [layout.batch or 0], first)
             cap, atomic = capture_signature(self.module, args, kwargs,
                                             progress_for(self.rannc_config.progress, 0))
             if not first:
-                log.info("rannc: new input signature; captured again (%s)", cap.graph.summary())
+                log.info("rannc: %s; captured again (%s)", _why_again(changes),
+                         cap.graph.summary())
             log.info("rannc: captured %s, %d atomic components, in %.2f s", cap.graph.summary(),
                      len(atomic.components), cap.seconds)
             dep = OneProcess.of(cap, atomic, _compile_stage if self.rannc_config.compile else None)
@@ -175,6 +183,7 @@ class RaNNCModule(nn.Module):
                 self._plan = deployment_plan(self.rannc_config, self.module, self.optimizer, cap,
                                              atomic, None, leaves, [layout.batch or 0],
                                              NO_PROGRESS)
+            key = (*base, cap.reads.values())
             self._deployments[key] = dep
             self._leftovers[key] = mark.new(cap.gm)
             self._bound_cache(self._deployments, pinned=None)
@@ -185,6 +194,7 @@ class RaNNCModule(nn.Module):
                             [])
         else:
             self._deployments.move_to_end(key)
+            dep = self._deployments[key]
         values = run_chain(dep.modules, dep.stages, dep.captured.bind(self.module, leaves))
         return dep.captured.unflatten_outputs(values)
 
@@ -231,21 +241,29 @@ class RaNNCModule(nn.Module):
             validate.check_config(self.rannc_config, ctx.world_size)
         self._check_kept()
         leaves, layout = flatten_inputs(args, kwargs)
-        modes = model_state(self.module).modes()
-        key = (layout.signature, self.training, modes, autocast_state())
+        tree, modes = model_state(self.module).capture_key()
+        base = (layout.signature, self.training, modes, autocast_state(), tree)
+        key = _cached(self._runtimes, base, lambda r: r.cap.reads)
+        rt = self._runtimes[key] if key is not None else None
+        changes = self._changed_reads(self._runtimes, base, lambda r: r.cap.reads) \
+            if rt is None else []
         # Before anything a rank might do alone: every rank raises at `resolve`, or none does.
         # A call like the last one runs on its row layout before the ranks agree (see
         # PipelineRuntime.forward); any other waits for the agreement here. (Where the runtime
         # carries the call's scalar sums in it, a guessed call posts it once they are known.)
+        # The mode names the values of the model's attributes the capture run read (or what
+        # changed), so that ranks whose models differ in them raise instead of running
+        # different graphs.
         agreement = validate.post_call(args, kwargs, leaves, layout, ctx,
-                                       validate.call_mode(self.training, key[3], modes)
-                                       + _grad_inputs_text(args, kwargs), start=False)
-        rt = self._runtimes.get(key)
+                                       validate.call_mode(self.training, base[3], modes)
+                                       + _grad_inputs_text(args, kwargs)
+                                       + _reads_text(rt.cap.reads if rt is not None else None,
+                                                     changes), start=False)
         guess = rt.guess_sizes(agreement) if rt is not None else None
         if guess is None or rt is None or not rt.carries_scalars:
             agreement.start()
         sizes = guess if guess is not None else agreement.resolve()
-        if rt is not None:
+        if key is not None:
             self._runtimes.move_to_end(key)
         else:
             mark = leftovers.Mark()
@@ -269,8 +287,8 @@ class RaNNCModule(nn.Module):
                 # where they are and place the new graph on the same stages.
                 plan = derive_plan(cap.graph, atomic, self._plan, recompute=self.training)
                 if ctx.rank == 0:
-                    log.info("rannc: new input signature (%s mode, %s): captured again and placed "
-                             "on the deployed stages", "train" if self.training else "eval",
+                    log.info("rannc: %s (%s mode, %s): captured again and placed on the deployed "
+                             "stages", _why_again(changes), "train" if self.training else "eval",
                              cap.graph.summary())
             rt = PipelineRuntime(self.module, cap, atomic, plan, ctx.rank, ctx.world_size, ctx.device,
                                  trace=self.rannc_config.trace,
@@ -284,6 +302,7 @@ class RaNNCModule(nn.Module):
             if not self._runtimes:
                 _seed_at_deployment(self.rannc_config)
                 host_malloc(self.rannc_config, ctx.device, plan.stages_of_rank(ctx.rank))
+            key = (*base, cap.reads.values())
             self._runtimes[key] = rt
             self._held.release(self.module, self.optimizer, self._runtimes.values(), rt)
             self._owned = None
@@ -293,6 +312,7 @@ class RaNNCModule(nn.Module):
             # move_to_end reorders the cache at every call.)
             self._leftovers[key] = mark.new(cap.gm)
             self._bound_cache(self._runtimes, pinned=self._planned_key())
+        assert rt is not None
         cap = rt.cap
         self._last_rt = rt
         flat = rt.forward(leaves, sizes, agreement)
@@ -309,6 +329,30 @@ class RaNNCModule(nn.Module):
             for i, o in zip(idx, outs, strict=True):
                 flat[i] = o
         return pytree.tree_unflatten(flat, cap.out_spec)
+
+    def _changed_reads(self, cache: OrderedDict[tuple[Any, ...], Any], base: tuple[Any, ...],
+                       reads_of: Callable[[Any], attributes.Reads]
+                       ) -> list[tuple[attributes.Read, Any]]:
+        """Where a call keyed `base` captures again although `cache` holds a capture of it: the
+        values that capture read and are now other (the most recently used capture's). Counted
+        by attribute: one that changes at every step would capture the model at every step,
+        which is said once."""
+        key = next((k for k in reversed(cache) if k[:-1] == base), None)
+        if key is None:
+            return []
+        changes = reads_of(cache[key]).changed()
+        for r, _now in changes:
+            n = self._recaptured_for[r.label] = self._recaptured_for.get(r.label, 0) + 1
+            if n == RECAPTURES_WARNED and not self._warned_attributes:
+                self._warned_attributes = True
+                warnings.warn(
+                    f"rannc: the model's attribute {r.label} has changed {n} times since it was "
+                    "first captured; the captured graph holds it as a constant, so each change "
+                    "captures the model again (seconds each, and each new capture is kept up to "
+                    "max_captures). If it changes at every step, keep it in a tensor "
+                    "(module.register_buffer) or pass it to forward as an input",
+                    UserWarning, stacklevel=4)
+        return changes
 
     def _planned_key(self) -> tuple[Any, ...] | None:
         """The capture key of the planned deployment's runtime in `_runtimes`."""
@@ -697,6 +741,34 @@ def _count_as_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str,
     device = next((t.device for t in pytree.tree_leaves((args, kwargs))
                    if isinstance(t, torch.Tensor)), None)
     return {**kwargs, COUNT_KWARG: torch.tensor(x, device=device)}
+
+
+def _cached(cache: OrderedDict[tuple[Any, ...], Any], base: tuple[Any, ...],
+            reads_of: Callable[[Any], attributes.Reads]) -> tuple[Any, ...] | None:
+    """The key of the capture in `cache` for a call keyed `base` whose Python values read
+    still hold (`graph/attributes.py`), the most recently used first; None: capture again.
+    (A key is `base` and the values its capture read: captures of one input signature with
+    other values, e.g. a dropout's p set back, stay cached beside each other.)"""
+    for key in reversed(cache):
+        if key[:-1] == base and reads_of(cache[key]).hold():
+            return key
+    return None
+
+
+def _why_again(changes: list[tuple[attributes.Read, Any]]) -> str:
+    if not changes:
+        return "new input signature"
+    return f"the model's attributes changed since it was captured ({attributes.describe(changes)})"
+
+
+def _reads_text(reads: attributes.Reads | None,
+                changes: list[tuple[attributes.Read, Any]]) -> str:
+    """The attribute values a call runs with, part of its mode (see `_forward_distributed`)."""
+    if reads is not None:
+        return f", attributes as captured ({reads.digest})" if reads.reads else ""
+    if changes:
+        return f", attributes changed since captured ({attributes.describe(changes)})"
+    return ""
 
 
 def _grad_inputs_text(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:

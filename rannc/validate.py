@@ -320,6 +320,11 @@ def describe_mismatch(sigs: Sequence[CallSignature], sizes: Sequence[int]) -> st
     """Name the first way the ranks' calls differ, with each rank's value and the fix."""
     if len({s.mode for s in sigs}) > 1:
         per = _by_rank([s.mode for s in sigs])
+        if len({s.mode.split(", attributes ")[0] for s in sigs}) == 1:
+            return (f"ranks called the model with different values of its Python attributes "
+                    f"({per}); each rank's captured graph holds them as constants, so the ranks "
+                    "would run different graphs. Fix: set such attributes (a dropout's p, a "
+                    "scale, config flags) alike on every rank, at the same step.")
         return (f"ranks called the model in different modes ({per}); the pipeline runs one way "
                 "on every rank. Fix: call model.train() or model.eval() on every rank, and "
                 "torch.no_grad() / torch.autocast around the call on every rank alike.")

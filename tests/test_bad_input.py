@@ -71,6 +71,10 @@ CASES: dict[str, tuple[str, list[str]]] = {
         "the ranks captured the same operations in a different order (rank 0: graph",
         "iterates a set", "PYTHONHASHSEED is", "Fix: launch every rank with the same "
         "PYTHONHASHSEED, e.g. `mpiexec -genv PYTHONHASHSEED 0 ...`"]),
+    "attribute_differs_across_ranks": ("InputMismatchError", [
+        "different values of its Python attributes", "rank 0: train mode, grad enabled, "
+        "attributes changed since captured (scale 1.0 -> 0.5)", "rank 1: train mode, grad "
+        "enabled, attributes as captured (", "Fix: set such attributes"]),
     "meta_model_never_materialised": ("RaNNCError", [
         "of the model's parameters and buffers are on the meta device (e.g. a.weight",
         "never materialised", "model.to_empty(device='cpu')"]),

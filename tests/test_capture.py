@@ -827,3 +827,30 @@ def test_a_mask_built_with_vmap_captures_and_runs_as_eager() -> None:
     out.sum().backward()
     want.sum().backward()
     torch.testing.assert_close(model.lin.weight.grad, ref.lin.weight.grad)
+
+
+class _RouterCast(nn.Module):
+    """A router that casts its classifier in forward, as NLLB-MoE's and Switch Transformers'
+    do (`self.classifier = self.classifier.to(self.dtype)`): nothing to convert."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.classifier = nn.Linear(4, 3)
+        self.dtype = torch.float32
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.classifier = self.classifier.to(self.dtype)
+        return self.classifier(x.to(self.dtype)).softmax(-1)
+
+
+@pytest.mark.layer("single_process")
+def test_a_conversion_in_forward_that_changes_nothing_captures() -> None:
+    """Before: "_apply(): Couldn't swap Linear.weight" (torch.export traces it on fake
+    parameters). A conversion that would change a tensor is still torch's to refuse."""
+    torch.manual_seed(0)
+    model = _RouterCast()
+    x = torch.randn(5, 4)
+    torch.testing.assert_close(RaNNCModule(copy.deepcopy(model))(x), model(x), rtol=0, atol=0)
+    model.dtype = torch.float64
+    with pytest.raises(CaptureError, match="classifier"):
+        capture(model, (x,))

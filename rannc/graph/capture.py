@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import itertools
 import logging
 import math
 import operator
@@ -37,7 +38,7 @@ from torch.export.graph_signature import InputKind, OutputKind, OutputSpec, Tens
 from torch.utils._sympy.symbol import SymT, symbol_is_type
 
 from rannc.errors import CaptureError, output_type_error
-from rannc.graph import functions, hooks
+from rannc.graph import attributes, functions, hooks
 from rannc.graph.model_state import model_state
 from rannc.graph.native import forward_reachable
 from rannc.graph.task_graph import COPY_OP, WRITE_BACK_OP, Task, TaskGraph, Value, ValueKind
@@ -110,6 +111,9 @@ class CapturedModel:
     # torch.autocast as it was when captured (`autocast_state`): whatever runs the graph later
     # (recomputation in backward, the measure oracle) runs it under this (`running_as`)
     autocast: AutocastState = ()
+    # the plain Python values the model's code read while captured (`graph/attributes.py`): a
+    # call reuses this capture only while they hold
+    reads: attributes.Reads = attributes.NONE
 
     def bind(self, model: nn.Module, leaves: Sequence[Any]) -> dict[str, Any]:
         """The graph's input values for one call: the model's own parameters and buffers
@@ -177,12 +181,17 @@ def capture(
     named = _signature_naming(model, ex_kwargs)
     dynamic_shapes = _dynamic_shapes(model, layout, named)
     t0 = time.perf_counter()
+    reads = attributes.NONE
 
     def export() -> ExportedProgram:
+        nonlocal reads
         with _keywords_in_signature(model, named), _layerdrop_draws(), functions.kept_whole(), \
-                hooks.tensor_hooks_refused():
-            return torch.export.export(model, tuple(ex_args), dict(ex_kwargs),
-                                       dynamic_shapes=dynamic_shapes, strict=False)
+                hooks.tensor_hooks_refused(), _conversions_that_change_nothing(), \
+                attributes.recorded(model) as rec:
+            ep = torch.export.export(model, tuple(ex_args), dict(ex_kwargs),
+                                     dynamic_shapes=dynamic_shapes, strict=False)
+        reads = rec.result()
+        return ep
     try:
         ep = export()
     except Exception as e:  # torch.export raises many types; all become a CaptureError
@@ -198,7 +207,9 @@ def capture(
         except Exception as e:
             raise _capture_error(model, e) from e
     seconds = time.perf_counter() - t0
-    return _from_exported(ep, layout, seconds, functional)
+    cap = _from_exported(ep, layout, seconds, functional)
+    cap.reads = reads
+    return cap
 
 
 class _LayerDropDraw:
@@ -252,6 +263,33 @@ class _LayerDropDraw:
     def __bool__(self) -> bool:
         raise CaptureError(f"rannc could not capture the model: {self.where} uses a random "
                            "draw (torch.rand([])) as a condition; a pipeline needs one graph.")
+
+
+@contextlib.contextmanager
+def _conversions_that_change_nothing() -> Iterator[None]:
+    """While exporting: `module.to(dtype or device)` that would convert none of the module's
+    tensors returns the module as it is. Models call it in forward to be sure of a dtype (NLLB-MoE
+    and Switch Transformers' routers: `self.classifier = self.classifier.to(self.dtype)`); in
+    eager it changes nothing, but torch.export traces it on fake parameters, which `_apply`
+    cannot swap ("Couldn't swap Linear.weight"). A conversion that would change a tensor is left
+    to torch (and fails as before: a model that changes its weights' dtype in forward)."""
+    real = nn.Module.to
+
+    def to(self: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+        device, dtype, _non_blocking, fmt = torch._C._nn._parse_to(*args, **kwargs)
+        if fmt is None and all(
+                (device is None or t.device == device)
+                and (dtype is None or t.dtype == dtype
+                     or not (t.is_floating_point() or t.is_complex()))
+                for t in itertools.chain(self.parameters(), self.buffers())):
+            return self
+        return real(self, *args, **kwargs)
+
+    nn.Module.to = to  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        nn.Module.to = real  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager

@@ -47,6 +47,8 @@ class ModelState:
         self._links: list[tuple[nn.Module, str, nn.Module]] = []  # (parent, name, child)
         self._named: list[tuple[str, nn.Module]] = []  # every module but the model itself
         self.builds = 0  # how often the dictionaries were built (tests read it)
+        # how often a module of the tree was replaced, added or removed (`capture_key`)
+        self.tree_version = 0
         self.checks = 0  # how often the tree was checked (tests read it)
         self._held = 0  # open `unchanged()` blocks: the tree was checked at the outermost
         self._build()
@@ -75,6 +77,13 @@ class ModelState:
         assert model is not None, "ModelState of a model that is gone"
         root = model.training
         return tuple(path for path, m in self._named if m.training != root)
+
+    def capture_key(self) -> tuple[int, tuple[str, ...]]:
+        """What of the module tree a capture depends on beside its inputs: the tree's version
+        (a module swapped, `model.act = nn.GELU()`, runs other code than the captured graph
+        recorded: it needs a capture of its own) and `modes()`."""
+        modes = self.modes()
+        return self.tree_version, modes
 
     @contextlib.contextmanager
     def unchanged(self) -> Iterator[None]:
@@ -111,12 +120,17 @@ class ModelState:
         self._params = dict(model.named_parameters(remove_duplicate=False))
         self._buffers = dict(model.named_buffers(remove_duplicate=False))
         modules = dict(model.named_modules(remove_duplicate=False))
+        old = self._links
         self._links = []
         self._named = [(path, mod) for path, mod in modules.items() if path]
         for path, mod in modules.items():
             if path:
                 parent_path, _, name = path.rpartition(".")
                 self._links.append((modules[parent_path], name, mod))
+        if self.builds > 1 and (len(old) != len(self._links) or any(
+                a[0] is not b[0] or a[1] != b[1] or a[2] is not b[2]
+                for a, b in zip(old, self._links, strict=True))):
+            self.tree_version += 1
         self._slots = []
         for table, found in (("_parameters", self._params), ("_buffers", self._buffers)):
             for full, t in found.items():

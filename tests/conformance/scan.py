@@ -585,6 +585,7 @@ hiera = _img(
     image_size=[IMAGE, IMAGE],
     patch_size=[3, 3],
     patch_stride=[2, 2],
+    patch_padding=[1, 1],
     embed_dim=16,
     depths=[1, 1],
     num_heads=[1, 2],
@@ -616,7 +617,7 @@ cvt = _img(
     "CvtConfig",
     "CvtForImageClassification",
     embed_dim=[16, 32, 32],
-    depth=[1, 1, 1],
+    depth=[1, 2, 3],  # (transformers indexes each stage's drop-path rates by the stage)
     num_heads=[1, 2, 2],
     drop_path_rate=[0.0, 0.0, 0.0],
 )
@@ -666,7 +667,9 @@ data2vec_audio = _aud("Data2VecAudioConfig", "Data2VecAudioForSequenceClassifica
 def lilt() -> Case:
     import torch
 
-    cfg = _cfg(T.LiltConfig, **_ENC, num_labels=LABELS, channel_shrink_ratio=2, pad_token_id=1)
+    # (its layout embedding is 6 parts of hidden_size // 6: a width divisible by 6)
+    cfg = _cfg(T.LiltConfig, **{**_ENC, "hidden_size": 48, "intermediate_size": 96},
+               num_labels=LABELS, channel_shrink_ratio=2, pad_token_id=1)
     base = _lm_batch(labels="class")
 
     def batch(n):

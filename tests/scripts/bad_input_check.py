@@ -144,6 +144,27 @@ def replaced_parameter(model: rannc.RaNNCModule, n: int) -> None:
         net.b.weight = deployed
 
 
+class Scaled(Net):
+    """A plain Python attribute read in forward (a constant of the captured graph)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = 1.0
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        return super().forward(x, mask) * self.scale
+
+
+def attribute_set_on_rank_0(rank: int, n: int) -> None:
+    """A step, then rank 0 alone changes an attribute the capture read: every rank raises
+    (rank 0 would capture again, the others run the graph they have)."""
+    model = rannc.RaNNCModule(Scaled(), partition_num=2, profiler="estimate")
+    model(torch.randn(n, WIDTH)).backward()
+    if rank == 0:
+        model.module.scale = 0.5
+    model(torch.randn(n, WIDTH))
+
+
 def meta_net() -> nn.Module:
     with torch.device("meta"):
         return Net()
@@ -237,6 +258,7 @@ def main() -> None:
         RankDependent(), partition_num=2, profiler="estimate")(torch.randn(n, WIDTH)))
     case("graph_order_differs_across_ranks", r, lambda: rannc.RaNNCModule(
         OrderByRank(), partition_num=2, profiler="estimate")(torch.randn(n, WIDTH)))
+    case("attribute_differs_across_ranks", r, lambda: attribute_set_on_rank_0(r, n))
     case("meta_model_never_materialised", r, lambda: rannc.RaNNCModule(
         meta_net(), partition_num=2, profiler="estimate")(torch.randn(n, WIDTH)))
 

@@ -1,0 +1,207 @@
+"""Python values a capture read from the model, guarded at every call.
+
+rannc runs the graph torch.export recorded. A plain Python value the model's code read while
+it was recorded (`self.scale`, a dropout's `p`, `self.config.output_hidden_states`, a
+temperature annealed between epochs) is a constant of that graph: changed after the capture,
+the unwrapped model would compute with the new value and the graph with the old one. So,
+as torch.compile guards what it specialised on, a capture records every such read and a call
+reuses the capture only while each value read is what it was (`Reads.hold`); otherwise the
+model is captured again (`Reads.changed` names what changed, for logs and for ranks that do
+not agree).
+
+What is recorded, while torch.export runs the model's code: an attribute read from a module
+of the model, or from a Hugging Face config one of them holds, whose value is in the object's
+own `__dict__` and is plain (None, bool, int, float, str, torch.dtype, or a tuple of them).
+Not recorded: `training` (part of the capture key as the modes: `ModelState.modes`), what
+nn.Module keeps for itself (hooks, `_parameters`, ...), attributes of the class, values that
+are objects (a list, a dict: their contents are not followed), and attributes the forward
+writes itself (`self.calls += 1`): torch.export puts those back after the trace, so they keep
+the value the capture read, and a guard on them would say nothing new.
+
+How: `nn.Module.__getattribute__` (which nn.Module leaves to `object`) and the config class's
+own `__getattribute__` are replaced for the time of the export by functions that record a
+read of a watched object; nn.Module's `__setattr__` likewise records writes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+_PLAIN = (type(None), bool, int, float, str, torch.dtype)
+# what every nn.Module keeps in its __dict__ for itself (hooks, tables, the mode)
+_MODULE_OWN = frozenset(nn.Module().__dict__) | {"training", "_compiled_call_impl"}
+_MISSING = object()
+
+
+def _plain(v: Any) -> bool:
+    if type(v) in _PLAIN:
+        return True
+    return type(v) is tuple and len(v) <= 8 and all(type(x) in _PLAIN for x in v)
+
+
+def _same(a: Any, b: Any) -> bool:
+    # (1 == 1.0 == True: a value of another type is another value; a NaN read back is the same
+    # object when nothing changed it)
+    return a is b or (type(a) is type(b) and a == b)
+
+
+@dataclass(frozen=True, slots=True)
+class Read:
+    """One plain value the capture read: `where.name` was `value`."""
+
+    owner: Any  # the module or config
+    where: str  # its path in the model ("" the model; "encoder.config")
+    name: str
+    value: Any
+
+    @property
+    def label(self) -> str:
+        return f"{self.where}.{self.name}" if self.where else self.name
+
+
+class Reads:
+    """The plain values one capture read (see the module doc)."""
+
+    def __init__(self, reads: tuple[Read, ...] = ()) -> None:
+        self.reads = reads
+        # (the owners' instance dicts, looked up once: a config's own __getattribute__ is slow)
+        self._checks = [(object.__getattribute__(r.owner, "__dict__"), r.name, r.value)
+                        for r in reads]
+        # (a short name for these values, for the call mode every rank agrees on)
+        self.digest = f"{zlib.crc32(repr(self.values()).encode()):08x}"
+
+    def __repr__(self) -> str:
+        return f"Reads({len(self.reads)} values)"
+
+    def hold(self) -> bool:
+        """Every value read is still what the capture read (a few dict lookups per value; at
+        every call)."""
+        for d, name, value in self._checks:
+            now = d.get(name, _MISSING)
+            if now is not value and (type(now) is not type(value) or now != value):
+                return False
+        return True
+
+    def changed(self) -> list[tuple[Read, Any]]:
+        """(read, value now) of each value that is no longer what the capture read."""
+        out = []
+        for r, (d, name, value) in zip(self.reads, self._checks, strict=True):
+            now = d.get(name, _MISSING)
+            if not _same(now, value):
+                out.append((r, now))
+        return out
+
+    def values(self) -> tuple[str, ...]:
+        """The values read, in order, as their reprs (part of the capture's key beside its
+        inputs' shapes; as text because 1 == 1.0 == True)."""
+        return tuple(f"{r.label}={r.value!r}" for r in self.reads)
+
+
+NONE = Reads()
+
+
+def describe(changes: list[tuple[Read, Any]], limit: int = 3) -> str:
+    """'layers.0.dropout.p 0.1 -> 0.0, ...' for messages."""
+    shown = [f"{r.label} {r.value!r} -> {'(deleted)' if now is _MISSING else repr(now)}"
+             for r, now in changes[:limit]]
+    more = f" and {len(changes) - limit} more" if len(changes) > limit else ""
+    return ", ".join(shown) + more
+
+
+def _is_config(obj: Any) -> bool:
+    return any(c.__name__ in ("PretrainedConfig", "PreTrainedConfig") for c in type(obj).__mro__)
+
+
+class _Recorder:
+    def __init__(self, model: nn.Module) -> None:
+        self.where: dict[int, str] = {}
+        self.objects: list[Any] = []  # (kept alive while recording: ids stay theirs)
+        config_classes: set[type] = set()
+        for path, m in model.named_modules(remove_duplicate=False):
+            if id(m) not in self.where:
+                self.where[id(m)] = path
+                self.objects.append(m)
+            for key, v in m.__dict__.items():
+                if _is_config(v) and id(v) not in self.where:
+                    self.where[id(v)] = f"{path}.{key}" if path else key
+                    self.objects.append(v)
+                    config_classes.add(type(v))
+        # the class in each config's MRO that defines the __getattribute__ it uses
+        self.config_owners = {next(c for c in cls.__mro__ if "__getattribute__" in c.__dict__)
+                              for cls in config_classes} - {object}
+        self.seen: set[tuple[int, str]] = set()
+        self.written: set[tuple[int, str]] = set()
+        self.reads: list[Read] = []
+
+    def read(self, obj: Any, name: str, value: Any) -> None:
+        key = (id(obj), name)
+        if key in self.seen or key[0] not in self.where or name in _MODULE_OWN:
+            return
+        self.seen.add(key)
+        if key in self.written or not _plain(value):
+            return
+        if object.__getattribute__(obj, "__dict__").get(name, _MISSING) is not value:
+            return  # (a class attribute or a property's result)
+        self.reads.append(Read(obj, self.where[key[0]], name, value))
+
+    def wrote(self, obj: Any, name: str) -> None:
+        if id(obj) in self.where:
+            self.written.add((id(obj), name))
+
+    def result(self) -> Reads:
+        """The reads whose value is still the one read (see the module doc: what the forward
+        wrote itself is left out)."""
+        keep = [r for r in self.reads if (id(r.owner), r.name) not in self.written
+                and _same(object.__getattribute__(r.owner, "__dict__").get(r.name, _MISSING),
+                          r.value)]
+        return Reads(tuple(keep))
+
+
+@contextlib.contextmanager
+def recorded(model: nn.Module) -> Iterator[_Recorder]:
+    """While the block runs (torch.export of `model`), record the plain values read from the
+    model's modules and configs; `.result()` after it."""
+    rec = _Recorder(model)
+    had_get = "__getattribute__" in nn.Module.__dict__
+    real_set = nn.Module.__setattr__
+
+    def module_get(self: Any, name: str) -> Any:
+        value = object.__getattribute__(self, name)
+        rec.read(self, name, value)
+        return value
+
+    def module_set(self: nn.Module, name: str, value: Any) -> None:
+        rec.wrote(self, name)
+        real_set(self, name, value)
+
+    originals = {cls: cls.__dict__["__getattribute__"] for cls in rec.config_owners}
+
+    def config_get(real: Any) -> Any:
+        def get(self: Any, name: str) -> Any:
+            value = real(self, name)
+            rec.read(self, name, value)
+            return value
+        return get
+
+    assert not had_get, "nn.Module defines __getattribute__ (another recorder running?)"
+    nn.Module.__getattribute__ = module_get  # type: ignore[method-assign,assignment]
+    nn.Module.__setattr__ = module_set  # type: ignore[method-assign]
+    for cls, real in originals.items():
+        cls.__getattribute__ = config_get(real)  # type: ignore[method-assign]
+    try:
+        yield rec
+    finally:
+        del nn.Module.__getattribute__
+        nn.Module.__setattr__ = real_set  # type: ignore[method-assign]
+        for cls, real in originals.items():
+            cls.__getattribute__ = real  # type: ignore[method-assign]
+
+
+__all__ = ["NONE", "Read", "Reads", "describe", "recorded"]

@@ -1,0 +1,160 @@
+"""Python values the model's code reads in forward are guarded (rannc/graph/attributes.py): a
+change after a capture captures the model again instead of running the old graph. One process;
+the multi-rank case (transformers' BERT on 3 ranks) is test_semantics_mpi.py's "attributes",
+ranks that differ in such a value are test_bad_input.py's "attribute_differs_across_ranks"."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import rannc
+from rannc.errors import CaptureError
+from rannc.graph import attributes
+from rannc.graph.capture import capture
+
+pytestmark = pytest.mark.layer("single_process")
+_MODULE_SETATTR = nn.Module.__setattr__  # (as torch defines it)
+
+
+class Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.act = nn.ReLU()
+        self.scale = 2.0
+        self.calls = 0  # written in forward: not a guard (torch.export puts it back)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.act(self.lin(x)) * self.scale
+
+
+def _pair() -> tuple[nn.Module, nn.Module, rannc.RaNNCModule]:
+    torch.manual_seed(0)
+    net = Scaled()
+    ref = copy.deepcopy(net)
+    return net, ref, rannc.RaNNCModule(net, torch.optim.SGD(net.parameters(), lr=0.1))
+
+
+def test_a_changed_attribute_captures_again_and_a_restored_one_reuses_its_capture() -> None:
+    net, ref, wrapped = _pair()
+    x = torch.randn(3, 4)
+    seen = []
+    for scale in (2.0, 5.0, 2.0, 5.0, 0.5):
+        net.scale = ref.scale = scale
+        torch.testing.assert_close(wrapped(x), ref(x), rtol=0, atol=0)
+        seen.append(len(wrapped._deployments))
+    assert seen == [1, 2, 2, 2, 3], seen  # (2.0 and 5.0 again: their captures)
+
+
+def test_a_swapped_module_captures_again() -> None:
+    net, ref, wrapped = _pair()
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(wrapped(x), ref(x), rtol=0, atol=0)
+    net.act, ref.act = nn.Tanh(), nn.Tanh()  # (no parameters: nothing else notices)
+    torch.testing.assert_close(wrapped(x), ref(x), rtol=0, atol=0)
+    assert len(wrapped._deployments) == 2
+
+
+def test_what_forward_writes_and_the_mode_are_not_guards() -> None:
+    _net, _ref, wrapped = _pair()
+    x = torch.randn(3, 4)
+    for _ in range(3):
+        wrapped(x)
+    (dep,) = wrapped._deployments.values()
+    labels = [r.label for r in dep.captured.reads.reads]
+    assert "scale" in labels and "calls" not in labels and not any(
+        "training" in lab for lab in labels), labels
+
+
+def test_an_attribute_changed_at_every_step_is_warned_about_once() -> None:
+    net, ref, wrapped = _pair()
+    x = torch.randn(3, 4)
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        for step in range(6):
+            net.scale = ref.scale = 1.0 + step
+            torch.testing.assert_close(wrapped(x), ref(x), rtol=0, atol=0)
+    said = [str(w.message) for w in got if "has changed" in str(w.message)]
+    assert len(said) == 1 and "attribute scale has changed 3 times" in said[0], said
+    assert "register_buffer" in said[0]
+
+
+def test_transformers_config_and_attention_attributes() -> None:
+    """BERT: an attention's `scaling` and `config.output_hidden_states` changed after the first
+    call; the outputs follow the unwrapped model's (before: the first capture's)."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                     intermediate_size=32, max_position_embeddings=32, num_labels=3)
+    model = BertForSequenceClassification(cfg).eval()
+    ref = copy.deepcopy(model)
+    wrapped = rannc.RaNNCModule(model)
+    ids = torch.randint(0, 64, (4, 8))
+    torch.testing.assert_close(wrapped(input_ids=ids).logits, ref(input_ids=ids).logits)
+    for m in (model, ref):
+        m.bert.encoder.layer[0].attention.self.scaling *= 3
+    torch.testing.assert_close(wrapped(input_ids=ids).logits, ref(input_ids=ids).logits)
+    for m in (model, ref):
+        m.config.output_hidden_states = True
+    got, want = wrapped(input_ids=ids), ref(input_ids=ids)
+    assert got.hidden_states is not None and len(got.hidden_states) == len(want.hidden_states)
+    torch.testing.assert_close(got.hidden_states[-1], want.hidden_states[-1])
+    assert len(wrapped._deployments) == 3
+
+
+def test_reads_record_plain_instance_values_only() -> None:
+    class Net(nn.Module):
+        limit = 3  # a class attribute: not recorded
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.dims = (0, 1)
+            self.table = {"k": 2.0}  # not plain: its contents are not followed
+            self.dtype_ = torch.float32
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return (self.lin(x) * self.table["k"] * self.limit).sum(self.dims).to(self.dtype_)
+
+    cap = capture(Net(), (torch.randn(3, 4),))
+    got = {r.label: r.value for r in cap.reads.reads}
+    assert got["dims"] == (0, 1) and got["dtype_"] is torch.float32
+    assert "limit" not in got and "table" not in got and "training" not in got
+    assert {k for k in got if k.startswith("lin.")} == set(), got  # nn.Linear reads tensors only
+    assert "__getattribute__" not in nn.Module.__dict__
+
+
+def test_the_recorder_is_gone_after_a_failed_capture() -> None:
+    class Branchy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.lin(x)
+            return y if y.sum() > 0 else -y  # a branch on a value: not capturable
+
+    with pytest.raises(CaptureError):
+        capture(Branchy(), (torch.randn(3, 4),))
+    assert "__getattribute__" not in nn.Module.__dict__
+    assert nn.Module.__setattr__ is _MODULE_SETATTR
+
+
+def test_changed_names_the_values() -> None:
+    net = Scaled()
+    cap = capture(net, (torch.randn(3, 4),))
+    assert cap.reads.hold()
+    net.scale = 3.0
+    assert not cap.reads.hold()
+    assert attributes.describe(cap.reads.changed()) == "scale 2.0 -> 3.0"
+    net.scale = 2  # an int equal to the float read: another value (another graph constant)
+    assert not cap.reads.hold()
+    del net.scale
+    assert attributes.describe(cap.reads.changed()) == "scale 2.0 -> (deleted)"
