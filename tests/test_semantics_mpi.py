@@ -141,6 +141,37 @@ def test_a_submodule_switched_to_eval_and_back_is_captured_in_each_mode(launches
     _passed(res.stdout, "frozen_bn", 3)
 
 
+CASES["attributes"] = Case(3, ["--case", "attributes", "--replicas", "2,1", "--microbatches", "2",
+                               "--batch", "7"])
+
+
+@pytest.mark.cases("attributes")
+def test_python_attributes_read_in_forward_are_guarded(launches: CaseLaunches) -> None:
+    """transformers' BERT on 3 ranks (2 stages x [2, 1]): an attention's scaling changed and
+    set back, an activation module swapped, config.output_hidden_states set, between steps:
+    each a capture of its own (set back: the first one again), exact at every step (before,
+    the first capture kept running: outputs off, no hidden states)."""
+    res = launches.result("attributes")
+    _passed(res.stdout, "attributes", 3)
+
+
+CASES["sum_loss"] = Case(3, ["--case", "sum_loss", "--replicas", "2,1", "--microbatches", "2",
+                             "--batch", "7"])
+
+
+@pytest.mark.cases("sum_loss")
+def test_a_loss_summed_over_rows_is_exact_and_a_contrastive_one_is_warned_about(
+        launches: CaseLaunches) -> None:
+    """transformers' BERT under reduction="sum" on 3 ranks (2 stages x [2, 1], 2 microbatches:
+    6 pieces): loss and gradients equal the unwrapped model's (before: a sixth of them, the
+    pieces' row-weighted mean). A contrastive term (in-batch pairs) is warned about once, by
+    rank 0, naming where rows mix; the summed loss alone is not."""
+    res = launches.result("sum_loss")
+    _passed(res.stdout, "sum_loss", 3)
+    said = res.stderr.count("depends on several rows of the batch together")
+    assert said == 1 and "from matmul in module '(the model itself)'" in res.stderr, res.stderr
+
+
 CASES["unused_count"] = Case(2, ["--case", "unused_count", "--partition-num", "2", "--batch", "6"])
 
 

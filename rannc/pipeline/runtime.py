@@ -68,6 +68,7 @@ from rannc import dist as rdist
 from rannc import health
 from rannc.atomic.components import AtomicPartition
 from rannc.errors import ConfigError, InputMismatchError, RaNNCError
+from rannc.graph import reductions
 from rannc.graph.capture import CapturedModel
 from rannc.graph.extract import StageGraph, check_buffer_writes_stay_in_one_stage, split_graph
 from rannc.graph.model_state import model_state
@@ -100,6 +101,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _BN_WARNED: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models warned about BatchNorm
+_MIXING_WARNED: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # ... about rows mixed (`_warn_mixing`)
 
 # Hugging Face's keyword for the global number of loss items (tokens not labelled -100): a loss
 # given it is sum / count, so its (microbatch, replica) pieces add up to the global loss.
@@ -127,7 +129,11 @@ class PipelineRuntime:
         self.s = self.mine[0]
         self.j = plan.stages[self.s].ranks.index(rank)
         self.routes = Routes(self.graph, self.stages)
-        self._summed = self._summed_outputs()
+        # scalar outputs whose pieces add up: divided by the global num_items_in_batch, or sums
+        # over the rows (`graph/reductions.py`; a mean's pieces are weighted by their rows)
+        by_count = self._summed_outputs()
+        self.reductions = reductions.analyse(captured.gm, self.graph)
+        self._summed = by_count | self.reductions.summed
         self.held = self._held_params()
         param_groups = self.param_groups = self._param_groups()
         self._bucket_bytes = int(bucket_mb * 2**20)
@@ -179,7 +185,9 @@ class PipelineRuntime:
                      "(the loss) to run its backward inside forward(); this model returns %s, so "
                      "it runs fill-drain (%s) instead", plan.schedule, self._outputs_text(),
                      FILL_DRAIN)
-        if self._count_input() is not None and not self._summed and rank == 0:
+        if rank == 0:
+            self._warn_mixing()
+        if self._count_input() is not None and not by_count and rank == 0:
             log.warning("rannc: the call passed %s, but no scalar output of the model is computed "
                         "from it (its loss ignores it), so scalar outputs are combined as a "
                         "row-weighted mean over microbatches and replicas, not a sum; compute "
@@ -544,6 +552,46 @@ class PipelineRuntime:
         for name, c in zip(self.graph.outputs, self.cap.output_constants, strict=True):
             out.append(c if name is None else scalars[name] if name in scalars else batch_out[name])
         return out
+
+    def _warn_mixing(self) -> None:
+        """Say once per model where an output depends on several rows together and the plan
+        computes it on pieces of the batch (`graph/reductions.py`): it is not the model's
+        value on the global batch."""
+        if not self.reductions.inexact or self.model in _MIXING_WARNED:
+            return
+        index = {t: s for s, st in enumerate(self.stages) for t in st.tasks}
+        split = []
+        for out, (task, path, op) in self.reductions.inexact.items():
+            s = index.get(self.graph.task_index(task)) if task else None
+            reps = len(self.plan.stages[s].ranks) if s is not None else 1
+            if self.plan.microbatches * reps > 1:
+                split.append((out, path, op, s, reps))
+        if not split:
+            return
+        _MIXING_WARNED.add(self.model)
+        out, path, op, s, reps = split[0]
+        names = ", ".join(self._output_label(o) for o, *_ in split[:3]) + (
+            f" and {len(split) - 3} more" if len(split) > 3 else "")
+        log.warning(
+            "rannc: the model's output %s depends on several rows of the batch together (from "
+            "%s in module '%s': e.g. a loss over pairs of samples, statistics over the batch "
+            "dimension, a softmax along it). The pipeline computes it on each piece of the "
+            "batch (plan: %d microbatches; stage %s has %d replicas), so it differs from the "
+            "model's value on the global batch, as under DDP, where each rank computes it on "
+            "its own rows. For the model's value, plan that stage with one replica and one "
+            "microbatch (replicas=[..., 1], microbatches=1), or compute it outside the model "
+            "from the rows every rank gets back", names, op, path or "(the model itself)",
+            self.plan.microbatches, s, reps)
+
+    def _output_label(self, v: str) -> str:
+        """A model output by its place in the outputs (a pytree path where one is known)."""
+        i = self.graph.outputs.index(v)
+        try:
+            paths = [pytree.keystr(p) for p, _ in pytree.tree_flatten_with_path(
+                pytree.tree_unflatten(list(range(len(self.graph.outputs))), self.cap.out_spec))[0]]
+            return f"'{paths[i]}'" if paths[i] else "(the return value)"
+        except Exception:
+            return f"#{i}"
 
     # -- the global count of loss items ------------------------------------------------------------
     def _count_input(self) -> str | None:

@@ -419,10 +419,116 @@ def check_frozen_bn(a: argparse.Namespace, rank: int, world: int) -> None:
     print(f"PASS frozen_bn rank {rank}", flush=True)
 
 
+def check_attributes(a: argparse.Namespace, rank: int, world: int) -> None:
+    """transformers' BERT, trained while what its code reads from Python attributes changes
+    between steps, on every rank alike: an attention's `scaling`, set and set back (the first
+    capture is used again), then a layer's activation module swapped for another, then
+    `config.output_hidden_states`. Each is a constant of a captured graph: before, rannc kept
+    running the graph captured first (outputs off from the changed step on, no hidden states).
+    Outputs, loss and gradients equal the unwrapped model's at every step."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                     intermediate_size=32, max_position_embeddings=32, num_labels=3,
+                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = BertForSequenceClassification(cfg)
+    ref = copy.deepcopy(model)
+    opt_w = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    wrapped = rannc.RaNNCModule(model, opt_w, **options(a))
+    sizes = local_sizes(a.batch, world)
+    lo, hi = sum(sizes[:rank]), sum(sizes[:rank + 1])
+    scaling = model.bert.encoder.layer[0].attention.self.scaling
+
+    def attention(m: nn.Module) -> Any:
+        return m.bert.encoder.layer[0].attention.self
+
+    changes: list[tuple[str, Any]] = [
+        ("as built", lambda m: None),
+        ("scaling x3", lambda m: setattr(attention(m), "scaling", 3 * scaling)),
+        ("scaling back", lambda m: setattr(attention(m), "scaling", scaling)),
+        ("activation swapped", lambda m: setattr(m.bert.encoder.layer[1].intermediate,
+                                                 "intermediate_act_fn", nn.Tanh())),
+        ("hidden states", lambda m: setattr(m.config, "output_hidden_states", True)),
+    ]
+    runtimes = []
+    for step, (what, change) in enumerate(changes):
+        for m in (model, ref):
+            change(m)
+        ids, y = torch.randint(0, 64, (a.batch, 8)), torch.randint(0, 3, (a.batch,))
+        out = wrapped(input_ids=ids[lo:hi], labels=y[lo:hi])
+        ref_out = ref(input_ids=ids, labels=y)
+        where = f"rank {rank} step {step} ({what})"
+        close(out.logits, ref_out.logits[lo:hi], f"{where} logits")
+        close(out.loss, ref_out.loss, f"{where} loss")
+        assert (out.hidden_states is None) == (ref_out.hidden_states is None), where
+        if ref_out.hidden_states is not None:
+            # (after 4 AdamW steps: a LayerNorm's outputs, where summation order shows)
+            torch.testing.assert_close(out.hidden_states[-1], ref_out.hidden_states[-1][lo:hi],
+                                       rtol=1e-4, atol=1e-5, msg=lambda m, w=where: f"{w} hidden: {m}")
+        out.loss.backward()
+        ref_out.loss.backward()
+        grads_close_then_step(wrapped, ref, (opt_w, opt_r), where)
+        runtimes.append(len(wrapped._runtimes))
+    # (setting scaling back runs the first capture again)
+    assert runtimes == [1, 2, 2, 3, 4], runtimes
+    print(f"PASS attributes rank {rank}", flush=True)
+
+
+class SummedLoss(nn.Module):
+    """transformers' BERT under a loss summed over the rows (reduction="sum"), as users write
+    one; `contrastive` adds a loss over pairs of the batch's samples (in-batch negatives)."""
+
+    def __init__(self, contrastive: bool) -> None:
+        super().__init__()
+        from transformers import BertConfig, BertForSequenceClassification
+
+        cfg = BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                         intermediate_size=32, max_position_embeddings=32, num_labels=3,
+                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        self.bert = BertForSequenceClassification(cfg)
+        self.contrastive = contrastive
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.bert(input_ids=input_ids).logits
+        loss = nn.functional.cross_entropy(logits, labels, reduction="sum") * 0.5
+        if self.contrastive:
+            u = nn.functional.normalize(logits, dim=-1)
+            loss = loss + nn.functional.cross_entropy(u @ u.T, torch.arange(u.shape[0]))
+        return loss
+
+
+def check_sum_loss(a: argparse.Namespace, rank: int, world: int) -> None:
+    """A loss summed over the rows: the pieces' values add up (before, rannc took their
+    row-weighted mean: the loss and gradients 1 / pieces of the model's). Loss and gradients
+    equal the unwrapped model's over 2 steps; nothing is warned. Then a contrastive term: rank 0
+    warns that the output mixes rows (its value is not compared)."""
+    torch.manual_seed(0)
+    model = SummedLoss(contrastive=False)
+    ref = copy.deepcopy(model)
+    opt_w = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    wrapped = rannc.RaNNCModule(model, opt_w, **options(a))
+    sizes = local_sizes(a.batch, world)
+    lo, hi = sum(sizes[:rank]), sum(sizes[:rank + 1])
+    for step in range(2):
+        ids, y = torch.randint(0, 64, (a.batch, 8)), torch.randint(0, 3, (a.batch,))
+        loss, ref_loss = wrapped(ids[lo:hi], y[lo:hi]), ref(ids, y)
+        close(loss, ref_loss, f"rank {rank} step {step} loss")
+        loss.backward()
+        ref_loss.backward()
+        grads_close_then_step(wrapped, ref, (opt_w, opt_r), f"rank {rank} step {step}")
+    print(f"PASS sum_loss rank {rank}", flush=True)
+    model = SummedLoss(contrastive=True)
+    rannc.RaNNCModule(model, **options(a))(ids[lo:hi], y[lo:hi])
+
+
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--case", required=True, choices=["input_grad", "masked_lm", "batchnorm", "unused_count",
-                                                "functional_bn", "loss_grad", "frozen_bn"])
+                                                "functional_bn", "loss_grad", "frozen_bn",
+                                                "attributes", "sum_loss"])
     p.add_argument("--bn-mode", default="sync", help="batchnorm: local or sync")
     p.add_argument("--model", default="llama", help="masked_lm: llama or roberta")
     p.add_argument("--replicas", default="")
@@ -440,7 +546,8 @@ def run(a: argparse.Namespace, ctx: rdist.DistContext) -> None:
     {"input_grad": check_input_grad, "masked_lm": check_masked_lm,
      "batchnorm": check_batchnorm, "unused_count": check_unused_count,
      "functional_bn": check_functional_bn, "loss_grad": check_loss_grad,
-     "frozen_bn": check_frozen_bn}[a.case](a, ctx.rank, ctx.world_size)
+     "frozen_bn": check_frozen_bn, "attributes": check_attributes,
+     "sum_loss": check_sum_loss}[a.case](a, ctx.rank, ctx.world_size)
 
 
 def main() -> None:

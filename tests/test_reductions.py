@@ -1,0 +1,127 @@
+"""How outputs depend on the batch's rows (rannc/graph/reductions.py): which scalar outputs are
+sums over rows (their pieces add up), which outputs mix rows (warned about where the plan splits
+the batch). Pure: capture and analysis only. Exactness on several ranks: test_semantics_mpi.py
+"sum_loss"."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rannc.graph.capture import capture
+from rannc.graph.reductions import Reductions, analyse
+
+pytestmark = pytest.mark.layer("pure")
+
+
+class Loss(nn.Module):
+    """A linear layer and a loss `fn(y, x)` of its output."""
+
+    def __init__(self, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.fn = fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(self.lin(x), x)
+
+
+def _analysed(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Reductions:
+    cap = capture(Loss(fn), (torch.randn(6, 4),))
+    return analyse(cap.gm, cap.graph)
+
+
+def _contrastive(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    u, v = F.normalize(y, dim=-1), F.normalize(x, dim=-1)
+    return F.cross_entropy(u @ v.T, torch.arange(x.shape[0]))
+
+
+EXACT_MEANS = {
+    "mean": lambda y, x: y.pow(2).mean(),
+    "mse": lambda y, x: F.mse_loss(y, x),
+    "cross_entropy": lambda y, x: F.cross_entropy(y, x.argmax(-1)),
+    "scaled_plus_constant": lambda y, x: 2 * F.l1_loss(y, x) + 3.0,
+    "sum_over_batch_size": lambda y, x: F.mse_loss(y, x, reduction="sum") / x.shape[0],
+    "kl_batchmean": lambda y, x: F.kl_div(y.log_softmax(-1), x.softmax(-1), reduction="batchmean"),
+    "two_means": lambda y, x: y.mean() + torch.stack([x.abs().mean(), y.pow(2).mean()]).sum(),
+}
+SUMS = {
+    "sum": lambda y, x: y.pow(2).sum(),
+    "mse_sum": lambda y, x: F.mse_loss(y, x, reduction="sum"),
+    "scaled_sum": lambda y, x: 0.5 * F.smooth_l1_loss(y, x, reduction="sum") / 7,
+    "two_sums": lambda y, x: y.sum() + x.abs().sum(),
+}
+MIXING = {
+    "contrastive": (_contrastive, "matmul"),
+    "centred": (lambda y, x: (y - y.mean(0)).pow(2).mean(), "sub.Tensor"),
+    "sum_plus_constant": (lambda y, x: y.sum() + 1.0, "add.Tensor"),
+    "mean_plus_sum": (lambda y, x: y.mean() + x.sum(), "add.Tensor"),
+    "product_of_means": (lambda y, x: y.mean() * x.mean(), "mul.Tensor"),
+    "max_over_batch": (lambda y, x: y.amax(), "amax"),
+    "softmax_along_batch": (lambda y, x: (y.softmax(0) * x).mean(), "softmax.int"),
+    "class_weighted_mean": (lambda y, x: F.cross_entropy(y, x.argmax(-1), weight=torch.ones(4)),
+                            "cross_entropy_loss"),
+    "first_sample": (lambda y, x: y[0].sum(), "select.int"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXACT_MEANS))
+def test_means_over_rows_are_exact_as_row_weighted_means(name: str) -> None:
+    r = _analysed(EXACT_MEANS[name])
+    assert not r.summed and not r.inexact, (r.summed, r.inexact)
+
+
+@pytest.mark.parametrize("name", sorted(SUMS))
+def test_sums_over_rows_have_pieces_that_add_up(name: str) -> None:
+    r = _analysed(SUMS[name])
+    assert len(r.summed) == 1 and not r.inexact, (r.summed, r.inexact)
+
+
+@pytest.mark.parametrize("name", sorted(MIXING))
+def test_outputs_that_mix_rows_are_named_with_the_op_where_they_begin(name: str) -> None:
+    fn, op = MIXING[name]
+    r = _analysed(fn)
+    assert not r.summed and len(r.inexact) == 1, (r.summed, r.inexact)
+    ((task, path, where),) = r.inexact.values()
+    assert where == op and task, r.inexact
+
+
+def test_a_batch_output_centred_over_the_batch_mixes_rows_and_a_row_wise_one_does_not() -> None:
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            y = self.lin(x)
+            return y.softmax(-1), y - y.mean(0, keepdim=True)
+
+    cap = capture(Two(), (torch.randn(6, 4),))
+    r = analyse(cap.gm, cap.graph)
+    assert list(r.inexact) == [cap.graph.outputs[1]], r.inexact
+
+
+def test_hugging_face_models_own_losses_are_exact_means() -> None:
+    """BERT's masked-LM loss and a causal LM's (Llama): means over rows, nothing mixed."""
+    from transformers import BertConfig, BertForMaskedLM, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    bert = BertForMaskedLM(BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1,
+                                      num_attention_heads=2, intermediate_size=32))
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1,
+                                         intermediate_size=32, use_cache=False))
+    ids = torch.randint(0, 64, (4, 8))
+    for model in (bert, llama):
+        cap = capture(model, (), {"input_ids": ids, "labels": ids})
+        r = analyse(cap.gm, cap.graph)
+        assert not r.summed and not r.inexact, (type(model).__name__, r.summed, r.inexact)
+    # the causal LM with the global count: a sum over rows divided by a constant (BERT's masked
+    # LM loss ignores the count in transformers 5)
+    cap = capture(llama, (), {"input_ids": ids, "labels": ids, "num_items_in_batch": torch.tensor(20)})
+    r = analyse(cap.gm, cap.graph)
+    assert len(r.summed) == 1 and not r.inexact, (r.summed, r.inexact)
