@@ -148,6 +148,30 @@ class Writes(nn.Module):
         return self.out(s + t + z + m)
 
 
+class NoGradWrites(nn.Module):
+    """Buffers updated inside `torch.no_grad()` in forward, as EMA codebooks and running
+    normalisers do: a running mean of the inputs and a call counter (torch.export records the
+    block as one region op whose own schema does not say it writes them)."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.inp, self.mid, self.out = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+        self.register_buffer("calls", torch.zeros(()))
+        self.register_buffer("ema", torch.zeros(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x) + self.ema  # the running mean as it was before this call
+        with torch.no_grad():
+            self.ema.mul_(0.9).add_(0.1 * x.mean(0))
+            self.calls.add_(1)
+        return self.out(torch.tanh(self.mid(torch.tanh(h))))
+
+
+def _no_grad_writes(batch: int) -> Case:
+    return Case("writes_no_grad", NoGradWrites(), (torch.randn(batch, 8),), {},
+                lambda out: (out ** 2).mean())
+
+
 def _writes(batch: int) -> Case:
     return Case("writes", Writes(), (torch.randn(batch, 8),), {}, lambda out: (out ** 2).mean())
 
@@ -155,6 +179,7 @@ def _writes(batch: int) -> Case:
 BUILDERS: dict[str, Callable[[int], Case]] = {
     "bert": _bert, "gpt2": _gpt2, "llama": _llama, "t5": _t5, "resnet": _resnet, "fork_join": _fork_join,
     "shared_param": _shared, "kwargs": _kwargs, "writes": _writes,
+    "writes_no_grad": _no_grad_writes,
 }
 
 

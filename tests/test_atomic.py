@@ -190,8 +190,8 @@ def check_invariants(graph: TaskGraph, part: AtomicPartition) -> None:
             assert all(graph.values[v].producer is not None for v in graph.tasks[t].mutates)
     assert part.cloned_tasks == [t for t in range(n) if len(expected(t)) > 1]
 
-    # Component edges: exactly the reads of values held elsewhere, and a buffer's readers before
-    # the later component storing its new value (a write-back); all going forward.
+    # Component edges: exactly the reads of values held elsewhere, a buffer's readers before the
+    # later component storing its new value (a write-back) or writing it in place; all forward.
     edges = part.component_edges(graph)
     assert len(edges) == len(set(edges))
     want: set[tuple[int, int]] = set()
@@ -205,6 +205,14 @@ def check_invariants(graph: TaskGraph, part: AtomicPartition) -> None:
             for u, task in enumerate(graph.tasks):
                 if graph.tasks[t].inputs[0] in task.inputs:
                     want.update((h, c.index) for h in part.holders[u] if h < c.index)
+        # ... and the other readers of a graph input written in place, in their order around it
+        for t in c.tasks:
+            for buf in graph.tasks[t].mutates:
+                if producer.get(buf) is None:
+                    for u, task in enumerate(graph.tasks):
+                        if buf in task.inputs:
+                            want.update((min(h, c.index), max(h, c.index))
+                                        for h in part.holders[u] if h != c.index)
     assert set(edges) == want
     for a, b in edges:
         assert a != b, "self loop"

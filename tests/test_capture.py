@@ -854,3 +854,14 @@ def test_a_conversion_in_forward_that_changes_nothing_captures() -> None:
     model.dtype = torch.float64
     with pytest.raises(CaptureError, match="classifier"):
         capture(model, (x,))
+
+
+def test_buffers_written_under_no_grad_in_forward_are_known_as_written() -> None:
+    """torch.export records a `with torch.no_grad():` block as one region op over a submodule;
+    the buffers written inside are the op's `mutates` (the runtime puts them back before a
+    call is run again, and keeps their readers in their stage)."""
+    from model_zoo import NoGradWrites
+
+    cap = capture(NoGradWrites(), (torch.randn(4, 8),))
+    written = {cap.graph.values[v].target for t in cap.graph.tasks for v in t.mutates}
+    assert written == {"calls", "ema"}, written

@@ -14,8 +14,9 @@ pytestmark = pytest.mark.layer("multi_rank")
 
 
 def test_a_wrong_guess_puts_back_the_buffers_it_wrote() -> None:
-    res = run_mpi(TESTS / "scripts" / "guess_check.py", 2, ["--model", "writes,resnet"])
-    for model in ("writes", "resnet"):
+    res = run_mpi(TESTS / "scripts" / "guess_check.py", 2,
+                  ["--model", "writes,writes_no_grad,resnet"])
+    for model in ("writes", "writes_no_grad", "resnet"):
         got = {int(r): (int(g), int(x), int(w)) for r, g, x, w in re.findall(
             rf"PASS {model} rank (\d+) guessed (\d+) rerun (\d+) written (\d+)", res.stdout)}
         assert sorted(got) == [0, 1], (model, res.stdout)

@@ -165,11 +165,14 @@ def test_a_loss_summed_over_rows_is_exact_and_a_contrastive_one_is_warned_about(
     """transformers' BERT under reduction="sum" on 3 ranks (2 stages x [2, 1], 2 microbatches:
     6 pieces): loss and gradients equal the unwrapped model's (before: a sixth of them, the
     pieces' row-weighted mean). A contrastive term (in-batch pairs) is warned about once, by
-    rank 0, naming where rows mix; the summed loss alone is not."""
+    rank 0, naming where rows mix; the summed loss alone is not; a model updating buffers in
+    forward under no_grad is warned about (its buffers, and its output reading them)."""
     res = launches.result("sum_loss")
     _passed(res.stdout, "sum_loss", 3)
     said = res.stderr.count("depends on several rows of the batch together")
     assert said == 1 and "from matmul in module '(the model itself)'" in res.stderr, res.stderr
+    # (NoGradWrites reads its running mean before updating it: rows do not mix; its buffers:)
+    assert res.stderr.count("buffer 'ema' and 1 more are updated in forward") == 1, res.stderr
 
 
 CASES["unused_count"] = Case(2, ["--case", "unused_count", "--partition-num", "2", "--batch", "6"])

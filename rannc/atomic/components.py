@@ -83,6 +83,17 @@ class AtomicPartition:
                 buf = graph.tasks[t].inputs[0]
                 for u in graph.consumers(buf):
                     out.update((c, comp.index) for c in self.holders[u] if c < comp.index)
+            # a write in place into a graph input (a buffer updated under no_grad, a counter's
+            # add_): its other readers keep their order around it, before reading the old
+            # value, after the new one
+            for t in comp.tasks:
+                for buf in graph.tasks[t].mutates:
+                    if graph.values[buf].producer is not None:
+                        continue
+                    for u in graph.consumers(buf):
+                        for c in self.holders[u]:
+                            if c != comp.index:
+                                out.add((c, comp.index) if c < comp.index else (comp.index, c))
         return sorted(out)
 
 

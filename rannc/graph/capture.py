@@ -573,6 +573,8 @@ def _mutated_args(node: fx.Node) -> list[fx.Node]:
     t = node.target
     if t is write_back:
         return [node.args[0]] if isinstance(node.args[0], fx.Node) else []
+    if isinstance(t, torch._ops.HigherOrderOperator):
+        return _mutated_in_region(node)
     if not isinstance(t, torch._ops.OpOverload):
         return []
     out: list[fx.Node] = []
@@ -582,6 +584,29 @@ def _mutated_args(node: fx.Node) -> list[fx.Node]:
             if isinstance(v, fx.Node):
                 out.append(v)
     return out
+
+
+def _mutated_in_region(node: fx.Node) -> list[fx.Node]:
+    """The operands a region op writes in place: torch.export records a `torch.no_grad()` or
+    `torch.autocast` block inside forward as one op calling a submodule on the operands after
+    it (`wrap_with_set_grad_enabled(False, submod, *operands)`), and a buffer updated in such a
+    block (a counter, a running mean) is written inside the submodule, where the op's own
+    schema does not say so. Without this the write was not known: a call run again after a
+    wrong guess of the batch layout updated the buffer twice."""
+    owner = node.graph.owning_module
+    for i, a in enumerate(node.args):
+        if not (isinstance(a, fx.Node) and a.op == "get_attr"):
+            continue
+        sub = getattr(owner, str(a.target), None) if owner is not None else None
+        if not isinstance(sub, fx.GraphModule):
+            continue
+        operands = node.args[i + 1:]
+        places = [n for n in sub.graph.nodes if n.op == "placeholder"]
+        written = {m for n in sub.graph.nodes if n.op == "call_function"
+                   for m in _mutated_args(n) if m.op == "placeholder"}
+        return [op for p, op in zip(places, operands, strict=False)
+                if p in written and isinstance(op, fx.Node)]
+    return []
 
 
 def _drop_dead_code(gm: fx.GraphModule, buffers: set[str]) -> None:
@@ -824,7 +849,9 @@ def _writes(gm: fx.GraphModule, outer: dict[fx.Node, fx.Node],
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
-        for written in _mutated_args(node):
+        # (a region op's writes are its subgraph's: found there, below, with their own lines)
+        own = [] if isinstance(node.target, torch._ops.HigherOrderOperator) else _mutated_args(node)
+        for written in own:
             base = _alias_base(written)
             yield node, written, outer.get(base, base)
         subs = [a for a in node.args if isinstance(a, fx.Node) and a.op == "get_attr"

@@ -102,6 +102,7 @@ log = logging.getLogger(__name__)
 
 _BN_WARNED: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models warned about BatchNorm
 _MIXING_WARNED: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # ... about rows mixed (`_warn_mixing`)
+_WRITES_WARNED: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # ... about buffers forward writes
 
 # Hugging Face's keyword for the global number of loss items (tokens not labelled -100): a loss
 # given it is sum / count, so its (microbatch, replica) pieces add up to the global loss.
@@ -187,6 +188,7 @@ class PipelineRuntime:
                      FILL_DRAIN)
         if rank == 0:
             self._warn_mixing()
+            self._warn_buffer_writes()
         if self._count_input() is not None and not by_count and rank == 0:
             log.warning("rannc: the call passed %s, but no scalar output of the model is computed "
                         "from it (its loss ignores it), so scalar outputs are combined as a "
@@ -582,6 +584,48 @@ class PipelineRuntime:
             "microbatch (replicas=[..., 1], microbatches=1), or compute it outside the model "
             "from the rows every rank gets back", names, op, path or "(the model itself)",
             self.plan.microbatches, s, reps)
+
+    def _warn_buffer_writes(self) -> None:
+        """Say once per model which buffers forward updates (a counter, a running mean: not
+        BatchNorm's, which rannc defers itself) where the plan runs their stage on several
+        pieces of the batch: each piece's forward updates its replica's copy from its own
+        rows, so a call updates them once per microbatch and the replicas' copies drift apart,
+        where the unwrapped model updates them once per call from the global batch."""
+        if self.model in _WRITES_WARNED:
+            return
+        norms = {self.graph.tasks[i].module_path
+                 for i in bnorm.training_batch_norms(self.cap.gm, self.graph)}
+        kinds = self.reductions.kinds
+        split: dict[str, tuple[str, int]] = {}
+        for s, st in enumerate(self.stages):
+            replicas = len(self.plan.stages[s].ranks)
+            for t in st.tasks:
+                task = self.graph.tasks[t]
+                # (from the batch: the replicas' copies differ; a counter: only per microbatch)
+                rows = any(kinds.get(i) not in (None, reductions.Kind.CONST) for i in task.inputs
+                           if i not in task.mutates)
+                if self.plan.microbatches == 1 and not (rows and replicas > 1):
+                    continue
+                for v in task.mutates:
+                    val = self.graph.values[v]
+                    name = str(val.target)
+                    if val.kind is ValueKind.BUFFER and name.rpartition(".")[0] not in norms:
+                        split.setdefault(name, (task.module_path, s))
+        if not split:
+            return
+        _WRITES_WARNED.add(self.model)
+        name, (path, s) = next(iter(split.items()))
+        more = f" and {len(split) - 1} more are" if len(split) > 1 else " is"
+        log.warning(
+            "rannc: buffer '%s'%s updated in forward (module '%s', a counter or running "
+            "statistic). The pipeline runs forward once per microbatch on each replica of a "
+            "stage (plan: %d microbatches; stage %d has %d replicas), so a call updates it once "
+            "per microbatch, and each replica from its own rows (the replicas' copies drift "
+            "apart), where the model updates it once per call from the global batch. It stays "
+            "the model's with one microbatch and one replica for that stage (replicas=[..., 1], "
+            "microbatches=1); BatchNorm's statistics rannc keeps exact itself", name, more,
+            path or "(the model itself)", self.plan.microbatches, s,
+            len(self.plan.stages[s].ranks))
 
     def _output_label(self, v: str) -> str:
         """A model output by its place in the outputs (a pytree path where one is known)."""

@@ -503,7 +503,8 @@ def check_sum_loss(a: argparse.Namespace, rank: int, world: int) -> None:
     """A loss summed over the rows: the pieces' values add up (before, rannc took their
     row-weighted mean: the loss and gradients 1 / pieces of the model's). Loss and gradients
     equal the unwrapped model's over 2 steps; nothing is warned. Then a contrastive term: rank 0
-    warns that the output mixes rows (its value is not compared)."""
+    warns that the output mixes rows (its value is not compared), and, for a model updating
+    buffers in forward, that they are updated per piece."""
     torch.manual_seed(0)
     model = SummedLoss(contrastive=False)
     ref = copy.deepcopy(model)
@@ -522,6 +523,10 @@ def check_sum_loss(a: argparse.Namespace, rank: int, world: int) -> None:
     print(f"PASS sum_loss rank {rank}", flush=True)
     model = SummedLoss(contrastive=True)
     rannc.RaNNCModule(model, **options(a))(ids[lo:hi], y[lo:hi])
+    # buffers updated in forward (under no_grad), on pieces of the batch: warned about too
+    from model_zoo import NoGradWrites
+
+    rannc.RaNNCModule(NoGradWrites(), **options(a))(torch.randn(a.batch, 8)[lo:hi])
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
