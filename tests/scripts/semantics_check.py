@@ -419,6 +419,29 @@ def check_frozen_bn(a: argparse.Namespace, rank: int, world: int) -> None:
     print(f"PASS frozen_bn rank {rank}", flush=True)
 
 
+def tiny_bert_classifier() -> nn.Module:
+    """transformers' BertForSequenceClassification, 2 layers of width 16, 3 labels, no dropout."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    return BertForSequenceClassification(BertConfig(
+        vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=32, max_position_embeddings=32, num_labels=3, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0))
+
+
+def trained_pair(model: nn.Module, a: argparse.Namespace, rank: int, world: int
+                 ) -> tuple[nn.Module, Any, tuple[Any, Any], tuple[int, int]]:
+    """`model`'s unwrapped copy, the wrapped model (`options(a)`), both AdamW optimizers, and
+    this rank's rows of a global batch of `a.batch`."""
+    ref = copy.deepcopy(model)
+    opt_w = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    wrapped = rannc.RaNNCModule(model, opt_w, **options(a))
+    sizes = local_sizes(a.batch, world)
+    lo = sum(sizes[:rank])
+    return ref, wrapped, (opt_w, opt_r), (lo, lo + sizes[rank])
+
+
 def check_attributes(a: argparse.Namespace, rank: int, world: int) -> None:
     """transformers' BERT, trained while what its code reads from Python attributes changes
     between steps, on every rank alike: an attention's `scaling`, set and set back (the first
@@ -426,19 +449,9 @@ def check_attributes(a: argparse.Namespace, rank: int, world: int) -> None:
     `config.output_hidden_states`. Each is a constant of a captured graph: before, rannc kept
     running the graph captured first (outputs off from the changed step on, no hidden states).
     Outputs, loss and gradients equal the unwrapped model's at every step."""
-    from transformers import BertConfig, BertForSequenceClassification
-
     torch.manual_seed(0)
-    cfg = BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                     intermediate_size=32, max_position_embeddings=32, num_labels=3,
-                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    model = BertForSequenceClassification(cfg)
-    ref = copy.deepcopy(model)
-    opt_w = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    wrapped = rannc.RaNNCModule(model, opt_w, **options(a))
-    sizes = local_sizes(a.batch, world)
-    lo, hi = sum(sizes[:rank]), sum(sizes[:rank + 1])
+    model = tiny_bert_classifier()
+    ref, wrapped, (opt_w, opt_r), (lo, hi) = trained_pair(model, a, rank, world)
     scaling = model.bert.encoder.layer[0].attention.self.scaling
 
     def attention(m: nn.Module) -> Any:
@@ -482,12 +495,7 @@ class SummedLoss(nn.Module):
 
     def __init__(self, contrastive: bool) -> None:
         super().__init__()
-        from transformers import BertConfig, BertForSequenceClassification
-
-        cfg = BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                         intermediate_size=32, max_position_embeddings=32, num_labels=3,
-                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-        self.bert = BertForSequenceClassification(cfg)
+        self.bert = tiny_bert_classifier()
         self.contrastive = contrastive
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -506,13 +514,8 @@ def check_sum_loss(a: argparse.Namespace, rank: int, world: int) -> None:
     warns that the output mixes rows (its value is not compared), and, for a model updating
     buffers in forward, that they are updated per piece."""
     torch.manual_seed(0)
-    model = SummedLoss(contrastive=False)
-    ref = copy.deepcopy(model)
-    opt_w = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    wrapped = rannc.RaNNCModule(model, opt_w, **options(a))
-    sizes = local_sizes(a.batch, world)
-    lo, hi = sum(sizes[:rank]), sum(sizes[:rank + 1])
+    ref, wrapped, (opt_w, opt_r), (lo, hi) = trained_pair(SummedLoss(contrastive=False), a, rank,
+                                                          world)
     for step in range(2):
         ids, y = torch.randint(0, 64, (a.batch, 8)), torch.randint(0, 3, (a.batch,))
         loss, ref_loss = wrapped(ids[lo:hi], y[lo:hi]), ref(ids, y)
