@@ -125,3 +125,14 @@ def test_hugging_face_models_own_losses_are_exact_means() -> None:
     cap = capture(llama, (), {"input_ids": ids, "labels": ids, "num_items_in_batch": torch.tensor(20)})
     r = analyse(cap.gm, cap.graph)
     assert len(r.summed) == 1 and not r.inexact, (r.summed, r.inexact)
+
+
+def test_the_batch_size_in_the_arithmetic_is_per_piece() -> None:
+    """`x.shape[0]` is each piece's own: a sum divided by it is a mean; a mean divided by it, a
+    tensor made of it, or rows scaled by it are not the model's values."""
+    assert not _analysed(lambda y, x: y.sum() / x.shape[0]).inexact
+    for fn in (lambda y, x: y.mean() / x.shape[0],
+               lambda y, x: y.sum() / y.new_full((), x.shape[0]),
+               lambda y, x: y * x.shape[0]):
+        r = _analysed(fn)
+        assert not r.summed and len(r.inexact) == 1, (r.summed, r.inexact)

@@ -81,6 +81,10 @@ _LINEAR = frozenset(f"aten.{op}" for op in (
     "expand.default", "select.int", "slice.Tensor", "flatten.using_ints", "contiguous.default",
     "lift_fresh_copy.default")) | {"<built-in function getitem>", "getitem"}
 _SCALING = frozenset(f"aten.{op}" for op in ("mul.Tensor", "mul.Scalar", "div.Tensor", "div.Scalar"))
+_ARITHMETIC = _SCALING | frozenset(f"aten.{op}" for op in (
+    "add.Tensor", "add.Scalar", "sub.Tensor", "sub.Scalar", "rsub.Tensor", "rsub.Scalar",
+    "div.Tensor_mode", "div.Scalar_mode", "floor_divide.default", "true_divide.Tensor",
+    "pow.Tensor_Scalar", "pow.Scalar"))
 # ops that act along one dimension (their argument after the input)
 _ALONG_DIM = frozenset(f"aten.{op}" for op in (
     "softmax.int", "_softmax.default", "log_softmax.int", "_log_softmax.default", "cumsum.default",
@@ -179,11 +183,18 @@ def analyse(gm: fx.GraphModule, graph: TaskGraph) -> Reductions:
 def _kind(op: str, node: fx.Node | None, inputs: tuple[str, ...], ins: list[Kind], out: str,
           batch: Callable[[str], bool], values: dict[str, Value]) -> Kind:
     tensors = [(i, k) for i, k in zip(inputs, ins, strict=True) if values[i].is_tensor]
+    # sizes that follow the batch (x.shape[0]): each piece has its own, so where they enter
+    # the arithmetic of a value, it is not the model's (but for a sum / batch size: a mean)
+    sized = any(not values[i].is_tensor and "batch" in (values[i].sym_expr or "") for i in inputs)
+    if op in _DATA_FREE and sized and not batch(out):
+        return Kind.OTHER  # (a tensor holding the batch size: `x.new_full((), x.shape[0])`)
     if op in _BATCH_NORM or op in _DATA_FREE or op in _ROUTING:
         return Kind.ROW if batch(out) else Kind.CONST
     if batch(out):
         if any(k in (Kind.MIXED, Kind.MEAN, Kind.SUM, Kind.OTHER) for _i, k in tensors):
             return Kind.MIXED  # (rows combined with statistics of the batch)
+        if sized and op in _ARITHMETIC:
+            return Kind.MIXED  # (rows scaled by the batch size)
         if sum("batch" in str(d) for d in values[out].shape) > 1:
             return Kind.MIXED  # (a batch x batch value: pairs of rows)
         if op in _ALONG_DIM and inputs and batch(inputs[0]):
@@ -217,6 +228,11 @@ def _kind(op: str, node: fx.Node | None, inputs: tuple[str, ...], ins: list[Kind
                 return Kind.SUM
         return Kind.OTHER
     live = [k for _i, k in tensors if k is not Kind.CONST]
+    if sized:
+        if op.startswith("aten.div") and live == [Kind.SUM] and tensors[0][1] is Kind.SUM \
+                and _divides_by_batch(inputs, values):
+            return Kind.MEAN  # (sum over rows / batch size)
+        return Kind.OTHER  # (a tensor made from the batch size, or a value scaled by it)
     if not live:
         return Kind.CONST
     if op in _LINEAR:
@@ -229,8 +245,6 @@ def _kind(op: str, node: fx.Node | None, inputs: tuple[str, ...], ins: list[Kind
         first = tensors[0][1] if tensors else Kind.CONST
         if first is Kind.CONST:  # (c * x: scaling; c / x: not linear in x)
             return live[0] if op.startswith("aten.mul") else Kind.OTHER
-        if op.startswith("aten.div") and live[0] is Kind.SUM and _divides_by_batch(inputs, values):
-            return Kind.MEAN  # (sum over rows / batch size)
         return live[0]
     return Kind.OTHER
 
