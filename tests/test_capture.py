@@ -865,3 +865,34 @@ def test_buffers_written_under_no_grad_in_forward_are_known_as_written() -> None
     cap = capture(NoGradWrites(), (torch.randn(4, 8),))
     written = {cap.graph.values[v].target for t in cap.graph.tasks for v in t.mutates}
     assert written == {"calls", "ema"}, written
+
+
+class _GathersFeatures(nn.Module):
+    """A contrastive head as DDP scripts write it: every rank's features gathered in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        y = self.lin(x)
+        parts = [torch.zeros_like(y) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, y)
+        return torch.cat(parts).pow(2).mean()
+
+
+@pytest.mark.layer("single_process")
+def test_a_collective_in_forward_is_refused_naming_the_line(tmp_path: Any) -> None:
+    """On several ranks it ran on one stage's ranks only: a gloo time-out after a minute."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        with pytest.raises(CaptureError, match=r"collective \(all_gather_into_tensor\) in forward, "
+                           r"in module '\(the model itself\)' at .*dist.all_gather\(parts, y\)"):
+            capture(_GathersFeatures(), (torch.randn(3, 4),))
+    finally:
+        dist.destroy_process_group()

@@ -198,6 +198,7 @@ def capture(
         site = _specialising_site(model, e, export) if _BATCH_FIXED in str(e) else None
         raise _capture_error(model, e, site) from e
     _refuse_writes_into_inputs_or_parameters(ep)
+    _refuse_collectives(ep.graph_module)
     functional = _writes_through_a_view(ep.graph_module) or _batching_transforms(ep.graph_module)
     if functional:
         try:
@@ -908,6 +909,35 @@ def _refuse_writes_into_inputs_or_parameters(ep: ExportedProgram) -> None:
             what = "parameter" if spec.kind is InputKind.PARAMETER else "input"
             name = spec.target if spec.kind is InputKind.PARAMETER else base.name
             raise _unkept_write(f"{what} '{name}'", node)
+
+
+def _refuse_collectives(gm: fx.GraphModule) -> None:
+    """A torch.distributed collective in forward (an all_gather of features for a contrastive
+    loss over every rank's samples, as DDP training scripts write): rannc distributes the model
+    itself, so the collective would run on the ranks of one stage only, once per microbatch
+    and replica, and the other ranks never join (a time-out after minutes, on several ranks).
+    Refused by name at capture, in one process too (the same model fails on several)."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        name = _op_name(node)
+        if name.startswith(("_c10d_functional.", "c10d.", "_c10d_functional_autograd.")):
+            path = _module_path(node)
+            trace = str(node.meta.get("stack_trace", "")) + str(node.meta.get("nn_module_stack", ""))
+            fix = ("convert nn.SyncBatchNorm back to BatchNorm and wrap with "
+                   "RaNNCModule(..., batchnorm='sync'), which sums the statistics over a stage's "
+                   "replicas itself") if "SyncBatchNorm" in trace or "sync_batch_norm" in trace \
+                else ("return what it needs from forward (each rank gets back its own rows) and "
+                      "combine them across ranks outside the model, e.g. all_gather the returned "
+                      "features and compute the loss there; the model on the global batch needs "
+                      "no collective")
+            raise CaptureError(
+                f"rannc could not capture the model: it calls a torch.distributed collective "
+                f"({name.split('.')[1]}) in forward, in module '{path or '(the model itself)'}' "
+                f"at {_source_line(node)}. rannc splits the model and the batch over the ranks "
+                "itself: the collective would run on one stage's ranks only, once per "
+                f"microbatch, and the other ranks would never join. Fix: {fix}",
+                module_path=path or None)
 
 
 def _unkept_write(target: str, node: fx.Node | None) -> CaptureError:
