@@ -57,7 +57,7 @@ SUMS = {
 }
 MIXING = {
     "contrastive": (_contrastive, "matmul"),
-    "centred": (lambda y, x: (y - y.mean(0)).pow(2).mean(), "sub.Tensor"),
+    "centred": (lambda y, x: (y - y.mean(0)).pow(2).mean(), "mean.dim"),
     "sum_plus_constant": (lambda y, x: y.sum() + 1.0, "add.Tensor"),
     "mean_plus_sum": (lambda y, x: y.mean() + x.sum(), "add.Tensor"),
     "product_of_means": (lambda y, x: y.mean() * x.mean(), "mul.Tensor"),

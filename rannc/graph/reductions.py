@@ -166,12 +166,22 @@ def analyse(gm: fx.GraphModule, graph: TaskGraph) -> Reductions:
     for task in graph.tasks:
         node = nodes.get(task.name)
         ins = [kinds.get(i, Kind.CONST) for i in task.inputs]
-        origin = next((where[i] for i in task.inputs if i in where), None)
+        # where rows began to mix: an input's that is not exact; for rows combined with a
+        # statistic of the batch, the reduction computing it (`x - x.mean(0)`: the mean); else
+        # here (two means multiplied: the product)
+        origin = next((where[i] for i, k in zip(task.inputs, ins, strict=True)
+                       if i in where and k in (Kind.OTHER, Kind.MIXED)), None)
+        reduced = next((where[i] for i, k in zip(task.inputs, ins, strict=True)
+                        if i in where and k in (Kind.MEAN, Kind.SUM)), None)
         here = (task.name, task.module_path, task.op.removeprefix("aten.").removesuffix(".default"))
         for out in task.outputs:
             k = _kind(task.op, node, task.inputs, ins, out, batch, values)
             kinds[out] = k
-            if k in (Kind.OTHER, Kind.MIXED):
+            if k in (Kind.MEAN, Kind.SUM) and origin is None:
+                where[out] = reduced or here  # (where the statistic was taken)
+            elif k is Kind.MIXED and batch(out):
+                where[out] = origin or reduced or here
+            elif k in (Kind.OTHER, Kind.MIXED):
                 where[out] = origin or here
     outputs = [o for o in graph.outputs if o is not None]
     summed = frozenset(o for o in outputs if not batch(o) and kinds[o] is Kind.SUM)
