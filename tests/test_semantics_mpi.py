@@ -175,6 +175,23 @@ def test_a_loss_summed_over_rows_is_exact_and_a_contrastive_one_is_warned_about(
     assert res.stderr.count("buffer 'ema' and 1 more are updated in forward") == 1, res.stderr
 
 
+for _schedule in ("gpipe", "zero_bubble"):
+    CASES[f"recompute_writes_{_schedule}"] = Case(2, [
+        "--case", "recompute_writes", "--partition-num", "2", "--microbatches", "1",
+        "--schedule", _schedule, "--checkpointing", "on", "--batch", "6"])
+
+
+@pytest.mark.parametrize("schedule", [
+    pytest.param(s, marks=pytest.mark.cases(f"recompute_writes_{s}")) for s in ("gpipe", "zero_bubble")])
+def test_a_forward_run_again_reads_the_buffers_as_the_first_run_did(
+        schedule: str, launches: CaseLaunches) -> None:
+    """A buffer read, then updated under no_grad in forward; 2 stages, checkpointing on (the
+    recomputation in backward), and zero-bubble (its late pass): loss, gradients and buffers
+    equal the unwrapped model's (before: the run again read the updated buffer, gradients off)."""
+    res = launches.result(f"recompute_writes_{schedule}")
+    _passed(res.stdout, "recompute_writes", 2)
+
+
 CASES["unused_count"] = Case(2, ["--case", "unused_count", "--partition-num", "2", "--batch", "6"])
 
 

@@ -121,6 +121,11 @@ class Stage:
         # this stage computes, and of those whose gradient goes back to a sender (a stage's
         # inputs name every parameter and buffer it reads: looked at once, not per microbatch)
         self._grad_positions: dict[frozenset[str], tuple[tuple[int, ...], tuple[int, ...]]] = {}
+        # the inputs that are buffers this stage writes in place (a counter, a running mean):
+        # a recomputation or a late pass must read them as this microbatch's forward did
+        written = {v for t in graph.tasks for v in routes.graph.tasks[t].mutates}
+        self._written_at = tuple(i for i, v in enumerate(graph.inputs)
+                                 if v in written and routes.is_buffer(v))
 
     @property
     def inputs(self) -> tuple[str, ...]:
@@ -169,6 +174,14 @@ class Stage:
         assert mic.ins is not None
         env = dict(zip(self.inputs, mic.ins, strict=True))
         mic.rng = torch.get_rng_state()
+        if self._written_at and (keep_inputs or (grad and self.rec_part is not None)):
+            # (the forward below writes into the buffers themselves; what runs it again later
+            # starts from their values now: before, it read what this forward had written,
+            # and its gradients were those of other activations)
+            before = list(mic.ins)
+            for i in self._written_at:
+                before[i] = before[i].detach().clone()
+            mic.ins = before
         if keep_inputs:
             mic.saved = list(mic.ins)
         self._bn.accumulate = True  # BatchNorm statistics count in this first forward only
