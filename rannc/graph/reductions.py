@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -268,4 +268,28 @@ def _divides_by_batch(inputs: tuple[str, ...], values: dict[str, Value]) -> bool
         v.sym_expr.replace(" ", "")))
 
 
-__all__ = ["Kind", "Reductions", "analyse"]
+
+
+def per_call_writes(graph: TaskGraph, tasks: Iterable[int]) -> frozenset[str]:
+    """The buffers that `tasks` write in place only from values that do not depend on the
+    batch (a counter, spectral norm's power iteration on the weights): each microbatch of a
+    call would compute the same update from the same old values, so a pipeline that starts
+    every microbatch from the call's values updates them once per call, as the model does. A
+    buffer written by any task reading something computed from the batch (its rows or its
+    size) is not among them."""
+    rows: set[str] = {v for v in graph.inputs if graph.values[v].batch_dim is not None
+                      or graph.values[v].dtype == "sym_int"}
+    for task in graph.tasks:  # (topological order: what the batch reaches)
+        if any(v in rows for v in task.inputs if v not in task.mutates):
+            rows.update(task.outputs)
+    written: dict[str, bool] = {}  # buffer -> every write of it is batch-independent
+    for t in tasks:
+        task = graph.tasks[t]
+        clean = not any(v in rows for v in task.inputs if v not in task.mutates)
+        for v in task.mutates:
+            if graph.values[v].kind is ValueKind.BUFFER:
+                written[v] = written.get(v, True) and clean
+    return frozenset(v for v, ok in written.items() if ok)
+
+
+__all__ = ["Kind", "Reductions", "analyse", "per_call_writes"]

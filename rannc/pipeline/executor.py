@@ -55,6 +55,7 @@ class Call:
     # the scalar outputs' all-reduce once started (`Executor.share_scalars`): names, sums, work
     scalar_share: tuple[list[str], torch.Tensor, Any] | None = None
     t0: float = 0.0
+    forwarded: set[int] = field(default_factory=set)  # stages whose first forward has run
 
     def release(self) -> None:
         """Once its backward has run: drop what it kept for it. The user's loss keeps the call
@@ -214,7 +215,10 @@ class Executor:
         elif a.op is Op.F:
             if mic.ins is None:  # the first stage: only model inputs, received here
                 self._receive_inputs(call, st, a.micro)
-            st.forward(mic, call.mode != "forward", call.mode == "eager" and self._keeps_inputs)
+            first = a.stage not in call.forwarded
+            call.forwarded.add(a.stage)
+            st.forward(mic, call.mode != "forward", call.mode == "eager" and self._keeps_inputs,
+                       first=first)
             if not self._has_consumers[a.stage]:  # no SF action: model outputs leave right away
                 self._send_outputs(call, st, a.micro, scalars)
         elif a.op is Op.SF:

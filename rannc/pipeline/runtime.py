@@ -586,8 +586,9 @@ class PipelineRuntime:
             self.plan.microbatches, s, reps)
 
     def _warn_buffer_writes(self) -> None:
-        """Say once per model which buffers forward updates (a counter, a running mean: not
-        BatchNorm's, which rannc defers itself) where the plan runs their stage on several
+        """Say once per model which buffers forward updates from the batch (a running mean:
+        not BatchNorm's, which rannc defers itself; not those updated from the weights alone,
+        which run once per call: `Stage.forward`) where the plan runs their stage on several
         pieces of the batch: each piece's forward updates its replica's copy from its own
         rows, so a call updates them once per microbatch and the replicas' copies drift apart,
         where the unwrapped model updates them once per call from the global batch."""
@@ -596,6 +597,8 @@ class PipelineRuntime:
         norms = {self.graph.tasks[i].module_path
                  for i in bnorm.training_batch_norms(self.cap.gm, self.graph)}
         kinds = self.reductions.kinds
+        # (updates that do not read the batch run once per call: `Stage.forward`)
+        per_call = reductions.per_call_writes(self.graph, range(len(self.graph.tasks)))
         split: dict[str, tuple[str, int]] = {}
         for s, st in enumerate(self.stages):
             replicas = len(self.plan.stages[s].ranks)
@@ -609,7 +612,8 @@ class PipelineRuntime:
                 for v in task.mutates:
                     val = self.graph.values[v]
                     name = str(val.target)
-                    if val.kind is ValueKind.BUFFER and name.rpartition(".")[0] not in norms:
+                    if val.kind is ValueKind.BUFFER and name.rpartition(".")[0] not in norms \
+                            and v not in per_call:
                         split.setdefault(name, (task.module_path, s))
         if not split:
             return
@@ -617,7 +621,7 @@ class PipelineRuntime:
         name, (path, s) = next(iter(split.items()))
         more = f" and {len(split) - 1} more are" if len(split) > 1 else " is"
         log.warning(
-            "rannc: buffer '%s'%s updated in forward (module '%s', a counter or running "
+            "rannc: buffer '%s'%s updated in forward from the batch (module '%s', a running "
             "statistic). The pipeline runs forward once per microbatch on each replica of a "
             "stage (plan: %d microbatches; stage %d has %d replicas), so a call updates it once "
             "per microbatch, and each replica from its own rows (the replicas' copies drift "

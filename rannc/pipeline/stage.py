@@ -33,6 +33,7 @@ from torch import nn
 from rannc.atomic.components import AtomicPartition
 from rannc.graph.capture import AutocastState, CapturedModel, running_as
 from rannc.graph.extract import StageGraph, build_stage_module, split_graph
+from rannc.graph.reductions import per_call_writes
 from rannc.pipeline import batchnorm as bnorm
 from rannc.pipeline.routes import Routes
 from rannc.pipeline.rows import Range
@@ -126,6 +127,12 @@ class Stage:
         written = {v for t in graph.tasks for v in routes.graph.tasks[t].mutates}
         self._written_at = tuple(i for i, v in enumerate(graph.inputs)
                                  if v in written and routes.is_buffer(v))
+        # ... of which those whose new value does not depend on the batch (a counter, spectral
+        # norm's power iteration on the weights): every microbatch of a call starts them from
+        # the call's values, so the call updates them once, as the model does
+        per_call = per_call_writes(routes.graph, graph.tasks)
+        self._per_call_at = tuple(i for i in self._written_at if graph.inputs[i] in per_call)
+        self._call_start: list[torch.Tensor] = []
 
     @property
     def inputs(self) -> tuple[str, ...]:
@@ -168,10 +175,18 @@ class Stage:
         return out
 
     # -- forward -------------------------------------------------------------------------------
-    def forward(self, mic: Micro, grad: bool, keep_inputs: bool) -> None:
+    def forward(self, mic: Micro, grad: bool, keep_inputs: bool, first: bool = True) -> None:
         """Microbatch `mic`'s forward from its inputs (`mic.ins`) to its outputs (`mic.outs`);
-        with `keep_inputs`, the inputs stay for a late pass."""
+        with `keep_inputs`, the inputs stay for a late pass. `first`: the call's first forward
+        of this stage (the per-call buffers' values are taken there, put back before later ones)."""
         assert mic.ins is not None
+        if self._per_call_at:
+            if first:
+                self._call_start = [mic.ins[i].detach().clone() for i in self._per_call_at]
+            else:
+                with torch.no_grad():
+                    for i, x in zip(self._per_call_at, self._call_start, strict=True):
+                        mic.ins[i].copy_(x)
         env = dict(zip(self.inputs, mic.ins, strict=True))
         mic.rng = torch.get_rng_state()
         if self._written_at and (keep_inputs or (grad and self.rec_part is not None)):

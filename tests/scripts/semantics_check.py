@@ -560,11 +560,52 @@ def check_recompute_writes(a: argparse.Namespace, rank: int, world: int) -> None
     print(f"PASS recompute_writes rank {rank} {wrapped.plan.schedule}", flush=True)
 
 
+class PerCallWrites(nn.Module):
+    """Buffers forward updates from the weights alone: torch's spectral_norm parametrization
+    (a power-iteration step on `_u`, `_v` under no_grad) and a call counter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torch.nn.utils.parametrizations import spectral_norm
+
+        self.a = spectral_norm(nn.Linear(8, 16))
+        self.b = nn.Linear(16, 16)
+        self.c = nn.Linear(16, 1)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.calls.add_(1)
+        return self.c(torch.tanh(self.b(torch.relu(self.a(x))))).pow(2).mean()
+
+
+def check_per_call_writes(a: argparse.Namespace, rank: int, world: int) -> None:
+    """Buffers updated in forward from the weights alone (spectral norm, a counter), under
+    several microbatches: each microbatch starts from the call's values, so the call updates
+    them once, as the model does (before: once per microbatch; `_u` 3e-3 off). Loss, gradients
+    and every buffer of the holder equal the unwrapped model's over 3 steps."""
+    torch.manual_seed(0)
+    model = PerCallWrites()
+    ref, wrapped, opts, (lo, hi) = trained_pair(model, a, rank, world)
+    for step in range(3):
+        x = torch.randn(a.batch, 8)
+        loss, ref_loss = wrapped(x[lo:hi]), ref(x)
+        close(loss, ref_loss, f"rank {rank} step {step} loss")
+        loss.backward()
+        ref_loss.backward()
+        grads_close_then_step(wrapped, ref, opts, f"rank {rank} step {step}")
+        if rank == 0:  # (stage 0 holds the writes; rank 1's copies are not its stage's)
+            buffers_close(dict(model.named_buffers()), ref, [k for k, _ in ref.named_buffers()],
+                          f"rank {rank} step {step}")
+    print(f"PASS per_call_writes rank {rank} microbatches {wrapped.plan.microbatches}", flush=True)
+
+
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--case", required=True, choices=["input_grad", "masked_lm", "batchnorm", "unused_count",
                                                 "functional_bn", "loss_grad", "frozen_bn",
-                                                "attributes", "sum_loss", "recompute_writes"])
+                                                "attributes", "sum_loss", "recompute_writes",
+                                                "per_call_writes"])
     p.add_argument("--bn-mode", default="sync", help="batchnorm: local or sync")
     p.add_argument("--model", default="llama", help="masked_lm: llama or roberta")
     p.add_argument("--replicas", default="")
@@ -584,7 +625,8 @@ def run(a: argparse.Namespace, ctx: rdist.DistContext) -> None:
      "functional_bn": check_functional_bn, "loss_grad": check_loss_grad,
      "frozen_bn": check_frozen_bn, "attributes": check_attributes,
      "sum_loss": check_sum_loss,
-     "recompute_writes": check_recompute_writes}[a.case](a, ctx.rank, ctx.world_size)
+     "recompute_writes": check_recompute_writes,
+     "per_call_writes": check_per_call_writes}[a.case](a, ctx.rank, ctx.world_size)
 
 
 def main() -> None:
