@@ -67,9 +67,9 @@ def main() -> None:
     # hooks on the user's modules would never fire.
     fwd, bwd = Stage.forward, Stage.backward
 
-    def forward_micro(self: Stage, *args: object) -> None:
+    def forward_micro(self: Stage, *args: object, **kwargs: object) -> None:
         fault("forward")
-        fwd(self, *args)  # type: ignore[arg-type]
+        fwd(self, *args, **kwargs)  # type: ignore[arg-type]
 
     def backward_micro(self: Stage, *args: object) -> None:
         fault("backward")
