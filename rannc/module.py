@@ -163,8 +163,7 @@ class RaNNCModule(nn.Module):
             with health.phase("forward", self._calls):
                 return self._forward_distributed(ctx, args, kwargs)
         leaves, layout = flatten_inputs(args, kwargs)
-        tree, modes = model_state(self.module).capture_key()
-        base = (layout.signature, self.training, modes, autocast_state(), tree)
+        base = self._capture_base(layout)
         key = _cached(self._deployments, base, lambda d: d.captured.reads)
         if key is None:
             changes = self._changed_reads(self._deployments, base, lambda d: d.captured.reads)
@@ -241,8 +240,8 @@ class RaNNCModule(nn.Module):
             validate.check_config(self.rannc_config, ctx.world_size)
         self._check_kept()
         leaves, layout = flatten_inputs(args, kwargs)
-        tree, modes = model_state(self.module).capture_key()
-        base = (layout.signature, self.training, modes, autocast_state(), tree)
+        base = self._capture_base(layout)
+        modes = base[2]
         key = _cached(self._runtimes, base, lambda r: r.cap.reads)
         rt = self._runtimes[key] if key is not None else None
         changes = self._changed_reads(self._runtimes, base, lambda r: r.cap.reads) \
@@ -329,6 +328,12 @@ class RaNNCModule(nn.Module):
             for i, o in zip(idx, outs, strict=True):
                 flat[i] = o
         return pytree.tree_unflatten(flat, cap.out_spec)
+
+    def _capture_base(self, layout: Any) -> tuple[Any, ...]:
+        """A call's capture key but for the values its capture read (`_cached`): the input
+        signature, the mode and the submodules in the other mode, autocast, the tree's version."""
+        tree, modes = model_state(self.module).capture_key()
+        return (layout.signature, self.training, modes, autocast_state(), tree)
 
     def _changed_reads(self, cache: OrderedDict[tuple[Any, ...], Any], base: tuple[Any, ...],
                        reads_of: Callable[[Any], attributes.Reads]

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import rannc
+from examples.models.toy import DataDependent
 from rannc.errors import CaptureError
 from rannc.graph import attributes
 from rannc.graph.capture import capture
@@ -132,17 +133,8 @@ def test_reads_record_plain_instance_values_only() -> None:
 
 
 def test_the_recorder_is_gone_after_a_failed_capture() -> None:
-    class Branchy(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = nn.Linear(4, 4)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            y = self.lin(x)
-            return y if y.sum() > 0 else -y  # a branch on a value: not capturable
-
-    with pytest.raises(CaptureError):
-        capture(Branchy(), (torch.randn(3, 4),))
+    with pytest.raises(CaptureError):  # (a branch on a value: not capturable)
+        capture(DataDependent(4), (torch.randn(3, 4),))
     assert "__getattribute__" not in nn.Module.__dict__
     assert nn.Module.__setattr__ is _MODULE_SETATTR
 
