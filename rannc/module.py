@@ -173,8 +173,8 @@ class RaNNCModule(nn.Module):
             cap, atomic = capture_signature(self.module, args, kwargs,
                                             progress_for(self.rannc_config.progress, 0))
             if not first:
-                log.info("rannc: %s; captured again (%s)", _why_again(changes),
-                         cap.graph.summary())
+                log.info("rannc: %s; captured again (%s)",
+                         _why_again(changes, self._deployments, base), cap.graph.summary())
             log.info("rannc: captured %s, %d atomic components, in %.2f s", cap.graph.summary(),
                      len(atomic.components), cap.seconds)
             dep = OneProcess.of(cap, atomic, _compile_stage if self.rannc_config.compile else None)
@@ -182,7 +182,9 @@ class RaNNCModule(nn.Module):
                 self._plan = deployment_plan(self.rannc_config, self.module, self.optimizer, cap,
                                              atomic, None, leaves, [layout.batch or 0],
                                              NO_PROGRESS)
-            key = (*base, cap.reads.values())
+            # (the tree as the capture left it: a model may register its hooks in its first
+            # forward, as transformers' output recorders do)
+            key = (*self._capture_base(layout), cap.reads.values())
             self._deployments[key] = dep
             self._leftovers[key] = mark.new(cap.gm)
             self._bound_cache(self._deployments, pinned=None)
@@ -256,6 +258,7 @@ class RaNNCModule(nn.Module):
         agreement = validate.post_call(args, kwargs, leaves, layout, ctx,
                                        validate.call_mode(self.training, base[3], modes)
                                        + _grad_inputs_text(args, kwargs)
+                                       + _tree_text(base)
                                        + _reads_text(rt.cap.reads if rt is not None else None,
                                                      changes), start=False)
         guess = rt.guess_sizes(agreement) if rt is not None else None
@@ -287,8 +290,8 @@ class RaNNCModule(nn.Module):
                 plan = derive_plan(cap.graph, atomic, self._plan, recompute=self.training)
                 if ctx.rank == 0:
                     log.info("rannc: %s (%s mode, %s): captured again and placed on the deployed "
-                             "stages", _why_again(changes), "train" if self.training else "eval",
-                             cap.graph.summary())
+                             "stages", _why_again(changes, self._runtimes, base),
+                             "train" if self.training else "eval", cap.graph.summary())
             rt = PipelineRuntime(self.module, cap, atomic, plan, ctx.rank, ctx.world_size, ctx.device,
                                  trace=self.rannc_config.trace,
                                  wrap_stage=_compile_stage if self.rannc_config.compile else None,
@@ -301,7 +304,9 @@ class RaNNCModule(nn.Module):
             if not self._runtimes:
                 _seed_at_deployment(self.rannc_config)
                 host_malloc(self.rannc_config, ctx.device, plan.stages_of_rank(ctx.rank))
-            key = (*base, cap.reads.values())
+            # (the tree as the capture left it: a model may register its hooks in its first
+            # forward, as transformers' output recorders do)
+            key = (*self._capture_base(layout), cap.reads.values())
             self._runtimes[key] = rt
             self._held.release(self.module, self.optimizer, self._runtimes.values(), rt)
             self._owned = None
@@ -324,16 +329,18 @@ class RaNNCModule(nn.Module):
                                           *[flat[i] for i in idx], *[x for _v, x in ins])
             node = next((o.grad_fn for o in outs if o.grad_fn is not None), None)
             if node is not None:
-                node.register_prehook(_BackwardOnce(self._calls))
+                with model_state(self.module).own_handles():
+                    node.register_prehook(_BackwardOnce(self._calls))
             for i, o in zip(idx, outs, strict=True):
                 flat[i] = o
         return pytree.tree_unflatten(flat, cap.out_spec)
 
     def _capture_base(self, layout: Any) -> tuple[Any, ...]:
         """A call's capture key but for the values its capture read (`_cached`): the input
-        signature, the mode and the submodules in the other mode, autocast, the tree's version."""
-        tree, modes = model_state(self.module).capture_key()
-        return (layout.signature, self.training, modes, autocast_state(), tree)
+        signature, the mode and the submodules in the other mode, autocast, the tree's version
+        and its hooks (`ModelState.capture_key`)."""
+        tree, modes, hooks = model_state(self.module).capture_key()
+        return (layout.signature, self.training, modes, autocast_state(), tree, hooks)
 
     def _changed_reads(self, cache: OrderedDict[tuple[Any, ...], Any], base: tuple[Any, ...],
                        reads_of: Callable[[Any], attributes.Reads]
@@ -760,10 +767,36 @@ def _cached(cache: OrderedDict[tuple[Any, ...], Any], base: tuple[Any, ...],
     return None
 
 
-def _why_again(changes: list[tuple[attributes.Read, Any]]) -> str:
-    if not changes:
+# what each part of `_capture_base` is, for `_why_again`
+_BASE_PARTS = ("input signature", "mode (train/eval)", "submodules in the other mode",
+               "autocast", "module tree (a module, parameter or buffer added, removed or replaced)",
+               "hooks (a forward or backward hook added or removed)")
+
+
+def _why_again(changes: list[tuple[attributes.Read, Any]],
+               cache: OrderedDict[tuple[Any, ...], Any], base: tuple[Any, ...]) -> str:
+    if changes:
+        return ("the model's attributes changed since it was captured "
+                f"({attributes.describe(changes)})")
+    last = next(reversed(cache), None)
+    if last is None:
         return "new input signature"
-    return f"the model's attributes changed since it was captured ({attributes.describe(changes)})"
+    differ = [what for what, a, b in zip(_BASE_PARTS, last[:-1], base, strict=True) if a != b]
+    return "new " + ", ".join(differ or ["input signature"])
+
+
+def _tree_text(base: tuple[Any, ...]) -> str:
+    """The module tree's version and hooks, part of a call's mode (see `_forward_distributed`):
+    a rank that swapped a module or added a hook captures again, so ranks must agree on them.
+    (Hooks by module and count: their ids are each process's own.)"""
+    tree, hooks = base[4], base[5]
+    text = f", module tree changed {tree} times" if tree else ""
+    if hooks:
+        shown = [f"{table.strip('_').replace('_', ' ')} on '{path or '(the model)'}' ({len(ids)})"
+                 for path, table, ids in hooks[:3]]
+        more = f" and {len(hooks) - 3} more" if len(hooks) > 3 else ""
+        text += ", hooks: " + ", ".join(shown) + more
+    return text
 
 
 def _reads_text(reads: attributes.Reads | None,

@@ -325,6 +325,12 @@ def describe_mismatch(sigs: Sequence[CallSignature], sizes: Sequence[int]) -> st
                     f"({per}); each rank's captured graph holds them as constants, so the ranks "
                     "would run different graphs. Fix: set such attributes (a dropout's p, a "
                     "scale, config flags) alike on every rank, at the same step.")
+        if len({re.sub(r", (module tree changed \d+ times|hooks: .*?)(?=, attributes |$)", "",
+                       s.mode) for s in sigs}) == 1:
+            return (f"ranks called the model with different module trees or hooks ({per}); a "
+                    "module swapped, a parameter removed or a forward hook added or removed "
+                    "captures the model again, so the ranks would run different graphs. Fix: "
+                    "make such a change on every rank alike, at the same step.")
         return (f"ranks called the model in different modes ({per}); the pipeline runs one way "
                 "on every rank. Fix: call model.train() or model.eval() on every rank, and "
                 "torch.no_grad() / torch.autocast around the call on every rank alike.")

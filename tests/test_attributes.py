@@ -150,3 +150,61 @@ def test_changed_names_the_values() -> None:
     assert not cap.reads.hold()
     del net.scale
     assert attributes.describe(cap.reads.changed()) == "scale 2.0 -> (deleted)"
+
+
+class Masked(nn.Module):
+    """A tensor held as a plain attribute (not a buffer), read in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.mask = torch.ones(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.mask
+
+
+def test_a_tensor_attribute_replaced_captures_again_and_one_changed_in_place_does_not() -> None:
+    """torch.export makes such a tensor a constant of the graph (the tensor object itself): a
+    change in place reaches the graph; a new tensor assigned did not (before: the old mask kept
+    being applied)."""
+    torch.manual_seed(0)
+    net = Masked()
+    ref = copy.deepcopy(net)
+    wrapped = rannc.RaNNCModule(net)
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(wrapped(x), ref(x), rtol=0, atol=0)
+    for m in (net, ref):
+        m.mask.mul_(2)
+    torch.testing.assert_close(wrapped(x), ref(x), rtol=0, atol=0)
+    assert len(wrapped._deployments) == 1
+    for m in (net, ref):
+        m.mask = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    torch.testing.assert_close(wrapped(x), ref(x), rtol=0, atol=0)
+    assert len(wrapped._deployments) == 2
+    changed = attributes.describe(capture(Masked(), (x,)).reads.changed())
+    assert changed == "", changed
+    cap = capture(net, (x,))
+    net.mask = torch.zeros(2)
+    assert attributes.describe(cap.reads.changed()) == (
+        "mask a tensor of shape (4,) and torch.float32 -> another tensor")
+
+
+def test_a_parameter_removed_after_the_first_call_captures_again() -> None:
+    """torch's pruning replaces a parameter with a parameter, a buffer and a pre-hook: the model
+    is captured again (before: KeyError 'lin.weight' at the next call)."""
+    import torch.nn.utils.prune as prune
+
+    torch.manual_seed(0)
+    net = Masked()
+    ref = copy.deepcopy(net)
+    wrapped = rannc.RaNNCModule(net)
+    x = torch.randn(3, 4)
+    wrapped(x)
+    for m in (net, ref):
+        torch.manual_seed(1)
+        prune.random_unstructured(m.lin, "weight", amount=0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the pre-hook: warned, computes the weight exactly)
+        torch.testing.assert_close(wrapped(x), ref(x), rtol=0, atol=0)
+    assert len(wrapped._deployments) == 2

@@ -75,6 +75,10 @@ CASES: dict[str, tuple[str, list[str]]] = {
         "different values of its Python attributes", "rank 0: train mode, grad enabled, "
         "attributes changed since captured (scale 1.0 -> 0.5)", "rank 1: train mode, grad "
         "enabled, attributes as captured (", "Fix: set such attributes"]),
+    "hook_added_on_one_rank": ("InputMismatchError", [
+        "different module trees or hooks", "rank 0: train mode, grad enabled, hooks: forward "
+        "hooks on 'a' (1)", "rank 1: train mode, grad enabled)", "Fix: make such a change on "
+        "every rank alike"]),
     "meta_model_never_materialised": ("RaNNCError", [
         "of the model's parameters and buffers are on the meta device (e.g. a.weight",
         "never materialised", "model.to_empty(device='cpu')"]),

@@ -74,3 +74,69 @@ def test_forward_hooks_are_warned_once_and_what_they_compute_stays_exact() -> No
     ref(x).backward()
     assert model.a.weight.grad is not None and ref.a.weight.grad is not None
     torch.testing.assert_close(model.a.weight.grad, ref.a.weight.grad, rtol=0, atol=0)
+
+
+def _pair(model: nn.Module) -> tuple[nn.Module, rannc.RaNNCModule]:
+    ref = copy.deepcopy(model)
+    return ref, rannc.RaNNCModule(model)
+
+
+def test_a_forward_hook_added_after_the_first_call_captures_again() -> None:
+    """A hook that rescales a module's output, registered after the model was captured (as a
+    user does for a probe or an ablation): before, the first capture kept running (outputs off
+    by the rescaling). Removed again, the first capture is used again."""
+    torch.manual_seed(0)
+    model = Net()
+    ref, wrapped = _pair(model)
+    x = torch.randn(4, 3)
+    torch.testing.assert_close(wrapped(x), ref(x), rtol=0, atol=0)
+    handles = [m.a.register_forward_hook(lambda mod, i, o: o * 3) for m in (model, ref)]
+    with pytest.warns(UserWarning, match="forward hooks or pre-hooks on 'a'"):
+        got = wrapped(x)
+    torch.testing.assert_close(got, ref(x), rtol=0, atol=0)
+    assert len(wrapped._deployments) == 2
+    for h in handles:
+        h.remove()
+    torch.testing.assert_close(wrapped(x), ref(x), rtol=0, atol=0)
+    assert len(wrapped._deployments) == 2  # (the first capture again)
+
+
+def test_a_hook_removed_after_the_first_call_is_no_longer_applied() -> None:
+    torch.manual_seed(0)
+    model = Net()
+    handle = model.a.register_forward_pre_hook(lambda mod, inputs: (inputs[0] * 2,))
+    wrapped = rannc.RaNNCModule(model)
+    x = torch.randn(4, 3)
+    with pytest.warns(UserWarning, match="forward hooks"):
+        wrapped(x)
+    handle.remove()
+    torch.testing.assert_close(wrapped(x), model(x), rtol=0, atol=0)
+
+
+def test_a_backward_hook_added_after_the_first_call_is_refused() -> None:
+    """Refused at capture, so also when added later (before: it silently never ran)."""
+    wrapped = rannc.RaNNCModule(Net())
+    x = torch.randn(4, 3)
+    wrapped(x).backward()
+    wrapped.module.b.register_full_backward_hook(lambda mod, gi, go: None)
+    with pytest.raises(CaptureError, match=r"backward hooks on 'b' would never run"):
+        wrapped(x)
+
+
+def test_hooks_a_model_registers_in_its_first_forward_do_not_capture_it_again() -> None:
+    """transformers' output recorders register forward hooks on the layers during the first
+    forward that asks for hidden states: the capture is keyed by the hooks it left, so the next
+    call reuses it."""
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    model = BertModel(BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2,
+                                 num_attention_heads=2, intermediate_size=32,
+                                 hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                 output_hidden_states=True))
+    ref, wrapped = _pair(model)
+    ids = torch.randint(0, 64, (2, 8))
+    for _ in range(2):
+        got, want = wrapped(input_ids=ids), ref(input_ids=ids)
+        torch.testing.assert_close(got.hidden_states[-1], want.hidden_states[-1])
+    assert len(wrapped._deployments) == 1

@@ -11,7 +11,11 @@ not agree).
 
 What is recorded, while torch.export runs the model's code: an attribute read from a module
 of the model, or from a Hugging Face config one of them holds, whose value is in the object's
-own `__dict__` and is plain (None, bool, int, float, str, torch.dtype, or a tuple of them).
+own `__dict__` and is plain (None, bool, int, float, str, torch.dtype, or a tuple of them), or
+is a tensor that is neither a parameter nor a buffer (`self.mask = torch.ones(...)`): torch.export
+makes such a tensor a constant of the graph, which holds the tensor object itself, so a change in
+place reaches the graph but a new tensor assigned to the attribute would not. A tensor is
+guarded by identity (its contents are the graph's).
 Not recorded: `training` (part of the capture key as the modes: `ModelState.modes`), what
 nn.Module keeps for itself (hooks, `_parameters`, ...), attributes of the class, values that
 are objects (a list, a dict: their contents are not followed), and attributes the forward
@@ -46,10 +50,20 @@ def _plain(v: Any) -> bool:
     return type(v) is tuple and len(v) <= 8 and all(type(x) in _PLAIN for x in v)
 
 
+def _tensor(v: Any) -> bool:
+    return type(v) is torch.Tensor  # (not a Parameter: those are in `_parameters`)
+
+
 def _same(a: Any, b: Any) -> bool:
     # (1 == 1.0 == True: a value of another type is another value; a NaN read back is the same
-    # object when nothing changed it)
-    return a is b or (type(a) is type(b) and a == b)
+    # object when nothing changed it; a tensor is the same object or another)
+    return a is b or (type(a) is type(b) and not _tensor(a) and a == b)
+
+
+def _shown(v: Any) -> str:
+    if _tensor(v):
+        return f"a tensor of shape {tuple(v.shape)} and {v.dtype}"
+    return "(deleted)" if v is _MISSING else repr(v)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,9 +87,13 @@ class Reads:
         self.reads = reads
         # (the owners' instance dicts, looked up once: a config's own __getattribute__ is slow)
         self._checks = [(object.__getattribute__(r.owner, "__dict__"), r.name, r.value)
-                        for r in reads]
-        # (a short name for these values, for the call mode every rank agrees on)
-        self.digest = f"{zlib.crc32(repr(self.values()).encode()):08x}"
+                        for r in reads if not _tensor(r.value)]
+        self._tensors = [(object.__getattribute__(r.owner, "__dict__"), r.name, r.value)
+                         for r in reads if _tensor(r.value)]
+        # (a short name for these values, for the call mode every rank agrees on: a tensor by
+        # its shape and dtype, as its identity is each rank's own)
+        shown = tuple(f"{r.label}={_shown(r.value)}" for r in reads)
+        self.digest = f"{zlib.crc32(repr(shown).encode()):08x}"
 
     def __repr__(self) -> str:
         return f"Reads({len(self.reads)} values)"
@@ -87,21 +105,25 @@ class Reads:
             now = d.get(name, _MISSING)
             if now is not value and (type(now) is not type(value) or now != value):
                 return False
+        for d, name, value in self._tensors:
+            if d.get(name, _MISSING) is not value:
+                return False
         return True
 
     def changed(self) -> list[tuple[Read, Any]]:
         """(read, value now) of each value that is no longer what the capture read."""
         out = []
-        for r, (d, name, value) in zip(self.reads, self._checks, strict=True):
-            now = d.get(name, _MISSING)
-            if not _same(now, value):
+        for r in self.reads:
+            now = object.__getattribute__(r.owner, "__dict__").get(r.name, _MISSING)
+            if not _same(now, r.value):
                 out.append((r, now))
         return out
 
     def values(self) -> tuple[str, ...]:
         """The values read, in order, as their reprs (part of the capture's key beside its
-        inputs' shapes; as text because 1 == 1.0 == True)."""
-        return tuple(f"{r.label}={r.value!r}" for r in self.reads)
+        inputs' shapes; as text because 1 == 1.0 == True; a tensor by its identity)."""
+        return tuple(f"{r.label}=tensor at {id(r.value):x}" if _tensor(r.value)
+                     else f"{r.label}={r.value!r}" for r in self.reads)
 
 
 NONE = Reads()
@@ -109,7 +131,8 @@ NONE = Reads()
 
 def describe(changes: list[tuple[Read, Any]], limit: int = 3) -> str:
     """'layers.0.dropout.p 0.1 -> 0.0, ...' for messages."""
-    shown = [f"{r.label} {r.value!r} -> {'(deleted)' if now is _MISSING else repr(now)}"
+    shown = [f"{r.label} {_shown(r.value)} -> "
+             + ("another tensor" if _tensor(r.value) and _tensor(now) else _shown(now))
              for r, now in changes[:limit]]
     more = f" and {len(changes) - limit} more" if len(changes) > limit else ""
     return ", ".join(shown) + more
@@ -145,7 +168,7 @@ class _Recorder:
         if key in self.seen or key[0] not in self.where or name in _MODULE_OWN:
             return
         self.seen.add(key)
-        if key in self.written or not _plain(value):
+        if key in self.written or not (_plain(value) or _tensor(value)):
             return
         if object.__getattribute__(obj, "__dict__").get(name, _MISSING) is not value:
             return  # (a class attribute or a property's result)

@@ -1,7 +1,9 @@
 """Hooks a capture cannot keep, said before they would silently not run.
 
 rannc runs the graph torch.export recorded, not the modules, so a hook runs only where the
-trace ran it: once, at capture, on fake tensors.
+trace ran it: once, at capture, on fake tensors. The hooks are part of a capture's key
+(`ModelState.hooks`), so one added or removed after a capture gets a capture of its own, and
+the checks below run again for it.
 
 - Module forward hooks and pre-hooks: what they compute from a module's input or output
   (weight norm's recomputed weight, an output rescaled) is recorded in the graph and stays

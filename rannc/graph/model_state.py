@@ -12,6 +12,11 @@ identity (a few hundred dict lookups, no generators) and builds the dictionaries
 anything was replaced: a parameter reassigned (`m.weight = nn.Parameter(...)`), a buffer
 re-registered, a submodule swapped or removed. So a call sees exactly what
 `named_parameters(remove_duplicate=False)` would give it, as before.
+
+It also says what of the tree a capture depends on (`capture_key`): the modules, the names of
+the parameters and buffers, each module's mode, and the forward hooks (what a hook computes into
+a module's input or output is recorded in the graph, so one added or removed after a capture
+needs a capture of its own; a backward hook added is then refused by the capture).
 """
 
 from __future__ import annotations
@@ -23,6 +28,14 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn.modules import module as _module
+from torch.utils.hooks import RemovableHandle
+
+# The hook tables a capture depends on: forward hooks change what the graph computes; backward
+# hooks are refused at capture (graph/hooks.py), so one added later must reach a capture too.
+_HOOK_TABLES = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks")
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,8 +60,15 @@ class ModelState:
         self._links: list[tuple[nn.Module, str, nn.Module]] = []  # (parent, name, child)
         self._named: list[tuple[str, nn.Module]] = []  # every module but the model itself
         self.builds = 0  # how often the dictionaries were built (tests read it)
-        # how often a module of the tree was replaced, added or removed (`capture_key`)
+        # how often a module of the tree was replaced, added or removed, or a parameter or
+        # buffer added or removed (`capture_key`)
         self.tree_version = 0
+        # the hooks of the last look (`hooks()`): the key, the handle count then, and each
+        # non-empty table with its length (a hook added takes a new handle id; one removed
+        # shortens its table)
+        self._hook_key: tuple[tuple[str, str, tuple[int, ...]], ...] = ()
+        self._hook_next_id = -1
+        self._hook_sizes: list[tuple[dict[int, object], int]] = []
         self.checks = 0  # how often the tree was checked (tests read it)
         self._held = 0  # open `unchanged()` blocks: the tree was checked at the outermost
         self._build()
@@ -78,12 +98,44 @@ class ModelState:
         root = model.training
         return tuple(path for path, m in self._named if m.training != root)
 
-    def capture_key(self) -> tuple[int, tuple[str, ...]]:
+    def capture_key(self) -> tuple[int, tuple[str, ...], tuple[tuple[str, str, tuple[int, ...]], ...]]:
         """What of the module tree a capture depends on beside its inputs: the tree's version
         (a module swapped, `model.act = nn.GELU()`, runs other code than the captured graph
-        recorded: it needs a capture of its own) and `modes()`."""
+        recorded; a parameter removed, as pruning does, leaves an input of it unbound: each
+        needs a capture of its own), `modes()` and `hooks()`."""
         modes = self.modes()
-        return self.tree_version, modes
+        return self.tree_version, modes, self.hooks()
+
+    def hooks(self) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
+        """(module path, table, hook ids) of every hook table of the tree (and the global
+        ones, path "*") that holds a hook. Looked at only where a hook may have been added
+        (torch's count of hook handles moved) or removed (a table that held hooks is shorter):
+        at most calls, a comparison of one integer and a few lengths."""
+        self._check()
+        if RemovableHandle.next_id == self._hook_next_id and all(
+                len(d) == n for d, n in self._hook_sizes):
+            return self._hook_key
+        model = self._model()
+        assert model is not None, "ModelState of a model that is gone"
+        self._hook_next_id = RemovableHandle.next_id
+        found: list[tuple[str, str, dict[int, object]]] = [
+            ("*", name, getattr(_module, name)) for name in _GLOBAL_HOOKS]
+        for path, m in [("", model), *self._named]:
+            found += [(path, table, getattr(m, table)) for table in _HOOK_TABLES]
+        held = [(path, table, d) for path, table, d in found if d]
+        self._hook_sizes = [(d, len(d)) for _p, _t, d in held]
+        self._hook_key = tuple((path, table, tuple(d)) for path, table, d in held)
+        return self._hook_key
+
+    @contextlib.contextmanager
+    def own_handles(self) -> Iterator[None]:
+        """A block in which rannc registers hooks of its own (on a call's autograd node), not on
+        the model: where nothing else took a hook handle since `hooks()` last looked, the handles
+        taken in the block do not make the next call look at every module's hooks again."""
+        before = RemovableHandle.next_id
+        yield
+        if before == self._hook_next_id:
+            self._hook_next_id = RemovableHandle.next_id
 
     @contextlib.contextmanager
     def unchanged(self) -> Iterator[None]:
@@ -117,10 +169,12 @@ class ModelState:
         model = self._model()
         assert model is not None, "ModelState of a model that is gone"
         self.builds += 1
-        self._params = dict(model.named_parameters(remove_duplicate=False))
-        self._buffers = dict(model.named_buffers(remove_duplicate=False))
         modules = dict(model.named_modules(remove_duplicate=False))
         old = self._links
+        old_names = (self._params.keys(), self._buffers.keys())
+        self._params = dict(model.named_parameters(remove_duplicate=False))
+        self._buffers = dict(model.named_buffers(remove_duplicate=False))
+        self._hook_next_id = -1  # (another tree: look at its hooks again)
         self._links = []
         self._named = [(path, mod) for path, mod in modules.items() if path]
         for path, mod in modules.items():
@@ -129,7 +183,8 @@ class ModelState:
                 self._links.append((modules[parent_path], name, mod))
         if self.builds > 1 and (len(old) != len(self._links) or any(
                 a[0] is not b[0] or a[1] != b[1] or a[2] is not b[2]
-                for a, b in zip(old, self._links, strict=True))):
+                for a, b in zip(old, self._links, strict=True))
+                or old_names != (self._params.keys(), self._buffers.keys())):
             self.tree_version += 1
         self._slots = []
         for table, found in (("_parameters", self._params), ("_buffers", self._buffers)):

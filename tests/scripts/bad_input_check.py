@@ -165,6 +165,16 @@ def attribute_set_on_rank_0(rank: int, n: int) -> None:
     model(torch.randn(n, WIDTH))
 
 
+def hook_added_on_rank_0(rank: int, n: int) -> None:
+    """A step, then rank 0 alone adds a forward hook: every rank raises (rank 0 would capture
+    again, the others run the graph they have)."""
+    model = rannc.RaNNCModule(Net(), partition_num=2, profiler="estimate")
+    model(torch.randn(n, WIDTH)).backward()
+    if rank == 0:
+        model.module.a.register_forward_hook(lambda mod, i, o: o * 2)
+    model(torch.randn(n, WIDTH))
+
+
 def meta_net() -> nn.Module:
     with torch.device("meta"):
         return Net()
@@ -259,6 +269,7 @@ def main() -> None:
     case("graph_order_differs_across_ranks", r, lambda: rannc.RaNNCModule(
         OrderByRank(), partition_num=2, profiler="estimate")(torch.randn(n, WIDTH)))
     case("attribute_differs_across_ranks", r, lambda: attribute_set_on_rank_0(r, n))
+    case("hook_added_on_one_rank", r, lambda: hook_added_on_rank_0(r, n))
     case("meta_model_never_materialised", r, lambda: rannc.RaNNCModule(
         meta_net(), partition_num=2, profiler="estimate")(torch.randn(n, WIDTH)))
 

@@ -446,9 +446,12 @@ def check_attributes(a: argparse.Namespace, rank: int, world: int) -> None:
     """transformers' BERT, trained while what its code reads from Python attributes changes
     between steps, on every rank alike: an attention's `scaling`, set and set back (the first
     capture is used again), then a layer's activation module swapped for another, then
-    `config.output_hidden_states`. Each is a constant of a captured graph: before, rannc kept
-    running the graph captured first (outputs off from the changed step on, no hidden states).
-    Outputs, loss and gradients equal the unwrapped model's at every step."""
+    `config.output_hidden_states`; then a forward hook added that scales a layer's output by
+    a tensor held as a plain attribute (`mod.gain`, not a buffer), that tensor replaced, and
+    the hook removed (the capture of before it is used again). Each is a constant of a captured
+    graph: before, rannc kept running the graph captured first (outputs off from the changed
+    step on, no hidden states). Outputs, loss and gradients equal the unwrapped model's at
+    every step."""
     torch.manual_seed(0)
     model = tiny_bert_classifier()
     ref, wrapped, (opt_w, opt_r), (lo, hi) = trained_pair(model, a, rank, world)
@@ -457,6 +460,13 @@ def check_attributes(a: argparse.Namespace, rank: int, world: int) -> None:
     def attention(m: nn.Module) -> Any:
         return m.bert.encoder.layer[0].attention.self
 
+    handles: dict[int, Any] = {}
+
+    def add_hook(m: nn.Module) -> None:
+        out = m.bert.encoder.layer[1].output
+        out.gain = torch.full((16,), 1.5)
+        handles[id(m)] = out.register_forward_hook(lambda mod, _i, o: o * mod.gain)
+
     changes: list[tuple[str, Any]] = [
         ("as built", lambda m: None),
         ("scaling x3", lambda m: setattr(attention(m), "scaling", 3 * scaling)),
@@ -464,6 +474,10 @@ def check_attributes(a: argparse.Namespace, rank: int, world: int) -> None:
         ("activation swapped", lambda m: setattr(m.bert.encoder.layer[1].intermediate,
                                                  "intermediate_act_fn", nn.Tanh())),
         ("hidden states", lambda m: setattr(m.config, "output_hidden_states", True)),
+        ("forward hook added", add_hook),
+        ("hook's tensor replaced", lambda m: setattr(m.bert.encoder.layer[1].output, "gain",
+                                                      torch.full((16,), 0.5))),
+        ("hook removed", lambda m: handles[id(m)].remove()),
     ]
     runtimes = []
     for step, (what, change) in enumerate(changes):
@@ -484,8 +498,8 @@ def check_attributes(a: argparse.Namespace, rank: int, world: int) -> None:
         ref_out.loss.backward()
         grads_close_then_step(wrapped, ref, (opt_w, opt_r), where)
         runtimes.append(len(wrapped._runtimes))
-    # (setting scaling back runs the first capture again)
-    assert runtimes == [1, 2, 2, 3, 4], runtimes
+    # (setting scaling back runs the first capture again; removing the hook, the fourth)
+    assert runtimes == [1, 2, 2, 3, 4, 5, 6, 6], runtimes
     print(f"PASS attributes rank {rank}", flush=True)
 
 
