@@ -208,3 +208,38 @@ def test_a_parameter_removed_after_the_first_call_captures_again() -> None:
         warnings.simplefilter("ignore")  # (the pre-hook: warned, computes the weight exactly)
         torch.testing.assert_close(wrapped(x), ref(x), rtol=0, atol=0)
     assert len(wrapped._deployments) == 2
+
+
+class GradModeBranch(nn.Module):
+    """Computes otherwise under torch.no_grad() (as a model that skips work it only needs for
+    training does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        return y * 2 if torch.is_grad_enabled() else y * 3
+
+
+def test_a_model_reading_the_grad_mode_gets_a_capture_per_grad_mode() -> None:
+    """Before, a call under no_grad ran the graph captured with grad enabled (off by y)."""
+    torch.manual_seed(0)
+    net = GradModeBranch()
+    ref = copy.deepcopy(net)
+    wrapped = rannc.RaNNCModule(net)
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(wrapped(x), ref(x), rtol=0, atol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(wrapped(x), ref(x), rtol=0, atol=0)
+    torch.testing.assert_close(wrapped(x), ref(x), rtol=0, atol=0)
+    assert len(wrapped._deployments) == 2
+    labels = [r.label for r in capture(net, (x,)).reads.reads]
+    assert labels == ["torch.is_grad_enabled()"], labels
+    # (a model that does not read it: one capture for both modes)
+    wrapped = rannc.RaNNCModule(Scaled())
+    wrapped(x)
+    with torch.no_grad():
+        wrapped(x)
+    assert len(wrapped._deployments) == 1

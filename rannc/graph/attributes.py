@@ -22,6 +22,10 @@ are objects (a list, a dict: their contents are not followed), and attributes th
 writes itself (`self.calls += 1`): torch.export puts those back after the trace, so they keep
 the value the capture read, and a guard on them would say nothing new.
 
+Also recorded: `torch.is_grad_enabled()` called from the model's code (not torch's own), a
+model that computes otherwise under `torch.no_grad()`: its capture holds for calls in the grad
+mode it was captured in (a `Read` of owner None, label `torch.is_grad_enabled()`).
+
 How: `nn.Module.__getattribute__` (which nn.Module leaves to `object`) and the config class's
 own `__getattribute__` are replaced for the time of the export by functions that record a
 read of a watched object; nn.Module's `__setattr__` likewise records writes.
@@ -30,6 +34,8 @@ read of a watched object; nn.Module's `__setattr__` likewise records writes.
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -42,6 +48,9 @@ _PLAIN = (type(None), bool, int, float, str, torch.dtype)
 # what every nn.Module keeps in its __dict__ for itself (hooks, tables, the mode)
 _MODULE_OWN = frozenset(nn.Module().__dict__) | {"training", "_compiled_call_impl"}
 _MISSING = object()
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_RANNC_DIR = os.path.dirname(os.path.dirname(__file__)) + os.sep
+_GRAD_MODE = "is_grad_enabled()"  # (the name of the grad mode's read, owner None, where "torch")
 
 
 def _plain(v: Any) -> bool:
@@ -70,7 +79,7 @@ def _shown(v: Any) -> str:
 class Read:
     """One plain value the capture read: `where.name` was `value`."""
 
-    owner: Any  # the module or config
+    owner: Any  # the module or config (None: the grad mode, `torch.is_grad_enabled()`)
     where: str  # its path in the model ("" the model; "encoder.config")
     name: str
     value: Any
@@ -87,9 +96,10 @@ class Reads:
         self.reads = reads
         # (the owners' instance dicts, looked up once: a config's own __getattribute__ is slow)
         self._checks = [(object.__getattribute__(r.owner, "__dict__"), r.name, r.value)
-                        for r in reads if not _tensor(r.value)]
+                        for r in reads if r.owner is not None and not _tensor(r.value)]
         self._tensors = [(object.__getattribute__(r.owner, "__dict__"), r.name, r.value)
-                         for r in reads if _tensor(r.value)]
+                         for r in reads if r.owner is not None and _tensor(r.value)]
+        self._grad = next((r.value for r in reads if r.owner is None), None)
         # (a short name for these values, for the call mode every rank agrees on: a tensor by
         # its shape and dtype, as its identity is each rank's own)
         shown = tuple(f"{r.label}={_shown(r.value)}" for r in reads)
@@ -108,13 +118,14 @@ class Reads:
         for d, name, value in self._tensors:
             if d.get(name, _MISSING) is not value:
                 return False
-        return True
+        return self._grad is None or torch.is_grad_enabled() is self._grad
 
     def changed(self) -> list[tuple[Read, Any]]:
         """(read, value now) of each value that is no longer what the capture read."""
         out = []
         for r in self.reads:
-            now = object.__getattribute__(r.owner, "__dict__").get(r.name, _MISSING)
+            now = torch.is_grad_enabled() if r.owner is None \
+                else object.__getattribute__(r.owner, "__dict__").get(r.name, _MISSING)
             if not _same(now, r.value):
                 out.append((r, now))
         return out
@@ -162,6 +173,7 @@ class _Recorder:
         self.seen: set[tuple[int, str]] = set()
         self.written: set[tuple[int, str]] = set()
         self.reads: list[Read] = []
+        self.grad_mode: bool | None = None  # what torch.is_grad_enabled() gave the model's code
 
     def read(self, obj: Any, name: str, value: Any) -> None:
         key = (id(obj), name)
@@ -184,6 +196,8 @@ class _Recorder:
         keep = [r for r in self.reads if (id(r.owner), r.name) not in self.written
                 and _same(object.__getattribute__(r.owner, "__dict__").get(r.name, _MISSING),
                           r.value)]
+        if self.grad_mode is not None:
+            keep.append(Read(None, "torch", _GRAD_MODE, self.grad_mode))
         return Reads(tuple(keep))
 
 
@@ -205,6 +219,14 @@ def recorded(model: nn.Module) -> Iterator[_Recorder]:
         real_set(self, name, value)
 
     originals = {cls: cls.__dict__["__getattribute__"] for cls in rec.config_owners}
+    real_grad = torch.is_grad_enabled
+
+    def is_grad_enabled() -> bool:
+        value = real_grad()
+        if rec.grad_mode is None and not sys._getframe(1).f_code.co_filename.startswith(
+                (_TORCH_DIR, _RANNC_DIR)):
+            rec.grad_mode = value
+        return value
 
     def config_get(real: Any) -> Any:
         def get(self: Any, name: str) -> Any:
@@ -218,11 +240,13 @@ def recorded(model: nn.Module) -> Iterator[_Recorder]:
     nn.Module.__setattr__ = module_set  # type: ignore[method-assign]
     for cls, real in originals.items():
         cls.__getattribute__ = config_get(real)  # type: ignore[method-assign]
+    torch.is_grad_enabled = is_grad_enabled
     try:
         yield rec
     finally:
         del nn.Module.__getattribute__
         nn.Module.__setattr__ = real_set  # type: ignore[method-assign]
+        torch.is_grad_enabled = real_grad
         for cls, real in originals.items():
             cls.__getattribute__ = real  # type: ignore[method-assign]
 
