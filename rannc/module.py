@@ -45,7 +45,12 @@ from rannc.graph.capture import autocast_state, flatten_inputs
 from rannc.graph.extract import run_chain
 from rannc.graph.model_state import model_state, replaced
 from rannc.pipeline.grads import Accumulation, BucketBuffers
-from rannc.pipeline.runtime import COUNT_KWARG, PipelineFunction, PipelineRuntime
+from rannc.pipeline.runtime import (
+    COUNT_KWARG,
+    PipelineFunction,
+    PipelineRuntime,
+    input_gradient_scales,
+)
 from rannc.plans import Plan
 from rannc.progress import NO_PROGRESS, progress_for
 
@@ -325,7 +330,8 @@ class RaNNCModule(nn.Module):
             names = [cap.graph.outputs[i] for i in idx]
             anchor = torch.empty((), requires_grad=True)
             ins = rt.grad_inputs(leaves)  # they get the gradients of this rank's rows
-            outs = PipelineFunction.apply(rt, names, [v for v, _x in ins], anchor,
+            scales = input_gradient_scales([x for _v, x in ins], ctx.world_size)
+            outs = PipelineFunction.apply(rt, names, [v for v, _x in ins], scales, anchor,
                                           *[flat[i] for i in idx], *[x for _v, x in ins])
             node = next((o.grad_fn for o in outs if o.grad_fn is not None), None)
             if node is not None:

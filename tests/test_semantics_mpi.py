@@ -211,6 +211,20 @@ def test_buffers_updated_from_the_weights_alone_update_once_per_call(
     assert "updated in forward" not in res.stderr, res.stderr  # (nothing left to warn about)
 
 
+CASES["composed"] = Case(3, ["--case", "composed", "--replicas", "2,1", "--microbatches", "2",
+                             "--batch", "7"])
+
+
+@pytest.mark.cases("composed")
+def test_two_wrapped_models_composed_train_exactly(launches: CaseLaunches) -> None:
+    """A GAN's generator and discriminator, each wrapped, on 3 ranks (2 stages x [2, 1], 2
+    microbatches): the generator's outputs feed the discriminator through a user op, and a
+    user loss reads them too. Both models' gradients equal the unwrapped models' for the
+    ranks' mean loss over 3 AdamW steps (before: the generator's were a third of them)."""
+    res = launches.result("composed")
+    _passed(res.stdout, "composed", 3)
+
+
 CASES["unused_count"] = Case(2, ["--case", "unused_count", "--partition-num", "2", "--batch", "6"])
 
 

@@ -53,6 +53,7 @@ import functools
 import logging
 import math
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -690,18 +691,21 @@ class PipelineRuntime:
         the gradients of its outputs; returns the gradients of this rank's rows of the model
         inputs that required grad, by value."""
         call = self._call
-        if call is None:
-            raise RaNNCError("backward() without a forward() whose outputs need gradients")
+        # (checked first: where one loss holds two calls' outputs, the later call's backward
+        # has run when the earlier one's comes, and the pipeline holds no call then)
         if of is not None and of is not call:
             # Every rank makes the same calls, so every rank raises here alike, before sending.
             raise RaNNCError(
                 "backward() through the outputs of an earlier call of the model: another "
-                "forward() with gradients ran since, and rannc keeps the pipeline state of the "
-                "latest call with gradients only (its schedules may run that call's backward "
-                "inside forward()). Fix: call backward() before the next forward(), or run the "
-                "other forward() under torch.no_grad() (e.g. a metric or a teacher's outputs); "
-                "to back-propagate through two batches at once, pass them in one call "
-                "(torch.cat along the batch dim)")
+                "forward() with gradients ran since (e.g. one loss over two calls' outputs, "
+                "D(real) and D(fake), or two views of a batch), and rannc keeps the pipeline "
+                "state of the latest call with gradients only (its schedules may run that "
+                "call's backward inside forward()). Fix: call backward() before the next "
+                "forward(), or run the other forward() under torch.no_grad() (e.g. a metric or "
+                "a teacher's outputs); to back-propagate through two batches at once, pass them "
+                "in one call (out = D(torch.cat([real, fake])); out[:n], out[n:])")
+        if call is None:
+            raise RaNNCError("backward() without a forward() whose outputs need gradients")
         self._call = None
         if call.reducing and not self.sync:
             raise RaNNCError(
@@ -994,11 +998,12 @@ class PipelineFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, runtime: PipelineRuntime, names: list[str],  # type: ignore[override]
-                in_names: list[str], anchor: torch.Tensor,
+                in_names: list[str], in_scales: list[float], anchor: torch.Tensor,
                 *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """`tensors`: the outputs (one per name in `names`), then the model inputs requiring
-        grad (one per name in `in_names`), which backward gives their rows' gradients."""
-        ctx.runtime, ctx.names, ctx.in_names = runtime, names, in_names
+        grad (one per name in `in_names`), which backward gives their rows' gradients, times
+        `in_scales` (`input_gradient_scales`)."""
+        ctx.runtime, ctx.names, ctx.in_names, ctx.in_scales = runtime, names, in_names, in_scales
         ctx.call = runtime.awaiting_backward  # (the call these outputs came from)
         outs = tensors[:len(names)]
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None
@@ -1013,8 +1018,58 @@ class PipelineFunction(torch.autograd.Function):
             grad_of[v] = g if prev is None else prev if g is None else prev + g
         with health.phase("backward"):
             in_grads = ctx.runtime.backward(grad_of, ctx.call)
-        return (None, None, None, None, *([None] * len(grads)),
-                *[in_grads.get(v) for v in ctx.in_names])
+        return (None, None, None, None, None, *([None] * len(grads)),
+                *[_scaled(in_grads.get(v), s) for v, s in zip(ctx.in_names, ctx.in_scales,
+                                                               strict=True)])
+
+
+def _scaled(g: torch.Tensor | None, s: float) -> torch.Tensor | None:
+    return g if g is None or s == 1 else g * s
+
+
+# How far back `input_gradient_scales` looks for another pipeline's outputs (autograd nodes).
+_COMPOSED_SEARCH = 10_000
+
+
+def input_gradient_scales(inputs: Sequence[torch.Tensor], world_size: int) -> list[float]:
+    """Per model input requiring grad: what its gradient is multiplied by.
+
+    Why: a rank's input gradient is the gradient of the average over the ranks of what each
+    back-propagated (README, "Inputs with requires_grad"), 1/world_size of each rank's own
+    share, so that back-propagating the model's global loss gives the unwrapped model's
+    `x.grad`. An input computed from another wrapped model's outputs (a GAN's `D(G(z))`) passes
+    that gradient on to the other model's backward, which averages over the ranks again: its
+    gradients came out 1/world_size of the composed model's. For such an input, the gradient is
+    each rank's own share (as DDP gives input gradients), and the other model's average makes
+    it exact. Found by a search of the input's autograd graph for a `PipelineFunction` node."""
+    scales = []
+    for x in inputs:
+        found = _from_a_pipeline(x)
+        if found is None:
+            warnings.warn(
+                f"rannc: could not tell whether a model input comes from another RaNNCModule's "
+                f"outputs (its autograd graph has over {_COMPOSED_SEARCH} nodes); taken as not. "
+                "If it does, that model's gradients are 1/world_size of the composed model's",
+                UserWarning, stacklevel=3)
+        scales.append(float(world_size) if found else 1.0)
+    return scales
+
+
+def _from_a_pipeline(x: torch.Tensor) -> bool | None:
+    """Whether `x`'s autograd graph holds a `PipelineFunction` (None: too large to search)."""
+    stack = [x.grad_fn]
+    seen: set[Any] = set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        if getattr(node, "_forward_cls", None) is PipelineFunction:
+            return True
+        seen.add(node)
+        if len(seen) > _COMPOSED_SEARCH:
+            return None
+        stack.extend(f for f, _i in node.next_functions)
+    return False
 
 
 def _chunks(ps: list[nn.Parameter], nbytes: int) -> Iterator[list[nn.Parameter]]:
@@ -1096,4 +1151,4 @@ def _grad_or_zero(g: torch.Tensor | None) -> torch.Tensor:
     return torch.zeros((), dtype=torch.float64) if g is None else g.detach().reshape(()).to(torch.float64)
 
 
-__all__ = ["PipelineFunction", "PipelineRuntime"]
+__all__ = ["PipelineFunction", "PipelineRuntime", "input_gradient_scales"]

@@ -614,12 +614,53 @@ def check_per_call_writes(a: argparse.Namespace, rank: int, world: int) -> None:
     print(f"PASS per_call_writes rank {rank} microbatches {wrapped.plan.microbatches}", flush=True)
 
 
+def check_composed(a: argparse.Namespace, rank: int, world: int) -> None:
+    """A GAN's two models, each wrapped: the generator's outputs feed the discriminator (through
+    an op of the user's, and also a loss of the user's on them), so the discriminator's input
+    gradient is the generator's output gradient. The contract's gradients are those of the
+    ranks' mean loss; before, the generator's came out 1/world-size of them (its output
+    gradients were averaged over the ranks twice: once as the discriminator's input
+    gradient, once as its own). The discriminator's step passes real and generated samples in
+    one call (two calls before one backward are refused on several ranks)."""
+    torch.manual_seed(0)
+    gen = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 8))
+    disc = nn.Sequential(nn.Linear(8, 16), nn.LeakyReLU(0.2), nn.Linear(16, 16), nn.LeakyReLU(0.2),
+                         nn.Linear(16, 1))
+    ref_g, wg, opts_g, _rows = trained_pair(gen, a, rank, world)
+    ref_d, wd, opts_d, _rows = trained_pair(disc, a, rank, world)
+    sizes = local_sizes(a.batch, world)
+    ranges = [(sum(sizes[:q]), sum(sizes[:q + 1])) for q in range(world)]
+    lo, hi = ranges[rank]
+    bce = nn.functional.binary_cross_entropy_with_logits
+
+    def d_loss(d: nn.Module, real: torch.Tensor, fake: torch.Tensor) -> torch.Tensor:
+        out = d(torch.cat([real, fake]))
+        n = real.shape[0]
+        return bce(out[:n], torch.ones(n, 1)) + bce(out[n:], torch.zeros(n, 1))
+
+    def g_loss(d: nn.Module, y: torch.Tensor) -> torch.Tensor:
+        return bce(d(torch.tanh(y) * 2), torch.ones(y.shape[0], 1)) + 0.1 * (y ** 2).mean()
+
+    for step in range(3):
+        z, real = torch.randn(a.batch, 4), torch.randn(a.batch, 8)
+        where = f"rank {rank} step {step}"
+        d_loss(wd, real[lo:hi], wg(z[lo:hi]).detach()).backward()
+        sum(d_loss(ref_d, real[p:q], ref_g(z[p:q]).detach()) for p, q in ranges).div(world).backward()
+        grads_close_then_step(wd, ref_d, opts_d, f"{where} discriminator")
+        g_loss(wd, wg(z[lo:hi])).backward()
+        sum(g_loss(ref_d, ref_g(z[p:q])) for p, q in ranges).div(world).backward()
+        grads_close_then_step(wg, ref_g, opts_g, f"{where} generator")
+        for opt in (*opts_d,):
+            opt.zero_grad()
+    print(f"PASS composed rank {rank}", flush=True)
+
+
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--case", required=True, choices=["input_grad", "masked_lm", "batchnorm", "unused_count",
                                                 "functional_bn", "loss_grad", "frozen_bn",
                                                 "attributes", "sum_loss", "recompute_writes",
-                                                "per_call_writes"])
+                                                "per_call_writes", "composed"])
     p.add_argument("--bn-mode", default="sync", help="batchnorm: local or sync")
     p.add_argument("--model", default="llama", help="masked_lm: llama or roberta")
     p.add_argument("--replicas", default="")
@@ -640,7 +681,8 @@ def run(a: argparse.Namespace, ctx: rdist.DistContext) -> None:
      "frozen_bn": check_frozen_bn, "attributes": check_attributes,
      "sum_loss": check_sum_loss,
      "recompute_writes": check_recompute_writes,
-     "per_call_writes": check_per_call_writes}[a.case](a, ctx.rank, ctx.world_size)
+     "per_call_writes": check_per_call_writes,
+     "composed": check_composed}[a.case](a, ctx.rank, ctx.world_size)
 
 
 def main() -> None:

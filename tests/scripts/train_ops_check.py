@@ -289,6 +289,13 @@ def check_calls_between(pr: Pair) -> None:
     pr.refused(first.backward, "backward() through the outputs of an earlier call",
                "backward through an earlier call's outputs")
     pr.zero_grad()
+    # one loss over two calls' outputs (a GAN's D(real) + D(fake)): the later call's backward
+    # runs first, then the earlier one's is refused by the same message (it said "without a
+    # forward()" before)
+    both = pr.loss(0) + pr.loss(1)
+    pr.refused(both.backward, "backward() through the outputs of an earlier call",
+               "one loss over two calls' outputs")
+    pr.zero_grad()
 
 
 def check_no_sync_around_backward_only(pr: Pair) -> None:
