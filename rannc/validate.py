@@ -313,7 +313,12 @@ def describe_call_order(calls: Sequence[CallSignature | str]) -> str:
             "collective, so every rank must make the same calls in the same order. Fix: a rank "
             "that leaves the training loop early (a smaller last batch, a break on one rank) "
             "must not skip steps the others run: stop every rank at the same step, then call "
-            "state_dict() / save_checkpoint() on every rank")
+            "state_dict() / save_checkpoint() on every rank" + (
+                ". A save on rank 0 only, as DDP scripts write it (`if rank == 0: "
+                "torch.save(model.state_dict(), path)`), calls state_dict() on one rank: call "
+                "it on every rank (it gathers the model onto rank 0) and save on rank 0 only: "
+                "`sd = model.state_dict(); if rank == 0: torch.save(sd, path)`"
+                if any("state_dict" in n for n in names) else ""))
 
 
 def describe_mismatch(sigs: Sequence[CallSignature], sizes: Sequence[int]) -> str:

@@ -140,6 +140,7 @@ def test_a_rank_calling_state_dict_while_another_trains_is_named_not_a_gloo_abor
             "(a call of the model); rank 1: state_dict())")
     assert text.count(says) >= 2, text  # on both ranks
     assert "stop every rank at the same step" in text, text
+    assert "`sd = model.state_dict(); if rank == 0: torch.save(sd, path)`" in text, text
     assert "Received data size" not in text, text
 
 
