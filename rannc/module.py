@@ -279,6 +279,7 @@ class RaNNCModule(nn.Module):
             with self._held.shaped_params(self.module):
                 cap, atomic = capture_signature(self.module, args, kwargs, progress)
             validate.agree_on_graph(cap.graph, sizes, ctx.device)
+            validate.check_outputs_combine(cap, type(self.module).__name__)
             if self._plan is None:
                 cfg = self._planning_config()
                 plan = deployment_plan(cfg, self.module, self.optimizer, cap, atomic, ctx, leaves,

@@ -50,7 +50,7 @@ from rannc.plans import check_replicas_divide
 
 if TYPE_CHECKING:  # rannc.graph.capture imports this module
     from rannc.dist import DistContext
-    from rannc.graph.capture import InputLayout
+    from rannc.graph.capture import CapturedModel, InputLayout
     from rannc.graph.task_graph import TaskGraph
 
 _SAME_INPUTS = ("Every rank must pass the same arguments, each tensor with the same dtype, "
@@ -269,6 +269,33 @@ def agree_on_collective(kind: str, device: torch.device) -> None:
 def _digest_of(fingerprint: str) -> int:
     return int(fingerprint[:13], 16) if re.fullmatch(r"[0-9a-f]{13,}", fingerprint) else \
         int.from_bytes(hashlib.sha256(fingerprint.encode()).digest()[:6], "big")
+
+
+def check_outputs_combine(cap: CapturedModel, model_name: str) -> None:
+    """On several ranks, before planning (every rank has the same graph: the same error on
+    every rank): each tensor output without rows must be a scalar. The pipeline computes the
+    model on pieces of the global batch and combines such an output from the pieces (their
+    row-weighted mean, or their sum) as a number; one with other dimensions (a statistic per
+    feature, `h.mean(0)`; a parameter returned; an output of a model that takes its batch in
+    another dimension than 0) failed at the first call with torch's "output with shape []
+    doesn't match the broadcast shape"."""
+    for v in cap.graph.outputs:
+        if v is None:  # (a constant output: returned as it is)
+            continue
+        val = cap.graph.values[v]
+        if val.is_tensor and val.batch_dim is None and val.shape != ():
+            raise CaptureError(
+                f"{model_name}'s output {cap.output_label(v)} has shape "
+                f"{tuple(val.shape)} and no batch dimension (its dim 0 is not the batch's rows): "
+                "on several ranks rannc computes the model on pieces of the global batch "
+                "(microbatches, replicas) and combines an output without rows only where it is "
+                "a scalar (a loss: the pieces' row-weighted mean, or their sum). Fix: return "
+                "it per row (e.g. the per-sample values instead of their mean over dim 0) and "
+                "reduce it outside the model, or reduce it to a scalar; read a tensor that does "
+                "not depend on the batch (a parameter) from the model instead. If the model "
+                "takes its batch in another dimension than dim 0 (sequence-first, e.g. "
+                "nn.TransformerEncoderLayer(batch_first=False)), give it batch-first inputs: "
+                "rannc splits every input along dim 0")
 
 
 def agree_on_graph(graph: TaskGraph, sizes: Sequence[int], device: torch.device) -> None:

@@ -79,6 +79,9 @@ CASES: dict[str, tuple[str, list[str]]] = {
         "different module trees or hooks", "rank 0: train mode, grad enabled, hooks: forward "
         "hooks on 'a' (1)", "rank 1: train mode, grad enabled)", "Fix: make such a change on "
         "every rank alike"]),
+    "output_without_rows": ("CaptureError", [
+        "FeatureMean's output '[0]' has shape (16,) and no batch dimension", "only where it is "
+        "a scalar", "Fix: return it per row", "batch_first=False"]),
     "meta_model_never_materialised": ("RaNNCError", [
         "of the model's parameters and buffers are on the meta device (e.g. a.weight",
         "never materialised", "model.to_empty(device='cpu')"]),

@@ -137,6 +137,16 @@ class CapturedModel:
                 for name, v in self.graph.values.items()
                 if v.kind is ValueKind.PARAM or (v.kind is ValueKind.BUFFER and v.producer is None)]
 
+    def output_label(self, v: str) -> str:
+        """A model output by its place in the outputs (a pytree path where one is known)."""
+        i = self.graph.outputs.index(v)
+        try:
+            paths = [pytree.keystr(p) for p, _ in pytree.tree_flatten_with_path(
+                pytree.tree_unflatten(list(range(len(self.graph.outputs))), self.out_spec))[0]]
+            return f"'{paths[i]}'" if paths[i] else "(the return value)"
+        except Exception:
+            return f"#{i}"
+
     def unflatten_outputs(self, values: Mapping[str, Any]) -> Any:
         """The model's output structure from the computed values."""
         flat = [values[v] if v is not None else c

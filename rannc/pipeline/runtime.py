@@ -573,7 +573,7 @@ class PipelineRuntime:
             return
         _MIXING_WARNED.add(self.model)
         out, path, op, s, reps = split[0]
-        names = ", ".join(self._output_label(o) for o, *_ in split[:3]) + (
+        names = ", ".join(self.cap.output_label(o) for o, *_ in split[:3]) + (
             f" and {len(split) - 3} more" if len(split) > 3 else "")
         log.warning(
             "rannc: the model's output %s depends on several rows of the batch together (from "
@@ -631,16 +631,6 @@ class PipelineRuntime:
             "microbatches=1); BatchNorm's statistics rannc keeps exact itself", name, more,
             path or "(the model itself)", self.plan.microbatches, s,
             len(self.plan.stages[s].ranks))
-
-    def _output_label(self, v: str) -> str:
-        """A model output by its place in the outputs (a pytree path where one is known)."""
-        i = self.graph.outputs.index(v)
-        try:
-            paths = [pytree.keystr(p) for p, _ in pytree.tree_flatten_with_path(
-                pytree.tree_unflatten(list(range(len(self.graph.outputs))), self.cap.out_spec))[0]]
-            return f"'{paths[i]}'" if paths[i] else "(the return value)"
-        except Exception:
-            return f"#{i}"
 
     # -- the global count of loss items ------------------------------------------------------------
     def _count_input(self) -> str | None:

@@ -165,6 +165,18 @@ def attribute_set_on_rank_0(rank: int, n: int) -> None:
     model(torch.randn(n, WIDTH))
 
 
+class FeatureMean(nn.Module):
+    """Returns a statistic per feature over the batch (no rows, not a scalar) beside a loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(WIDTH, 16)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.a(x)
+        return h.mean(0), h.pow(2).mean()
+
+
 def hook_added_on_rank_0(rank: int, n: int) -> None:
     """A step, then rank 0 alone adds a forward hook: every rank raises (rank 0 would capture
     again, the others run the graph they have)."""
@@ -270,6 +282,8 @@ def main() -> None:
         OrderByRank(), partition_num=2, profiler="estimate")(torch.randn(n, WIDTH)))
     case("attribute_differs_across_ranks", r, lambda: attribute_set_on_rank_0(r, n))
     case("hook_added_on_one_rank", r, lambda: hook_added_on_rank_0(r, n))
+    case("output_without_rows", r, lambda: rannc.RaNNCModule(
+        FeatureMean(), profiler="estimate")(torch.randn(n, WIDTH)))
     case("meta_model_never_materialised", r, lambda: rannc.RaNNCModule(
         meta_net(), partition_num=2, profiler="estimate")(torch.randn(n, WIDTH)))
 
