@@ -583,7 +583,10 @@ class PipelineRuntime:
             "model's value on the global batch, as under DDP, where each rank computes it on "
             "its own rows. For the model's value, plan that stage with one replica and one "
             "microbatch (replicas=[..., 1], microbatches=1), or compute it outside the model "
-            "from the rows every rank gets back", names, op, path or "(the model itself)",
+            "from the rows every rank gets back. (rannc takes dim 0 of every input as the "
+            "batch: a model taking its batch in another dimension, sequence-first as "
+            "nn.TransformerEncoderLayer(batch_first=False), mixes its 'rows' in attention; give "
+            "it batch-first inputs)", names, op, path or "(the model itself)",
             self.plan.microbatches, s, reps)
 
     def _warn_buffer_writes(self) -> None:
