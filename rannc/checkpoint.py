@@ -36,6 +36,7 @@ import re
 import shutil
 import time
 import uuid
+import weakref
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,7 +72,8 @@ class Holdings:
 
     @classmethod
     def of(cls, model: nn.Module, rt: PipelineRuntime | None) -> Holdings:
-        keys = list(model.state_dict(keep_vars=True))
+        with own_state_dict_reads():
+            keys = list(model.state_dict(keep_vars=True))
         key_set = set(keys)
         names: dict[int, list[str]] = {}
         by_id: dict[int, torch.Tensor] = {}
@@ -139,7 +141,8 @@ def gather_state_dict(model: nn.Module, rt: PipelineRuntime, rank0_only: bool,
     whole: dict[str, torch.Tensor] = {}
     for p in parts:
         whole.update(p)
-    local = model.state_dict(keep_vars=False)
+    with own_state_dict_reads():
+        local = model.state_dict(keep_vars=False)
     out = type(local)()
     for k, v in local.items():  # the unwrapped model's keys, order and aliases
         out[prefix + k] = whole[h.canonical[k]] if k in h.canonical else v
@@ -148,6 +151,57 @@ def gather_state_dict(model: nn.Module, rt: PipelineRuntime, rank0_only: bool,
         out._metadata = type(meta)((prefix + k if k else prefix.rstrip("."), v)  # type: ignore[attr-defined]
                                    for k, v in meta.items())
     return out
+
+
+# rannc's own reads of a deployed module's state_dict() in progress (see `refuse_partial_reads`)
+_OWN_READS = [0]
+
+
+@contextlib.contextmanager
+def own_state_dict_reads() -> Iterator[None]:
+    """A block in which rannc reads a deployed module's own state_dict() (its keys, the entries
+    this rank holds): not the partial read `refuse_partial_reads` stops."""
+    _OWN_READS[0] += 1
+    try:
+        yield
+    finally:
+        _OWN_READS[0] -= 1
+
+
+def refuse_partial_reads(model: nn.Module, released: Mapping[str, Any], rank: int) -> None:
+    """After this rank released parameters (`deploy.Holdings.release`): a state_dict() of the
+    wrapped model itself, or of a submodule holding one of them, raises instead of returning
+    their empty tensors. Why: `model.module.save_pretrained(path)`, `torch.save(
+    model.module.state_dict(), path)` or a PEFT adapter's save wrote a checkpoint of zero-size
+    tensors for every parameter another rank holds, found broken only when loaded. A state dict
+    pre-hook on each module owning a released parameter (once per module)."""
+    owners = {name.rpartition(".")[0] for name in released}
+    for path in owners:
+        module = model.get_submodule(path)
+        if module not in _REFUSING:
+            _REFUSING.add(module)
+            module.register_state_dict_pre_hook(_partial_read_refused(released, rank))
+
+
+_REFUSING: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # modules `refuse_partial_reads` hooked
+
+
+def _partial_read_refused(released: Mapping[str, Any], rank: int) -> Any:
+    def hook(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        if _OWN_READS[0]:
+            return
+        names = list(released)  # (read now: a later input signature may release more)
+        shown = ", ".join(repr(n) for n in names[:2]) + (
+            f" and {len(names) - 2} more" if len(names) > 2 else "")
+        raise RaNNCError(
+            f"state_dict() of the wrapped model's own modules on rank {rank}: this rank holds "
+            f"only its stages' parameters, and {len(names)} others ({shown}) are released here "
+            "(empty tensors), so a checkpoint saved from it would be broken. Fix: call the "
+            "wrapper's state_dict() on every rank, which gathers the whole model onto rank 0 "
+            "(`sd = model.state_dict(); if rank == 0: torch.save(sd, path)`), or "
+            "model.save_pretrained(path) on every rank for a Hugging Face or PEFT model (rank 0 "
+            "writes it), or model.save_checkpoint(dir) for a sharded checkpoint")
+    return hook
 
 
 def _gather(obj: Any, rank0_only: bool) -> list[Any] | None:
@@ -166,7 +220,8 @@ def load_held_state(model: nn.Module, rt: PipelineRuntime, state_dict: Mapping[s
                     strict: bool) -> tuple[list[str], list[str]]:
     """Copy the entries this rank holds; returns (missing, unexpected) over the full model."""
     h = Holdings.of(model, rt)
-    keys = list(model.state_dict(keep_vars=True))
+    with own_state_dict_reads():
+        keys = list(model.state_dict(keep_vars=True))
     missing = [k for k in keys if k not in state_dict]
     unexpected = [k for k in state_dict if k not in keys]
     if strict and (missing or unexpected):

@@ -241,6 +241,7 @@ class Holdings:
             r.placeholder = self.placeholder
             r.owners = self.owners
         if released:
+            ckpt.refuse_partial_reads(module, self.released, rt.rank)
             return_freed_heap()
 
     def _zero_hooks(self, optimizer: torch.optim.Optimizer) -> None:

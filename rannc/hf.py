@@ -29,6 +29,7 @@ from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINING_ARGS_N
 from transformers.utils import can_return_loss, find_labels
 
 from rannc import dist as rdist
+from rannc.checkpoint import own_state_dict_reads
 from rannc.errors import RaNNCError
 from rannc.module import RaNNCModule
 
@@ -208,7 +209,8 @@ class RaNNCTrainer(Trainer):
         # once), the processing class and the training arguments.
         out = str(self.args.output_dir if output_dir is None else output_dir)
         os.makedirs(out, exist_ok=True)
-        inner.save_pretrained(out, state_dict=sd)
+        with own_state_dict_reads():  # (given the gathered state dict, it may still read keys)
+            inner.save_pretrained(out, state_dict=sd)
         if self.processing_class is not None:
             self.processing_class.save_pretrained(out)
         torch.save(self.args, os.path.join(out, TRAINING_ARGS_NAME))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import sys
@@ -147,7 +148,27 @@ class RaNNCModule(nn.Module):
             modules = self.__dict__.get("_modules")
             if modules is None or "module" not in modules or name.startswith("__"):
                 raise
-            return getattr(modules["module"], name)
+            found = getattr(modules["module"], name)
+            if name == "save_pretrained" and callable(found):
+                return functools.partial(self._save_pretrained, found)
+            return found
+
+    def _save_pretrained(self, save: Callable[..., Any], save_directory: Any, *args: Any,
+                         **kwargs: Any) -> Any:
+        """`model.save_pretrained(path)` of a Hugging Face or PEFT model: after deployment on
+        several ranks a collective, as `state_dict()` (every rank calls it; the whole model is
+        gathered onto rank 0, which writes it when its `is_main_process` is true). Before, the
+        wrapped model's own save wrote each rank's released parameters as empty tensors. Given
+        `state_dict=`, the module's own save writes that, on the rank that calls it."""
+        rt = self._last_rt
+        if rt is None or rt.world_size == 1 or "state_dict" in kwargs:
+            with ckpt.own_state_dict_reads():
+                return save(save_directory, *args, **kwargs)
+        sd = self.state_dict()
+        if rt.rank != 0 or not kwargs.pop("is_main_process", True):
+            return None
+        with ckpt.own_state_dict_reads():
+            return save(save_directory, *args, state_dict=sd, is_main_process=True, **kwargs)
 
     @property
     def plan(self) -> Plan | None:

@@ -225,6 +225,21 @@ def test_two_wrapped_models_composed_train_exactly(launches: CaseLaunches) -> No
     _passed(res.stdout, "composed", 3)
 
 
+CASES["save_pretrained"] = Case(3, ["--case", "save_pretrained", "--replicas", "2,1",
+                                    "--microbatches", "2", "--batch", "7"])
+
+
+@pytest.mark.cases("save_pretrained")
+def test_save_pretrained_on_every_rank_writes_the_whole_trained_model(launches: CaseLaunches) -> None:
+    """transformers' BERT and a PEFT LoRA adapter on a Llama, on 3 ranks (2 stages x [2, 1]),
+    trained exactly; `model.save_pretrained(path)` on every rank: rank 0 writes the whole
+    trained model, which loads back equal to the unwrapped one's (before, every parameter
+    another rank holds was written as an empty tensor); `model.module.state_dict()` is refused
+    on every rank."""
+    res = launches.result("save_pretrained")
+    _passed(res.stdout, "save_pretrained", 3)
+
+
 CASES["unused_count"] = Case(2, ["--case", "unused_count", "--partition-num", "2", "--batch", "6"])
 
 

@@ -655,12 +655,85 @@ def check_composed(a: argparse.Namespace, rank: int, world: int) -> None:
     print(f"PASS composed rank {rank}", flush=True)
 
 
+def shared_dir(rank: int) -> str:
+    """A fresh directory every rank knows (made by rank 0)."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    box = [tempfile.mkdtemp(prefix="rannc_save_") if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    assert box[0] is not None
+    return box[0]
+
+
+def check_save_pretrained(a: argparse.Namespace, rank: int, world: int) -> None:
+    """`model.save_pretrained(path)` on every rank, as Hugging Face scripts write it, of a
+    transformers BERT and of a PEFT LoRA adapter on a Llama: rank 0 writes the whole trained
+    model (before, the wrapped model's own save wrote every parameter another rank holds as an
+    empty tensor); the wrapped model's own state_dict() is refused on every rank that released
+    parameters, naming the fix."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import BertForSequenceClassification, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = tiny_bert_classifier()
+    ref, wrapped, opts, (lo, hi) = trained_pair(model, a, rank, world)
+    for _step in range(2):
+        ids, y = torch.randint(0, 64, (a.batch, 8)), torch.randint(0, 3, (a.batch,))
+        wrapped(input_ids=ids[lo:hi], labels=y[lo:hi]).loss.backward()
+        ref(input_ids=ids, labels=y).loss.backward()
+        grads_close_then_step(wrapped, ref, opts, f"rank {rank} bert")
+    where = shared_dir(rank)
+    wrapped.save_pretrained(where)
+    if rank == 0:
+        loaded = BertForSequenceClassification.from_pretrained(where)
+        for k, v in ref.state_dict().items():
+            close(loaded.state_dict()[k], v, f"saved {k}")
+    try:
+        wrapped.module.state_dict()
+    except rannc.RaNNCError as e:
+        assert "Fix: call the wrapper's state_dict() on every rank" in str(e), str(e)
+    else:
+        raise AssertionError(f"rank {rank}: the wrapped model's own state_dict() was not refused")
+
+    torch.manual_seed(1)
+    base = LlamaForCausalLM(LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, use_cache=False))
+    fresh = copy.deepcopy(base)
+    lora = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                           lora_dropout=0.0))
+    ref_lora = copy.deepcopy(lora)
+    opt_w = torch.optim.AdamW([p for p in lora.parameters() if p.requires_grad], lr=1e-2)
+    opt_r = torch.optim.AdamW([p for p in ref_lora.parameters() if p.requires_grad], lr=1e-2)
+    wrapped = rannc.RaNNCModule(lora, opt_w, **options(a))
+    for step in range(2):
+        ids = torch.randint(0, 64, (a.batch, 12))
+        out = wrapped(input_ids=ids[lo:hi], labels=ids[lo:hi])
+        ref_out = ref_lora(input_ids=ids, labels=ids)
+        close(out.loss, ref_out.loss, f"rank {rank} lora step {step} loss")
+        out.loss.backward()
+        ref_out.loss.backward()
+        grads_close_then_step(wrapped, ref_lora, (opt_w, opt_r), f"rank {rank} lora step {step}")
+    where = shared_dir(rank)
+    wrapped.save_pretrained(where)
+    if rank == 0:
+        loaded = PeftModel.from_pretrained(fresh, where)
+        want = {k: v for k, v in ref_lora.state_dict().items() if "lora_" in k}
+        got = loaded.state_dict()
+        assert want and set(want) <= set(got), (sorted(want)[:3], sorted(got)[:3])
+        for k, v in want.items():
+            close(got[k], v, f"saved adapter {k}")
+    print(f"PASS save_pretrained rank {rank}", flush=True)
+
+
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--case", required=True, choices=["input_grad", "masked_lm", "batchnorm", "unused_count",
                                                 "functional_bn", "loss_grad", "frozen_bn",
                                                 "attributes", "sum_loss", "recompute_writes",
-                                                "per_call_writes", "composed"])
+                                                "per_call_writes", "composed", "save_pretrained"])
     p.add_argument("--bn-mode", default="sync", help="batchnorm: local or sync")
     p.add_argument("--model", default="llama", help="masked_lm: llama or roberta")
     p.add_argument("--replicas", default="")
@@ -682,7 +755,8 @@ def run(a: argparse.Namespace, ctx: rdist.DistContext) -> None:
      "sum_loss": check_sum_loss,
      "recompute_writes": check_recompute_writes,
      "per_call_writes": check_per_call_writes,
-     "composed": check_composed}[a.case](a, ctx.rank, ctx.world_size)
+     "composed": check_composed,
+     "save_pretrained": check_save_pretrained}[a.case](a, ctx.rank, ctx.world_size)
 
 
 def main() -> None:
