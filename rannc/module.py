@@ -282,7 +282,7 @@ class RaNNCModule(nn.Module):
         # changed), so that ranks whose models differ in them raise instead of running
         # different graphs.
         agreement = validate.post_call(args, kwargs, leaves, layout, ctx,
-                                       validate.call_mode(self.training, base[3], modes)
+                                       validate.call_mode(base[1], base[3], modes)
                                        + _grad_inputs_text(args, kwargs)
                                        + _tree_text(base)
                                        + _reads_text(rt.cap.reads if rt is not None else None,
@@ -314,11 +314,11 @@ class RaNNCModule(nn.Module):
             else:
                 # Another mode or input shape of a deployed model: keep every rank's parameters
                 # where they are and place the new graph on the same stages.
-                plan = derive_plan(cap.graph, atomic, self._plan, recompute=self.training)
+                plan = derive_plan(cap.graph, atomic, self._plan, recompute=base[1])
                 if ctx.rank == 0:
                     log.info("rannc: %s (%s mode, %s): captured again and placed on the deployed "
                              "stages", _why_again(changes, self._runtimes, base),
-                             "train" if self.training else "eval", cap.graph.summary())
+                             "train" if base[1] else "eval", cap.graph.summary())
             rt = PipelineRuntime(self.module, cap, atomic, plan, ctx.rank, ctx.world_size, ctx.device,
                                  trace=self.rannc_config.trace,
                                  wrap_stage=_compile_stage if self.rannc_config.compile else None,
@@ -366,8 +366,10 @@ class RaNNCModule(nn.Module):
     def _capture_base(self, layout: Any) -> tuple[Any, ...]:
         """A call's capture key but for the values its capture read (`_cached`): the input
         signature, the mode and the submodules in the other mode, autocast, the tree's version
-        and its hooks (`ModelState.capture_key`)."""
+        and its hooks (`ModelState.capture_key`). The mode is the wrapped model's own, as DDP
+        runs it: `model.module.eval()` switches it too (the wrapper's flag is then set to it)."""
         tree, modes, hooks = model_state(self.module).capture_key()
+        self.training = self.module.training
         return (layout.signature, self.training, modes, autocast_state(), tree, hooks)
 
     def _changed_reads(self, cache: OrderedDict[tuple[Any, ...], Any], base: tuple[Any, ...],

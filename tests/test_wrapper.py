@@ -94,6 +94,23 @@ def test_the_first_call_under_no_sync_plans_for_an_accumulation() -> None:
         assert f._planning_config().grad_accumulation == fixed
 
 
+def test_the_wrapped_model_s_own_mode_is_the_call_s_mode() -> None:
+    """`model.module.eval()` (a script switching the model it unwrapped, as DDP allows) runs
+    the eval graph (BatchNorm on its running statistics), and `.train()` on it the training
+    one; before, the wrapper's stale flag kept the capture of the mode it was wrapped in."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+    ref = copy.deepcopy(net)
+    wrapped = rannc.RaNNCModule(net)
+    x = torch.randn(6, 4)
+    for mode in (True, False, True, False):
+        net.train(mode)
+        ref.train(mode)
+        torch.testing.assert_close(wrapped(x), ref(x), rtol=0, atol=0)
+        assert wrapped.training is mode
+    assert len(wrapped._deployments) == 2
+
+
 def test_plain_python_starts_no_process_group() -> None:
     import torch.distributed as dist
 
