@@ -103,8 +103,8 @@ class ModelState:
         (a module swapped, `model.act = nn.GELU()`, runs other code than the captured graph
         recorded; a parameter removed, as pruning does, leaves an input of it unbound: each
         needs a capture of its own), `modes()` and `hooks()`."""
-        modes = self.modes()
-        return self.tree_version, modes, self.hooks()
+        with self.unchanged():  # (one check of the tree for both)
+            return self.tree_version, self.modes(), self.hooks()
 
     def hooks(self) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
         """(module path, table, hook ids) of every hook table of the tree (and the global
