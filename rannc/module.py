@@ -151,6 +151,8 @@ class RaNNCModule(nn.Module):
             found = getattr(modules["module"], name)
             if name == "save_pretrained" and callable(found):
                 return functools.partial(self._save_pretrained, found)
+            if name == "generate" and callable(found) and self.__dict__["_held"].released:
+                return functools.partial(_generate_refused, type(modules["module"]).__name__)
             return found
 
     def _save_pretrained(self, save: Callable[..., Any], save_directory: Any, *args: Any,
@@ -705,6 +707,19 @@ class _BackwardOnce:
                 "(retain_graph=True): the pipelined model runs its backward once per forward, "
                 "across ranks. Fix: add the losses and call backward() once "
                 "((loss_a + loss_b).backward()), or call the model again for another backward")
+
+
+def _generate_refused(model_name: str, *args: Any, **kwargs: Any) -> Any:
+    """`model.generate(...)` on a rank that holds only some stages: the wrapped model's own
+    generate runs its own forward, which reads parameters released on this rank (it failed
+    with a size mismatch deep inside a layer)."""
+    raise RaNNCError(
+        f"{model_name}.generate() after rannc deployed the model on several ranks: generation "
+        "runs the model's own forward, one token at a time with its key/value cache, and this "
+        "rank holds only its stages' parameters (the others are released here). Fix: "
+        "gather the model and generate from an unwrapped copy: `sd = model.state_dict()` on "
+        "every rank, then on rank 0 `copy.load_state_dict(sd)` into a model built as the "
+        "original (e.g. from its config) and `copy.generate(...)`")
 
 
 def _forget_leftovers(kept: dict[tuple[Any, ...], leftovers.Leftovers]) -> None:

@@ -79,6 +79,9 @@ CASES: dict[str, tuple[str, list[str]]] = {
         "different module trees or hooks", "rank 0: train mode, grad enabled, hooks: forward "
         "hooks on 'a' (1)", "rank 1: train mode, grad enabled)", "Fix: make such a change on "
         "every rank alike"]),
+    "generate_after_deployment": ("RaNNCError", [
+        "LlamaForCausalLM.generate() after rannc deployed the model on several ranks",
+        "Fix: gather the model and generate from an unwrapped copy"]),
     "output_without_rows": ("CaptureError", [
         "FeatureMean's output '[0]' has shape (16,) and no batch dimension", "only where it is "
         "a scalar", "Fix: return it per row", "batch_first=False"]),

@@ -177,6 +177,21 @@ class FeatureMean(nn.Module):
         return h.mean(0), h.pow(2).mean()
 
 
+def generate_after_deployment(n: int) -> None:
+    """transformers' generate() on 2 stages: refused by name on every rank (it ran the model's own
+    forward over the parameters this rank released)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = rannc.RaNNCModule(LlamaForCausalLM(LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+        use_cache=False)), partition_num=2, profiler="estimate")
+    ids = torch.randint(0, 64, (n, 8))
+    model(input_ids=ids, labels=ids).loss.backward()
+    model.generate(ids, max_new_tokens=2)
+
+
 def hook_added_on_rank_0(rank: int, n: int) -> None:
     """A step, then rank 0 alone adds a forward hook: every rank raises (rank 0 would capture
     again, the others run the graph they have)."""
@@ -282,6 +297,7 @@ def main() -> None:
         OrderByRank(), partition_num=2, profiler="estimate")(torch.randn(n, WIDTH)))
     case("attribute_differs_across_ranks", r, lambda: attribute_set_on_rank_0(r, n))
     case("hook_added_on_one_rank", r, lambda: hook_added_on_rank_0(r, n))
+    case("generate_after_deployment", r, lambda: generate_after_deployment(n))
     case("output_without_rows", r, lambda: rannc.RaNNCModule(
         FeatureMean(), profiler="estimate")(torch.randn(n, WIDTH)))
     case("meta_model_never_materialised", r, lambda: rannc.RaNNCModule(
