@@ -38,6 +38,7 @@ Index conventions: k buckets; n parameter names; r ranks.
 from __future__ import annotations
 
 import math
+import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -509,6 +510,8 @@ class GradReducer:
         if b is not None:  # (a hook starts a bucket when its count reaches 0: no scan per hook)
             st.unready[id(b)] = st.unready.get(id(b), len(b.names)) - 1
         g = self.held[n].grad
+        if g is not None and g.is_sparse:
+            g = _densified(n, g)
         if g is not None and st.factor is not None:
             f = st.factor()
             if f is not None:
@@ -714,5 +717,23 @@ def not_finite(grads: Sequence[torch.Tensor]) -> bool:
             found.append(flag)
     return bool(found) and bool(torch.cat(found).any())
 
+
+_SPARSE_WARNED: set[str] = set()
+
+
+def _densified(name: str, g: torch.Tensor) -> torch.Tensor:
+    """A sparse gradient (`nn.Embedding(sparse=True)`) as a dense one: the buckets sum dense
+    gradients over the holders (before, copying a sparse one into a bucket failed: "copy_()
+    between dense and sparse Tensors is not implemented"). The memory model counts a dense
+    gradient per parameter already; `.grad` is then dense (torch's SGD, Adam and AdamW take
+    it; SparseAdam refuses dense gradients by name). Said once per parameter name."""
+    if name not in _SPARSE_WARNED:
+        _SPARSE_WARNED.add(name)
+        warnings.warn(
+            f"rannc: parameter '{name}' has a sparse gradient (nn.Embedding(sparse=True)); "
+            "summed over its holders on several ranks it becomes a dense gradient, so its "
+            ".grad is dense (torch.optim.SparseAdam needs sparse ones: use Adam or AdamW, or "
+            "sparse=False)", UserWarning, stacklevel=2)
+    return g.to_dense()
 
 __all__ = ["GradReducer", "LossSeed", "ParamGroup", "not_finite"]
