@@ -225,7 +225,11 @@ class RaNNCModule(nn.Module):
             self._deployments.move_to_end(key)
             dep = self._deployments[key]
         values = run_chain(dep.modules, dep.stages, dep.captured.bind(self.module, leaves))
-        return dep.captured.unflatten_outputs(values)
+        cap = dep.captured
+        if cap.stored:  # (tensors forward stores on its modules: assigned as forward does)
+            cap.store(self.module, [values[v] if v is not None else None
+                                    for v in cap.graph.outputs[cap.n_user_outputs:]])
+        return cap.unflatten_outputs(values)
 
     def _planning_config(self) -> Config:
         """The configuration the first call plans with: grad_accumulation "auto" is "on" when
@@ -363,7 +367,10 @@ class RaNNCModule(nn.Module):
                     node.register_prehook(_BackwardOnce(self._calls))
             for i, o in zip(idx, outs, strict=True):
                 flat[i] = o
-        return pytree.tree_unflatten(flat, cap.out_spec)
+        n = cap.n_user_outputs
+        if cap.stored:
+            cap.store(self.module, flat[n:])
+        return pytree.tree_unflatten(flat[:n], cap.out_spec)
 
     def _capture_base(self, layout: Any) -> tuple[Any, ...]:
         """A call's capture key but for the values its capture read (`_cached`): the input

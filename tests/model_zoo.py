@@ -186,3 +186,37 @@ BUILDERS: dict[str, Callable[[int], Case]] = {
 def make_case(name: str, batch: int = 4, seed: int = 0) -> Case:
     torch.manual_seed(seed)
     return BUILDERS[name](batch)
+
+
+class AuxLayer(nn.Module):
+    """A mixture-of-experts-like layer that stores its auxiliary loss and its gate's
+    probabilities on itself (as many MoE implementations do, for the training loop to add up)
+    instead of returning them."""
+
+    def __init__(self, d: int = 8, experts: int = 4) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.gate = nn.Linear(d, experts)
+        self.aux_loss = torch.zeros(())
+        self.probs: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        p = self.gate(x).softmax(-1)
+        self.aux_loss = (p ** 2).sum(-1).mean() * p.shape[-1]
+        self.probs = p.detach()
+        return torch.tanh(self.lin(x)) * p.max(-1, keepdim=True).values
+
+
+class StoresAux(nn.Module):
+    """Three AuxLayers and a head; forward returns the logits only."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*[AuxLayer(d) for _ in range(3)])
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layers(x))
+
+    def aux(self) -> torch.Tensor:
+        return sum((m.aux_loss for m in self.layers), torch.zeros(()))

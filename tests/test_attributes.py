@@ -243,3 +243,50 @@ def test_a_model_reading_the_grad_mode_gets_a_capture_per_grad_mode() -> None:
     with torch.no_grad():
         wrapped(x)
     assert len(wrapped._deployments) == 1
+
+
+def test_tensors_forward_stores_on_modules_are_assigned_after_every_call() -> None:
+    """A layer storing its auxiliary loss and gate probabilities on itself (MoE style): the
+    training loop's sum of the stored losses, its gradients and the stored probabilities equal
+    the unwrapped model's at every step (before: the attributes kept their values from before
+    the first call, a zero loss and None)."""
+    from model_zoo import StoresAux
+
+    torch.manual_seed(0)
+    net = StoresAux()
+    ref = copy.deepcopy(net)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (net, ref)]
+    wrapped = rannc.RaNNCModule(net, opts[0])
+    for _step in range(3):
+        x, y = torch.randn(5, 8), torch.randint(0, 3, (5,))
+        losses = [nn.functional.cross_entropy(m(x), y) + 0.1 * s.aux()
+                  for m, s in ((wrapped, net), (ref, ref))]
+        torch.testing.assert_close(net.aux(), ref.aux(), rtol=1e-6, atol=1e-7)
+        assert net.aux() != 0
+        for a, b in zip(net.layers, ref.layers, strict=True):
+            torch.testing.assert_close(a.probs, b.probs, rtol=1e-6, atol=1e-7)
+        for loss in losses:
+            loss.backward()
+        for (n, p), q in zip(net.named_parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=n)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    assert len(wrapped._deployments) == 1
+
+
+def test_a_number_forward_stores_is_warned_about() -> None:
+    class Stat(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.stat = 0.0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.lin(x)
+            self.stat = y.mean().item()
+            return y
+
+    with pytest.warns(UserWarning, match=r"forward stores a number computed from a tensor's "
+                                         r"values in stat .*self.stat = loss.detach\(\)"):
+        rannc.RaNNCModule(Stat())(torch.randn(3, 4))

@@ -253,6 +253,20 @@ def test_a_sparse_gradient_is_summed_dense(launches: CaseLaunches) -> None:
     _passed(res.stdout, "sparse_grad", 3)
 
 
+CASES["stored"] = Case(3, ["--case", "stored", "--replicas", "2,1", "--microbatches", "2",
+                           "--batch", "7"])
+
+
+@pytest.mark.cases("stored")
+def test_tensors_forward_stores_on_modules_are_the_calls(launches: CaseLaunches) -> None:
+    """Layers storing auxiliary losses and gate probabilities on themselves (MoE style), the
+    loop adding the stored losses, on 3 ranks (2 stages x [2, 1], 2 microbatches): stored
+    losses global, stored probabilities this rank's rows, gradients exact over 3 steps (before:
+    zero losses, None probabilities)."""
+    res = launches.result("stored")
+    _passed(res.stdout, "stored", 3)
+
+
 CASES["unused_count"] = Case(2, ["--case", "unused_count", "--partition-num", "2", "--batch", "6"])
 
 

@@ -190,6 +190,37 @@ class _Recorder:
         if id(obj) in self.where:
             self.written.add((id(obj), name))
 
+    def number_writes(self) -> list[str]:
+        """'path.name' of each attribute of a module forward assigned a number computed from a
+        tensor's values (`self.stat = loss.item()`): the graph cannot return it."""
+        from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+        out = []
+        for obj in self.objects:
+            d = object.__getattribute__(obj, "__dict__")
+            for name in sorted(n for i, n in self.written if i == id(obj)):
+                v = d.get(name)
+                if isinstance(v, torch.SymFloat | torch.SymBool) or (
+                        isinstance(v, torch.SymInt) and free_unbacked_symbols(v)):
+                    where = self.where[id(obj)]
+                    out.append(f"{where}.{name}" if where else name)
+        return out
+
+    def tensor_writes(self) -> list[tuple[str, str, torch.Tensor]]:
+        """(module path, name, value) of each attribute of a module of the model that the
+        forward so far assigned a tensor to (`self.aux_loss = ...`, `self.attn = p.detach()`),
+        as it holds now, in a fixed order (every rank captures the same)."""
+        out = []
+        for obj in self.objects:
+            if not isinstance(obj, nn.Module):
+                continue
+            d = object.__getattribute__(obj, "__dict__")
+            for name in sorted(n for i, n in self.written if i == id(obj)):
+                v = d.get(name)
+                if isinstance(v, torch.Tensor):
+                    out.append((self.where[id(obj)], name, v))
+        return out
+
     def result(self) -> Reads:
         """The reads whose value is still the one read (see the module doc: what the forward
         wrote itself is left out)."""

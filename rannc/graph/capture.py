@@ -114,6 +114,22 @@ class CapturedModel:
     # the plain Python values the model's code read while captured (`graph/attributes.py`): a
     # call reuses this capture only while they hold
     reads: attributes.Reads = attributes.NONE
+    # (module path, name) of each tensor forward stores on a module, the last len(stored)
+    # graph outputs (None: dropped, see `_split_stored`); `store` assigns them after a call
+    stored: tuple[tuple[str, str] | None, ...] = ()
+
+    def store(self, model: nn.Module, values: Sequence[Any]) -> None:
+        """Assign the stored tensors' values of a call (the last `len(self.stored)` graph
+        outputs, in order) to their modules' attributes, as the model's forward does."""
+        for where, v in zip(self.stored, values, strict=True):
+            if where is not None:
+                path, name = where
+                setattr(model.get_submodule(path), name, v)
+
+    @property
+    def n_user_outputs(self) -> int:
+        """The graph outputs that are the model's own (then the `stored` ones)."""
+        return len(self.graph.outputs) - len(self.stored)
 
     def bind(self, model: nn.Module, leaves: Sequence[Any]) -> dict[str, Any]:
         """The graph's input values for one call: the model's own parameters and buffers
@@ -140,9 +156,12 @@ class CapturedModel:
     def output_label(self, v: str) -> str:
         """A model output by its place in the outputs (a pytree path where one is known)."""
         i = self.graph.outputs.index(v)
+        if i >= self.n_user_outputs:
+            where = self.stored[i - self.n_user_outputs]
+            return f"{where[0]}.{where[1]} (stored in forward)" if where else f"#{i}"
         try:
             paths = [pytree.keystr(p) for p, _ in pytree.tree_flatten_with_path(
-                pytree.tree_unflatten(list(range(len(self.graph.outputs))), self.out_spec))[0]]
+                pytree.tree_unflatten(list(range(self.n_user_outputs)), self.out_spec))[0]]
             return f"'{paths[i]}'" if paths[i] else "(the return value)"
         except Exception:
             return f"#{i}"
@@ -151,7 +170,8 @@ class CapturedModel:
         """The model's output structure from the computed values."""
         flat = [values[v] if v is not None else c
                 for v, c in zip(self.graph.outputs, self.output_constants, strict=True)]
-        return pytree.tree_unflatten(flat, self.out_spec)
+        n = self.n_user_outputs
+        return pytree.tree_unflatten(flat[:n], self.out_spec)
 
 
 def flatten_inputs(args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[list[Any], InputLayout]:
@@ -192,12 +212,13 @@ def capture(
     dynamic_shapes = _dynamic_shapes(model, layout, named)
     t0 = time.perf_counter()
     reads = attributes.NONE
+    written: list[tuple[str, str]] = []  # (module path, name) of the outputs forward() stored
 
     def export() -> ExportedProgram:
         nonlocal reads
         with _keywords_in_signature(model, named), _layerdrop_draws(), functions.kept_whole(), \
                 hooks.tensor_hooks_refused(), _conversions_that_change_nothing(), \
-                attributes.recorded(model) as rec:
+                attributes.recorded(model) as rec, _stored_tensors_returned(model, rec, written):
             ep = torch.export.export(model, tuple(ex_args), dict(ex_kwargs),
                                      dynamic_shapes=dynamic_shapes, strict=False)
         reads = rec.result()
@@ -220,7 +241,83 @@ def capture(
     seconds = time.perf_counter() - t0
     cap = _from_exported(ep, layout, seconds, functional)
     cap.reads = reads
+    _split_stored(cap, written)
     return cap
+
+
+@contextlib.contextmanager
+def _stored_tensors_returned(model: nn.Module, rec: attributes._Recorder,
+                             written: list[tuple[str, str]]) -> Iterator[None]:
+    """While exporting, forward also returns the tensors it stored on the model's modules
+    (`self.aux_loss = ...`, `self.attn = p.detach()`), each a scalar or with the batch's rows,
+    after its own outputs: `(outputs, (stored, ...))`; `written` gets their (module path,
+    name). Why: torch.export puts back what forward assigns after the trace, and rannc runs the
+    graph, not forward, so such an attribute kept its value from before the first call (a
+    training loop adding up the layers' stored auxiliary losses added zeros). As graph outputs
+    they are computed in every call, and the call assigns them (`CapturedModel.store`)."""
+    orig = model.forward
+
+    def forward(*args: Any, **kw: Any) -> Any:
+        out = orig(*args, **kw)
+        batch = next((x.shape[0] for x in pytree.tree_leaves((args, kw))
+                      if isinstance(x, torch.Tensor) and x.dim() > 0), None)
+        stored = [(path, name, v) for path, name, v in rec.tensor_writes()
+                  if v.dim() == 0 or _has_rows(v, batch)]
+        written[:] = [(path, name) for path, name, _v in stored]
+        numbers = rec.number_writes()
+        if numbers:
+            warnings.warn(
+                f"rannc: forward stores a number computed from a tensor's values in "
+                f"{', '.join(numbers[:3])} (e.g. `self.stat = loss.item()`): rannc runs the "
+                "captured graph, not forward, so calls do not update it. Store the tensor "
+                "instead (`self.stat = loss.detach()`): a tensor forward stores on a module is "
+                "assigned after every call", UserWarning, stacklevel=2)
+        return (out, tuple(v for *_p, v in stored)) if stored else out
+
+    forward.__signature__ = inspect.signature(orig)  # type: ignore[attr-defined]
+    own = model.__dict__.get("forward")
+    model.forward = forward  # type: ignore[method-assign]
+    try:
+        with warnings.catch_warnings():
+            # (torch.export's advice to make them buffers: rannc assigns them itself)
+            warnings.filterwarnings("ignore", message=r"The tensor attributes .* were assigned "
+                                    r"during export")
+            yield
+    finally:
+        if own is None:
+            del model.forward
+        else:
+            model.forward = own  # type: ignore[method-assign]
+
+
+def _has_rows(v: torch.Tensor, batch: Any) -> bool:
+    """Whether `v`'s dim 0 is the traced batch size (a symbol of it: v has its rows)."""
+    if not isinstance(batch, torch.SymInt) or not isinstance(v.shape[0], torch.SymInt):
+        return False
+    return bool(batch.node.expr.free_symbols) and \
+        batch.node.expr.free_symbols <= v.shape[0].node.expr.free_symbols
+
+
+def _split_stored(cap: CapturedModel, written: list[tuple[str, str]]) -> None:
+    """After an export whose forward also returned the tensors it stored
+    (`_stored_tensors_returned`): the model's own output structure, and the stored ones as the
+    last graph outputs (`CapturedModel.stored`). One that came out without rows (a symbol
+    other than the batch) is dropped from the outputs and keeps its value, as before."""
+    if not written:
+        return
+    user, _stored = pytree.tree_unflatten(list(range(len(cap.graph.outputs))), cap.out_spec)
+    cap.out_spec = pytree.tree_flatten(user)[1]
+    first = len(cap.graph.outputs) - len(written)
+    kept: list[tuple[str, str] | None] = []
+    for i, where in enumerate(written):
+        v = cap.graph.outputs[first + i]
+        val = cap.graph.values.get(v) if v is not None else None
+        if val is None or (val.batch_dim is None and val.shape != ()):
+            cap.graph.outputs[first + i] = None
+            kept.append(None)
+        else:
+            kept.append(where)
+    cap.stored = tuple(kept)
 
 
 class _LayerDropDraw:

@@ -774,13 +774,42 @@ def check_sparse_grad(a: argparse.Namespace, rank: int, world: int) -> None:
     print(f"PASS sparse_grad rank {rank}", flush=True)
 
 
+def check_stored(a: argparse.Namespace, rank: int, world: int) -> None:
+    """Layers storing their auxiliary losses and gate probabilities on themselves (MoE style,
+    `model_zoo.StoresAux`), the training loop adding the stored losses to its own: the stored
+    losses are the global batch's on every rank, the stored probabilities this rank's rows, and
+    gradients and parameters equal the unwrapped model's for the ranks' mean loss (before: the
+    stored losses stayed zero and the probabilities None)."""
+    from model_zoo import StoresAux
+
+    torch.manual_seed(0)
+    model = StoresAux()
+    ref, wrapped, opts, (lo, hi) = trained_pair(model, a, rank, world)
+    sizes = local_sizes(a.batch, world)
+    ranges = [(sum(sizes[:q]), sum(sizes[:q + 1])) for q in range(world)]
+    ce = nn.functional.cross_entropy
+    for step in range(3):
+        x, y = torch.randn(a.batch, 8), torch.randint(0, 3, (a.batch,))
+        where = f"rank {rank} step {step}"
+        loss = ce(wrapped(x[lo:hi]), y[lo:hi]) + 0.1 * model.aux()
+        ref_out = ref(x)
+        close(model.aux(), ref.aux(), f"{where} stored aux losses")
+        for i, (got, want) in enumerate(zip(model.layers, ref.layers, strict=True)):
+            close(got.probs, want.probs[lo:hi], f"{where} layer {i} stored probabilities")
+        ref_loss = sum(ce(ref_out[p:q], y[p:q]) for p, q in ranges) / world + 0.1 * ref.aux()
+        loss.backward()
+        ref_loss.backward()
+        grads_close_then_step(wrapped, ref, opts, where)
+    print(f"PASS stored rank {rank}", flush=True)
+
+
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--case", required=True, choices=["input_grad", "masked_lm", "batchnorm", "unused_count",
                                                 "functional_bn", "loss_grad", "frozen_bn",
                                                 "attributes", "sum_loss", "recompute_writes",
                                                 "per_call_writes", "composed", "save_pretrained",
-                                                "sparse_grad"])
+                                                "sparse_grad", "stored"])
     p.add_argument("--bn-mode", default="sync", help="batchnorm: local or sync")
     p.add_argument("--model", default="llama", help="masked_lm: llama or roberta")
     p.add_argument("--replicas", default="")
@@ -804,7 +833,7 @@ def run(a: argparse.Namespace, ctx: rdist.DistContext) -> None:
      "per_call_writes": check_per_call_writes,
      "composed": check_composed,
      "save_pretrained": check_save_pretrained,
-     "sparse_grad": check_sparse_grad}[a.case](a, ctx.rank, ctx.world_size)
+     "sparse_grad": check_sparse_grad, "stored": check_stored}[a.case](a, ctx.rank, ctx.world_size)
 
 
 def main() -> None:
