@@ -24,7 +24,7 @@ import re
 import time
 import traceback
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -275,14 +275,21 @@ def _stored_tensors_returned(model: nn.Module, rec: attributes._Recorder,
         return (out, tuple(v for *_p, v in stored)) if stored else out
 
     forward.__signature__ = inspect.signature(orig)  # type: ignore[attr-defined]
+    with _forward_replaced(model, forward), warnings.catch_warnings():
+        # (torch.export's advice to make them buffers: rannc assigns them itself)
+        warnings.filterwarnings("ignore", message=r"The tensor attributes .* were assigned "
+                                r"during export")
+        yield
+
+
+@contextlib.contextmanager
+def _forward_replaced(model: nn.Module, forward: Callable[..., Any]) -> Iterator[None]:
+    """While the block runs, `model.forward` is `forward`; then the model's own again (an
+    instance attribute of the user's, if it had one)."""
     own = model.__dict__.get("forward")
     model.forward = forward  # type: ignore[method-assign]
     try:
-        with warnings.catch_warnings():
-            # (torch.export's advice to make them buffers: rannc assigns them itself)
-            warnings.filterwarnings("ignore", message=r"The tensor attributes .* were assigned "
-                                    r"during export")
-            yield
+        yield
     finally:
         if own is None:
             del model.forward
@@ -478,15 +485,8 @@ def _keywords_in_signature(model: nn.Module, named: inspect.Signature | None) ->
         return orig(*args, **kw)
 
     forward.__signature__ = named  # type: ignore[attr-defined]
-    own = model.__dict__.get("forward")  # an instance attribute of the user's, if any
-    model.forward = forward  # type: ignore[method-assign]
-    try:
+    with _forward_replaced(model, forward):
         yield
-    finally:
-        if own is None:
-            del model.forward
-        else:
-            model.forward = own  # type: ignore[method-assign]
 
 
 def _warn_autocast_on_meta(device: torch.device | None) -> None:
