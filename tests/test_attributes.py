@@ -288,5 +288,20 @@ def test_a_number_forward_stores_is_warned_about() -> None:
             return y
 
     with pytest.warns(UserWarning, match=r"forward stores a number computed from a tensor's "
-                                         r"values in stat .*self.stat = loss.detach\(\)"):
+                                         r"values, or tensors inside a list or dict, in stat "
+                                         r".*self.stat = loss.detach\(\)"):
         rannc.RaNNCModule(Stat())(torch.randn(3, 4))
+
+    class Cached(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.cache: list[torch.Tensor] = []
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.lin(x)
+            self.cache = [y.detach()]
+            return y
+
+    with pytest.warns(UserWarning, match=r"tensors inside a list or dict, in cache"):
+        rannc.RaNNCModule(Cached())(torch.randn(3, 4))

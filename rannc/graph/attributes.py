@@ -190,18 +190,24 @@ class _Recorder:
         if id(obj) in self.where:
             self.written.add((id(obj), name))
 
-    def number_writes(self) -> list[str]:
-        """'path.name' of each attribute of a module forward assigned a number computed from a
-        tensor's values (`self.stat = loss.item()`): the graph cannot return it."""
+    def unreturned_writes(self) -> list[str]:
+        """'path.name' of each attribute forward assigned a value computed from tensors that
+        the graph does not return (`CapturedModel.stored` takes tensors only): a number from a
+        tensor's values (`self.stat = loss.item()`), tensors inside a list, tuple or dict."""
         from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+        from torch.utils._pytree import tree_leaves
+
+        def computed(v: Any) -> bool:
+            if isinstance(v, list | tuple | dict):
+                return any(isinstance(x, torch.Tensor) for x in tree_leaves(v))
+            return isinstance(v, torch.SymFloat | torch.SymBool) or (
+                isinstance(v, torch.SymInt) and bool(free_unbacked_symbols(v)))
 
         out = []
         for obj in self.objects:
             d = object.__getattribute__(obj, "__dict__")
             for name in sorted(n for i, n in self.written if i == id(obj)):
-                v = d.get(name)
-                if isinstance(v, torch.SymFloat | torch.SymBool) or (
-                        isinstance(v, torch.SymInt) and free_unbacked_symbols(v)):
+                if computed(d.get(name)):
                     where = self.where[id(obj)]
                     out.append(f"{where}.{name}" if where else name)
         return out

@@ -264,14 +264,15 @@ def _stored_tensors_returned(model: nn.Module, rec: attributes._Recorder,
         stored = [(path, name, v) for path, name, v in rec.tensor_writes()
                   if v.dim() == 0 or _has_rows(v, batch)]
         written[:] = [(path, name) for path, name, _v in stored]
-        numbers = rec.number_writes()
-        if numbers:
+        lost = rec.unreturned_writes()
+        if lost:
             warnings.warn(
-                f"rannc: forward stores a number computed from a tensor's values in "
-                f"{', '.join(numbers[:3])} (e.g. `self.stat = loss.item()`): rannc runs the "
-                "captured graph, not forward, so calls do not update it. Store the tensor "
-                "instead (`self.stat = loss.detach()`): a tensor forward stores on a module is "
-                "assigned after every call", UserWarning, stacklevel=2)
+                f"rannc: forward stores a number computed from a tensor's values, or tensors "
+                f"inside a list or dict, in {', '.join(lost[:3])} (e.g. `self.stat = "
+                "loss.item()`): rannc runs the captured graph, not forward, so calls do not "
+                "update it. Store each tensor in an attribute of its own instead (`self.stat = "
+                "loss.detach()`): a tensor forward stores on a module is assigned after every "
+                "call", UserWarning, stacklevel=2)
         return (out, tuple(v for *_p, v in stored)) if stored else out
 
     forward.__signature__ = inspect.signature(orig)  # type: ignore[attr-defined]
