@@ -310,7 +310,9 @@ def _split_stored(cap: CapturedModel, written: list[tuple[str, str]]) -> None:
     """After an export whose forward also returned the tensors it stored
     (`_stored_tensors_returned`): the model's own output structure, and the stored ones as the
     last graph outputs (`CapturedModel.stored`). One that came out without rows (a symbol
-    other than the batch) is dropped from the outputs and keeps its value, as before."""
+    other than the batch), or that the graph does not compute (a model input or parameter
+    stored as it is: on several ranks no stage would send it), is dropped from the outputs and
+    keeps its value, as before."""
     if not written:
         return
     user, _stored = pytree.tree_unflatten(list(range(len(cap.graph.outputs))), cap.out_spec)
@@ -320,7 +322,7 @@ def _split_stored(cap: CapturedModel, written: list[tuple[str, str]]) -> None:
     for i, where in enumerate(written):
         v = cap.graph.outputs[first + i]
         val = cap.graph.values.get(v) if v is not None else None
-        if val is None or (val.batch_dim is None and val.shape != ()):
+        if val is None or val.producer is None or (val.batch_dim is None and val.shape != ()):
             cap.graph.outputs[first + i] = None
             kept.append(None)
         else:
