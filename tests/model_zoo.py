@@ -199,8 +199,10 @@ class AuxLayer(nn.Module):
         self.gate = nn.Linear(d, experts)
         self.aux_loss = torch.zeros(())
         self.probs: torch.Tensor | None = None
+        self.seen: torch.Tensor | None = None  # the layer's input (the first's: the model's)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen = x
         p = self.gate(x).softmax(-1)
         self.aux_loss = (p ** 2).sum(-1).mean() * p.shape[-1]
         self.probs = p.detach()

@@ -796,6 +796,10 @@ def check_stored(a: argparse.Namespace, rank: int, world: int) -> None:
         close(model.aux(), ref.aux(), f"{where} stored aux losses")
         for i, (got, want) in enumerate(zip(model.layers, ref.layers, strict=True)):
             close(got.probs, want.probs[lo:hi], f"{where} layer {i} stored probabilities")
+            if i:  # (the first layer's input is the model's: stored as it is, not a stage's)
+                close(got.seen.detach(), want.seen[lo:hi].detach(), f"{where} layer {i} input")
+            else:
+                assert got.seen is None, where
         ref_loss = sum(ce(ref_out[p:q], y[p:q]) for p, q in ranges) / world + 0.1 * ref.aux()
         loss.backward()
         ref_loss.backward()
