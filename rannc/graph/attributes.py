@@ -227,10 +227,19 @@ class _Recorder:
                     out.append((self.where[id(obj)], name, v))
         return out
 
+    def carried(self) -> list[Read]:
+        """The tensors forward read from an attribute and then replaced (state carried from
+        one call to the next, as Transformer-XL's memory `self.mems = h.detach()`)."""
+        return [r for r in self.reads if _tensor(r.value) and (id(r.owner), r.name) in self.written]
+
     def result(self) -> Reads:
         """The reads whose value is still the one read (see the module doc: what the forward
-        wrote itself is left out)."""
-        keep = [r for r in self.reads if (id(r.owner), r.name) not in self.written
+        wrote itself is left out, but for a tensor it read first (`carried`): the graph holds
+        the tensor it read as a constant, so the capture holds while the attribute is that
+        tensor; the next call, after the call stored a new one, captures again)."""
+        carried = {(id(r.owner), r.name) for r in self.carried()}
+        keep = [r for r in self.reads
+                if ((id(r.owner), r.name) not in self.written or (id(r.owner), r.name) in carried)
                 and _same(object.__getattribute__(r.owner, "__dict__").get(r.name, _MISSING),
                           r.value)]
         if self.grad_mode is not None:

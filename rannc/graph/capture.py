@@ -264,6 +264,17 @@ def _stored_tensors_returned(model: nn.Module, rec: attributes._Recorder,
         stored = [(path, name, v) for path, name, v in rec.tensor_writes()
                   if v.dim() == 0 or _has_rows(v, batch)]
         written[:] = [(path, name) for path, name, _v in stored]
+        kept = {f"{p}.{n}" if p else n for p, n in written}
+        stale = [r.label for r in rec.carried() if r.label not in kept]
+        if stale:
+            warnings.warn(
+                f"rannc: forward reads the tensor in {', '.join(stale[:3])} and replaces it with "
+                "one that is neither a scalar nor has the batch's rows (state carried from call "
+                "to call): rannc cannot return it from the captured graph, so the attribute "
+                "keeps its first value and every call computes with it. Keep such state in a "
+                "buffer updated in place (`self.register_buffer('mems', ...)`, then "
+                "`self.mems.copy_(new)`), or pass it to forward as an input",
+                UserWarning, stacklevel=2)
         lost = rec.unreturned_writes()
         if lost:
             warnings.warn(
@@ -278,8 +289,8 @@ def _stored_tensors_returned(model: nn.Module, rec: attributes._Recorder,
     forward.__signature__ = inspect.signature(orig)  # type: ignore[attr-defined]
     with _forward_replaced(model, forward), warnings.catch_warnings():
         # (torch.export's advice to make them buffers: rannc assigns them itself)
-        warnings.filterwarnings("ignore", message=r"The tensor attributes .* were assigned "
-                                r"during export")
+        warnings.filterwarnings("ignore", message=r"The tensor attributes? .* (was|were) "
+                                r"assigned during export")
         yield
 
 
