@@ -140,3 +140,33 @@ def test_hooks_a_model_registers_in_its_first_forward_do_not_capture_it_again() 
         got, want = wrapped(input_ids=ids), ref(input_ids=ids)
         torch.testing.assert_close(got.hidden_states[-1], want.hidden_states[-1])
     assert len(wrapped._deployments) == 1
+
+
+def test_a_reentrant_checkpoint_in_forward_is_refused_with_the_fix() -> None:
+    """torch.export traces through its autograd Function's forward without gradients: the
+    captured graph computed none (here, for the whole model: the output did not require grad).
+    The non-reentrant form stays exact."""
+    import torch.utils.checkpoint as cp
+
+    class Checkpointed(nn.Module):
+        def __init__(self, reentrant: bool) -> None:
+            super().__init__()
+            self.a = nn.Linear(3, 3)
+            self.b = nn.Linear(3, 1)
+            self.reentrant = reentrant
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = cp.checkpoint(lambda t: torch.tanh(self.a(t)), x, use_reentrant=self.reentrant)
+            return self.b(h).sum()
+
+    x = torch.randn(4, 3, requires_grad=True)
+    with pytest.raises(CaptureError, match=r"use_reentrant=True\) in forward.*Fix: "
+                                           r"use_reentrant=False"):
+        rannc.RaNNCModule(Checkpointed(True))(x)
+    torch.manual_seed(0)
+    model = Checkpointed(False)
+    ref = copy.deepcopy(model)
+    rannc.RaNNCModule(model)(x).backward()
+    ref(x).backward()
+    assert model.a.weight.grad is not None and ref.a.weight.grad is not None
+    torch.testing.assert_close(model.a.weight.grad, ref.a.weight.grad, rtol=0, atol=0)

@@ -217,7 +217,8 @@ def capture(
     def export() -> ExportedProgram:
         nonlocal reads
         with _keywords_in_signature(model, named), _layerdrop_draws(), functions.kept_whole(), \
-                hooks.tensor_hooks_refused(), _conversions_that_change_nothing(), \
+                hooks.tensor_hooks_refused(), hooks.reentrant_checkpoint_refused(), \
+                _conversions_that_change_nothing(), \
                 attributes.recorded(model) as rec, _stored_tensors_returned(model, rec, written):
             ep = torch.export.export(model, tuple(ex_args), dict(ex_kwargs),
                                      dynamic_shapes=dynamic_shapes, strict=False)

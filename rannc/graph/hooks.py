@@ -72,6 +72,36 @@ def _listed(names: list[str]) -> str:
 
 
 @contextlib.contextmanager
+def reentrant_checkpoint_refused() -> Iterator[None]:
+    """While capturing: `torch.utils.checkpoint.checkpoint(..., use_reentrant=True)` raises a
+    CaptureError naming the fix. Why: torch.export traces through its autograd Function's
+    forward, which runs without gradients, and records the rest of forward without them too:
+    the captured graph computed no gradients for the checkpointed layers (and none at all
+    where nothing else needed them)."""
+    from torch.utils import checkpoint as ckpt
+
+    own = ckpt.CheckpointFunction.__dict__.get("apply")  # (torch's: inherited from Function)
+
+    def apply(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        raise CaptureError(
+            "rannc could not capture the model: it calls torch.utils.checkpoint.checkpoint("
+            "..., use_reentrant=True) in forward, whose recomputation torch.export cannot "
+            "trace (the captured graph would compute no gradients for the checkpointed "
+            "layers). Fix: use_reentrant=False (torch's recommended form; Hugging Face: "
+            "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"
+            "'use_reentrant': False})), or leave recomputation to rannc (checkpointing='on')")
+
+    ckpt.CheckpointFunction.apply = classmethod(apply)  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        if own is None:
+            del ckpt.CheckpointFunction.apply
+        else:
+            ckpt.CheckpointFunction.apply = own  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
 def tensor_hooks_refused() -> Iterator[None]:
     """While capturing: `Tensor.register_hook` called from the model's code (not torch's own)
     raises a CaptureError naming the file and line."""
