@@ -44,11 +44,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from rannc.graph.hooks import TORCH_DIR
+
 _PLAIN = (type(None), bool, int, float, str, torch.dtype)
 # what every nn.Module keeps in its __dict__ for itself (hooks, tables, the mode)
 _MODULE_OWN = frozenset(nn.Module().__dict__) | {"training", "_compiled_call_impl"}
 _MISSING = object()
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _RANNC_DIR = os.path.dirname(os.path.dirname(__file__)) + os.sep
 _GRAD_MODE = "is_grad_enabled()"  # (the name of the grad mode's read, owner None, where "torch")
 
@@ -203,29 +204,23 @@ class _Recorder:
             return isinstance(v, torch.SymFloat | torch.SymBool) or (
                 isinstance(v, torch.SymInt) and bool(free_unbacked_symbols(v)))
 
-        out = []
-        for obj in self.objects:
-            d = object.__getattribute__(obj, "__dict__")
-            for name in sorted(n for i, n in self.written if i == id(obj)):
-                if computed(d.get(name)):
-                    where = self.where[id(obj)]
-                    out.append(f"{where}.{name}" if where else name)
-        return out
+        return [f"{where}.{name}" if where else name
+                for _obj, where, name, v in self._written_values() if computed(v)]
 
     def tensor_writes(self) -> list[tuple[str, str, torch.Tensor]]:
         """(module path, name, value) of each attribute of a module of the model that the
         forward so far assigned a tensor to (`self.aux_loss = ...`, `self.attn = p.detach()`),
         as it holds now, in a fixed order (every rank captures the same)."""
-        out = []
+        return [(where, name, v) for obj, where, name, v in self._written_values()
+                if isinstance(obj, nn.Module) and isinstance(v, torch.Tensor)]
+
+    def _written_values(self) -> Iterator[tuple[Any, str, str, Any]]:
+        """(object, its path, name, value now) of each attribute forward wrote, by object in
+        the model's order and by name."""
         for obj in self.objects:
-            if not isinstance(obj, nn.Module):
-                continue
             d = object.__getattribute__(obj, "__dict__")
             for name in sorted(n for i, n in self.written if i == id(obj)):
-                v = d.get(name)
-                if isinstance(v, torch.Tensor):
-                    out.append((self.where[id(obj)], name, v))
-        return out
+                yield obj, self.where[id(obj)], name, d.get(name)
 
     def carried(self) -> list[Read]:
         """The tensors forward read from an attribute and then replaced (state carried from
@@ -270,7 +265,7 @@ def recorded(model: nn.Module) -> Iterator[_Recorder]:
     def is_grad_enabled() -> bool:
         value = real_grad()
         if rec.grad_mode is None and not sys._getframe(1).f_code.co_filename.startswith(
-                (_TORCH_DIR, _RANNC_DIR)):
+                (TORCH_DIR, _RANNC_DIR)):
             rec.grad_mode = value
         return value
 

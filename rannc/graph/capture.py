@@ -24,7 +24,7 @@ import re
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -288,26 +288,11 @@ def _stored_tensors_returned(model: nn.Module, rec: attributes._Recorder,
         return (out, tuple(v for *_p, v in stored)) if stored else out
 
     forward.__signature__ = inspect.signature(orig)  # type: ignore[attr-defined]
-    with _forward_replaced(model, forward), warnings.catch_warnings():
+    with hooks.replaced_attribute(model, "forward", forward), warnings.catch_warnings():
         # (torch.export's advice to make them buffers: rannc assigns them itself)
         warnings.filterwarnings("ignore", message=r"The tensor attributes? .* (was|were) "
                                 r"assigned during export")
         yield
-
-
-@contextlib.contextmanager
-def _forward_replaced(model: nn.Module, forward: Callable[..., Any]) -> Iterator[None]:
-    """While the block runs, `model.forward` is `forward`; then the model's own again (an
-    instance attribute of the user's, if it had one)."""
-    own = model.__dict__.get("forward")
-    model.forward = forward  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        if own is None:
-            del model.forward
-        else:
-            model.forward = own  # type: ignore[method-assign]
 
 
 def _has_rows(v: torch.Tensor, batch: Any) -> bool:
@@ -500,7 +485,7 @@ def _keywords_in_signature(model: nn.Module, named: inspect.Signature | None) ->
         return orig(*args, **kw)
 
     forward.__signature__ = named  # type: ignore[attr-defined]
-    with _forward_replaced(model, forward):
+    with hooks.replaced_attribute(model, "forward", forward):
         yield
 
 

@@ -33,7 +33,7 @@ from torch.nn.modules import module as _module
 
 from rannc.errors import CaptureError
 
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+TORCH_DIR = os.path.dirname(torch.__file__) + os.sep  # (code under it is torch's own)
 
 
 def _named(model: nn.Module, attrs: tuple[str, ...]) -> list[str]:
@@ -80,8 +80,6 @@ def reentrant_checkpoint_refused() -> Iterator[None]:
     where nothing else needed them)."""
     from torch.utils import checkpoint as ckpt
 
-    own = ckpt.CheckpointFunction.__dict__.get("apply")  # (torch's: inherited from Function)
-
     def apply(cls: Any, *args: Any, **kwargs: Any) -> Any:
         raise CaptureError(
             "rannc could not capture the model: it calls torch.utils.checkpoint.checkpoint("
@@ -91,14 +89,25 @@ def reentrant_checkpoint_refused() -> Iterator[None]:
             "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"
             "'use_reentrant': False})), or leave recomputation to rannc (checkpointing='on')")
 
-    ckpt.CheckpointFunction.apply = classmethod(apply)  # type: ignore[method-assign,assignment]
+    with replaced_attribute(ckpt.CheckpointFunction, "apply", classmethod(apply)):
+        yield
+
+
+@contextlib.contextmanager
+def replaced_attribute(owner: Any, name: str, value: Any) -> Iterator[None]:
+    """While the block runs, `owner.name` (an instance's or a class's own attribute) is
+    `value`; then what `owner` itself held again, or nothing where it held none (the
+    attribute inherited, as a model's `forward` from its class or CheckpointFunction's `apply`
+    from autograd's Function)."""
+    own = owner.__dict__.get(name)
+    setattr(owner, name, value)
     try:
         yield
     finally:
         if own is None:
-            del ckpt.CheckpointFunction.apply
+            delattr(owner, name)
         else:
-            ckpt.CheckpointFunction.apply = own  # type: ignore[method-assign]
+            setattr(owner, name, own)
 
 
 @contextlib.contextmanager
@@ -110,7 +119,7 @@ def tensor_hooks_refused() -> Iterator[None]:
     def register_hook(self: torch.Tensor, hook: Any) -> Any:
         caller = sys._getframe(1)
         path = caller.f_code.co_filename
-        if not path.startswith(_TORCH_DIR):
+        if not path.startswith(TORCH_DIR):
             raise CaptureError(
                 f"rannc could not capture the model: a gradient hook is registered inside "
                 f"forward ({caller.f_code.co_qualname} at {path}:{caller.f_lineno}): it would "
