@@ -37,6 +37,7 @@ import shutil
 import time
 import uuid
 import weakref
+from collections import OrderedDict
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -184,6 +185,46 @@ def refuse_partial_reads(model: nn.Module, released: Mapping[str, Any], rank: in
 
 
 _REFUSING: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # modules `refuse_partial_reads` hooked
+
+
+def refuse_copies(name: str, param: nn.Parameter, rank: int) -> None:
+    """A parameter this rank released (`deploy.Holdings.release`) raises when it is copied or
+    pickled while empty, instead of giving an empty tensor. Why: `ema = copy.deepcopy(
+    model.module)` after wrapping made an EMA model with an empty tensor for every parameter
+    another rank holds; its lerp_ with those empty tensors ran, and the EMA's state_dict() saved
+    them, found broken only when evaluated or loaded; `torch.save(model.module, path)` failed
+    with an unclear pickling error. `copy.deepcopy` and pickle look these two methods up on the
+    object itself, so the parameter's own attributes stand in for nn.Parameter's (the
+    parameter stays an nn.Parameter for the optimizer and torch)."""
+    ref = weakref.ref(param)
+
+    def refused(what: str) -> RaNNCError:
+        return RaNNCError(
+            f"{what} of the wrapped model on rank {rank}: its parameter {name!r} is released "
+            "here (this rank holds only its stages' parameters; the others are empty tensors), "
+            "so the copy would be broken. Fix: copy the model before wrapping it (`ema = "
+            "copy.deepcopy(model)`, then `rannc.RaNNCModule(model, optimizer)`), or load the "
+            "whole model into a fresh copy from the wrapper's state_dict(), called on every rank "
+            "(it gathers the model onto rank 0); to save, call model.state_dict() or "
+            "model.save_pretrained(path) on every rank, or model.save_checkpoint(dir)")
+
+    def deepcopy(memo: dict[int, Any]) -> nn.Parameter:
+        p = ref()
+        if p is None or p.numel() == 0:
+            raise refused("copy.deepcopy")
+        # (given its shape back for a moment: `Holdings.shaped_params` while a new input
+        # signature is captured) nn.Parameter's own copy, which leaves the attributes behind
+        out: nn.Parameter = nn.Parameter.__deepcopy__(p, memo)
+        return out
+
+    def reduce_ex(protocol: int) -> Any:
+        p = ref()
+        if p is None or p.numel() == 0:
+            raise refused("pickling (torch.save)")
+        return torch._utils._rebuild_parameter, (p.data, p.requires_grad, OrderedDict())
+
+    param.__deepcopy__ = deepcopy  # type: ignore[method-assign]
+    param.__reduce_ex__ = reduce_ex  # type: ignore[method-assign,assignment]
 
 
 def _partial_read_refused(released: Mapping[str, Any], rank: int) -> Any:

@@ -219,6 +219,7 @@ class Holdings:
                 released.append(p)
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
                 p.grad = None
+                ckpt.refuse_copies(n, p, rt.rank)
         if optimizer is not None:
             if self.opt_groups is None:  # the names before pruning, for optimizer_state_dict()
                 self.opt_groups = ckpt.group_names(module, optimizer)

@@ -15,6 +15,7 @@ names and BatchNorm statistics keep their meaning.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import logging
@@ -171,6 +172,35 @@ class RaNNCModule(nn.Module):
             return None
         with ckpt.own_state_dict_reads():
             return save(save_directory, *args, state_dict=sd, is_main_process=True, **kwargs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> RaNNCModule:
+        """`copy.deepcopy(model)`: in one process a second wrapped model of its own, with its own
+        copy of the model and the optimizer (as deepcopy of any module); on several ranks refused
+        (before: torch's "cannot pickle 'ProcessGroup' object" on some ranks, a copy of a rank's
+        stages that no other rank's copy runs with on others)."""
+        if rdist.get_world_size() > 1:
+            raise RaNNCError(
+                f"copy.deepcopy of a RaNNCModule on rank {rdist.get_rank()} of "
+                f"{rdist.get_world_size()}: each rank holds only its stages and the process "
+                "groups that join them, which cannot be copied. Fix: copy the model before "
+                "wrapping it (`ema = copy.deepcopy(model)`, then `rannc.RaNNCModule(model, "
+                "optimizer)`), or load a fresh copy from model.state_dict() called on every rank "
+                "(it gathers the whole model onto rank 0)")
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return new
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Pickling (`torch.save(model, path)`) is refused with the fix, as it failed anyway
+        (a weakref in one process, a process group on several) with torch's unclear error."""
+        raise RaNNCError(
+            "pickling a RaNNCModule (`torch.save(model, path)`): it holds its captured graphs, "
+            "runtime and process groups, which cannot be saved. Fix: save its state instead, "
+            "`sd = model.state_dict()` on every rank (it gathers the whole model onto rank 0), "
+            "then `torch.save(sd, path)` on rank 0, or model.save_pretrained(path) or "
+            "model.save_checkpoint(dir) on every rank; to resume, build the model, load the state "
+            "and wrap it again")
 
     @property
     def plan(self) -> Plan | None:

@@ -235,7 +235,9 @@ def test_save_pretrained_on_every_rank_writes_the_whole_trained_model(launches: 
     trained exactly; `model.save_pretrained(path)` on every rank: rank 0 writes the whole
     trained model, which loads back equal to the unwrapped one's (before, every parameter
     another rank holds was written as an empty tensor); `model.module.state_dict()` is refused
-    on every rank."""
+    on every rank, and so are copies (`copy.deepcopy` and `torch.save` of the model or of
+    `model.module`: before, an EMA copied after wrapping held empty tensors); a new sequence
+    length afterwards is captured and trained exactly."""
     res = launches.result("save_pretrained")
     _passed(res.stdout, "save_pretrained", 3)
 

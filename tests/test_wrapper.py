@@ -111,6 +111,34 @@ def test_the_wrapped_model_s_own_mode_is_the_call_s_mode() -> None:
     assert len(wrapped._deployments) == 2
 
 
+def test_a_copy_in_one_process_trains_on_its_own_and_pickling_names_the_fix() -> None:
+    """`copy.deepcopy(model)` in one process (timm's ModelEma around the wrapped model) is a
+    second wrapped model with its own parameters and optimizer: training it leaves the first
+    untouched, also through a new capture. `torch.save(model)` raises by name with the fix
+    (before: torch's "cannot pickle 'weakref.ReferenceType' object")."""
+    import io
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    wrapped = rannc.RaNNCModule(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    x = torch.randn(5, 4)
+    wrapped(x).sum().backward()
+    twin = copy.deepcopy(wrapped)
+    assert twin.optimizer is not wrapped.optimizer
+    before = [p.detach().clone() for p in wrapped.parameters()]
+    wrapped.zero_grad()
+    for batch in (x, torch.randn(3, 4)):  # the second a new input signature: captured anew
+        twin.optimizer.zero_grad()
+        twin(batch).sum().backward()
+        twin.optimizer.step()
+    assert all(p.grad is None for p in wrapped.parameters())
+    for p, b in zip(wrapped.parameters(), before, strict=True):
+        torch.testing.assert_close(p, b, rtol=0, atol=0)
+    assert any(not torch.equal(p, b) for p, b in zip(twin.parameters(), before, strict=True))
+    with pytest.raises(rannc.RaNNCError, match=r"pickling a RaNNCModule .* Fix: save its state"):
+        torch.save(wrapped, io.BytesIO())
+
+
 def test_plain_python_starts_no_process_group() -> None:
     import torch.distributed as dist
 

@@ -667,6 +667,30 @@ def shared_dir(rank: int) -> str:
     return box[0]
 
 
+def refused_copies(wrapped: nn.Module, rank: int) -> None:
+    """Copies of a model deployed on several ranks, each refused by name with the fix on every
+    rank. Before: `ema = copy.deepcopy(model.module)` made a copy with an empty tensor for each
+    parameter another rank holds (its lerp_ ran, its state_dict() saved them);
+    `torch.save(model.module)` and the wrapper's copies failed with torch's pickling errors
+    (a local function, 'ProcessGroup'), or gave some rank a copy of its stages alone."""
+    import io
+
+    for what, copy_it, says in (
+            ("deepcopy(model.module)", lambda: copy.deepcopy(wrapped.module),
+             "copy.deepcopy of the wrapped model"),
+            ("torch.save(model.module)", lambda: torch.save(wrapped.module, io.BytesIO()),
+             "pickling (torch.save) of the wrapped model"),
+            ("deepcopy(model)", lambda: copy.deepcopy(wrapped), "copy.deepcopy of a RaNNCModule"),
+            ("torch.save(model)", lambda: torch.save(wrapped, io.BytesIO()),
+             "pickling a RaNNCModule")):
+        try:
+            copy_it()
+        except rannc.RaNNCError as e:
+            assert says in str(e) and "Fix: " in str(e), (what, str(e))
+        else:
+            raise AssertionError(f"rank {rank}: {what} was not refused")
+
+
 def check_save_pretrained(a: argparse.Namespace, rank: int, world: int) -> None:
     """`model.save_pretrained(path)` on every rank, as Hugging Face scripts write it, of a
     transformers BERT and of a PEFT LoRA adapter on a Llama: rank 0 writes the whole trained
@@ -696,6 +720,13 @@ def check_save_pretrained(a: argparse.Namespace, rank: int, world: int) -> None:
         assert "Fix: call the wrapper's state_dict() on every rank" in str(e), str(e)
     else:
         raise AssertionError(f"rank {rank}: the wrapped model's own state_dict() was not refused")
+    refused_copies(wrapped, rank)
+    # then a new sequence length: captured with the released parameters given their shapes
+    # back for the trace (their copy guards let that through), and still exact
+    ids, y = torch.randint(0, 64, (a.batch, 6)), torch.randint(0, 3, (a.batch,))
+    wrapped(input_ids=ids[lo:hi], labels=y[lo:hi]).loss.backward()
+    ref(input_ids=ids, labels=y).loss.backward()
+    grads_close_then_step(wrapped, ref, opts, f"rank {rank} bert, a new length")
 
     torch.manual_seed(1)
     base = LlamaForCausalLM(LlamaConfig(
