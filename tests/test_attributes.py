@@ -118,18 +118,95 @@ def test_reads_record_plain_instance_values_only() -> None:
             super().__init__()
             self.lin = nn.Linear(4, 4)
             self.dims = (0, 1)
-            self.table = {"k": 2.0}  # not plain: its contents are not followed
+            self.table = {"k": 2.0}  # plain values in a dict: guarded by a copy
+            self.blocks = [nn.Identity()]  # not plain: its contents are not followed
             self.dtype_ = torch.float32
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.blocks[0](x)
             return (self.lin(x) * self.table["k"] * self.limit).sum(self.dims).to(self.dtype_)
 
-    cap = capture(Net(), (torch.randn(3, 4),))
+    net = Net()
+    cap = capture(net, (torch.randn(3, 4),))
     got = {r.label: r.value for r in cap.reads.reads}
     assert got["dims"] == (0, 1) and got["dtype_"] is torch.float32
-    assert "limit" not in got and "table" not in got and "training" not in got
+    assert got["table"] == {"k": 2.0} and got["table"] is not net.table
+    assert "limit" not in got and "blocks" not in got and "training" not in got
     assert {k for k in got if k.startswith("lin.")} == set(), got  # nn.Linear reads tensors only
     assert "__getattribute__" not in nn.Module.__dict__
+
+
+class Listed(nn.Module):
+    """Reads a list and a dict of plain values, as PEFT's LoRA layers read their merged
+    adapters and per-adapter scalings."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.merged: list[str] = []
+        self.scaling = {"a": 0.5}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return h if self.merged else h * (1 + self.scaling["a"])
+
+
+def test_a_list_or_dict_changed_in_place_captures_again() -> None:
+    torch.manual_seed(0)
+    net = Listed()
+    ref = copy.deepcopy(net)
+    wrapped = rannc.RaNNCModule(net)
+    x = torch.randn(3, 4)
+    seen = []
+    for change in (None, lambda m: m.scaling.update(a=2.0), lambda m: m.merged.append("a"),
+                   lambda m: m.merged.clear(), lambda m: m.scaling.update(a=0.5)):
+        if change is not None:
+            change(net)
+            change(ref)
+        torch.testing.assert_close(wrapped(x), ref(x), rtol=0, atol=0)
+        seen.append(len(wrapped._deployments))
+    assert seen == [1, 2, 3, 3, 3], seen  # (the last two: earlier captures' values again)
+
+
+def test_peft_merge_and_scale_after_wrapping_are_exact() -> None:
+    """PEFT LoRA adapters switched, disabled, merged and rescaled after the first call, as
+    scripts do between training and evaluation: every output equals the unwrapped model's.
+    Before, `merge_adapter()` (its layers' `merged_adapters` list) and `set_scale()` (their
+    `scaling` dict) kept the capture's values: the merged weights plus the adapter again
+    (off by 0.04), the old scale (off by 0.08)."""
+    peft = pytest.importorskip("peft")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(1)
+    base = LlamaForCausalLM(LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, use_cache=False))
+
+    def lora(alpha: int) -> object:
+        return peft.LoraConfig(r=4, lora_alpha=alpha, target_modules=["q_proj", "v_proj"],
+                               lora_dropout=0.0, init_lora_weights=False)
+
+    model = peft.get_peft_model(base, lora(8), adapter_name="a")
+    model.add_adapter("b", lora(16))
+    model.set_adapter("a")
+    ref = copy.deepcopy(model)
+    wrapped = rannc.RaNNCModule(model)
+    ids = torch.randint(0, 64, (3, 8))
+
+    def rescale(m: nn.Module) -> None:
+        for layer in m.modules():
+            if hasattr(layer, "set_scale") and isinstance(getattr(layer, "scaling", None), dict):
+                layer.set_scale("b", 3.0)
+
+    for change in (lambda m: None, lambda m: m.set_adapter("b"),
+                   lambda m: m.base_model.disable_adapter_layers(),
+                   lambda m: m.base_model.enable_adapter_layers(), lambda m: m.merge_adapter(),
+                   lambda m: m.unmerge_adapter(), rescale):
+        change(model)
+        change(ref)
+        with torch.no_grad():
+            torch.testing.assert_close(wrapped(input_ids=ids).logits, ref(input_ids=ids).logits,
+                                       rtol=1e-5, atol=1e-6)
 
 
 def test_the_recorder_is_gone_after_a_failed_capture() -> None:

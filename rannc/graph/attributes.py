@@ -11,14 +11,16 @@ not agree).
 
 What is recorded, while torch.export runs the model's code: an attribute read from a module
 of the model, or from a Hugging Face config one of them holds, whose value is in the object's
-own `__dict__` and is plain (None, bool, int, float, str, torch.dtype, or a tuple of them), or
+own `__dict__` and is plain (None, bool, int, float, str, torch.dtype, or a tuple, list or
+dict of up to 64 of them: PEFT's `merged_adapters` after `merge_adapter()`, its `scaling` after
+`set_scale()`; a list or dict is compared by its contents with a copy taken when read), or
 is a tensor that is neither a parameter nor a buffer (`self.mask = torch.ones(...)`): torch.export
 makes such a tensor a constant of the graph, which holds the tensor object itself, so a change in
 place reaches the graph but a new tensor assigned to the attribute would not. A tensor is
 guarded by identity (its contents are the graph's).
 Not recorded: `training` (part of the capture key as the modes: `ModelState.modes`), what
 nn.Module keeps for itself (hooks, `_parameters`, ...), attributes of the class, values that
-are objects (a list, a dict: their contents are not followed), and attributes the forward
+are other objects (a list holding tensors or modules, a longer list: not followed), and attributes the forward
 writes itself (`self.calls += 1`): torch.export puts those back after the trace, so they keep
 the value the capture read, and a guard on them would say nothing new.
 
@@ -54,10 +56,24 @@ _RANNC_DIR = os.path.dirname(os.path.dirname(__file__)) + os.sep
 _GRAD_MODE = "is_grad_enabled()"  # (the name of the grad mode's read, owner None, where "torch")
 
 
+_MAX_ITEMS = 64  # the longest tuple, list or dict of plain values guarded (by its contents)
+
+
 def _plain(v: Any) -> bool:
-    if type(v) in _PLAIN:
+    t = type(v)
+    if t in _PLAIN:
         return True
-    return type(v) is tuple and len(v) <= 8 and all(type(x) in _PLAIN for x in v)
+    if t is tuple or t is list:
+        return len(v) <= _MAX_ITEMS and all(type(x) in _PLAIN for x in v)
+    return t is dict and len(v) <= _MAX_ITEMS and all(
+        type(k) in _PLAIN and type(x) in _PLAIN for k, x in v.items())
+
+
+def _snapshot(v: Any) -> Any:
+    """What a guard compares with: a copy of a list or dict (changed in place later, the copy
+    keeps what the capture read), the value itself otherwise."""
+    t = type(v)
+    return list(v) if t is list else dict(v) if t is dict else v
 
 
 def _tensor(v: Any) -> bool:
@@ -185,7 +201,7 @@ class _Recorder:
             return
         if object.__getattribute__(obj, "__dict__").get(name, _MISSING) is not value:
             return  # (a class attribute or a property's result)
-        self.reads.append(Read(obj, self.where[key[0]], name, value))
+        self.reads.append(Read(obj, self.where[key[0]], name, _snapshot(value)))
 
     def wrote(self, obj: Any, name: str) -> None:
         if id(obj) in self.where:
