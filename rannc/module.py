@@ -33,10 +33,10 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
+from rannc import amp, health, validate
 from rannc import checkpoint as ckpt
 from rannc import clip as rclip
 from rannc import dist as rdist
-from rannc import health, validate
 from rannc.config import Config
 from rannc.deploy import Holdings, OneProcess, capture_signature, deployment_plan, host_malloc
 from rannc.deploy import optimizer_state_factor as optimizer_state_factor  # (its old home)
@@ -77,7 +77,18 @@ class RaNNCModule(nn.Module):
     # Already distributed: Accelerate's prepare() (and so Hugging Face's Trainer) returns a module
     # with this flag as it is instead of wrapping it in DistributedDataParallel, which would
     # all-reduce gradients rannc already reduced, over parameters each rank does not all hold.
-    _is_accelerate_prepared = True
+    # Accelerate reading or setting it also says it prepared this module: its mixed precision
+    # then applies to the calls (`rannc.amp`), as it would have wrapped a prepared forward.
+    @property
+    def _is_accelerate_prepared(self) -> bool:
+        if amp.called_from_accelerate():
+            self.__dict__["_accelerate_prepared"] = True
+        return True
+
+    @_is_accelerate_prepared.setter
+    def _is_accelerate_prepared(self, value: bool) -> None:
+        if amp.called_from_accelerate():
+            self.__dict__["_accelerate_prepared"] = True
     # Hugging Face Trainer reads this (through the wrapper it would find the wrapped model's, or
     # forward's **kwargs): True makes it pass num_items_in_batch, the global label count, and
     # multiply the loss by the number of processes, right under DDP where each rank's loss is its
@@ -213,6 +224,14 @@ class RaNNCModule(nn.Module):
     # the outer torch.compile runs this eagerly, and _check_not_compiled says what to do instead.
     @torch.compiler.disable
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        mixed = amp.prepared_autocast() if self.__dict__.get("_accelerate_prepared") else None
+        if mixed is None:
+            return self._forward(*args, **kwargs)
+        with torch.autocast(mixed[0], dtype=mixed[1]):
+            out = self._forward(*args, **kwargs)
+        return amp.outputs_to_fp32(out)
+
+    def _forward(self, *args: Any, **kwargs: Any) -> Any:
         _check_not_compiled(self)
         kwargs = _count_as_tensor(args, kwargs)
         if rdist.get_world_size() > 1:

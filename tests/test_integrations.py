@@ -23,7 +23,8 @@ SCRIPT = Path(__file__).resolve().parent / "scripts" / "hf_check.py"
 def test_accelerate_prepare_and_trainer_checkpoint_resume(tmp_path: Path) -> None:
     pytest.importorskip("accelerate")
     res = run_torchrun(SCRIPT, 2, ["--out", str(tmp_path / "run")], timeout=360)
-    for what in ("accelerate", "trainer", "trainer-masked", "trainer-ragged", "trainer-ragged8"):
+    for what in ("accelerate", "trainer", "trainer-masked", "trainer-ragged", "trainer-ragged8",
+                 "trainer-bf16"):
         assert res.stdout.count(f"PASS {what} rank") == 2, res.stdout + res.stderr
     assert (tmp_path / "run" / "checkpoint-6" / "model.safetensors").is_file()
 
@@ -80,6 +81,46 @@ def test_trainer_pads_to_a_multiple_in_one_process(tmp_path: Path) -> None:
         ref_opt.step()
         ref_opt.zero_grad()
     hf_check.assert_same_state(0, wrapped.state_dict(), ref)
+
+
+@pytest.mark.layer("single_process")
+def test_accelerate_mixed_precision_reaches_the_wrapped_model() -> None:
+    """`Accelerator(mixed_precision="bf16")` runs a prepared model's forward under bf16 autocast
+    and returns float32 outputs. Accelerate leaves a RaNNCModule as it is (no DDP around it),
+    which skipped that wrap too: it ran in float32, silently (as under Trainer's bf16=True).
+    Now the wrapper runs its calls as Accelerate runs a prepared model's: the loss, the outputs'
+    dtype and the gradients equal the unwrapped model's prepared by the same Accelerator, and
+    differ from float32's. A call already under the user's autocast is left to it."""
+    accelerate = pytest.importorskip("accelerate")
+    import copy
+    import sys
+
+    from accelerate.state import AcceleratorState
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    import hf_check
+
+    model = hf_check.gpt2()
+    ref, plain = copy.deepcopy(model), copy.deepcopy(model)
+    ids = torch.randint(0, 97, (4, 10))
+    AcceleratorState._reset_state(True)
+    try:
+        acc = accelerate.Accelerator(mixed_precision="bf16", cpu=True)
+        wrapped = acc.prepare(rannc.RaNNCModule(model))
+        ref = acc.prepare(ref)
+        out, want = wrapped(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
+        assert out.logits.dtype is torch.float32
+        torch.testing.assert_close(out.loss, want.loss, rtol=0, atol=0)
+        torch.testing.assert_close(out.logits, want.logits, rtol=0, atol=0)
+        out.loss.backward()
+        want.loss.backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+        assert (out.logits - plain(input_ids=ids).logits).abs().max() > 1e-3  # (bf16's rounding)
+        with torch.autocast("cpu", dtype=torch.float16):  # the user's own: no bf16 over it
+            assert wrapped(input_ids=ids).logits.dtype is torch.float16
+    finally:
+        AcceleratorState._reset_state(True)
 
 
 @pytest.mark.layer("single_process")

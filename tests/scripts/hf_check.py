@@ -190,6 +190,33 @@ def check_trainer_masked_labels(rank: int, out: str) -> None:
     print(f"PASS trainer-masked rank {rank}", flush=True)
 
 
+def check_trainer_bf16(rank: int, out: str) -> None:
+    """RaNNCTrainer with bf16=True runs the model under bf16 autocast, as Trainer runs any model
+    (Accelerate's prepare wraps its forward): its captures are under torch.autocast("cpu",
+    torch.bfloat16), and two SGD steps equal the unwrapped model's under that autocast on the
+    global batch to bf16's agreement. Before, it trained in float32, silently."""
+    data = dataset()[:8]
+    trainer, wrapped, ref = sgd_trainer(out, data, bf16=True)
+    trainer.train()
+    keys = [str(k) for k in wrapped._runtimes]  # (the call's autocast state is in its key)
+    assert keys and all("('cpu', True, torch.bfloat16)" in k for k in keys), keys
+    got = wrapped.state_dict()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for step in range(2):
+        rows = data[4 * step:4 * step + 4]
+        ids = torch.stack([r["input_ids"] for r in rows])
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = ref(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    if rank == 0:
+        want = ref.state_dict()
+        err = max((got[k] - want[k]).abs().max().item() for k in want)
+        assert err < 2e-2, err  # (rounded in bf16 by rank and microbatch: as far as float32 is)
+    print(f"PASS trainer-bf16 rank {rank}", flush=True)
+
+
 def ragged_dataset() -> list[dict[str, torch.Tensor]]:
     """Rows of 3 to 10 tokens: padded per batch, rank 0's and rank 1's batches differ in length
     in every call (rows 4c, 4c + 1 on rank 0; 4c + 2, 4c + 3 on rank 1 in call c), and the
@@ -281,6 +308,7 @@ def main() -> None:
     check_trainer_masked_labels(rank, a.out + "-masked")
     check_trainer_ragged(rank, a.out + "-ragged")
     check_trainer_ragged(rank, a.out + "-ragged8", multiple=8)
+    check_trainer_bf16(rank, a.out + "-bf16")
 
 
 if __name__ == "__main__":
