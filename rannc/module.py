@@ -51,6 +51,7 @@ from rannc.pipeline.runtime import (
     COUNT_KWARG,
     PipelineFunction,
     PipelineRuntime,
+    check_whole_backward,
     input_gradient_scales,
 )
 from rannc.plans import Plan
@@ -413,7 +414,8 @@ class RaNNCModule(nn.Module):
             node = next((o.grad_fn for o in outs if o.grad_fn is not None), None)
             if node is not None:
                 with model_state(self.module).own_handles():
-                    node.register_prehook(_BackwardOnce(self._calls))
+                    # (the anchor's gradient node: PipelineFunction's first tensor input)
+                    node.register_prehook(_BackwardOnce(self._calls, node.next_functions[0][0]))
             for i, o in zip(idx, outs, strict=True):
                 flat[i] = o
         n = cap.n_user_outputs
@@ -749,13 +751,17 @@ class _BackwardOnce:
     """A pre-hook on the pipeline's backward node: the pipeline's backward runs once per
     forward (its stages freed their activations and gradients were all-reduced), so a second
     backward through the same outputs (`retain_graph=True`) is refused before any rank sends
-    anything. Every rank makes the same calls, so every rank raises alike."""
+    anything. Every rank makes the same calls, so every rank raises alike. A backward the
+    pipeline cannot run as the unwrapped model would (`check_whole_backward`) is refused first,
+    and does not count."""
 
-    def __init__(self, step: int) -> None:
+    def __init__(self, step: int, anchor: Any) -> None:
         self.step = step
+        self.anchor = anchor
         self.calls = 0
 
     def __call__(self, grads: Any) -> None:
+        check_whole_backward(self.anchor)
         self.calls += 1
         if self.calls > 1:
             raise RaNNCError(

@@ -38,7 +38,10 @@ INPUT_GRAD = [
 def test_inputs_requiring_grad_get_their_rows_gradient(n: int, args: list[str], launches: CaseLaunches,
                                                        request: pytest.FixtureRequest) -> None:
     """x.grad on every rank equals its rows of the unwrapped model's x.grad (two stages read
-    x, so the owner sums what both send back), for 2 steps; without requires_grad, None."""
+    x, so the owner sums what both send back), for 2 steps; without requires_grad, None.
+    torch.autograd.grad(loss, x), backward(inputs=[x]) and create_graph=True are refused on
+    every rank with .grad untouched, and the whole backward through the same outputs is exact
+    after them."""
     res = launches.result(case_of(request))
     _passed(res.stdout, "input_grad", n)
 

@@ -1016,6 +1016,39 @@ class PipelineFunction(torch.autograd.Function):
                                                                strict=True)])
 
 
+def check_whole_backward(anchor: Any) -> None:
+    """Refuse a backward the pipeline cannot give as the unwrapped model would, before anything
+    is sent (every rank makes the same call, so every rank raises here alike; called from a
+    pre-hook on `PipelineFunction`'s node, `anchor` the gradient node of its first tensor
+    input):
+
+    * `create_graph=True` (a gradient penalty, `torch.autograd.grad(out, x, create_graph=True)`
+      as WGAN-GP and R1 compute it; grad mode is on in backward only then): the pipeline's
+      backward runs once across the ranks and is not itself differentiable. Before, the penalty
+      went on to fail with "backward() ... a second time".
+    * a backward restricted to some tensors (`torch.autograd.grad(loss, x)`, `backward(inputs=
+      [x])`, as input saliency and adversarial attacks compute it): the unwrapped model leaves
+      the parameters' `.grad` alone there, while the pipeline computes and sums every held
+      parameter's gradient with the inputs' (its schedules may run that inside forward()).
+      Before, each such call added a gradient into `.grad` silently. Seen on the anchor: its
+      gradient node runs in every unrestricted backward.
+    """
+    if torch.is_grad_enabled():
+        raise RaNNCError(
+            "backward with create_graph=True through the outputs of a model on several ranks "
+            "(a gradient penalty: torch.autograd.grad(out, x, create_graph=True)): rannc's "
+            "pipelined backward runs once across the ranks and cannot be differentiated again. "
+            "Fix: keep the penalised model in one process (exact there), or drop the penalty")
+    if anchor is not None and not torch._C._will_engine_execute_node(anchor):
+        raise RaNNCError(
+            "torch.autograd.grad(...) or backward(inputs=...) through the outputs of a model on "
+            "several ranks: rannc's pipelined backward computes every parameter's gradient and "
+            "sums it over the ranks together with the inputs' gradients, so the parameters' "
+            ".grad would change where the unwrapped model leaves it alone. Fix: give the input "
+            "requires_grad, call loss.backward() and read x.grad (then model.zero_grad() before "
+            "the training step's backward), or compute these gradients in one process")
+
+
 def _scaled(g: torch.Tensor | None, s: float) -> torch.Tensor | None:
     return g if g is None or s == 1 else g * s
 

@@ -112,6 +112,34 @@ def check_input_grad(a: argparse.Namespace, rank: int, world: int) -> None:
             raise AssertionError(f"rank {rank} step {step}: x.grad is None")
         close(x.grad, ref_x.grad[lo:hi], f"rank {rank} step {step} x.grad")
         grads_close_then_step(wrapped, ref, (opt_w, opt_r), f"rank {rank} step {step}")
+    # A backward restricted to the input (input saliency, an adversarial attack's step) or
+    # differentiable (a gradient penalty): refused on every rank before anything is sent, .grad
+    # untouched (before: each added the parameters' gradients into .grad; the penalty failed
+    # with "a second time"); the whole backward through the same outputs then runs, exact.
+    x = x_all[lo:hi].clone().requires_grad_(True)
+    ref_x = x_all.clone().requires_grad_(True)
+    out, ref_out = wrapped(x, y_all[lo:hi]), ref(ref_x, y_all)
+    loss = out["loss"] + a.own_weight * (out["out"] ** 2).mean()
+    for what, says, call in (
+            ("autograd.grad", "backward(inputs=...)",
+             lambda: torch.autograd.grad(loss, x, retain_graph=True)),
+            ("backward(inputs=[x])", "backward(inputs=...)",
+             lambda: loss.backward(inputs=[x], retain_graph=True)),
+            ("a gradient penalty", "create_graph=True",
+             lambda: torch.autograd.grad(loss, x, create_graph=True, retain_graph=True))):
+        try:
+            call()
+        except rannc.RaNNCError as e:
+            assert says in str(e) and "Fix: " in str(e), (what, str(e))
+        else:
+            raise AssertionError(f"rank {rank}: {what} was not refused")
+        assert all(p.grad is None for p in wrapped.parameters()), f"{what} changed .grad"
+    loss.backward()
+    (ref_out["loss"] + a.own_weight * sum((ref_out["out"][p:q] ** 2).mean()
+                                          for p, q in ranges) / world).backward()
+    assert x.grad is not None and ref_x.grad is not None
+    close(x.grad, ref_x.grad[lo:hi], f"rank {rank} after the refusals x.grad")
+    grads_close_then_step(wrapped, ref, (opt_w, opt_r), f"rank {rank} after the refusals")
     # under no_grad, and with an input that does not require grad: nothing comes back
     x = x_all[lo:hi].clone()
     wrapped(x, y_all[lo:hi])["loss"].backward()
