@@ -24,6 +24,7 @@ and there is no window for the port to be stolen.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import ipaddress
 import os
@@ -183,6 +184,7 @@ def init_process_group(timeout_s: float = 300.0) -> DistContext:
             _context = _wrap_existing()
             _owned = False
             _timeout = timeout
+            _at_exit_once()
             _start_watchdog(_context, timeout_s)
             return _context
         launcher = detect_launcher()
@@ -197,6 +199,7 @@ def init_process_group(timeout_s: float = 300.0) -> DistContext:
             _reset_state()  # undo the GLOO_SOCKET_IFNAME pin of a half-done init
             raise
         _context, _owned, _timeout = ctx, True, timeout
+        _at_exit_once()
         _start_watchdog(ctx, timeout_s)
         return ctx
 
@@ -281,6 +284,41 @@ def shutdown() -> None:
             dist.destroy_process_group()
         _owned = False
         _reset_state()
+
+
+_exit_registered = False
+
+
+def _at_exit_once() -> None:
+    global _exit_registered
+    if not _exit_registered:
+        _exit_registered = True
+        atexit.register(_groups_at_exit)
+
+
+def _groups_at_exit() -> None:
+    """At a normal exit, destroy the process groups rannc made (the default group only where
+    rannc created it: `shutdown`), while the interpreter still runs.
+
+    Why: left to the interpreter's finalization, a gloo worker thread that frees its last
+    collective's tensors after the main thread began finalizing needs the interpreter's lock,
+    which a finalizing interpreter never gives back; the thread is ended by a forced unwind
+    through a destructor and the process aborts with "terminate called without an active
+    exception" (exit code 6; mpiexec reports a BAD TERMINATION) after the script finished: 1
+    launch in 16 of a 2-rank job here. Destroying a group shuts its workers down and joins
+    them without the lock. Skipped after an uncaught exception or a peer's failure: the abort
+    handlers end such a process, and a group waiting for a dead peer's work must not hold it."""
+    from rannc import health
+
+    if _uncaught_exception or getattr(sys, "last_value", None) is not None or health.failing():
+        return
+    with contextlib.suppress(Exception):
+        for group in list(_groups.values()):
+            if group is not None and _initialized():
+                dist.destroy_process_group(group)
+        _groups.clear()
+        if _owned:
+            shutdown()
 
 
 def _reset_state() -> None:

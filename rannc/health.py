@@ -379,6 +379,11 @@ def phase(name: str, step: int | None = None) -> Iterator[None]:
         yield
 
 
+def failing() -> bool:
+    """Whether this rank has failed (its failure posted or about to be)."""
+    return _health is not None and _health.failing
+
+
 def stop() -> None:
     """Stop watching (before the process group is destroyed on purpose)."""
     global _health

@@ -73,7 +73,15 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--fail-rank", type=int, default=None)
     ap.add_argument("--hang-rank", type=int, default=None)
     ap.add_argument("--check-listen", action="store_true")
+    ap.add_argument("--exit-without-shutdown", action="store_true",
+                    help="leave the groups to rannc's exit handler; say whether it destroyed them")
     a = ap.parse_args(argv)
+    if a.exit_without_shutdown:
+        import atexit
+
+        # (registered before rannc's: atexit runs handlers last-in first-out, so this one after)
+        atexit.register(lambda: sys.stdout.write(
+            f"EXIT rank {dist.get_rank()} groups destroyed {not tdist.is_initialized()}\n"))
 
     preexisting: set[str] = set()
     if a.check_listen:
@@ -148,6 +156,8 @@ def main(argv: list[str]) -> int:
     line = f"OK rank {rank} of {world} local {local} backend {ctx.backend} launcher {ctx.launcher}"
     sys.stdout.write(line + "\n")
     sys.stdout.flush()
+    if a.exit_without_shutdown:
+        return 0
     dist.shutdown()
     check(not tdist.is_initialized(), "shutdown left the process group initialized")
     return 0
