@@ -49,6 +49,7 @@ from torch import nn
 
 from rannc import health
 from rannc.errors import CheckpointError, CheckpointMismatchError, RaNNCError
+from rannc.graph.model_state import RANNC_OWN_HOOK
 from rannc.graph.task_graph import ValueKind
 from rannc.pipeline.runtime import PipelineRuntime
 
@@ -187,6 +188,71 @@ def refuse_partial_reads(model: nn.Module, released: Mapping[str, Any], rank: in
 _REFUSING: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # modules `refuse_partial_reads` hooked
 
 
+def refuse_direct_calls(model: nn.Module, name: str, param: nn.Parameter, rank: int) -> None:
+    """After this rank released parameters, a call of the wrapped model's own forward
+    (`model.module(x)`, as DDP scripts evaluate through the unwrapped module) raises by name
+    instead of failing inside a layer on an empty weight ("mat2 must be a matrix, got 1-D
+    tensor"). A forward pre-hook on the wrapped model (once), which lets a capture of a new
+    input signature through: the released parameters have their shapes back then
+    (`Holdings.shaped_params`), as `param` (one of them, `name`) shows."""
+    if model not in _CALLS_REFUSED:
+        _CALLS_REFUSED.add(model)
+        model.register_forward_pre_hook(_DirectCallRefused(name, param, rank))
+
+
+_CALLS_REFUSED: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # `refuse_direct_calls` hooked
+
+
+class _DirectCallRefused:
+    """`refuse_direct_calls`' hook. It travels with the module it hooks, so copying or pickling
+    it refuses as the released parameters do (`refuse_copies`; copy.deepcopy and pickle reach
+    a module's hooks before its submodules' parameters)."""
+
+    def __init__(self, name: str, param: nn.Parameter, rank: int) -> None:
+        self.name, self.ref, self.rank = name, weakref.ref(param), rank
+        setattr(self, RANNC_OWN_HOOK, True)  # (not the model's: not in the capture key)
+
+    def _released(self) -> bool:
+        p = self.ref()
+        return p is not None and p.numel() == 0
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        if self._released():
+            raise RaNNCError(
+                f"{type(module).__name__}.forward called directly (model.module(...)) on rank "
+                f"{self.rank} after rannc deployed the model on several ranks: this rank holds "
+                f"only its stages' parameters, and the others ({self.name!r} among them) are "
+                "released here (empty tensors). Fix: call the wrapper, model(...), on every rank "
+                "(under torch.no_grad() to evaluate); for a whole copy, gather the model with "
+                "model.state_dict() on every rank and load it into an unwrapped model on rank 0")
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        if self._released():
+            raise _copy_refused("copy.deepcopy", self.name, self.rank)
+        return self
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        if self._released():
+            raise _copy_refused("pickling (torch.save)", self.name, self.rank)
+        return _no_hook, ()
+
+
+def _no_hook() -> Any:
+    """What a pickled `_DirectCallRefused` comes back as: a hook that does nothing."""
+    return lambda module, args: None
+
+
+def _copy_refused(what: str, name: str, rank: int) -> RaNNCError:
+    return RaNNCError(
+        f"{what} of the wrapped model on rank {rank}: its parameter {name!r} is released here "
+        "(this rank holds only its stages' parameters; the others are empty tensors), so the "
+        "copy would be broken. Fix: copy the model before wrapping it (`ema = "
+        "copy.deepcopy(model)`, then `rannc.RaNNCModule(model, optimizer)`), or load the whole "
+        "model into a fresh copy from the wrapper's state_dict(), called on every rank (it "
+        "gathers the model onto rank 0); to save, call model.state_dict() or "
+        "model.save_pretrained(path) on every rank, or model.save_checkpoint(dir)")
+
+
 def refuse_copies(name: str, param: nn.Parameter, rank: int) -> None:
     """A parameter this rank released (`deploy.Holdings.release`) raises when it is copied or
     pickled while empty, instead of giving an empty tensor. Why: `ema = copy.deepcopy(
@@ -198,20 +264,10 @@ def refuse_copies(name: str, param: nn.Parameter, rank: int) -> None:
     parameter stays an nn.Parameter for the optimizer and torch)."""
     ref = weakref.ref(param)
 
-    def refused(what: str) -> RaNNCError:
-        return RaNNCError(
-            f"{what} of the wrapped model on rank {rank}: its parameter {name!r} is released "
-            "here (this rank holds only its stages' parameters; the others are empty tensors), "
-            "so the copy would be broken. Fix: copy the model before wrapping it (`ema = "
-            "copy.deepcopy(model)`, then `rannc.RaNNCModule(model, optimizer)`), or load the "
-            "whole model into a fresh copy from the wrapper's state_dict(), called on every rank "
-            "(it gathers the model onto rank 0); to save, call model.state_dict() or "
-            "model.save_pretrained(path) on every rank, or model.save_checkpoint(dir)")
-
     def deepcopy(memo: dict[int, Any]) -> nn.Parameter:
         p = ref()
         if p is None or p.numel() == 0:
-            raise refused("copy.deepcopy")
+            raise _copy_refused("copy.deepcopy", name, rank)
         # (given its shape back for a moment: `Holdings.shaped_params` while a new input
         # signature is captured) nn.Parameter's own copy, which leaves the attributes behind
         out: nn.Parameter = nn.Parameter.__deepcopy__(p, memo)
@@ -220,7 +276,7 @@ def refuse_copies(name: str, param: nn.Parameter, rank: int) -> None:
     def reduce_ex(protocol: int) -> Any:
         p = ref()
         if p is None or p.numel() == 0:
-            raise refused("pickling (torch.save)")
+            raise _copy_refused("pickling (torch.save)", name, rank)
         return torch._utils._rebuild_parameter, (p.data, p.requires_grad, OrderedDict())
 
     param.__deepcopy__ = deepcopy  # type: ignore[method-assign]

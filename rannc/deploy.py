@@ -38,6 +38,7 @@ from rannc.atomic.components import AtomicPartition, atomic_components
 from rannc.config import Config
 from rannc.errors import ConfigError, RaNNCError
 from rannc.graph.capture import CapturedModel, capture
+from rannc.graph.model_state import model_state
 from rannc.ownership import parameter_owners
 from rannc.plans import Plan, StagePlan
 from rannc.progress import Progress
@@ -243,6 +244,9 @@ class Holdings:
             r.owners = self.owners
         if released:
             ckpt.refuse_partial_reads(module, self.released, rt.rank)
+            name = next(iter(self.released))
+            with model_state(module).own_handles():
+                ckpt.refuse_direct_calls(module, name, params[name], rt.rank)
             return_freed_heap()
 
     def _zero_hooks(self, optimizer: torch.optim.Optimizer) -> None:

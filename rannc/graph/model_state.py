@@ -36,6 +36,9 @@ from torch.utils.hooks import RemovableHandle
 _HOOK_TABLES = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
                  "_global_backward_pre_hooks")
+# set on a hook rannc registers on the model itself (it changes nothing a capture records):
+# not part of the capture key, nor of what the ranks compare
+RANNC_OWN_HOOK = "_rannc_own_hook"
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +127,9 @@ class ModelState:
             found += [(path, table, getattr(m, table)) for table in _HOOK_TABLES]
         held = [(path, table, d) for path, table, d in found if d]
         self._hook_sizes = [(d, len(d)) for _p, _t, d in held]
-        self._hook_key = tuple((path, table, tuple(d)) for path, table, d in held)
+        users = [(path, table, tuple(k for k, f in d.items() if not getattr(f, RANNC_OWN_HOOK, False)))
+                 for path, table, d in held]
+        self._hook_key = tuple((path, table, ids) for path, table, ids in users if ids)
         return self._hook_key
 
     @contextlib.contextmanager

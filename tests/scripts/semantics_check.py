@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import copy
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -695,15 +696,18 @@ def shared_dir(rank: int) -> str:
     return box[0]
 
 
-def refused_copies(wrapped: nn.Module, rank: int) -> None:
-    """Copies of a model deployed on several ranks, each refused by name with the fix on every
-    rank. Before: `ema = copy.deepcopy(model.module)` made a copy with an empty tensor for each
-    parameter another rank holds (its lerp_ ran, its state_dict() saved them);
-    `torch.save(model.module)` and the wrapper's copies failed with torch's pickling errors
-    (a local function, 'ProcessGroup'), or gave some rank a copy of its stages alone."""
+def refused_after_deployment(wrapped: nn.Module, rank: int, call: Callable[[], Any]) -> None:
+    """Copies of a model deployed on several ranks, and calls of the wrapped model's own
+    forward (`call`), each refused by name with the fix on every rank. Before:
+    `ema = copy.deepcopy(model.module)` made a copy with an empty tensor for each parameter
+    another rank holds (its lerp_ ran, its state_dict() saved them); `torch.save(model.module)`
+    and the wrapper's copies failed with torch's pickling errors (a local function,
+    'ProcessGroup'), or gave some rank a copy of its stages alone; `model.module(x)` failed
+    inside a layer ("mat2 must be a matrix, got 1-D tensor")."""
     import io
 
     for what, copy_it, says in (
+            ("model.module(...)", call, "forward called directly (model.module(...))"),
             ("deepcopy(model.module)", lambda: copy.deepcopy(wrapped.module),
              "copy.deepcopy of the wrapped model"),
             ("torch.save(model.module)", lambda: torch.save(wrapped.module, io.BytesIO()),
@@ -748,7 +752,8 @@ def check_save_pretrained(a: argparse.Namespace, rank: int, world: int) -> None:
         assert "Fix: call the wrapper's state_dict() on every rank" in str(e), str(e)
     else:
         raise AssertionError(f"rank {rank}: the wrapped model's own state_dict() was not refused")
-    refused_copies(wrapped, rank)
+    assert len(wrapped._runtimes) == 1, list(wrapped._runtimes)  # (rannc's own hook: no key)
+    refused_after_deployment(wrapped, rank, lambda: wrapped.module(input_ids=ids[lo:hi]))
     # then a new sequence length: captured with the released parameters given their shapes
     # back for the trace (their copy guards let that through), and still exact
     ids, y = torch.randint(0, 64, (a.batch, 6)), torch.randint(0, 3, (a.batch,))
