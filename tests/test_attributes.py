@@ -168,6 +168,16 @@ def test_a_list_or_dict_changed_in_place_captures_again() -> None:
     assert seen == [1, 2, 3, 3, 3], seen  # (the last two: earlier captures' values again)
 
 
+def test_a_dict_built_in_another_order_reads_the_same_on_every_rank() -> None:
+    """The digest the ranks compare shows a dict by key: equal dicts built in another order
+    (from a set, under another PYTHONHASHSEED) are one value, not a refusal."""
+    owner = nn.Linear(1, 1)
+    a = attributes.Reads((attributes.Read(owner, "", "scaling", {"a": 0.5, "b": 2.0}),))
+    b = attributes.Reads((attributes.Read(owner, "", "scaling", {"b": 2.0, "a": 0.5}),))
+    c = attributes.Reads((attributes.Read(owner, "", "scaling", {"a": 0.5, "b": 3.0}),))
+    assert a.digest == b.digest != c.digest
+
+
 def test_peft_merge_and_scale_after_wrapping_are_exact() -> None:
     """PEFT LoRA adapters switched, disabled, merged and rescaled after the first call, as
     scripts do between training and evaluation: every output equals the unwrapped model's.

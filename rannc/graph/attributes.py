@@ -89,6 +89,8 @@ def _same(a: Any, b: Any) -> bool:
 def _shown(v: Any) -> str:
     if _tensor(v):
         return f"a tensor of shape {tuple(v.shape)} and {v.dtype}"
+    if type(v) is dict:  # by key: equal dicts built in another order (a set's) read the same
+        return "{" + ", ".join(f"{k!r}: {x!r}" for k, x in sorted(v.items(), key=repr)) + "}"
     return "(deleted)" if v is _MISSING else repr(v)
 
 
