@@ -131,6 +131,40 @@ def _holders(rt: PipelineRuntime, canonical: Mapping[str, str]) -> dict[str, tup
 
 # -- a gathered state dict -----------------------------------------------------------------------
 
+class OnRankZero(dict):  # type: ignore[type-arg]
+    """What a gathered state dict is on a rank other than 0 (`rank0_only=True`): empty, and
+    refusing to be saved or loaded. Why: a script saving on every rank (harmless under DDP,
+    where every rank holds the same state) wrote this rank's empty dict to the path of rank 0's
+    whole model, and whichever rank wrote last won: a checkpoint lost without a word. And one
+    that keeps `best = copy.deepcopy(model.state_dict())` to load it back later loaded nothing
+    on these ranks (`strict=False`) or failed on every key."""
+
+    def __init__(self, what: str, rank: int) -> None:
+        super().__init__()
+        self.what, self.rank = what, rank
+
+    def refused(self, doing: str) -> RaNNCError:
+        return RaNNCError(
+            f"{doing} {self.what}'s result on rank {self.rank}: it gathers the whole model onto "
+            "rank 0 only, and this rank's is empty (saved to rank 0's path it would overwrite "
+            f"the checkpoint). Fix: save on rank 0 alone (`sd = model.{self.what}` on every "
+            "rank, then `if rannc.get_rank() == 0: torch.save(sd, path)`), or pass "
+            "rank0_only=False to have the whole of it on every rank (to keep a copy in memory "
+            "and load it back)")
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise self.refused("pickling (torch.save) of")
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> OnRankZero:
+        return OnRankZero(self.what, self.rank)
+
+
+def refuse_rank_zero_only(state: Mapping[str, Any]) -> None:
+    """Loading what a rank other than 0 got from a gathered state dict is refused (above)."""
+    if isinstance(state, OnRankZero):
+        raise state.refused("loading")
+
+
 def gather_state_dict(model: nn.Module, rt: PipelineRuntime, rank0_only: bool,
                       prefix: str = "") -> dict[str, Any]:
     """The full state dict, each entry from its source rank (collective)."""
@@ -139,7 +173,7 @@ def gather_state_dict(model: nn.Module, rt: PipelineRuntime, rank0_only: bool,
     mine = {n: h.tensors[n].detach().cpu() for n in h.mine(rank)}
     parts = _gather(mine, rank0_only)
     if parts is None:
-        return {}
+        return OnRankZero("state_dict()", rank)
     whole: dict[str, torch.Tensor] = {}
     for p in parts:
         whole.update(p)
@@ -371,7 +405,7 @@ def gather_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
     else:
         parts = _gather(mine, rank0_only)
     if parts is None:
-        return {}
+        return OnRankZero("optimizer_state_dict()", dist.get_rank())
     state: dict[str, Any] = {}
     for p in parts:
         state.update(p)

@@ -584,6 +584,7 @@ class RaNNCModule(nn.Module):
         checks the keys against the whole model's. Not a collective: every rank should get the
         same dict (rank 0's gathered one broadcast, or one loaded from a file on every rank).
         """
+        ckpt.refuse_rank_zero_only(state_dict)
         if self._last_rt is None:
             return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
         if assign:
@@ -614,6 +615,7 @@ class RaNNCModule(nn.Module):
         """Load an `optimizer_state_dict()` (by parameter names) on every rank: each rank takes
         the state of the parameters it holds, and every group's hyper-parameters. Not a
         collective; every rank needs the whole dict. Works before and after the first call."""
+        ckpt.refuse_rank_zero_only(state_dict)
         with self._held.without_placeholder(self.optimizer):
             ckpt.load_optimizer_state(self.module, self._need_optimizer(), state_dict,
                                       only=self._held.stepped_names())

@@ -696,6 +696,32 @@ def shared_dir(rank: int) -> str:
     return box[0]
 
 
+def rank_zero_only_state(wrapped: Any, rank: int) -> None:
+    """`model.state_dict()` is the whole model on rank 0 and empty elsewhere: there it refuses
+    torch.save and loading by name (before: saved on every rank to one path, an empty dict
+    could overwrite rank 0's checkpoint; a kept copy loaded nothing), and it still deep-copies;
+    `rank0_only=False` gives every rank the whole model, which saves and loads."""
+    import io
+
+    sd = wrapped.state_dict()
+    if rank == 0:
+        assert len(sd) > 10
+        torch.save(sd, io.BytesIO())
+    else:
+        assert sd == {} and copy.deepcopy(sd) == {}
+        for what, do in (("torch.save", lambda: torch.save(sd, io.BytesIO())),
+                         ("load_state_dict", lambda: wrapped.load_state_dict(sd, strict=False))):
+            try:
+                do()
+            except rannc.RaNNCError as e:
+                assert "state_dict()'s result on rank" in str(e) and "rank0_only=False" in str(e), e
+            else:
+                raise AssertionError(f"rank {rank}: {what} of an empty gathered state was not refused")
+    whole = wrapped.state_dict(rank0_only=False)
+    torch.save(whole, io.BytesIO())
+    wrapped.load_state_dict(whole)
+
+
 def refused_after_deployment(wrapped: nn.Module, rank: int, call: Callable[[], Any]) -> None:
     """Copies of a model deployed on several ranks, and calls of the wrapped model's own
     forward (`call`), each refused by name with the fix on every rank. Before:
@@ -753,6 +779,7 @@ def check_save_pretrained(a: argparse.Namespace, rank: int, world: int) -> None:
     else:
         raise AssertionError(f"rank {rank}: the wrapped model's own state_dict() was not refused")
     assert len(wrapped._runtimes) == 1, list(wrapped._runtimes)  # (rannc's own hook: no key)
+    rank_zero_only_state(wrapped, rank)
     refused_after_deployment(wrapped, rank, lambda: wrapped.module(input_ids=ids[lo:hi]))
     # then a new sequence length: captured with the released parameters given their shapes
     # back for the trace (their copy guards let that through), and still exact
