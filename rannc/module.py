@@ -551,7 +551,8 @@ class RaNNCModule(nn.Module):
 
         After deployment this is a collective: EVERY rank must call it. Each entry comes from a
         rank that holds it (a buffer from a rank of the stage that updates it) and lands, as a CPU
-        copy, on rank 0; the other ranks get `{}`, or the same dict with `rank0_only=False`.
+        copy, on rank 0; the other ranks get an empty dict that refuses torch.save and loading
+        (`checkpoint.OnRankZero`), or the same dict with `rank0_only=False`.
         Before the first call, and in one process, it is the module's own state_dict() on every
         rank (no communication). `keep_vars` has no effect after deployment (entries are copies).
         """
@@ -599,8 +600,8 @@ class RaNNCModule(nn.Module):
         "params": [names]}]}` (the param groups as given to the optimizer, before pruning).
 
         After deployment EVERY rank must call it (collective); each parameter's state comes
-        from a rank holding it and lands on rank 0 (others get `{}`; every rank with
-        `rank0_only=False`). Load it with `load_optimizer_state_dict()`, also into another plan
+        from a rank holding it and lands on rank 0 (others get an empty dict that refuses
+        torch.save and loading; every rank with `rank0_only=False`). Load it with `load_optimizer_state_dict()`, also into another plan
         or number of ranks. The optimizer's own `state_dict()` stays per rank: it covers the
         parameters that rank holds, by index into its pruned param groups.
         """
