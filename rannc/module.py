@@ -601,9 +601,10 @@ class RaNNCModule(nn.Module):
 
         After deployment EVERY rank must call it (collective); each parameter's state comes
         from a rank holding it and lands on rank 0 (others get an empty dict that refuses
-        torch.save and loading; every rank with `rank0_only=False`). Load it with `load_optimizer_state_dict()`, also into another plan
-        or number of ranks. The optimizer's own `state_dict()` stays per rank: it covers the
-        parameters that rank holds, by index into its pruned param groups.
+        torch.save and loading; every rank with `rank0_only=False`). Load it with
+        `load_optimizer_state_dict()`, also into another plan or number of ranks. The
+        optimizer's own `state_dict()` stays per rank: it covers the parameters that rank holds,
+        by index into its pruned param groups.
         """
         opt = self._need_optimizer()
         groups = self._held.opt_groups or ckpt.group_names(self.module, opt)
