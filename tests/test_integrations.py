@@ -124,6 +124,24 @@ def test_accelerate_mixed_precision_reaches_the_wrapped_model() -> None:
 
 
 @pytest.mark.layer("single_process")
+def test_peft_prefix_tuning_is_refused_naming_its_prefix() -> None:
+    """PEFT's prefix tuning passes its prefix as a key/value cache, which the model returns
+    whatever use_cache says: the refusal says so (it asked for use_cache=False alone, which the
+    model already had)."""
+    peft = pytest.importorskip("peft")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    base = LlamaForCausalLM(LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, use_cache=False))
+    model = peft.get_peft_model(base, peft.PrefixTuningConfig(task_type="CAUSAL_LM",
+                                                               num_virtual_tokens=4))
+    ids = torch.randint(0, 64, (2, 8))
+    with pytest.raises(rannc.OutputTypeError, match="PEFT's prefix tuning passes its prefix"):
+        rannc.RaNNCModule(model)(input_ids=ids, labels=ids)
+
+
+@pytest.mark.layer("single_process")
 def test_outer_torch_compile_says_to_use_compile_option() -> None:
     model = rannc.RaNNCModule(nn.Linear(4, 2))
     x = torch.randn(3, 4)
