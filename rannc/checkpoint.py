@@ -237,56 +237,6 @@ def refuse_direct_calls(model: nn.Module, name: str, param: nn.Parameter, rank: 
 _CALLS_REFUSED: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # `refuse_direct_calls` hooked
 
 
-class _DirectCallRefused:
-    """`refuse_direct_calls`' hook. It travels with the module it hooks, so copying or pickling
-    it refuses as the released parameters do (`refuse_copies`; copy.deepcopy and pickle reach
-    a module's hooks before its submodules' parameters)."""
-
-    def __init__(self, name: str, param: nn.Parameter, rank: int) -> None:
-        self.name, self.ref, self.rank = name, weakref.ref(param), rank
-        setattr(self, RANNC_OWN_HOOK, True)  # (not the model's: not in the capture key)
-
-    def _released(self) -> bool:
-        p = self.ref()
-        return p is not None and p.numel() == 0
-
-    def __call__(self, module: nn.Module, args: Any) -> None:
-        if self._released():
-            raise RaNNCError(
-                f"{type(module).__name__}.forward called directly (model.module(...)) on rank "
-                f"{self.rank} after rannc deployed the model on several ranks: this rank holds "
-                f"only its stages' parameters, and the others ({self.name!r} among them) are "
-                "released here (empty tensors). Fix: call the wrapper, model(...), on every rank "
-                "(under torch.no_grad() to evaluate); for a whole copy, gather the model with "
-                "model.state_dict() on every rank and load it into an unwrapped model on rank 0")
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
-        if self._released():
-            raise _copy_refused("copy.deepcopy", self.name, self.rank)
-        return self
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        if self._released():
-            raise _copy_refused("pickling (torch.save)", self.name, self.rank)
-        return _no_hook, ()
-
-
-def _no_hook() -> Any:
-    """What a pickled `_DirectCallRefused` comes back as: a hook that does nothing."""
-    return lambda module, args: None
-
-
-def _copy_refused(what: str, name: str, rank: int) -> RaNNCError:
-    return RaNNCError(
-        f"{what} of the wrapped model on rank {rank}: its parameter {name!r} is released here "
-        "(this rank holds only its stages' parameters; the others are empty tensors), so the "
-        "copy would be broken. Fix: copy the model before wrapping it (`ema = "
-        "copy.deepcopy(model)`, then `rannc.RaNNCModule(model, optimizer)`), or load the whole "
-        "model into a fresh copy from the wrapper's state_dict(), called on every rank (it "
-        "gathers the model onto rank 0); to save, call model.state_dict() or "
-        "model.save_pretrained(path) on every rank, or model.save_checkpoint(dir)")
-
-
 def refuse_copies(name: str, param: nn.Parameter, rank: int) -> None:
     """A parameter this rank released (`deploy.Holdings.release`) raises when it is copied or
     pickled while empty, instead of giving an empty tensor. Why: `ema = copy.deepcopy(
@@ -296,25 +246,84 @@ def refuse_copies(name: str, param: nn.Parameter, rank: int) -> None:
     with an unclear pickling error. `copy.deepcopy` and pickle look these two methods up on the
     object itself, so the parameter's own attributes stand in for nn.Parameter's (the
     parameter stays an nn.Parameter for the optimizer and torch)."""
-    ref = weakref.ref(param)
+    released = _Released(name, param, rank)
+    param.__deepcopy__ = released.deepcopy  # type: ignore[method-assign]
+    param.__reduce_ex__ = released.reduce_ex  # type: ignore[method-assign,assignment]
 
-    def deepcopy(memo: dict[int, Any]) -> nn.Parameter:
-        p = ref()
-        if p is None or p.numel() == 0:
-            raise _copy_refused("copy.deepcopy", name, rank)
-        # (given its shape back for a moment: `Holdings.shaped_params` while a new input
-        # signature is captured) nn.Parameter's own copy, which leaves the attributes behind
+
+class _Released:
+    """A parameter this rank released (held weakly: the guards below hang on it or on its
+    module), and what copying it while it is empty raises."""
+
+    def __init__(self, name: str, param: nn.Parameter, rank: int) -> None:
+        self.name, self.ref, self.rank = name, weakref.ref(param), rank
+
+    def empty(self) -> bool:
+        """Released now (between captures; `Holdings.shaped_params` gives it its shape back
+        while a new input signature is captured)."""
+        p = self.ref()
+        return p is not None and p.numel() == 0
+
+    def refused(self, what: str) -> RaNNCError:
+        return RaNNCError(
+            f"{what} of the wrapped model on rank {self.rank}: its parameter {self.name!r} is "
+            "released here (this rank holds only its stages' parameters; the others are empty "
+            "tensors), so the copy would be broken. Fix: copy the model before wrapping it (`ema "
+            "= copy.deepcopy(model)`, then `rannc.RaNNCModule(model, optimizer)`), or load the "
+            "whole model into a fresh copy from the wrapper's state_dict(), called on every rank "
+            "(it gathers the model onto rank 0); to save, call model.state_dict() or "
+            "model.save_pretrained(path) on every rank, or model.save_checkpoint(dir)")
+
+    def deepcopy(self, memo: dict[int, Any]) -> nn.Parameter:
+        """The parameter's `__deepcopy__`: nn.Parameter's own copy (which leaves these
+        attributes behind) while it has its shape."""
+        p = self.ref()
+        if p is None or self.empty():
+            raise self.refused("copy.deepcopy")
         out: nn.Parameter = nn.Parameter.__deepcopy__(p, memo)
         return out
 
-    def reduce_ex(protocol: int) -> Any:
-        p = ref()
-        if p is None or p.numel() == 0:
-            raise _copy_refused("pickling (torch.save)", name, rank)
+    def reduce_ex(self, protocol: int) -> Any:
+        """The parameter's `__reduce_ex__`: nn.Parameter's, without its state."""
+        p = self.ref()
+        if p is None or self.empty():
+            raise self.refused("pickling (torch.save)")
         return torch._utils._rebuild_parameter, (p.data, p.requires_grad, OrderedDict())
 
-    param.__deepcopy__ = deepcopy  # type: ignore[method-assign]
-    param.__reduce_ex__ = reduce_ex  # type: ignore[method-assign,assignment]
+
+class _DirectCallRefused(_Released):
+    """`refuse_direct_calls`' hook. It travels with the module it hooks, so copying or pickling
+    it refuses as the released parameters do (`refuse_copies`; copy.deepcopy and pickle reach
+    a module's hooks before its submodules' parameters)."""
+
+    def __init__(self, name: str, param: nn.Parameter, rank: int) -> None:
+        super().__init__(name, param, rank)
+        setattr(self, RANNC_OWN_HOOK, True)  # (not the model's: not in the capture key)
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        if self.empty():
+            raise RaNNCError(
+                f"{type(module).__name__}.forward called directly (model.module(...)) on rank "
+                f"{self.rank} after rannc deployed the model on several ranks: this rank holds "
+                f"only its stages' parameters, and the others ({self.name!r} among them) are "
+                "released here (empty tensors). Fix: call the wrapper, model(...), on every rank "
+                "(under torch.no_grad() to evaluate); for a whole copy, gather the model with "
+                "model.state_dict() on every rank and load it into an unwrapped model on rank 0")
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        if self.empty():
+            raise self.refused("copy.deepcopy")
+        return self
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        if self.empty():
+            raise self.refused("pickling (torch.save)")
+        return _no_hook, ()
+
+
+def _no_hook() -> Any:
+    """What a pickled `_DirectCallRefused` comes back as: a hook that does nothing."""
+    return lambda module, args: None
 
 
 def _partial_read_refused(released: Mapping[str, Any], rank: int) -> Any:
