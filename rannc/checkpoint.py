@@ -38,7 +38,7 @@ import time
 import uuid
 import weakref
 from collections import OrderedDict
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, cast, runtime_checkable
@@ -388,11 +388,13 @@ def _copy_into(t: torch.Tensor, v: Any, name: str) -> None:
 
 # -- optimizer state keyed by parameter names ------------------------------------------------------
 
-def group_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
-    """The canonical names of each param group's parameters."""
+def group_names(model: nn.Module, optimizer: torch.optim.Optimizer,
+                groups: Sequence[Mapping[str, Any]] | None = None) -> list[list[str]]:
+    """The canonical names of each param group's parameters (of `groups`, by default all the
+    optimizer's)."""
     name_of = {id(p): n for n, p in model.named_parameters()}
     out = []
-    for g in optimizer.param_groups:
+    for g in optimizer.param_groups if groups is None else groups:
         missing = [tuple(p.shape) for p in g["params"] if id(p) not in name_of]
         if missing:
             raise RaNNCError(f"the optimizer steps {len(missing)} tensor(s) that are not parameters "

@@ -227,11 +227,7 @@ class Holdings:
             for p in released + (rt.not_stepped() if rt is self.runtime else []):
                 optimizer.state.pop(p, None)  # (ZeRO-1: state another holder keeps)
             for group in optimizer.param_groups:
-                keep = [id(p) not in read or id(p) in held for p in group["params"]]
-                group["params"] = [p for p, k in zip(group["params"], keep, strict=True) if k]
-                if "param_names" in group:
-                    group["param_names"] = [n for n, k in zip(group["param_names"], keep, strict=True)
-                                            if k]
+                _prune(group, [id(p) not in read or id(p) in held for p in group["params"]])
             if not any(g["params"] for g in optimizer.param_groups):
                 # A rank holding no parameters still runs the user's optimizer step; a GradScaler
                 # needs a gradient to check there. The stand-in has gradient 0 (inf when another
@@ -248,6 +244,29 @@ class Holdings:
             with model_state(module).own_handles():
                 ckpt.refuse_direct_calls(module, name, params[name], rt.rank)
             return_freed_heap()
+
+    def groups(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+        """The names of each of the optimizer's param groups as the user gave them (before
+        pruning). A group added after deployment (`optimizer.add_param_group`: layers unfrozen
+        part-way through a fine-tuning) is recorded here and pruned as the first ones were: the
+        parameters this rank released leave it, so its state dicts and checkpoints keep naming
+        the whole model's parameters and loading puts no state on a released one."""
+        if self.opt_groups is None:  # (nothing released yet)
+            return ckpt.group_names(module, optimizer)
+        added = optimizer.param_groups[len(self.opt_groups):]
+        if len(optimizer.param_groups) < len(self.opt_groups):
+            raise RaNNCError(
+                f"the optimizer has {len(optimizer.param_groups)} param group(s), "
+                f"{len(self.opt_groups)} when the model was deployed: rannc keeps its groups' "
+                "parameter names by position. Fix: add param groups "
+                "(optimizer.add_param_group) instead of removing them")
+        if added:
+            self.opt_groups = self.opt_groups + ckpt.group_names(module, optimizer, added)
+            params = dict(module.named_parameters(remove_duplicate=False))
+            released = {id(params[n]) for n in self.released}
+            for group in added:
+                _prune(group, [id(p) not in released for p in group["params"]])
+        return self.opt_groups
 
     def _zero_hooks(self, optimizer: torch.optim.Optimizer) -> None:
         """ZeRO-1 on the user's own optimizer: for its step, the gradients of the parameters
@@ -313,6 +332,14 @@ class Holdings:
             for n in self.released:
                 p = params[n]
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
+
+def _prune(group: dict[str, Any], keep: list[bool]) -> None:
+    """Keep a param group's parameters (and their names, where the group has them) where
+    `keep` says."""
+    group["params"] = [p for p, k in zip(group["params"], keep, strict=True) if k]
+    if "param_names" in group:
+        group["param_names"] = [n for n, k in zip(group["param_names"], keep, strict=True) if k]
 
 
 def optimizer_state_factor(optimizer: torch.optim.Optimizer) -> float:

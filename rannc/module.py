@@ -323,6 +323,8 @@ class RaNNCModule(nn.Module):
         if self._plan is None:
             validate.check_config(self.rannc_config, ctx.world_size)
         self._check_kept()
+        if self.optimizer is not None and self._held.opt_groups is not None:
+            self._held.groups(self.module, self.optimizer)  # (prunes groups added since)
         leaves, layout = flatten_inputs(args, kwargs)
         base = self._capture_base(layout)
         modes = base[2]
@@ -607,7 +609,7 @@ class RaNNCModule(nn.Module):
         by index into its pruned param groups.
         """
         opt = self._need_optimizer()
-        groups = self._held.opt_groups or ckpt.group_names(self.module, opt)
+        groups = self._held.groups(self.module, opt)
         if self._last_rt is not None:
             validate.agree_on_collective("optimizer_state_dict()", self._last_rt.device)
         with self._held.without_placeholder(self.optimizer):
@@ -618,6 +620,7 @@ class RaNNCModule(nn.Module):
         the state of the parameters it holds, and every group's hyper-parameters. Not a
         collective; every rank needs the whole dict. Works before and after the first call."""
         ckpt.refuse_rank_zero_only(state_dict)
+        self._held.groups(self.module, self._need_optimizer())  # (prunes groups added since)
         with self._held.without_placeholder(self.optimizer):
             ckpt.load_optimizer_state(self.module, self._need_optimizer(), state_dict,
                                       only=self._held.stepped_names())
@@ -648,7 +651,7 @@ class RaNNCModule(nn.Module):
         rdist.init_process_group(self.rannc_config.timeout_s)
         groups = None
         if self.optimizer is not None:
-            groups = self._held.opt_groups or ckpt.group_names(self.module, self.optimizer)
+            groups = self._held.groups(self.module, self.optimizer)
         with self._held.without_placeholder(self.optimizer), health.phase("checkpoint write"):
             ckpt.save_checkpoint(self.module, self.optimizer, self._last_rt, groups, path, stateful)
 
@@ -668,6 +671,8 @@ class RaNNCModule(nn.Module):
         # rank that is elsewhere (or gone) within seconds ("call load_checkpoint on every rank"); a
         # digest all-gather first would meet a departed rank's closed socket instead.
         rdist.init_process_group(self.rannc_config.timeout_s)
+        if self.optimizer is not None:
+            self._held.groups(self.module, self.optimizer)  # (prunes groups added since)
         with self._held.without_placeholder(self.optimizer), health.phase("checkpoint read"):
             return ckpt.load_checkpoint(self.module, self.optimizer, self._last_rt, path, strict,
                                         stateful)

@@ -245,6 +245,22 @@ def test_save_pretrained_on_every_rank_writes_the_whole_trained_model(launches: 
     _passed(res.stdout, "save_pretrained", 3)
 
 
+CASES["param_groups"] = Case(3, ["--case", "param_groups", "--replicas", "2,1", "--microbatches", "2",
+                                 "--batch", "7", "--schedule", "1f1b", "--zero-stage", "1"])
+
+
+@pytest.mark.cases("param_groups")
+def test_a_param_group_added_after_deployment(launches: CaseLaunches) -> None:
+    """Phased fine-tuning of transformers' BERT on 3 ranks (2 stages x [2, 1], 1F1B, ZeRO-1):
+    the head trained first, then the backbone unfrozen and added with
+    `optimizer.add_param_group`, then a layer frozen again: exact at every step; the added
+    group is pruned to what the rank holds (before: it kept the released parameters and
+    `optimizer_state_dict()` failed with a zip() error); the state dict by name equals the
+    unwrapped optimizer's; a checkpoint resumes into an optimizer built with both groups."""
+    res = launches.result("param_groups")
+    _passed(res.stdout, "param_groups", 3)
+
+
 CASES["sparse_grad"] = Case(3, ["--case", "sparse_grad", "--replicas", "2,1", "--microbatches", "2",
                                 "--batch", "7"])
 

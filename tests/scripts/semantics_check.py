@@ -61,6 +61,8 @@ def options(a: argparse.Namespace) -> dict[str, Any]:
         opts["replicas"] = [int(x) for x in a.replicas.split(",")]
     if a.partition_num:
         opts["partition_num"] = a.partition_num
+    if a.zero_stage:
+        opts["zero_stage"] = a.zero_stage
     return opts
 
 
@@ -819,6 +821,94 @@ def check_save_pretrained(a: argparse.Namespace, rank: int, world: int) -> None:
     print(f"PASS save_pretrained rank {rank}", flush=True)
 
 
+def grads_or_none_then_step(wrapped: nn.Module, ref: nn.Module, opts: tuple[Any, Any],
+                            what: str) -> None:
+    """`grads_close_then_step` where some parameters are frozen: a parameter without a
+    gradient in the unwrapped model has none in the wrapped one either."""
+    ref_names = dict(ref.named_parameters())
+    for name, p in wrapped.named_parameters():
+        want = ref_names[name].grad
+        if want is None:
+            assert p.grad is None, f"{what} {name}: a gradient where the unwrapped model has none"
+        elif p.numel():  # (held here)
+            close(p.grad, want, f"{what} grad {name}")
+    for opt in opts:
+        opt.step()
+        opt.zero_grad()
+
+
+def check_param_groups(a: argparse.Namespace, rank: int, world: int) -> None:
+    """Fine-tuning in phases, as users write it: the backbone frozen and the optimizer built on
+    the head alone; after two steps the backbone unfrozen and given to the optimizer with
+    `optimizer.add_param_group` (its own learning rate); then one layer frozen again. Every
+    step is exact; `optimizer_state_dict()` names both groups' parameters and equals the
+    unwrapped optimizer's state by name (before: a zip() error, the added group holding
+    parameters this rank released); no rank keeps state for a parameter it released; a
+    checkpoint saved then loads into a new model whose optimizer has both groups from the start,
+    and training goes on exactly."""
+    def head_first(model: nn.Module) -> tuple[nn.Module, Any]:
+        for p in model.bert.parameters():
+            p.requires_grad_(False)
+        return model, torch.optim.AdamW(model.classifier.parameters(), lr=1e-2)
+
+    torch.manual_seed(0)
+    model, opt_w = head_first(tiny_bert_classifier())
+    ref, opt_r = head_first(copy.deepcopy(model))
+    wrapped = rannc.RaNNCModule(model, opt_w, **options(a))
+    sizes = local_sizes(a.batch, world)
+    lo = sum(sizes[:rank])
+    hi = lo + sizes[rank]
+
+    def step(net: nn.Module, opts: tuple[Any, Any], where: str) -> None:
+        ids, y = torch.randint(0, 64, (a.batch, 8)), torch.randint(0, 3, (a.batch,))
+        out = net(input_ids=ids[lo:hi], labels=y[lo:hi])
+        ref_out = ref(input_ids=ids, labels=y)
+        close(out.logits, ref_out.logits[lo:hi], f"{where} logits")
+        close(out.loss, ref_out.loss, f"{where} loss")
+        out.loss.backward()
+        ref_out.loss.backward()
+        grads_or_none_then_step(net, ref, opts, where)
+
+    for i in range(5):
+        if i == 2:  # the backbone joins the optimizer
+            for m, o in ((model, opt_w), (ref, opt_r)):
+                for p in m.bert.parameters():
+                    p.requires_grad_(True)
+                o.add_param_group({"params": list(m.bert.parameters()), "lr": 5e-3})
+        if i == 4:
+            for m in (model, ref):
+                m.bert.encoder.layer[0].requires_grad_(False)
+        step(wrapped, (opt_w, opt_r), f"rank {rank} step {i}")
+    assert len(wrapped._runtimes) == 1, list(wrapped._runtimes)
+    released = [n for n, p in model.named_parameters() if p.numel() == 0]
+    assert (world == 1) == (not released), released
+    assert all(p.numel() for p in opt_w.state), "optimizer state on a released parameter"
+    assert all(p.numel() for g in opt_w.param_groups for p in g["params"]), "a released parameter"
+    sd = wrapped.optimizer_state_dict(rank0_only=False)
+    ref_names = {id(p): n for n, p in ref.named_parameters()}
+    want_groups = [[ref_names[id(p)] for p in g["params"]] for g in opt_r.param_groups]
+    assert [g["params"] for g in sd["param_groups"]] == want_groups, sd["param_groups"]
+    assert [g["lr"] for g in sd["param_groups"]] == [1e-2, 5e-3], sd["param_groups"]
+    want_state = {ref_names[id(p)]: s for p, s in opt_r.state.items()}
+    assert set(sd["state"]) == set(want_state), sorted(set(sd["state"]) ^ set(want_state))
+    for n, s in want_state.items():
+        for k, v in s.items():
+            close(sd["state"][n][k], v, f"rank {rank} optimizer state {n} {k}")
+    where = shared_dir(rank)
+    wrapped.save_checkpoint(where)
+    # the run resumed in a new process: its optimizer has both groups from the start
+    torch.manual_seed(5)
+    model2 = tiny_bert_classifier()
+    model2.bert.encoder.layer[0].requires_grad_(False)
+    opt2 = torch.optim.AdamW([{"params": list(model2.classifier.parameters()), "lr": 1e-2},
+                              {"params": list(model2.bert.parameters()), "lr": 5e-3}])
+    wrapped2 = rannc.RaNNCModule(model2, opt2, **options(a))
+    wrapped2.load_checkpoint(where)
+    for i in range(2):
+        step(wrapped2, (opt2, opt_r), f"rank {rank} resumed step {i}")
+    print(f"PASS param_groups rank {rank}", flush=True)
+
+
 class SparseBag(nn.Module):
     """A sparse-gradient embedding (`sparse=True`, as recommender and word2vec models use it)
     under a small head."""
@@ -904,7 +994,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
                                                 "functional_bn", "loss_grad", "frozen_bn",
                                                 "attributes", "sum_loss", "recompute_writes",
                                                 "per_call_writes", "composed", "save_pretrained",
-                                                "sparse_grad", "stored"])
+                                                "sparse_grad", "stored", "param_groups"])
     p.add_argument("--bn-mode", default="sync", help="batchnorm: local or sync")
     p.add_argument("--model", default="llama", help="masked_lm: llama or roberta")
     p.add_argument("--replicas", default="")
@@ -913,6 +1003,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--schedule", default="gpipe")
     p.add_argument("--batch", type=int, default=7)
     p.add_argument("--checkpointing", default="auto")
+    p.add_argument("--zero-stage", default="", help="Config.zero_stage (default: rannc's)")
     p.add_argument("--own-weight", type=float, default=1.0,
                    help="input_grad: weight of the per-rank loss (0: the model's loss alone)")
     return p.parse_args(argv)
@@ -928,7 +1019,8 @@ def run(a: argparse.Namespace, ctx: rdist.DistContext) -> None:
      "per_call_writes": check_per_call_writes,
      "composed": check_composed,
      "save_pretrained": check_save_pretrained,
-     "sparse_grad": check_sparse_grad, "stored": check_stored}[a.case](a, ctx.rank, ctx.world_size)
+     "sparse_grad": check_sparse_grad, "stored": check_stored,
+     "param_groups": check_param_groups}[a.case](a, ctx.rank, ctx.world_size)
 
 
 def main() -> None:
