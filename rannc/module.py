@@ -23,6 +23,7 @@ import os
 import sys
 import warnings
 import weakref
+import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, cast
@@ -430,9 +431,9 @@ class RaNNCModule(nn.Module):
         signature, the mode and the submodules in the other mode, autocast, the tree's version
         and its hooks (`ModelState.capture_key`). The mode is the wrapped model's own, as DDP
         runs it: `model.module.eval()` switches it too (the wrapper's flag is then set to it)."""
-        tree, modes, hooks = model_state(self.module).capture_key()
+        tree, modes, hooks, dtypes = model_state(self.module).capture_key()
         self.training = self.module.training
-        return (layout.signature, self.training, modes, autocast_state(), tree, hooks)
+        return (layout.signature, self.training, modes, autocast_state(), tree, hooks, dtypes)
 
     def _changed_reads(self, cache: OrderedDict[tuple[Any, ...], Any], base: tuple[Any, ...],
                        reads_of: Callable[[Any], attributes.Reads]
@@ -886,7 +887,8 @@ def _cached(cache: OrderedDict[tuple[Any, ...], Any], base: tuple[Any, ...],
 # what each part of `_capture_base` is, for `_why_again`
 _BASE_PARTS = ("input signature", "mode (train/eval)", "submodules in the other mode",
                "autocast", "module tree (a module, parameter or buffer added, removed or replaced)",
-               "hooks (a forward or backward hook added or removed)")
+               "hooks (a forward or backward hook added or removed)",
+               "parameter or buffer dtypes (e.g. model.half() or a module's .to(dtype))")
 
 
 def _why_again(changes: list[tuple[attributes.Read, Any]],
@@ -905,14 +907,26 @@ def _tree_text(base: tuple[Any, ...]) -> str:
     """The module tree's version and hooks, part of a call's mode (see `_forward_distributed`):
     a rank that swapped a module or added a hook captures again, so ranks must agree on them.
     (Hooks by module and count: their ids are each process's own.)"""
-    tree, hooks = base[4], base[5]
+    tree, hooks, dtypes = base[4], base[5], base[6]
     text = f", module tree changed {tree} times" if tree else ""
+    text += _dtypes_text(dtypes)
     if hooks:
         shown = [f"{table.strip('_').replace('_', ' ')} on '{path or '(the model)'}' ({len(ids)})"
                  for path, table, ids in hooks[:3]]
         more = f" and {len(hooks) - 3} more" if len(hooks) > 3 else ""
         text += ", hooks: " + ", ".join(shown) + more
     return text
+
+
+@functools.lru_cache(maxsize=64)
+def _dtypes_text(dtypes: tuple[tuple[str, torch.dtype], ...]) -> str:
+    """The parameters' and buffers' dtypes (`ModelState.dtypes`), part of a call's mode: the
+    first runs by name and a checksum of all of them."""
+    if not dtypes:
+        return ""
+    shown = ", ".join(f"{str(dt).replace('torch.', '')} from '{name}'" for name, dt in dtypes[:3])
+    more = f" and {len(dtypes) - 3} more runs" if len(dtypes) > 3 else ""
+    return f", dtypes {shown}{more} ({zlib.crc32(repr(dtypes).encode()):08x})"
 
 
 def _reads_text(reads: attributes.Reads | None,

@@ -94,3 +94,24 @@ def test_unchanged_checks_once_at_its_start() -> None:
         assert state.params()["0.weight"] is m[0].weight
     assert state.builds == 2
 
+
+
+def test_dtypes_are_part_of_the_capture_key() -> None:
+    """`model.half()` or a module's `.to(dtype)` sets `param.data` and leaves the tree as it
+    was; the capture key still changes (the captured graph records its dtypes), and converting
+    back gives the key of before (its capture is used again)."""
+    m = _model()
+    state = ModelState(m)
+    first = state.capture_key()
+    runs = state.dtypes()
+    # (the parameters, then the buffers: BatchNorm's num_batches_tracked is int64)
+    assert runs == (("0.weight", torch.float32), ("1.num_batches_tracked", torch.int64))
+    m[2].to(torch.float64)
+    assert state.capture_key() != first
+    assert state.dtypes() == (("0.weight", torch.float32), ("2.0.weight", torch.float64),
+                              ("1.running_mean", torch.float32),
+                              ("1.num_batches_tracked", torch.int64))
+    m.half()
+    assert [dt for _name, dt in state.dtypes()] == [torch.float16, torch.int64]
+    m.float()
+    assert state.capture_key() == first and state.dtypes() is runs

@@ -177,6 +177,36 @@ def test_a_parameter_replaced_between_calls_is_used() -> None:
     torch.testing.assert_close(new.grad, ref[2].weight.grad, rtol=RTOL, atol=ATOL)
 
 
+def test_a_model_converted_to_another_dtype_after_a_call_is_captured_again() -> None:
+    """`model.to(torch.bfloat16)` after a call (training on in lower precision, or evaluation
+    in it): the graph captured in float32 casts to the dtypes it was captured with (Llama's
+    RMSNorm: `x.to(input_dtype)`), so the call captures again (before: "Tensor dtype
+    mismatch" inside the graph); converted back, the first capture runs again."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, use_cache=False))
+    ref = copy.deepcopy(model)
+    wrapped = rannc.RaNNCModule(model)
+    ids = torch.randint(0, 64, (3, 8))
+    for dtype in (torch.float32, torch.bfloat16, torch.float32):
+        for m in (wrapped, ref):
+            m.to(dtype)
+            m.zero_grad()
+        out, want = wrapped(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
+        assert out.logits.dtype == want.logits.dtype == dtype
+        tol = LOOSER["llama"] if dtype == torch.float32 else (1e-2, 1e-3)  # (repeat_kv, above)
+        torch.testing.assert_close(out.logits, want.logits, rtol=tol[0], atol=tol[1])
+        out.loss.backward()
+        want.loss.backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=tol[0], atol=tol[1],
+                                       msg=lambda m, n=name, d=dtype: f"{n} {d}: {m}")
+    assert len(wrapped._deployments) == 2
+
+
 def test_dropout_draws_what_the_unwrapped_model_draws() -> None:
     """In one process the captured graph's dropout masks are the unwrapped model's, call for
     call from the same generator state (README, Semantics: random ops)."""

@@ -22,6 +22,7 @@ needs a capture of its own; a backward hook added is then refused by the capture
 from __future__ import annotations
 
 import contextlib
+import itertools
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -73,6 +74,8 @@ class ModelState:
         self._hook_next_id = -1
         self._hook_sizes: list[tuple[dict[int, object], int]] = []
         self.checks = 0  # how often the tree was checked (tests read it)
+        # every parameter's and buffer's dtype, as last seen -> its runs (`dtypes()`)
+        self._dtype_runs: dict[tuple[torch.dtype, ...], tuple[tuple[str, torch.dtype], ...]] = {}
         self._held = 0  # open `unchanged()` blocks: the tree was checked at the outermost
         self._build()
 
@@ -101,13 +104,34 @@ class ModelState:
         root = model.training
         return tuple(path for path, m in self._named if m.training != root)
 
-    def capture_key(self) -> tuple[int, tuple[str, ...], tuple[tuple[str, str, tuple[int, ...]], ...]]:
+    def capture_key(self) -> tuple[int, tuple[str, ...], tuple[tuple[str, str, tuple[int, ...]], ...],
+                                   tuple[tuple[str, torch.dtype], ...]]:
         """What of the module tree a capture depends on beside its inputs: the tree's version
         (a module swapped, `model.act = nn.GELU()`, runs other code than the captured graph
         recorded; a parameter removed, as pruning does, leaves an input of it unbound: each
-        needs a capture of its own), `modes()` and `hooks()`."""
-        with self.unchanged():  # (one check of the tree for both)
-            return self.tree_version, self.modes(), self.hooks()
+        needs a capture of its own), `modes()`, `hooks()` and `dtypes()`."""
+        with self.unchanged():  # (one check of the tree for all)
+            return self.tree_version, self.modes(), self.hooks(), self.dtypes()
+
+    def dtypes(self) -> tuple[tuple[str, torch.dtype], ...]:
+        """The parameters' and buffers' dtypes, as runs in their order: (the first name of
+        each run, its dtype); one pair for a model of one dtype. Part of a capture's key: a
+        graph records the dtypes it was captured with (casts such as an RMSNorm's
+        `x.to(input_dtype)`, dtype-typed constants), so `model.half()` or
+        `model.lm_head.to(torch.bfloat16)` after a capture needs a capture of its own. Their
+        conversion (`Module._apply`) sets `param.data` and leaves the tree as it was, so this
+        reads every tensor's dtype (about 16 us for 200 tensors)."""
+        self._check()
+        raw = tuple(t.dtype for t in itertools.chain(self._params.values(), self._buffers.values()))
+        runs = self._dtype_runs.get(raw)
+        if runs is None:
+            names = itertools.chain(self._params, self._buffers)
+            found: list[tuple[str, torch.dtype]] = []
+            for name, dtype in zip(names, raw, strict=True):
+                if not found or found[-1][1] != dtype:
+                    found.append((name, dtype))
+            runs = self._dtype_runs[raw] = tuple(found)
+        return runs
 
     def hooks(self) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
         """(module path, table, hook ids) of every hook table of the tree (and the global
