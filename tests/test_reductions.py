@@ -136,3 +136,21 @@ def test_the_batch_size_in_the_arithmetic_is_per_piece() -> None:
                lambda y, x: y * x.shape[0]):
         r = _analysed(fn)
         assert not r.summed and len(r.inexact) == 1, (r.summed, r.inexact)
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_attention_along_the_batch_mixes_rows(batch_first: bool) -> None:
+    """torch's own nn.TransformerEncoderLayer is sequence-first by default: given (seq, batch,
+    embed), rannc takes the sequence for the batch, and attention (scaled_dot_product_attention,
+    one op) gathers keys and values along it. Before, its outputs were taken as row-wise and a
+    plan of several microbatches split the sequences without a word (outputs off by 0.4 on 2
+    ranks); now they are named. Batch-first, attention is along each row's own sequence."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=batch_first)
+    cap = capture(nn.TransformerEncoder(layer, 1, enable_nested_tensor=False), (torch.randn(8, 3, 16),))
+    r = analyse(cap.gm, cap.graph)
+    if batch_first:
+        assert not r.inexact, r.inexact
+    else:
+        ((_task, path, op),) = r.inexact.values()
+        assert (path, op) == ("layers.0.self_attn", "scaled_dot_product_attention"), r.inexact

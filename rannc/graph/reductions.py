@@ -111,6 +111,11 @@ _BATCH_NORM = frozenset({"aten.batch_norm.default", "aten.native_batch_norm.defa
                          "aten._native_batch_norm_legit.default",
                          "aten._native_batch_norm_legit_functional.default",
                          "aten._native_batch_norm_legit_no_training.default"})
+# attention in one op (query, key, value first): its keys and values are gathered along their
+# dim -2, so a batch there (a sequence-first model's sequence taken for the batch:
+# nn.MultiheadAttention(batch_first=False) views its (seq, batch, embed) input so) mixes rows
+_ATTENTION = re.compile(r"^aten\.(_?scaled_dot_product\w*attention\w*|_flash_attention_forward|"
+                        r"_efficient_attention_forward)\.")
 _LINEAR_IN_BATCH = re.compile(r"^(\d+\*)?batch(\*\d+)?$")
 _UNBACKED = re.compile(r"\bu\d+\b")  # torch's sizes computed from tensor values
 
@@ -212,6 +217,9 @@ def _kind(op: str, node: fx.Node | None, inputs: tuple[str, ...], ins: list[Kind
             rank = len(values[inputs[0]].shape)
             if isinstance(dim, int) and dim % max(rank, 1) == values[inputs[0]].batch_dim:
                 return Kind.MIXED
+        if _ATTENTION.match(op) and any(
+                batch(i) and values[i].batch_dim == len(values[i].shape) - 2 for i in inputs[1:3]):
+            return Kind.MIXED  # (keys and values along the batch: each row attends to others)
         return Kind.ROW
     if not values[out].is_tensor:
         return Kind.CONST  # (a size)
