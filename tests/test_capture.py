@@ -896,3 +896,59 @@ def test_a_collective_in_forward_is_refused_naming_the_line(tmp_path: Any) -> No
             capture(_GathersFeatures(), (torch.randn(3, 4),))
     finally:
         dist.destroy_process_group()
+
+
+class _ReadsData(nn.Module):
+    """`.data` read in forward, as older code does: a weight used without its gradient, an
+    input detached."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x.data)
+        return nn.functional.linear(h, self.b.weight.data) + h
+
+
+class _MomentumEncoder(nn.Module):
+    """MoCo's key encoder, updated in forward by assigning `.data`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            for pq, pk in zip(self.q.parameters(), self.k.parameters(), strict=True):
+                pk.data = pk.data * 0.9 + pq.data * 0.1
+        return self.q(x) + self.k(x)
+
+
+@pytest.mark.layer("single_process")
+def test_data_read_in_forward_captures_as_detach() -> None:
+    """Before: "We found a fake tensor in the exported program constant's list" (torch.export
+    cannot trace `.data`), naming no line. Now it reads as `.detach()`: outputs and gradients
+    as eager's (b.weight gets none through `.data`)."""
+    torch.manual_seed(0)
+    model = _ReadsData()
+    ref = copy.deepcopy(model)
+    x = torch.randn(5, 4)
+    wrapped = RaNNCModule(model)
+    out, want = wrapped(x), ref(x)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    out.sum().backward()
+    want.sum().backward()
+    torch.testing.assert_close(model.a.weight.grad, ref.a.weight.grad, rtol=0, atol=0)
+    assert model.b.weight.grad is None and ref.b.weight.grad is None
+    assert torch.Tensor.data is torch._C.TensorBase.data  # (put back after the capture)
+
+
+def test_an_assignment_to_data_in_forward_is_refused_naming_the_line() -> None:
+    with pytest.raises(CaptureError, match=r"assignment to a tensor's .data .*test_capture.py:\d+"
+                       r".*after optimizer.step\(\)"):
+        capture(_MomentumEncoder(), (torch.randn(3, 4),))
+    assert torch.Tensor.data is torch._C.TensorBase.data
+    x = torch.randn(2, 3)
+    x.data = torch.ones(2, 3)  # (torch's own again)
+    assert bool((x == 1).all())

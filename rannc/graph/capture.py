@@ -21,8 +21,10 @@ import logging
 import math
 import operator
 import re
+import sys
 import time
 import traceback
+import types
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -218,7 +220,7 @@ def capture(
         nonlocal reads
         with _keywords_in_signature(model, named), _layerdrop_draws(), functions.kept_whole(), \
                 hooks.tensor_hooks_refused(), hooks.reentrant_checkpoint_refused(), \
-                _conversions_that_change_nothing(), \
+                _conversions_that_change_nothing(), _data_as_detach(model), \
                 attributes.recorded(model) as rec, _stored_tensors_returned(model, rec, written):
             ep = torch.export.export(model, tuple(ex_args), dict(ex_kwargs),
                                      dynamic_shapes=dynamic_shapes, strict=False)
@@ -405,6 +407,53 @@ def _conversions_that_change_nothing() -> Iterator[None]:
         yield
     finally:
         nn.Module.to = real  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def _data_as_detach(model: nn.Module) -> Iterator[None]:
+    """While exporting: `t.data` reads as `t.detach()`. torch.export cannot trace `.data`: any
+    use in forward fails after tracing with "We found a fake tensor in the exported program
+    constant's list", naming no line. A read gives the same values without autograd history,
+    which is what forward uses it for (`F.linear(x, self.weight.data)`, `x.data` for a
+    detached input); an in-place write through it into a parameter is then refused by name as
+    any in-place write into one is (`_refuse_writes_into_inputs_or_parameters`), and an
+    assignment to it from the model's code (`p.data = new`: a momentum encoder updated in
+    forward) is refused here, naming the line. (The class attribute is process-wide while it
+    is set; nothing else runs Python on tensors during a capture.)"""
+    names = {id(m): n for n, m in model.named_modules()}
+    base: Any = torch._C.TensorBase.data  # (the C descriptor: __set__ is torch's assignment)
+    had = torch.Tensor.__dict__.get("data")
+
+    def get(self: torch.Tensor) -> torch.Tensor:
+        return self.detach()
+
+    def assign(self: torch.Tensor, value: torch.Tensor) -> None:
+        frames = []
+        f: types.FrameType | None = sys._getframe(1)  # (the caller: walk_stack(None) skips it)
+        while f is not None:
+            frames.append(f)
+            f = f.f_back
+        site = _innermost_module(reversed(frames), names)
+        if site is None:  # (torch's own code, not the model's)
+            base.__set__(self, value)
+            return
+        raise CaptureError(
+            f"rannc cannot capture an assignment to a tensor's .data in forward() (at "
+            f"{site[1]}): torch.export records operations, and `.data = ` replaces a tensor's "
+            "contents outside them. Fix: update parameters outside "
+            "forward() (a momentum or EMA encoder: in the training loop, after "
+            "optimizer.step(), under torch.no_grad(), with in-place ops: "
+            "p_k.mul_(m).add_(p_q, alpha=1 - m)); for a value without gradient history use "
+            "x.detach()", module_path=site[0])
+
+    torch.Tensor.data = property(get, assign)  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        if had is None:
+            del torch.Tensor.data
+        else:
+            torch.Tensor.data = had  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
