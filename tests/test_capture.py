@@ -952,3 +952,12 @@ def test_an_assignment_to_data_in_forward_is_refused_naming_the_line() -> None:
     x = torch.randn(2, 3)
     x.data = torch.ones(2, 3)  # (torch's own again)
     assert bool((x == 1).all())
+
+
+def test_an_embedding_with_max_norm_is_refused_naming_the_option() -> None:
+    """nn.Embedding(max_norm=...) renormalises its weight in place in forward: refused as any
+    write into a parameter, saying which option does it and what to do instead."""
+    model = nn.Sequential(nn.Embedding(10, 4, max_norm=1.0), nn.Linear(4, 2))
+    with pytest.raises(CaptureError, match=r"parameter '0.weight' .*max_norm=None") as e:
+        capture(model, (torch.randint(0, 10, (3, 5)),))
+    assert "embedding_renorm_" in str(e.value)

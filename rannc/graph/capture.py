@@ -1100,11 +1100,17 @@ def _unkept_write(target: str, node: fx.Node | None) -> CaptureError:
     """The error for a write into an input or a parameter ("input 'x'"), at `node`'s line."""
     where = "" if node is None else \
         f" ({_op_name(node)}), in module '{_module_path(node)}' at {_source_line(node)}"
+    fix = ("Fix: write into a copy (e.g. `x = x.clone()` before the in-place op), or update "
+           "parameters outside forward().")
+    if node is not None and "embedding_renorm" in _op_name(node):
+        fix = ("It is nn.Embedding(max_norm=...), which renormalises the looked-up rows of its "
+               "weight in forward. Fix: build it with max_norm=None; to keep the "
+               "renormalisation, apply it before each call, outside forward, with the global "
+               "batch's ids: `with torch.no_grad(): torch.embedding_renorm_(emb.weight, ids, "
+               "max_norm, 2.0)` where the rank holds the weight (`emb.weight.numel() > 0`).")
     return CaptureError(
         f"rannc cannot preserve a mutation: the model writes into its {target} in place{where}. "
-        "An input or parameter written inside forward() would be changed on one rank only. "
-        "Fix: write into a copy (e.g. `x = x.clone()` before the in-place op), or update "
-        "parameters outside forward().",
+        f"An input or parameter written inside forward() would be changed on one rank only. {fix}",
         module_path=(_module_path(node) or None) if node is not None else None,
     )
 
