@@ -961,3 +961,25 @@ def test_an_embedding_with_max_norm_is_refused_naming_the_option() -> None:
     with pytest.raises(CaptureError, match=r"parameter '0.weight' .*max_norm=None") as e:
         capture(model, (torch.randint(0, 10, (3, 5)),))
     assert "embedding_renorm_" in str(e.value)
+
+
+class _SquareBias(nn.Module):
+    """Attention with an additive (seq, seq) bias passed beside the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(4, 12)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, -1)
+        return torch.softmax(q @ k.transpose(-1, -2) + bias, -1) @ v
+
+
+def test_an_input_batched_by_chance_is_named() -> None:
+    """A (seq, seq) bias with seq equal to the batch size is taken for a batched input; the
+    batch-size error also names it and the fix (before: only "the model's code fixes the batch
+    size", which it does not). With another batch size it captures."""
+    model = _SquareBias()
+    with pytest.raises(CaptureError, match=r"Or: input\(s\) bias have the batch size .*mask\[None\]"):
+        capture(model, (torch.randn(5, 5, 4),), {"bias": torch.zeros(5, 5)})
+    capture(model, (torch.randn(3, 5, 4),), {"bias": torch.zeros(5, 5)})

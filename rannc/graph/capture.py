@@ -28,7 +28,7 @@ import types
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import sympy
 import torch
@@ -230,7 +230,7 @@ def capture(
         ep = export()
     except Exception as e:  # torch.export raises many types; all become a CaptureError
         site = _specialising_site(model, e, export) if _BATCH_FIXED in str(e) else None
-        raise _capture_error(model, e, site) from e
+        raise _capture_error(model, e, site, _coincident_batch_inputs(args, kwargs, layout)) from e
     _refuse_writes_into_inputs_or_parameters(ep)
     _refuse_collectives(ep.graph_module)
     functional = _writes_through_a_view(ep.graph_module) or _batching_transforms(ep.graph_module)
@@ -633,8 +633,26 @@ def _specialising_site(model: nn.Module, e: BaseException,
     return sites[0] if sites else None
 
 
+def _coincident_batch_inputs(args: Sequence[Any], kwargs: Mapping[str, Any],
+                             layout: InputLayout) -> list[str]:
+    """The inputs taken for batched (dim 0 the batch size) that may be so only by chance: a
+    square one beside the first batched input (a (seq, seq) mask with seq equal to the batch
+    size), which the model uses whole, not by rows."""
+    tree = (tuple(args), {k: kwargs[k] for k in sorted(kwargs)})  # (flatten_inputs' order)
+    pairs = pytree.tree_flatten_with_path(tree)[0]
+    batched = [i for i, b in enumerate(layout.batch_leaves) if b]
+    found = []
+    for i in batched[1:]:
+        path, x = pairs[i]
+        if x.dim() > 1 and x.shape[0] in x.shape[1:]:
+            top, key = cast(Any, path[0]), cast(Any, path[1])  # (as validate names them)
+            found.append((f"args[{key.idx}]" if top.idx == 0 else str(key.key))
+                         + pytree.keystr(tuple(path[2:])))
+    return found
+
+
 def _capture_error(model: nn.Module, e: BaseException,
-                   site: tuple[str, str] | None = None) -> CaptureError:
+                   site: tuple[str, str] | None = None, chance: Sequence[str] = ()) -> CaptureError:
     """Name the innermost user module on the failing stack (or at `site`, where the failure
     is found after tracing), and say what usually causes it."""
     wrong_output = output_type_error(type(model).__name__, e)
@@ -649,6 +667,12 @@ def _capture_error(model: nn.Module, e: BaseException,
     if _BATCH_FIXED in str(e):
         reason += (" The model's code fixes the batch size (e.g. x.view(4, -1) or a "
                    "torch.zeros(4, ...)); derive it from the input with x.size(0) or -1.")
+        if chance:
+            reason += (f" Or: input(s) {', '.join(chance)} have the batch size as their first "
+                       "dimension by chance (e.g. a (seq, seq) mask with seq equal to the batch "
+                       "size), so rannc took them for batched inputs, whose rows it splits; pass "
+                       "such a tensor with another first dimension (mask[None]) or hold it on "
+                       "the model (register_buffer).")
     text = (
         f"rannc could not capture the model: torch.export failed in module '{path}' "
         f"[{where}]: {type(e).__name__}: {reason}\n"
