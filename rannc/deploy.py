@@ -33,7 +33,7 @@ from torch import nn
 
 from rannc import checkpoint as ckpt
 from rannc import dist as rdist
-from rannc import health, hostmem, validate
+from rannc import health, hostmem, optimizers, validate
 from rannc.atomic.components import AtomicPartition, atomic_components
 from rannc.config import Config
 from rannc.errors import ConfigError, RaNNCError
@@ -195,6 +195,8 @@ class Holdings:
     owners: dict[str, int] | None = None  # first name -> owning rank, of the planned deployment
     runtime: Any = None
     opt_groups: list[list[str]] | None = None  # param names per group, before pruning
+    # per optimizer (an OptimizerSet's each), its groups' names before pruning, in order
+    _named: list[list[list[str]]] = field(default_factory=list)
     set_aside: list[tuple[nn.Parameter, torch.Tensor | None]] = field(default_factory=list)
 
     def release(self, module: nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -223,18 +225,21 @@ class Holdings:
                 ckpt.refuse_copies(n, p, rt.rank)
         if optimizer is not None:
             if self.opt_groups is None:  # the names before pruning, for optimizer_state_dict()
-                self.opt_groups = ckpt.group_names(module, optimizer)
+                self._named = [ckpt.group_names(module, o) for o in optimizers.members(optimizer)]
+                self.opt_groups = [names for named in self._named for names in named]
             for p in released + (rt.not_stepped() if rt is self.runtime else []):
                 optimizer.state.pop(p, None)  # (ZeRO-1: state another holder keeps)
             for group in optimizer.param_groups:
                 _prune(group, [id(p) not in read or id(p) in held for p in group["params"]])
-            if not any(g["params"] for g in optimizer.param_groups):
-                # A rank holding no parameters still runs the user's optimizer step; a GradScaler
-                # needs a gradient to check there. The stand-in has gradient 0 (inf when another
-                # rank overflowed), so stepping it changes nothing that matters.
+            for opt in optimizers.members(optimizer):
+                if any(g["params"] for g in opt.param_groups):
+                    continue
+                # A rank holding none of an optimizer's parameters still runs the user's step of
+                # it; a GradScaler needs a gradient to check there. The stand-in has gradient 0
+                # (inf when another rank overflowed), so stepping it changes nothing that matters.
                 if self.placeholder is None:
                     self.placeholder = nn.Parameter(torch.zeros(1, device=rt.device))
-                optimizer.param_groups[0]["params"] = [self.placeholder]
+                opt.param_groups[0]["params"] = [self.placeholder]
         for r in runtimes:
             r.placeholder = self.placeholder
             r.owners = self.owners
@@ -253,19 +258,26 @@ class Holdings:
         the whole model's parameters and loading puts no state on a released one."""
         if self.opt_groups is None:  # (nothing released yet)
             return ckpt.group_names(module, optimizer)
-        added = optimizer.param_groups[len(self.opt_groups):]
-        if len(optimizer.param_groups) < len(self.opt_groups):
-            raise RaNNCError(
-                f"the optimizer has {len(optimizer.param_groups)} param group(s), "
-                f"{len(self.opt_groups)} when the model was deployed: rannc keeps its groups' "
-                "parameter names by position. Fix: add param groups "
-                "(optimizer.add_param_group) instead of removing them")
-        if added:
-            self.opt_groups = self.opt_groups + ckpt.group_names(module, optimizer, added)
+        # (by position: add_param_group appends, and load_state_dict keeps the groups' order)
+        changed = False
+        for opt, named in zip(optimizers.members(optimizer), self._named, strict=True):
+            if len(opt.param_groups) == len(named):
+                continue
+            if len(opt.param_groups) < len(named):
+                raise RaNNCError(
+                    f"the optimizer {type(opt).__name__} has {len(opt.param_groups)} param "
+                    f"group(s), {len(named)} when the model was deployed: rannc keeps each "
+                    "group's parameter names by position. Fix: add param groups "
+                    "(optimizer.add_param_group) instead of removing them")
+            added = opt.param_groups[len(named):]
             params = dict(module.named_parameters(remove_duplicate=False))
             released = {id(params[n]) for n in self.released}
+            named.extend(ckpt.group_names(module, opt, added))
             for group in added:
                 _prune(group, [id(p) not in released for p in group["params"]])
+            changed = True
+        if changed:
+            self.opt_groups = [names for named in self._named for names in named]
         return self.opt_groups
 
     def _zero_hooks(self, optimizer: torch.optim.Optimizer) -> None:
@@ -307,15 +319,15 @@ class Holdings:
     def without_placeholder(self, optimizer: torch.optim.Optimizer | None) -> Iterator[None]:
         """The optimizer without the stand-in parameter, for state dicts by parameter name."""
         ph = self.placeholder
-        groups = optimizer.param_groups if optimizer is not None else []
-        had = ph is not None and bool(groups) and any(p is ph for p in groups[0]["params"])
-        if had:
-            groups[0]["params"] = [p for p in groups[0]["params"] if p is not ph]
+        had = [o.param_groups[0] for o in optimizers.members(optimizer)
+               if ph is not None and o.param_groups and any(p is ph for p in o.param_groups[0]["params"])]
+        for g in had:
+            g["params"] = [p for p in g["params"] if p is not ph]
         try:
             yield
         finally:
-            if had:
-                groups[0]["params"].append(ph)
+            for g in had:
+                g["params"].append(ph)
 
     @contextlib.contextmanager
     def shaped_params(self, module: nn.Module) -> Iterator[None]:
@@ -345,8 +357,8 @@ def _prune(group: dict[str, Any], keep: list[bool]) -> None:
 def optimizer_state_factor(optimizer: torch.optim.Optimizer) -> float:
     """Optimizer state elements per parameter element (DESIGN.md's memory model): the most any
     param group needs. Counted from torch's optimizers' state after a step (torch 2.13)."""
-    groups = optimizer.param_groups or [{}]
-    return max(_group_state_factor(type(optimizer).__name__, g) for g in groups)
+    return max(_group_state_factor(type(o).__name__, g)
+               for o in optimizers.members(optimizer) for g in o.param_groups or [{}])
 
 
 def _group_state_factor(name: str, group: Mapping[str, Any]) -> float:

@@ -25,7 +25,7 @@ import warnings
 import weakref
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import torch
@@ -47,6 +47,7 @@ from rannc.graph import attributes, leftovers
 from rannc.graph.capture import autocast_state, flatten_inputs
 from rannc.graph.extract import run_chain
 from rannc.graph.model_state import model_state, replaced
+from rannc.optimizers import as_one
 from rannc.pipeline.grads import Accumulation, BucketBuffers
 from rannc.pipeline.runtime import (
     COUNT_KWARG,
@@ -69,7 +70,9 @@ class RaNNCModule(nn.Module):
 
     Construction is cheap (it starts the process group under mpiexec/torchrun); the first call
     captures the model, plans (or loads a plan) and deploys it: each rank then holds only its
-    stage's parameters, and the optimizer steps only those. Every rank calls the wrapper with
+    stage's parameters, and the optimizer steps only those (a list of optimizers, e.g. Muon
+    over the matrices and AdamW over the rest, is `model.optimizer`, a
+    `rannc.optimizers.OptimizerSet` over them; step them as before). Every rank calls the wrapper with
     its own local batch; the model behaves as the original on the concatenation of the ranks'
     batches. Settings are `rannc.Config` fields, as `config=` or keywords (`partition_num=2`),
     or `RANNC_*` environment variables; they are readable as `model.rannc_config`. Attributes
@@ -100,7 +103,8 @@ class RaNNCModule(nn.Module):
     # rannc.hf.RaNNCTrainer passes the count without the factor and is exact.
     accepts_loss_kwargs = False
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+    def __init__(self, model: nn.Module,
+                 optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None, *,
                  config: Config | None = None, **options: Any) -> None:
         super().__init__()
         if not isinstance(model, nn.Module):
@@ -114,7 +118,8 @@ class RaNNCModule(nn.Module):
         # Accelerate, Lightning) sees its parameters; named_parameters() and state_dict() below
         # keep the original names, without a "module." prefix.
         self.module = model
-        self.optimizer = optimizer
+        # (several optimizers, e.g. Muon and AdamW: one `rannc.optimizers.OptimizerSet`)
+        self.optimizer = as_one(optimizer)
         # Not `config`: that name is the wrapped model's (a Hugging Face model's `config`).
         self.rannc_config = Config.resolve(config, **options)
         # The process group starts here, not at the first call: a DistributedSampler (or any

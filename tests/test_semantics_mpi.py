@@ -275,6 +275,20 @@ def test_a_model_converted_to_another_dtype_after_deployment(launches: CaseLaunc
     _passed(res.stdout, "dtype_change", 3)
 
 
+CASES["optimizers"] = Case(3, ["--case", "optimizers", "--replicas", "2,1", "--microbatches", "2",
+                               "--batch", "7", "--schedule", "1f1b", "--zero-stage", "1"])
+
+
+@pytest.mark.cases("optimizers")
+def test_two_optimizers_for_one_model(launches: CaseLaunches) -> None:
+    """transformers' BERT trained with one optimizer over its hidden matrices (as Muon is used)
+    and AdamW over the rest, `RaNNCModule(model, [sgd, adamw])`, on 3 ranks (2 stages x [2, 1], 1F1B, ZeRO-1):
+    exact at every step, both optimizers' state by name in optimizer_state_dict() and in a
+    checkpoint that resumes exactly (before: a list failed at the first call)."""
+    res = launches.result("optimizers")
+    _passed(res.stdout, "optimizers", 3)
+
+
 CASES["sparse_grad"] = Case(3, ["--case", "sparse_grad", "--replicas", "2,1", "--microbatches", "2",
                                 "--batch", "7"])
 

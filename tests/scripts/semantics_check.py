@@ -957,6 +957,68 @@ def check_dtype_change(a: argparse.Namespace, rank: int, world: int) -> None:
     print(f"PASS dtype_change rank {rank}", flush=True)
 
 
+def two_optimizers(model: nn.Module) -> tuple[Any, Any]:
+    """One optimizer over the hidden matrices, AdamW over the embeddings, norms and biases, as
+    torch's Muon is used (it steps 2-D parameters only). SGD with momentum stands in for Muon
+    here: Muon orthogonalises in bfloat16, where gradients a float32 rounding apart (another
+    summation order) give updates a bfloat16 rounding apart, 1e-4 after three steps."""
+    hidden = [n for n, p in model.named_parameters() if p.dim() == 2 and "embeddings" not in n]
+    params = dict(model.named_parameters())
+    return (torch.optim.SGD([params[n] for n in hidden], lr=0.05, momentum=0.9),
+            torch.optim.AdamW([p for n, p in params.items() if n not in hidden], lr=1e-2))
+
+
+def check_optimizers(a: argparse.Namespace, rank: int, world: int) -> None:
+    """Two optimizers for one model, `RaNNCModule(model, [sgd, adamw])`: both pruned to what
+    the rank holds, every step exact; `optimizer_state_dict()` holds both optimizers' state by
+    name, equal to the unwrapped ones'; a checkpoint resumes into new optimizers exactly.
+    Before: a list failed at the first call ("'list' object has no attribute
+    'param_groups'"), and passing one of the two left the other's state out of checkpoints."""
+    torch.manual_seed(0)
+    model = tiny_bert_classifier()
+    ref = copy.deepcopy(model)
+    mine, theirs = two_optimizers(model), two_optimizers(ref)
+    wrapped = rannc.RaNNCModule(model, list(mine), **options(a))
+    sizes = local_sizes(a.batch, world)
+    lo = sum(sizes[:rank])
+    hi = lo + sizes[rank]
+
+    def step(net: nn.Module, opts: tuple[Any, ...], where: str) -> None:
+        ids, y = torch.randint(0, 64, (a.batch, 8)), torch.randint(0, 3, (a.batch,))
+        out = net(input_ids=ids[lo:hi], labels=y[lo:hi])
+        want = ref(input_ids=ids, labels=y)
+        close(out.logits, want.logits[lo:hi], f"{where} logits")
+        out.loss.backward()
+        want.loss.backward()
+        grads_close_then_step(net, ref, opts, where)
+
+    for i in range(3):
+        step(wrapped, (*mine, *theirs), f"rank {rank} step {i}")
+    for opt in mine:
+        assert all(p.numel() for g in opt.param_groups for p in g["params"]), "a released parameter"
+    sd = wrapped.optimizer_state_dict(rank0_only=False)
+    names = {id(p): n for n, p in ref.named_parameters()}
+    want_state = {names[id(p)]: s for opt in theirs for p, s in opt.state.items()}
+    assert [g["params"] for g in sd["param_groups"]] == [
+        [names[id(p)] for p in g["params"]] for opt in theirs for g in opt.param_groups]
+    assert set(sd["state"]) == set(want_state), sorted(set(sd["state"]) ^ set(want_state))
+    for n, s in want_state.items():
+        for k, v in s.items():
+            close(sd["state"][n][k], v, f"rank {rank} optimizer state {n} {k}")
+    where = shared_dir(rank)
+    wrapped.save_checkpoint(where)
+    torch.manual_seed(5)
+    model2 = tiny_bert_classifier()
+    mine2 = two_optimizers(model2)
+    wrapped2 = rannc.RaNNCModule(model2, list(mine2), **options(a))
+    wrapped2.load_checkpoint(where)
+    for i in range(2):
+        step(wrapped2, (*mine2, *theirs), f"rank {rank} resumed step {i}")
+    wrapped2.load_optimizer_state_dict(wrapped2.optimizer_state_dict(rank0_only=False))
+    step(wrapped2, (*mine2, *theirs), f"rank {rank} after loading its own state")
+    print(f"PASS optimizers rank {rank}", flush=True)
+
+
 class SparseBag(nn.Module):
     """A sparse-gradient embedding (`sparse=True`, as recommender and word2vec models use it)
     under a small head."""
@@ -1043,7 +1105,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
                                                 "attributes", "sum_loss", "recompute_writes",
                                                 "per_call_writes", "composed", "save_pretrained",
                                                 "sparse_grad", "stored", "param_groups",
-                                                "dtype_change"])
+                                                "dtype_change", "optimizers"])
     p.add_argument("--bn-mode", default="sync", help="batchnorm: local or sync")
     p.add_argument("--model", default="llama", help="masked_lm: llama or roberta")
     p.add_argument("--replicas", default="")
@@ -1070,7 +1132,8 @@ def run(a: argparse.Namespace, ctx: rdist.DistContext) -> None:
      "save_pretrained": check_save_pretrained,
      "sparse_grad": check_sparse_grad, "stored": check_stored,
      "param_groups": check_param_groups,
-     "dtype_change": check_dtype_change}[a.case](a, ctx.rank, ctx.world_size)
+     "dtype_change": check_dtype_change,
+     "optimizers": check_optimizers}[a.case](a, ctx.rank, ctx.world_size)
 
 
 def main() -> None:
