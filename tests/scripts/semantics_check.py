@@ -837,6 +837,22 @@ def grads_or_none_then_step(wrapped: nn.Module, ref: nn.Module, opts: tuple[Any,
         opt.zero_grad()
 
 
+def state_by_name_is(wrapped: Any, ref: nn.Module, ref_opts: list[Any], rank: int
+                     ) -> dict[str, Any]:
+    """`optimizer_state_dict()` (on every rank) names the unwrapped optimizers' param groups'
+    parameters, in order, and holds their state by name; returned."""
+    sd: dict[str, Any] = wrapped.optimizer_state_dict(rank0_only=False)
+    names = {id(p): n for n, p in ref.named_parameters()}
+    assert [g["params"] for g in sd["param_groups"]] == [
+        [names[id(p)] for p in g["params"]] for opt in ref_opts for g in opt.param_groups]
+    want = {names[id(p)]: s for opt in ref_opts for p, s in opt.state.items()}
+    assert set(sd["state"]) == set(want), sorted(set(sd["state"]) ^ set(want))
+    for n, s in want.items():
+        for k, v in s.items():
+            close(sd["state"][n][k], v, f"rank {rank} optimizer state {n} {k}")
+    return sd
+
+
 def check_param_groups(a: argparse.Namespace, rank: int, world: int) -> None:
     """Fine-tuning in phases, as users write it: the backbone frozen and the optimizer built on
     the head alone; after two steps the backbone unfrozen and given to the optimizer with
@@ -884,16 +900,8 @@ def check_param_groups(a: argparse.Namespace, rank: int, world: int) -> None:
     assert (world == 1) == (not released), released
     assert all(p.numel() for p in opt_w.state), "optimizer state on a released parameter"
     assert all(p.numel() for g in opt_w.param_groups for p in g["params"]), "a released parameter"
-    sd = wrapped.optimizer_state_dict(rank0_only=False)
-    ref_names = {id(p): n for n, p in ref.named_parameters()}
-    want_groups = [[ref_names[id(p)] for p in g["params"]] for g in opt_r.param_groups]
-    assert [g["params"] for g in sd["param_groups"]] == want_groups, sd["param_groups"]
+    sd = state_by_name_is(wrapped, ref, [opt_r], rank)
     assert [g["lr"] for g in sd["param_groups"]] == [1e-2, 5e-3], sd["param_groups"]
-    want_state = {ref_names[id(p)]: s for p, s in opt_r.state.items()}
-    assert set(sd["state"]) == set(want_state), sorted(set(sd["state"]) ^ set(want_state))
-    for n, s in want_state.items():
-        for k, v in s.items():
-            close(sd["state"][n][k], v, f"rank {rank} optimizer state {n} {k}")
     where = shared_dir(rank)
     wrapped.save_checkpoint(where)
     # the run resumed in a new process: its optimizer has both groups from the start
@@ -996,15 +1004,7 @@ def check_optimizers(a: argparse.Namespace, rank: int, world: int) -> None:
         step(wrapped, (*mine, *theirs), f"rank {rank} step {i}")
     for opt in mine:
         assert all(p.numel() for g in opt.param_groups for p in g["params"]), "a released parameter"
-    sd = wrapped.optimizer_state_dict(rank0_only=False)
-    names = {id(p): n for n, p in ref.named_parameters()}
-    want_state = {names[id(p)]: s for opt in theirs for p, s in opt.state.items()}
-    assert [g["params"] for g in sd["param_groups"]] == [
-        [names[id(p)] for p in g["params"]] for opt in theirs for g in opt.param_groups]
-    assert set(sd["state"]) == set(want_state), sorted(set(sd["state"]) ^ set(want_state))
-    for n, s in want_state.items():
-        for k, v in s.items():
-            close(sd["state"][n][k], v, f"rank {rank} optimizer state {n} {k}")
+    state_by_name_is(wrapped, ref, list(theirs), rank)
     where = shared_dir(rank)
     wrapped.save_checkpoint(where)
     torch.manual_seed(5)
