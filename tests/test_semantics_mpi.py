@@ -289,6 +289,26 @@ def test_two_optimizers_for_one_model(launches: CaseLaunches) -> None:
     _passed(res.stdout, "optimizers", 3)
 
 
+CASES["param_hooks_gpipe"] = Case(3, ["--case", "param_hooks", "--replicas", "2,1", "--microbatches",
+                                      "2", "--batch", "7", "--schedule", "gpipe"])
+CASES["param_hooks_zero_bubble"] = Case(3, ["--case", "param_hooks", "--partition-num", "3",
+                                            "--microbatches", "2", "--batch", "7", "--schedule",
+                                            "zero_bubble"])
+
+
+@pytest.mark.parametrize("layout", [
+    pytest.param(s, marks=pytest.mark.cases(f"param_hooks_{s}")) for s in ("gpipe", "zero_bubble")])
+def test_parameter_gradient_hooks_run_once_on_the_whole_gradient(layout: str,
+                                                                 launches: CaseLaunches) -> None:
+    """A clamp and a scaling registered with `p.register_hook`, and an SGD step fused into
+    backward with `p.register_post_accumulate_grad_hook`, on transformers' BERT on 3 ranks
+    (2 stages x [2, 1] fill-drain, 3 stages zero-bubble; 2 microbatches): each runs once per
+    backward on the whole gradient, as in the unwrapped model (before: once per microbatch on
+    pieces, the clamp off, the fused step failing with an in-place modification error)."""
+    res = launches.result(f"param_hooks_{layout}")
+    _passed(res.stdout, "param_hooks", 3)
+
+
 CASES["sparse_grad"] = Case(3, ["--case", "sparse_grad", "--replicas", "2,1", "--microbatches", "2",
                                 "--batch", "7"])
 

@@ -32,6 +32,14 @@ input signatures: dynamic padding runs each micro-step of an accumulation on its
 a parameter no holder got a gradient for keeps `.grad` None, and a non-finite gradient on any
 rank shows on every rank (`finish`), in the same all-reduce as the got-a-gradient flags.
 
+The user's own gradient hooks on parameters (`p.register_hook(fn)`: clamping, logging,
+wandb.watch; `p.register_post_accumulate_grad_hook(fn)`: an optimizer step fused into backward)
+run once per synchronised backward, on the gradient the unwrapped model's backward would give
+them (`ParamHooks`): autograd would call them once per microbatch's accumulation, on a piece of
+the gradient before the sum over the replicas (a clamp of the pieces is not a clamp of the sum;
+a fused optimizer step ran once per microbatch). Under `no_sync()` they run at the synchronised
+backward, on the accumulation's sum.
+
 Index conventions: k buckets; n parameter names; r ranks.
 """
 
@@ -126,6 +134,9 @@ class Accumulation:
     # version counter): a `.grad` changed since (zero_grad(), replaced) is what `reconcile` reads
     marks: dict[str, tuple[weakref.ref[torch.Tensor], int]] = field(default_factory=dict)
     last_sync: bool = True  # the last backward was synchronised (nothing pending)
+    # the user's parameter hooks set aside while a call's gradients are computed (one record
+    # per model: the call that puts them back may run another signature's graph)
+    param_hooks: ParamHooks = field(default_factory=lambda: ParamHooks())
     # every replica computed rows in every call since the last synchronised backward: every
     # rank got a gradient for the same parameters (`GradReducer.finish`'s `same_got`)
     same_got: bool = True
@@ -209,6 +220,52 @@ class _State:
     seed: LossSeed | None = None
 
 
+class ParamHooks:
+    """The user's gradient hooks on the parameters this rank holds, set aside while the
+    pipeline computes a call's gradients microbatch by microbatch (`suspend`, when a call with
+    gradients begins) and put back before its synchronised sum is final (`resume`), where
+    `GradReducer.finish` runs them once (module doc). They stay the parameters' own tables
+    (`_backward_hooks`, `_post_accumulate_grad_hooks`): only their entries move, so handles
+    keep working once they are back."""
+
+    def __init__(self) -> None:
+        self._aside: list[tuple[dict[int, Any], dict[int, Any]]] = []
+
+    @property
+    def active(self) -> bool:
+        """Hooks are set aside (a call's gradients are being computed): the same on every rank
+        whose model's code registered the same hooks, since `suspend` looks at every parameter
+        of the model, held here or not."""
+        return bool(self._aside)
+
+    def suspend(self, params: Mapping[str, torch.Tensor]) -> None:
+        """Set aside the hooks of `params` (every parameter of the model)."""
+        self.resume()  # (a call whose backward never came)
+        for p in params.values():
+            for table in (p._backward_hooks, p._post_accumulate_grad_hooks):
+                if table:
+                    self._aside.append((table, dict(table)))
+                    table.clear()
+
+    def resume(self) -> bool:
+        """Put the hooks back; whether there were any."""
+        had = bool(self._aside)
+        for table, entries in self._aside:
+            table.update(entries)
+        self._aside.clear()
+        return had
+
+
+def _run_tensor_hooks(p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """`grad` through `p`'s own gradient hooks, as autograd runs them (a hook returning None
+    leaves it as it is)."""
+    for hook in list((p._backward_hooks or {}).values()):
+        out = hook(grad)
+        if out is not None:
+            grad = out
+    return grad
+
+
 class GradReducer:
     """Sums this rank's parameter gradients over their holders, bucket by bucket."""
 
@@ -248,6 +305,8 @@ class GradReducer:
             (p.device for p in self.held.values()), torch.device("cpu"))
         self._state: _State | None = None
         self._hooks: list[Any] = []
+        # the user's parameter hooks were put back for this backward: `finish` runs them once
+        self.user_hooks = False
         self._buffered: _Bucket | None = None  # the one bucket whose buffer is in use
         self.buffers = buffers if buffers is not None else BucketBuffers()  # (`_buffer`)
         self._spare_sizes: dict[torch.dtype, int] = {}
@@ -439,10 +498,13 @@ class GradReducer:
         # where none did, so its finiteness is that of the old `.grad` either way, and the
         # overflow is known before the flags are.
         final: dict[str, torch.Tensor | None] = {}
+        hooks, self.user_hooks = self.user_hooks, False
         for n in self.held:
             base, r = st.base[n], st.new[n]
             if r is not None and scale is not None:
                 r.mul_(scale.to(r.dtype))
+            if r is not None and hooks and self.held[n]._backward_hooks:
+                r = _run_tensor_hooks(self.held[n], r)
             final[n] = base if r is None else r if base is None else r.add_(base)
         if same_got and self.everywhere:
             got, self._overflow = st.got, (False, False)
@@ -453,6 +515,11 @@ class GradReducer:
         for n, p in self.held.items():
             p.grad = final[n] if n in got else st.base[n]
         self._mark_overflow(extra)
+        if hooks:  # (as autograd runs them once a gradient has accumulated)
+            for n, p in self.held.items():
+                if n in got and p._post_accumulate_grad_hooks:
+                    for hook in list(p._post_accumulate_grad_hooks.values()):
+                        hook(p)
 
     def _share(self, check: Sequence[torch.Tensor], got: set[str]) -> set[str]:
         """One all-reduce (MAX) over the world of [this rank's gradients `check` are not all

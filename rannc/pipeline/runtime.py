@@ -165,6 +165,7 @@ class PipelineRuntime:
                                  accumulation=accumulation, buffers=buffers)
         # no_sync()'s state, shared with the model's other input signatures' runtimes
         self.acc = self.grads.accumulation
+        self.param_hooks = self.acc.param_hooks
         self._bn = self._batch_norm(batchnorm)
         bn_tasks = set(bnorm.training_batch_norms(self.cap.gm, self.graph))
         self._bn_stages = [t for t, st in enumerate(self.stages)
@@ -452,6 +453,10 @@ class PipelineRuntime:
                     Transport(self.rank, self._tags, self.graph.values, self.device, guess),
                     self.executor.new_micro(layout), t0=time.perf_counter())
         if grad:
+            self.grads._drop_hooks()  # (rannc's own, left by a backward that raised)
+            # (`grads.ParamHooks`: run once, in `finish`; every parameter, held here or not, so
+            # that every rank knows alike whether there are any)
+            self.param_hooks.suspend(model_state(self.model).params())
             call.grad_inputs = frozenset(v for v, _x in self.grad_inputs(leaves))
             # (a call without gradients in between, e.g. a metric under torch.no_grad(), leaves
             # the last call's backward to come)
@@ -736,6 +741,7 @@ class PipelineRuntime:
             assert agreed is not None
             in_grads = self._commit_eager(call, grad_of, agreed.seeds[self._loss])
         same = self.acc.same_got = self.acc.same_got and call.layout.every_replica_computes()
+        self.grads.user_hooks = self.param_hooks.resume() and self.sync
         with torch.profiler.record_function("rannc reduce gradients"):
             self.grads.finish(self.sync, self._stand_in(),
                               agreed.overflow if agreed is not None else None, same_got=same)
@@ -838,6 +844,7 @@ class PipelineRuntime:
         scale = _Correction(posted, self._loss, torch.ones((), dtype=torch.float64))
         # (reducing in forward() needs the backward before synchronised: nothing pending)
         same = call.layout.every_replica_computes()
+        self.grads.user_hooks = self.param_hooks.resume()
         with torch.profiler.record_function("rannc reduce gradients"):
             self.grads.rebase()  # (.grad may have been zeroed or replaced since forward())
             self.grads.finish(True, self._stand_in(), None, scale, same_got=same)
@@ -894,8 +901,8 @@ class PipelineRuntime:
         """Eager, synchronised and no parameter held by several ranks: (this rank's stashed
         gradients are not all finite, their check is not final because `.grad` held gradients
         before); else None. The same on every rank (the loss gradient's all-reduce carries it)."""
-        if call.mode != "eager" or not self.sync or self.grads.shared:
-            return None
+        if call.mode != "eager" or not self.sync or self.grads.shared or self.param_hooks.active:
+            return None  # (a parameter's own hooks run on the final gradients, after this)
         assert call.stash is not None
         if any(p.grad is not None for p in self.held.values()):
             return False, True

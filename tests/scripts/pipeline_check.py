@@ -179,8 +179,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=0,
                    help="after every this many training steps, an eval call under no_grad")
     p.add_argument("--inject-overflow", type=int, default=-1,
-                   help="at this step, an inf gradient on rank 0's first parameter (and the "
-                        "reference's); with --grad-scaler every rank must skip the step")
+                   help="at this step, an inf gradient on the first rank's first parameter "
+                        "(and the reference's); with --grad-scaler every rank must skip the step")
     p.add_argument("--autocast", default="", help="bf16 or fp16: both models run under autocast")
     p.add_argument("--bf16", action="store_true", help="both models cast to bfloat16")
     p.add_argument("--last-batch", type=int, default=0, help="a call with this global batch")
@@ -275,8 +275,9 @@ def check_model(a: argparse.Namespace, name: str, ctx: rdist.DistContext) -> Non
             src = next(r for r, x in enumerate(firsts) if x is not None)
             inf = lambda g: g * float("inf")  # noqa: E731
             hooks.append(ref_names[firsts[src]].register_hook(inf))
-            if rank == src:
-                hooks.append(dict(model.named_parameters())[firsts[src]].register_hook(inf))
+            # (on every rank, as the model's code would: rannc runs a parameter's hooks once,
+            # on the gradient summed over its holders)
+            hooks.append(dict(model.module.named_parameters())[firsts[src]].register_hook(inf))
         if a.extra_forward:  # evaluation under grad mode: nothing may be committed
             model(*l_args, **l_kwargs)
         with autocast(a):

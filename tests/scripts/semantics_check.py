@@ -1019,6 +1019,67 @@ def check_optimizers(a: argparse.Namespace, rank: int, world: int) -> None:
     print(f"PASS optimizers rank {rank}", flush=True)
 
 
+def check_param_hooks(a: argparse.Namespace, rank: int, world: int) -> None:
+    """The user's gradient hooks on parameters, registered after wrapping: a clamp
+    (`p.register_hook(lambda g: g.clamp(...))`, not linear), a scaling, and an SGD step fused
+    into backward (`p.register_post_accumulate_grad_hook`, as torch's "optimizer in backward"
+    recipe does), each counted. Each runs once per backward on the whole gradient, as in the
+    unwrapped model: gradients, parameters and counts equal at every step. Before, autograd ran
+    them once per microbatch on a piece of the gradient, before the sum over the replicas (the
+    clamp of pieces off by 0.01, the fused step taken once per microbatch)."""
+    torch.manual_seed(0)
+    model = tiny_bert_classifier()
+    ref, wrapped, opts, (lo, hi) = trained_pair(model, a, rank, world)
+    counts: dict[str, int] = {}
+
+    def hooked(m: nn.Module, tag: str) -> None:
+        def count(what: str) -> None:
+            counts[f"{tag} {what}"] = counts.get(f"{tag} {what}", 0) + 1
+
+        def fused_sgd(p: torch.Tensor) -> None:
+            count("step")
+            with torch.no_grad():
+                p.add_(p.grad, alpha=-0.1)
+            p.grad = None
+
+        layer = m.bert.encoder.layer
+        layer[0].attention.self.query.weight.register_hook(
+            lambda g: count("clamp") or g.clamp(-1e-3, 1e-3))
+        layer[1].output.dense.weight.register_hook(lambda g: count("scale") or g * 0.5)
+        m.classifier.weight.register_post_accumulate_grad_hook(fused_sgd)
+
+    hooked(model, "wrapped")
+    hooked(ref, "unwrapped")
+    fused = "classifier.weight"
+    for step in range(3):
+        ids, y = torch.randint(0, 64, (a.batch, 8)), torch.randint(0, 3, (a.batch,))
+        out = wrapped(input_ids=ids[lo:hi], labels=y[lo:hi])
+        want = ref(input_ids=ids, labels=y)
+        where = f"rank {rank} step {step}"
+        close(out.logits, want.logits[lo:hi], f"{where} logits")
+        out.loss.backward()
+        want.loss.backward()
+        ref_params = dict(ref.named_parameters())
+        for name, p in model.named_parameters():
+            if not p.numel():  # (held elsewhere)
+                continue
+            if name == fused:  # (stepped in backward, its gradient taken)
+                assert p.grad is None and ref_params[name].grad is None, where
+                close(p.detach(), ref_params[name].detach(), f"{where} {name}")
+            else:
+                close(p.grad, ref_params[name].grad, f"{where} grad {name}")
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    held = {n for n, p in model.named_parameters() if p.numel()}
+    for what, name in (("clamp", "bert.encoder.layer.0.attention.self.query.weight"),
+                       ("scale", "bert.encoder.layer.1.output.dense.weight"), ("step", fused)):
+        want_n = 3 if name in held else 0
+        assert counts.get(f"wrapped {what}", 0) == want_n, (where, what, counts)
+        assert counts[f"unwrapped {what}"] == 3, counts
+    print(f"PASS param_hooks rank {rank}", flush=True)
+
+
 class SparseBag(nn.Module):
     """A sparse-gradient embedding (`sparse=True`, as recommender and word2vec models use it)
     under a small head."""
@@ -1105,7 +1166,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
                                                 "attributes", "sum_loss", "recompute_writes",
                                                 "per_call_writes", "composed", "save_pretrained",
                                                 "sparse_grad", "stored", "param_groups",
-                                                "dtype_change", "optimizers"])
+                                                "dtype_change", "optimizers", "param_hooks"])
     p.add_argument("--bn-mode", default="sync", help="batchnorm: local or sync")
     p.add_argument("--model", default="llama", help="masked_lm: llama or roberta")
     p.add_argument("--replicas", default="")
@@ -1133,7 +1194,7 @@ def run(a: argparse.Namespace, ctx: rdist.DistContext) -> None:
      "sparse_grad": check_sparse_grad, "stored": check_stored,
      "param_groups": check_param_groups,
      "dtype_change": check_dtype_change,
-     "optimizers": check_optimizers}[a.case](a, ctx.rank, ctx.world_size)
+     "optimizers": check_optimizers, "param_hooks": check_param_hooks}[a.case](a, ctx.rank, ctx.world_size)
 
 
 def main() -> None:
