@@ -357,12 +357,16 @@ def describe_mismatch(sigs: Sequence[CallSignature], sizes: Sequence[int]) -> st
                     f"({per}); each rank's captured graph holds them as constants, so the ranks "
                     "would run different graphs. Fix: set such attributes (a dropout's p, a "
                     "scale, config flags) alike on every rank, at the same step.")
-        if len({re.sub(r", (module tree changed \d+ times|hooks: .*?)(?=, attributes |$)", "",
-                       s.mode) for s in sigs}) == 1:
-            return (f"ranks called the model with different module trees or hooks ({per}); a "
-                    "module swapped, a parameter removed or a forward hook added or removed "
-                    "captures the model again, so the ranks would run different graphs. Fix: "
-                    "make such a change on every rank alike, at the same step.")
+        # (the mode without its tree, dtypes and hooks, and the attribute values read, which a
+        # capture of its own reads anew)
+        if len({re.sub(r", (module tree changed \d+ times|dtypes .*?\([0-9a-f]{8}\)|hooks: .*?)"
+                       r"(?=, attributes |, hooks: |$)", "", s.mode.split(", attributes ")[0])
+                for s in sigs}) == 1:
+            return (f"ranks called the model with different module trees, dtypes or hooks ({per}); "
+                    "a module swapped, a parameter removed, the model converted to another dtype "
+                    "(model.to(torch.bfloat16)) or a forward hook added or removed captures the "
+                    "model again, so the ranks would run different graphs. Fix: make such a "
+                    "change on every rank alike, at the same step.")
         return (f"ranks called the model in different modes ({per}); the pipeline runs one way "
                 "on every rank. Fix: call model.train() or model.eval() on every rank, and "
                 "torch.no_grad() / torch.autocast around the call on every rank alike.")

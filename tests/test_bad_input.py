@@ -76,9 +76,13 @@ CASES: dict[str, tuple[str, list[str]]] = {
         "attributes changed since captured (scale 1.0 -> 0.5)", "rank 1: train mode, grad "
         "enabled, attributes as captured (", "Fix: set such attributes"]),
     "hook_added_on_one_rank": ("InputMismatchError", [
-        "different module trees or hooks", "rank 0: train mode, grad enabled, hooks: forward "
+        "different module trees, dtypes or hooks", "rank 0: train mode, grad enabled, hooks: forward "
         "hooks on 'a' (1)", "rank 1: train mode, grad enabled)", "Fix: make such a change on "
         "every rank alike"]),
+    "dtype_changed_on_one_rank": ("InputMismatchError", [
+        "different module trees, dtypes or hooks", "rank 0: train mode, grad enabled, dtypes "
+        "float64 from 'a.weight' (", "rank 1: train mode, grad enabled)",
+        "the model converted to another dtype"]),
     "generate_after_deployment": ("RaNNCError", [
         "LlamaForCausalLM.generate() after rannc deployed the model on several ranks",
         "Fix: gather the model and generate from an unwrapped copy"]),

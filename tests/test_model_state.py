@@ -106,6 +106,7 @@ def test_dtypes_are_part_of_the_capture_key() -> None:
     runs = state.dtypes()
     # (the parameters, then the buffers: BatchNorm's num_batches_tracked is int64)
     assert runs == (("0.weight", torch.float32), ("1.num_batches_tracked", torch.int64))
+    assert first[-1] == ()  # (as first seen: nothing in the key, nothing in what calls show)
     m[2].to(torch.float64)
     assert state.capture_key() != first
     assert state.dtypes() == (("0.weight", torch.float32), ("2.0.weight", torch.float64),

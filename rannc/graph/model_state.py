@@ -76,6 +76,7 @@ class ModelState:
         self.checks = 0  # how often the tree was checked (tests read it)
         # every parameter's and buffer's dtype, as last seen -> its runs (`dtypes()`)
         self._dtype_runs: dict[tuple[torch.dtype, ...], tuple[tuple[str, torch.dtype], ...]] = {}
+        self._first_dtypes: tuple[tuple[str, torch.dtype], ...] | None = None  # (`capture_key`)
         self._held = 0  # open `unchanged()` blocks: the tree was checked at the outermost
         self._build()
 
@@ -109,9 +110,14 @@ class ModelState:
         """What of the module tree a capture depends on beside its inputs: the tree's version
         (a module swapped, `model.act = nn.GELU()`, runs other code than the captured graph
         recorded; a parameter removed, as pruning does, leaves an input of it unbound: each
-        needs a capture of its own), `modes()`, `hooks()` and `dtypes()`."""
+        needs a capture of its own), `modes()`, `hooks()` and `dtypes()` (empty while they are
+        as the first time this was asked: what calls and errors show stays as it was)."""
         with self.unchanged():  # (one check of the tree for all)
-            return self.tree_version, self.modes(), self.hooks(), self.dtypes()
+            dtypes = self.dtypes()
+            if self._first_dtypes is None:
+                self._first_dtypes = dtypes
+            return (self.tree_version, self.modes(), self.hooks(),
+                    () if dtypes == self._first_dtypes else dtypes)
 
     def dtypes(self) -> tuple[tuple[str, torch.dtype], ...]:
         """The parameters' and buffers' dtypes, as runs in their order: (the first name of

@@ -202,6 +202,17 @@ def hook_added_on_rank_0(rank: int, n: int) -> None:
     model(torch.randn(n, WIDTH))
 
 
+def dtype_changed_on_rank_0(rank: int, n: int) -> None:
+    """A step, then rank 0 alone converts the model to float64: every rank raises (rank 0
+    would capture again; before the dtypes were in the capture key, it ran the float32 graph
+    on float64 parameters and sent messages of another size)."""
+    model = rannc.RaNNCModule(Net(), partition_num=2, profiler="estimate")
+    model(torch.randn(n, WIDTH)).backward()
+    if rank == 0:
+        model.double()
+    model(torch.randn(n, WIDTH, dtype=torch.float64 if rank == 0 else torch.float32))
+
+
 def meta_net() -> nn.Module:
     with torch.device("meta"):
         return Net()
@@ -297,6 +308,7 @@ def main() -> None:
         OrderByRank(), partition_num=2, profiler="estimate")(torch.randn(n, WIDTH)))
     case("attribute_differs_across_ranks", r, lambda: attribute_set_on_rank_0(r, n))
     case("hook_added_on_one_rank", r, lambda: hook_added_on_rank_0(r, n))
+    case("dtype_changed_on_one_rank", r, lambda: dtype_changed_on_rank_0(r, n))
     case("generate_after_deployment", r, lambda: generate_after_deployment(n))
     case("output_without_rows", r, lambda: rannc.RaNNCModule(
         FeatureMean(), profiler="estimate")(torch.randn(n, WIDTH)))
