@@ -983,3 +983,23 @@ def test_an_input_batched_by_chance_is_named() -> None:
     with pytest.raises(CaptureError, match=r"Or: input\(s\) bias have the batch size .*mask\[None\]"):
         capture(model, (torch.randn(5, 5, 4),), {"bias": torch.zeros(5, 5)})
     capture(model, (torch.randn(3, 5, 4),), {"bias": torch.zeros(5, 5)})
+
+
+class _Recurrent(nn.Module):
+    def __init__(self, batch_first: bool) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(6, 4, batch_first=batch_first)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(x)[0])
+
+
+def test_a_sequence_first_recurrent_layer_is_named() -> None:
+    """nn.LSTM is sequence-first by default: given (seq, batch, features), rannc takes the
+    time steps for the rows, and torch.export pins their number. The error names the layer and
+    batch_first=True (before: only "the model's code fixes the batch size")."""
+    with pytest.raises(CaptureError, match=r"LSTM 'rnn' is sequence-first \(batch_first=False\).*"
+                                           r"Fix: build it with batch_first=True"):
+        capture(_Recurrent(batch_first=False), (torch.randn(5, 3, 6),))
+    capture(_Recurrent(batch_first=True), (torch.randn(3, 5, 6),))

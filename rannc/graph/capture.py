@@ -633,6 +633,22 @@ def _specialising_site(model: nn.Module, e: BaseException,
     return sites[0] if sites else None
 
 
+def _sequence_first(model: nn.Module, path: str | None) -> str:
+    """'LSTM 'rnn'' where the module at `path` (or one inside it) is torch's recurrent layer
+    or attention built sequence-first, else ''."""
+    if path is None:
+        return ""
+    try:
+        mod = model if path == "<root>" else model.get_submodule(path)
+    except AttributeError:
+        return ""
+    for name, m in mod.named_modules():
+        if isinstance(m, (nn.RNNBase, nn.MultiheadAttention)) and not m.batch_first:
+            full = ".".join(x for x in (path if path != "<root>" else "", name) if x)
+            return f"{type(m).__name__} '{full}'"
+    return ""
+
+
 def _coincident_batch_inputs(args: Sequence[Any], kwargs: Mapping[str, Any],
                              layout: InputLayout) -> list[str]:
     """The inputs taken for batched (dim 0 the batch size) that may be so only by chance: a
@@ -667,6 +683,11 @@ def _capture_error(model: nn.Module, e: BaseException,
     if _BATCH_FIXED in str(e):
         reason += (" The model's code fixes the batch size (e.g. x.view(4, -1) or a "
                    "torch.zeros(4, ...)); derive it from the input with x.size(0) or -1.")
+        first = _sequence_first(model, path)
+        if first:
+            reason = (f"{first} is sequence-first (batch_first=False): rannc takes dim 0 of every "
+                      "input as the batch, so its time steps were taken for the rows. Fix: build "
+                      "it with batch_first=True and pass (batch, sequence, ...) inputs. " + reason)
         if chance:
             reason += (f" Or: input(s) {', '.join(chance)} have the batch size as their first "
                        "dimension by chance (e.g. a (seq, seq) mask with seq equal to the batch "
