@@ -218,7 +218,10 @@ class _Recorder:
 
         def computed(v: Any) -> bool:
             if isinstance(v, list | tuple | dict):
-                return any(isinstance(x, torch.Tensor) for x in tree_leaves(v))
+                # (the module's own parameters listed again, as torch's LSTM keeps
+                # `_flat_weights`, are nothing forward computed)
+                tensors = [x for x in tree_leaves(v) if isinstance(x, torch.Tensor)]
+                return any(not isinstance(x, nn.Parameter) for x in tensors)
             return isinstance(v, torch.SymFloat | torch.SymBool) or (
                 isinstance(v, torch.SymInt) and bool(free_unbacked_symbols(v)))
 
