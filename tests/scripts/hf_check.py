@@ -85,12 +85,26 @@ def trainer_args(out: str, **kw: Any) -> Any:
         disable_tqdm=True), **kw})
 
 
-def check_trainer(rank: int, out: str) -> None:
+def adamw(model: torch.nn.Module) -> Any:
+    return torch.optim.AdamW(model.parameters(), lr=3e-3)
+
+
+def two_optimizers(model: torch.nn.Module) -> list[Any]:
+    """SGD with momentum over the blocks' matrices, AdamW over the rest (as Muon is used)."""
+    params = dict(model.named_parameters())
+    matrices = [n for n, p in params.items() if p.dim() == 2 and ".h." in n]
+    return [torch.optim.SGD([params[n] for n in matrices], lr=0.05, momentum=0.9),
+            torch.optim.AdamW([p for n, p in params.items() if n not in matrices], lr=3e-3)]
+
+
+def check_trainer(rank: int, out: str, optimizers: Any = adamw, name: str = "trainer") -> None:
+    """RaNNCTrainer on 2 stages: 6 steps, a checkpoint at step 3, and a run resumed from it
+    ends with the same model. `optimizers`: the model's optimizer (or a list of them: an
+    OptimizerSet that Trainer steps and checkpoints as one)."""
     from rannc.hf import RaNNCTrainer
 
     model = gpt2()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    wrapped = rannc.RaNNCModule(model, opt, partition_num=2, timeout_s=60)
+    wrapped = rannc.RaNNCModule(model, optimizers(model), partition_num=2, timeout_s=60)
     trainer = RaNNCTrainer(model=wrapped, args=trainer_args(out), train_dataset=dataset())
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
@@ -102,8 +116,7 @@ def check_trainer(rank: int, out: str) -> None:
     rannc.barrier()
 
     model2 = gpt2(seed=5)  # other weights: the checkpoint must bring them back
-    opt2 = torch.optim.AdamW(model2.parameters(), lr=3e-3)
-    wrapped2 = rannc.RaNNCModule(model2, opt2, partition_num=2, timeout_s=60)
+    wrapped2 = rannc.RaNNCModule(model2, optimizers(model2), partition_num=2, timeout_s=60)
     trainer2 = RaNNCTrainer(model=wrapped2, args=trainer_args(out + "-resumed"),
                             train_dataset=dataset())
     trainer2.train(resume_from_checkpoint=str(ckpt))
@@ -113,7 +126,7 @@ def check_trainer(rank: int, out: str) -> None:
         assert list(resumed) == list(final)
         for k in final:
             torch.testing.assert_close(resumed[k], final[k], rtol=RTOL, atol=ATOL, msg=k)
-    print(f"PASS trainer rank {rank}", flush=True)
+    print(f"PASS {name} rank {rank}", flush=True)
 
 
 def masked_dataset() -> list[dict[str, torch.Tensor]]:
@@ -305,6 +318,7 @@ def main() -> None:
         return
     check_accelerate(rank)
     check_trainer(rank, a.out)
+    check_trainer(rank, a.out + "-optimizers", two_optimizers, "trainer-optimizers")
     check_trainer_masked_labels(rank, a.out + "-masked")
     check_trainer_ragged(rank, a.out + "-ragged")
     check_trainer_ragged(rank, a.out + "-ragged8", multiple=8)
