@@ -303,7 +303,8 @@ class Holdings:
                     p.grad = g
                 h.set_aside = []
                 with health.phase("ZeRO-1 parameter broadcast", h.step()):
-                    h.runtime.share_stepped_params()
+                    h.runtime.share_stepped_params(
+                        {id(p) for g in opt.param_groups for p in g["params"]})
 
         optimizer.register_step_pre_hook(before)
         optimizer.register_step_post_hook(after)

@@ -55,7 +55,7 @@ import math
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -931,9 +931,11 @@ class PipelineRuntime:
         out = {id(p): p for p in self.held.values() if self.owners[first[id(p)]] != self.rank}
         return list(out.values())
 
-    def share_stepped_params(self) -> None:
+    def share_stepped_params(self, only: Container[int] | None = None) -> None:
         """ZeRO-1, after the optimizer step: each parameter's owner sends its new values to the
-        parameter's other holders; one broadcast per (holders, owner, dtype) and bucket_mb."""
+        parameter's other holders; one broadcast per (holders, owner, dtype) and bucket_mb.
+        `only`: the ids of the parameters the step could change (the optimizer's, the same on
+        every holder; one of several optimizers changes its own alone)."""
         if self.plan.zero_stage == 0:
             return
         first = self.first_names()
@@ -943,6 +945,8 @@ class PipelineRuntime:
             by: dict[tuple[int, str], dict[int, nn.Parameter]] = {}
             for n in names:
                 p = self.held[n]
+                if only is not None and id(p) not in only:
+                    continue
                 by.setdefault((self.owners[first[id(p)]], str(p.dtype)), {})[id(p)] = p
             for (owner, _dtype), ps in sorted(by.items()):
                 for chunk in _chunks(list(ps.values()), self._bucket_bytes):
