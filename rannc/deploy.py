@@ -194,9 +194,8 @@ class Holdings:
     placeholder: nn.Parameter | None = None  # the optimizer's stand-in on a rank holding none
     owners: dict[str, int] | None = None  # first name -> owning rank, of the planned deployment
     runtime: Any = None
-    opt_groups: list[list[str]] | None = None  # param names per group, before pruning
-    # per optimizer (an OptimizerSet's each), its groups' names before pruning, in order
-    _named: list[list[list[str]]] = field(default_factory=list)
+    # per optimizer (an OptimizerSet's each), its groups' parameter names before pruning
+    opt_groups: list[list[list[str]]] | None = None
     set_aside: list[tuple[nn.Parameter, torch.Tensor | None]] = field(default_factory=list)
 
     def release(self, module: nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -225,8 +224,7 @@ class Holdings:
                 ckpt.refuse_copies(n, p, rt.rank)
         if optimizer is not None:
             if self.opt_groups is None:  # the names before pruning, for optimizer_state_dict()
-                self._named = [ckpt.group_names(module, o) for o in optimizers.members(optimizer)]
-                self.opt_groups = [names for named in self._named for names in named]
+                self.opt_groups = [ckpt.group_names(module, o) for o in optimizers.members(optimizer)]
             for p in released + (rt.not_stepped() if rt is self.runtime else []):
                 optimizer.state.pop(p, None)  # (ZeRO-1: state another holder keeps)
             for group in optimizer.param_groups:
@@ -259,8 +257,7 @@ class Holdings:
         if self.opt_groups is None:  # (nothing released yet)
             return ckpt.group_names(module, optimizer)
         # (by position: add_param_group appends, and load_state_dict keeps the groups' order)
-        changed = False
-        for opt, named in zip(optimizers.members(optimizer), self._named, strict=True):
+        for opt, named in zip(optimizers.members(optimizer), self.opt_groups, strict=True):
             if len(opt.param_groups) == len(named):
                 continue
             if len(opt.param_groups) < len(named):
@@ -275,10 +272,7 @@ class Holdings:
             named.extend(ckpt.group_names(module, opt, added))
             for group in added:
                 _prune(group, [id(p) not in released for p in group["params"]])
-            changed = True
-        if changed:
-            self.opt_groups = [names for named in self._named for names in named]
-        return self.opt_groups
+        return [names for named in self.opt_groups for names in named]
 
     def _zero_hooks(self, optimizer: torch.optim.Optimizer) -> None:
         """ZeRO-1 on the user's own optimizer: for its step, the gradients of the parameters

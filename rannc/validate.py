@@ -46,9 +46,10 @@ from rannc.errors import (  # CallOrderError and output_type_error: re-exported,
     RaNNCError,
     output_type_error,
 )
+from rannc.graph.capture import input_name
 from rannc.plans import check_replicas_divide
 
-if TYPE_CHECKING:  # rannc.graph.capture imports this module
+if TYPE_CHECKING:  # (annotations only)
     from rannc.dist import DistContext
     from rannc.graph.capture import CapturedModel, InputLayout
     from rannc.graph.task_graph import TaskGraph
@@ -109,17 +110,9 @@ def call_signature(args: Sequence[Any], kwargs: Mapping[str, Any],
     0 is the batch (as `flatten_inputs` found them), in the same (kwargs sorted by key) order."""
     tree = (tuple(args), {k: kwargs[k] for k in sorted(kwargs)})
     pairs, spec = pytree.tree_flatten_with_path(tree)
-    leaves = tuple(_leaf_signature(_leaf_name(path), x, b)
+    leaves = tuple(_leaf_signature(input_name(path), x, b)
                    for (path, x), b in zip(pairs, batch_leaves, strict=True))
     return CallSignature(mode, len(args), tuple(sorted(kwargs)), str(spec), leaves)
-
-
-def _leaf_name(path: Sequence[Any]) -> str:
-    """'args[1]' for a positional argument, the keyword for a keyword one, then the inner path."""
-    top, key, rest = path[0], path[1], path[2:]
-    if top.idx == 0:
-        return f"args[{key.idx}]" + pytree.keystr(tuple(rest))
-    return f"{key.key}" + pytree.keystr(tuple(rest))
 
 
 def _leaf_signature(name: str, x: Any, batched: bool) -> LeafSignature:

@@ -24,7 +24,6 @@ import re
 import sys
 import time
 import traceback
-import types
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -174,6 +173,15 @@ class CapturedModel:
                 for v, c in zip(self.graph.outputs, self.output_constants, strict=True)]
         n = self.n_user_outputs
         return pytree.tree_unflatten(flat[:n], self.out_spec)
+
+
+def input_name(path: Sequence[Any]) -> str:
+    """An input leaf's name by its path in `(args, kwargs)` (`pytree.tree_flatten_with_path`):
+    'args[1]' for a positional argument, the keyword for a keyword one, then the inner path."""
+    top, key, rest = cast(Any, path[0]), cast(Any, path[1]), path[2:]
+    if top.idx == 0:
+        return f"args[{key.idx}]" + pytree.keystr(tuple(rest))
+    return f"{key.key}" + pytree.keystr(tuple(rest))
 
 
 def flatten_inputs(args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[list[Any], InputLayout]:
@@ -428,12 +436,9 @@ def _data_as_detach(model: nn.Module) -> Iterator[None]:
         return self.detach()
 
     def assign(self: torch.Tensor, value: torch.Tensor) -> None:
-        frames = []
-        f: types.FrameType | None = sys._getframe(1)  # (the caller: walk_stack(None) skips it)
-        while f is not None:
-            frames.append(f)
-            f = f.f_back
-        site = _innermost_module(reversed(frames), names)
+        # (from the caller: walk_stack(None) would skip it)
+        site = _innermost_module(reversed([f for f, _ in traceback.walk_stack(sys._getframe(1))]),
+                                 names)
         if site is None:  # (torch's own code, not the model's)
             base.__set__(self, value)
             return
@@ -657,14 +662,8 @@ def _coincident_batch_inputs(args: Sequence[Any], kwargs: Mapping[str, Any],
     tree = (tuple(args), {k: kwargs[k] for k in sorted(kwargs)})  # (flatten_inputs' order)
     pairs = pytree.tree_flatten_with_path(tree)[0]
     batched = [i for i, b in enumerate(layout.batch_leaves) if b]
-    found = []
-    for i in batched[1:]:
-        path, x = pairs[i]
-        if x.dim() > 1 and x.shape[0] in x.shape[1:]:
-            top, key = cast(Any, path[0]), cast(Any, path[1])  # (as validate names them)
-            found.append((f"args[{key.idx}]" if top.idx == 0 else str(key.key))
-                         + pytree.keystr(tuple(path[2:])))
-    return found
+    return [input_name(pairs[i][0]) for i in batched[1:]
+            if pairs[i][1].dim() > 1 and pairs[i][1].shape[0] in pairs[i][1].shape[1:]]
 
 
 def _capture_error(model: nn.Module, e: BaseException,
