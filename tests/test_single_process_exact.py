@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
 import torch.utils._pytree as pytree
 from model_zoo import BUILDERS, make_case
+from torch import nn
 
 import rannc
 
@@ -230,3 +232,76 @@ def test_dropout_draws_what_the_unwrapped_model_draws() -> None:
         assert not torch.equal(want, ref.eval()(input_ids=ids).logits)  # dropout did act
         ref.train()
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+class _MaskedEncoder(nn.Module):
+    """torch's nn.TransformerEncoder given the attention mask as an input (batch-first)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.encoder(x, mask=mask)
+
+
+def test_torch_encoder_applies_any_mask_it_is_given() -> None:
+    """nn.TransformerEncoder given a mask compares it with a causal mask to choose its kernel
+    (before: "Could not guard on data-dependent expression", no capture). The graph applies the
+    mask as given, so a causal mask and then a banded one of the same shape (the same capture)
+    each give the unwrapped model's outputs and gradients."""
+    torch.manual_seed(0)
+    model = _MaskedEncoder()
+    ref = copy.deepcopy(model)
+    wrapped = rannc.RaNNCModule(model)
+    seq = 6
+    causal = nn.Transformer.generate_square_subsequent_mask(seq)
+    near = (torch.arange(seq)[:, None] - torch.arange(seq)[None, :]).abs() > 1
+    banded = torch.zeros(seq, seq).masked_fill(near, float("-inf"))
+    x = torch.randn(3, seq, 16)
+    for mask in (causal, banded):
+        out, want = wrapped(x, mask), ref(x, mask)
+        torch.testing.assert_close(out, want, rtol=RTOL, atol=ATOL)
+        out.square().sum().backward()
+        want.square().sum().backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL, msg=name)
+            p.grad = q.grad = None
+    assert len(wrapped._deployments) == 1
+
+
+class _PaddedEncoder(nn.Module):
+    def __init__(self, nested: bool) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=nested)
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        return self.encoder(x, src_key_padding_mask=pad)
+
+
+@pytest.mark.parametrize("nested", [True, False])
+def test_torch_encoder_in_eval_with_padding_warns_of_its_fast_path(nested: bool) -> None:
+    """In eval under no_grad, nn.TransformerEncoder (nested tensors enabled, its default)
+    leaves zeros at the padded positions; rannc's graph computes them as training does, and
+    says so once. Unpadded positions are equal; with enable_nested_tensor=False every one is."""
+    torch.manual_seed(0)
+    model = _PaddedEncoder(nested).eval()
+    ref = copy.deepcopy(model)
+    wrapped = rannc.RaNNCModule(model)
+    x = torch.randn(3, 6, 16)
+    pad = torch.zeros(3, 6, dtype=torch.bool)
+    pad[1, 4:] = True
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out, want = wrapped(x, pad), ref(x, pad)
+    warned = [w for w in caught if "nested-tensor fast path" in str(w.message)]
+    assert len(warned) == (1 if nested else 0)
+    if nested:
+        assert "'encoder'" in str(warned[0].message)
+        assert "enable_nested_tensor=False" in str(warned[0].message)
+        assert torch.count_nonzero(want[pad]) == 0 and torch.count_nonzero(out[pad]) > 0
+    torch.testing.assert_close(out[~pad], want[~pad], rtol=1e-5, atol=1e-6)
+    if not nested:
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)

@@ -229,7 +229,8 @@ def capture(
         with _keywords_in_signature(model, named), _layerdrop_draws(), functions.kept_whole(), \
                 hooks.tensor_hooks_refused(), hooks.reentrant_checkpoint_refused(), \
                 _conversions_that_change_nothing(), _data_as_detach(model), \
-                attributes.recorded(model) as rec, _stored_tensors_returned(model, rec, written):
+                _torch_transformer_layers(model), attributes.recorded(model) as rec, \
+                _stored_tensors_returned(model, rec, written):
             ep = torch.export.export(model, tuple(ex_args), dict(ex_kwargs),
                                      dynamic_shapes=dynamic_shapes, strict=False)
         reads = rec.result()
@@ -459,6 +460,60 @@ def _data_as_detach(model: nn.Module) -> Iterator[None]:
             del torch.Tensor.data
         else:
             torch.Tensor.data = had  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def _torch_transformer_layers(model: nn.Module) -> Iterator[None]:
+    """While exporting, torch's own transformer layers:
+
+    * `nn.TransformerEncoder` and `nn.TransformerDecoder` given a mask and no `is_causal` apply
+      the mask as given instead of comparing it with a causal mask. The comparison
+      (`_detect_is_causal_mask`) branches on the mask's values, which a graph cannot; it only
+      chooses a kernel, since `is_causal` is a hint that the mask is causal, and the layers
+      apply a causal mask alike with or without it (equal up to rounding). A mask that is not
+      causal is applied as given either way.
+    * An encoder in eval mode called with a padding mask alone is warned about: under
+      `torch.no_grad()` the unwrapped one takes its nested-tensor fast path, which leaves zeros
+      at the padded positions, and a graph cannot (it computes them as training does).
+
+    (Both are torch's module and class attributes, looked up at each call; nothing else runs
+    Python during a capture.)"""
+    from torch.nn.modules import transformer
+
+    real = transformer._detect_is_causal_mask
+    real_encoder = nn.TransformerEncoder.forward
+    names = {id(m): n for n, m in model.named_modules()}
+
+    def encoder(self: nn.TransformerEncoder, src: torch.Tensor, mask: torch.Tensor | None = None,
+                src_key_padding_mask: torch.Tensor | None = None,
+                is_causal: bool | None = None) -> torch.Tensor:
+        if (getattr(self, "use_nested_tensor", False) and not self.layers[0].training
+                and mask is None and src_key_padding_mask is not None and src.dim() == 3
+                and torch.backends.mha.get_fastpath_enabled()):
+            warnings.warn(
+                f"rannc: torch's nn.TransformerEncoder '{names.get(id(self), '?')}' runs in eval "
+                "mode with src_key_padding_mask: under torch.no_grad() the unwrapped encoder "
+                "takes its nested-tensor fast path, which leaves zeros (before its final norm) at "
+                "the padded positions, and rannc's graph computes those positions as training "
+                "does; every position not padded is equal. For the same outputs at every "
+                "position build the encoder with enable_nested_tensor=False.",
+                UserWarning, stacklevel=2)
+        return real_encoder(self, src, mask=mask, src_key_padding_mask=src_key_padding_mask,
+                            is_causal=is_causal)
+
+    def detect(mask: torch.Tensor | None, is_causal: bool | None = None,
+               size: int | None = None) -> bool:
+        if is_causal is None and mask is not None:
+            return False
+        return real(mask, is_causal, size)
+
+    transformer._detect_is_causal_mask = detect
+    nn.TransformerEncoder.forward = encoder  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        transformer._detect_is_causal_mask = real
+        nn.TransformerEncoder.forward = real_encoder  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager

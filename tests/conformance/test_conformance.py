@@ -99,10 +99,11 @@ CI_MODELS: dict[str, tuple[str, ...]] = {
                   "tv_mobilenet_v3", "t5", "vit", "swinv2", "patchtst", "levit", "mobilevit"),
     "2r-pn2-m4-1f1b": ("llama", "gemma", "bert", "distilbert", "bart", "falcon", "gemma2", "phi3",
                        "mpnet", "xlnet", "pegasus", "recurrent_gemma", "jamba", "esm", "canine",
-                       "deepseek_v3", "modernbert"),
+                       "deepseek_v3", "modernbert", "torch_encoder"),
     "3r-rep21-m2-gpipe": ("mistral", "qwen2", "gpt2", "roberta", "whisper", "convnext", "resnet",
                           "gemma3", "olmo2", "funnel", "deit", "m2m100", "squeezebert",
-                          "mobilebert", "mbart", "yoso", "mamba2", "gpt_oss", "jetmoe"),
+                          "mobilebert", "mbart", "yoso", "mamba2", "gpt_oss", "jetmoe",
+                          "torch_transformer"),
     "3r-rep12-m3-scp": ("phi", "gpt_neox", "albert", "swin", "bloom", "deberta_v2", "starcoder2",
                         "stablelm", "wav2vec2", "dinov2", "switch", "speech_to_text", "beit"),
     "2r-auto": ("mixtral", "opt", "qwen3", "electra", "gptj", "timm_vit", "qwen2_moe",
@@ -162,7 +163,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 def _skip_if_unavailable(model: str) -> None:
-    if MODELS[model][1] == "transformers":
+    if MODELS[model][1] in ("transformers", "torch"):
         return
     try:
         MODELS[model][0]()

@@ -897,6 +897,66 @@ def patchtst() -> Case:
     return Case(PatchTSTForPrediction(cfg), batch)
 
 
+# -- torch's own layers (nn.TransformerEncoder, nn.Transformer), as tutorials build models ---------
+class TorchEncoderLM(nn.Module):
+    """A causal language model on `nn.TransformerEncoder` (its defaults: post-norm, nested
+    tensors enabled) given a causal mask and the padding mask, as torch's tutorials write it:
+    the encoder compares the mask with a causal one to choose its kernel (rannc applies it as
+    given: `_masks_applied_as_given`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 32)
+        self.pos = nn.Parameter(torch.randn(SEQ, 32) * 0.02)
+        layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, norm=nn.LayerNorm(32))
+        self.head = nn.Linear(32, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        seq = input_ids.shape[1]
+        causal = nn.Transformer.generate_square_subsequent_mask(seq, device=input_ids.device)
+        h = self.encoder(self.embed(input_ids) + self.pos[:seq], mask=causal,
+                         src_key_padding_mask=attention_mask == 0)
+        logits = self.head(h)
+        loss = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1))
+        return {"loss": loss, "logits": logits}
+
+
+class TorchSeq2Seq(nn.Module):
+    """`nn.Transformer` (encoder and decoder) with a causal target mask and padding masks on
+    both sides."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 32)
+        self.transformer = nn.Transformer(32, 4, 2, 2, 64, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(32, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                decoder_input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        tgt_mask = nn.Transformer.generate_square_subsequent_mask(decoder_input_ids.shape[1])
+        pad = attention_mask == 0
+        h = self.transformer(self.embed(input_ids), self.embed(decoder_input_ids), tgt_mask=tgt_mask,
+                             src_key_padding_mask=pad, memory_key_padding_mask=pad)
+        logits = self.head(h)
+        return {"loss": nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1)),
+                "logits": logits}
+
+
+def torch_encoder() -> Case:
+    return Case(TorchEncoderLM(), _lm_batch())
+
+
+def torch_transformer() -> Case:
+    base = _lm_batch(labels="")
+
+    def batch(n: int) -> dict[str, torch.Tensor]:
+        return {**base(n), "decoder_input_ids": torch.randint(3, VOCAB, (n, 8)),
+                "labels": torch.randint(3, VOCAB, (n, 8))}
+    return Case(TorchSeq2Seq(), batch)
+
+
 # name -> (factory, source library, uses BatchNorm)
 MODELS: dict[str, tuple[Callable[[], Case], str, bool]] = {
     "llama": (llama, "transformers", False),
@@ -972,4 +1032,6 @@ MODELS: dict[str, tuple[Callable[[], Case], str, bool]] = {
     "beit": (beit, "transformers", False),
     "levit": (levit, "transformers", True),
     "mobilevit": (mobilevit, "transformers", True),
+    "torch_encoder": (torch_encoder, "torch", False),
+    "torch_transformer": (torch_transformer, "torch", False),
 }
