@@ -32,7 +32,9 @@ import rannc  # noqa: E402
 from rannc import dist as rdist  # noqa: E402
 
 RANNC_LOG_LEVEL = logging.INFO  # the plan table and the schedule choices, which the tests read
-FP32_TOL = (1e-5, 1e-6)
+# (atol 2e-6: after two AdamW steps one output element of 1280 differed by 1.34e-6 on an AMD
+# EPYC host, 1F1B over 4 microbatches, where the gradients' summation order differs)
+FP32_TOL = (1e-5, 2e-6)
 BF16_TOL = (2e-2, 2e-2)
 RTOL, ATOL = FP32_TOL
 

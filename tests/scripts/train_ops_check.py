@@ -42,8 +42,10 @@ from rannc.schedule import get_spec  # noqa: E402
 # summation order; the same runs in float64 agree within 1e-10). Parameters after many Adam
 # steps: Adam divides each gradient by its own running scale, so the float rounding of a
 # near-zero gradient (a rarely used token_type_embeddings row) becomes a step of lr size; after
-# 17 steps such an element differed by 1.26e-6.
-RTOL, ATOL = 1e-5, 1e-5
+# 17 steps such an element differed by 1.26e-6. On an AMD EPYC host (another BLAS path, so
+# other roundings) BERT's word embedding row 30 after the SGD-with-momentum steps differed by
+# 1.055e-5 (2026-12-07), hence 2e-5.
+RTOL, ATOL = 1e-5, 2e-5
 K = 4  # accumulation micro-steps
 
 
