@@ -92,7 +92,7 @@ class Holdings:
         if rt is None:
             return cls(tensors, canonical, persistent, dict.fromkeys(tensors, 0), frozenset(tensors))
         source = dict.fromkeys(tensors, 0)
-        for n, ranks in _holders(rt, canonical).items():
+        for n, ranks in holders(rt, canonical).items():
             source[n] = min(ranks)
         for n, r in rt.owners.items():  # this rank's parameters: their owners (rannc.ownership)
             source[canonical[n]] = r
@@ -113,7 +113,7 @@ def _named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     yield from model.named_buffers(remove_duplicate=False)
 
 
-def _holders(rt: PipelineRuntime, canonical: Mapping[str, str]) -> dict[str, tuple[int, ...]]:
+def holders(rt: PipelineRuntime, canonical: Mapping[str, str]) -> dict[str, tuple[int, ...]]:
     """Canonical name -> the ranks of the stage whose copy counts: parameters, every stage
     holding them (their copies are equal); buffers, the first stage reading them."""
     out: dict[str, set[int]] = {}
@@ -269,9 +269,9 @@ class _Released:
             f"{what} of the wrapped model on rank {self.rank}: its parameter {self.name!r} is "
             "released here (this rank holds only its stages' parameters; the others are empty "
             "tensors), so the copy would be broken. Fix: copy the model before wrapping it (`ema "
-            "= copy.deepcopy(model)`, then `rannc.RaNNCModule(model, optimizer)`), or load the "
-            "whole model into a fresh copy from the wrapper's state_dict(), called on every rank "
-            "(it gathers the model onto rank 0); to save, call model.state_dict() or "
+            "= copy.deepcopy(model)`, then `rannc.RaNNCModule(model, optimizer)`), or inside "
+            "`with model.gathered_parameters():` on every rank (the whole model is here then; "
+            "update an EMA there too); to save, call model.state_dict() or "
             "model.save_pretrained(path) on every rank, or model.save_checkpoint(dir)")
 
     def deepcopy(self, memo: dict[int, Any]) -> nn.Parameter:

@@ -43,6 +43,7 @@ from rannc.deploy import Holdings, OneProcess, capture_signature, deployment_pla
 from rannc.deploy import optimizer_state_factor as optimizer_state_factor  # (its old home)
 from rannc.derive import derive_plan
 from rannc.errors import RaNNCError
+from rannc.gathered import check_modifier, gathered
 from rannc.graph import attributes, leftovers
 from rannc.graph.capture import autocast_state, flatten_inputs
 from rannc.graph.extract import run_chain
@@ -155,6 +156,7 @@ class RaNNCModule(nn.Module):
         # What this rank holds once deployed (released parameters, pruned optimizer groups,
         # ZeRO-1's step hooks) and the planned deployment's runtime (`rannc.deploy`).
         self._held = Holdings(step=lambda: m._calls if (m := me()) is not None else 0)
+        self._gathering = 0  # gathered_parameters() blocks open: parameters() lists them all
 
     module: nn.Module  # the wrapped model (as `DistributedDataParallel.module`)
 
@@ -324,11 +326,34 @@ class RaNNCModule(nn.Module):
             "Fix: change a parameter in place (with torch.no_grad(): param.copy_(new)), or "
             "make the change before wrapping the model in RaNNCModule and building its optimizer")
 
+    def _warn_released_writes(self) -> None:
+        """Warn once where the user's code wrote into parameters this rank released, outside
+        `gathered_parameters()`: random initialisation after wrapping (`model.apply(init)`)
+        drew nothing for them here, so the parameters this rank holds got other numbers than
+        the unwrapped model's (a stage's replicas alike, so training runs on, from another
+        initialisation). Deterministic writes (`zero_()`, `fill_`) change nothing, and are
+        warned about alike: a version counter cannot tell them apart."""
+        written = self._held.written()
+        if not written:
+            return
+        self._held.note_versions(self.module)
+        more = f" and {len(written) - 3} more" if len(written) > 3 else ""
+        warnings.warn(
+            f"rannc: parameter(s) {', '.join(repr(n) for n in written[:3])}{more}, which this "
+            "rank does not hold (they are empty here), were written in place since the model "
+            "was deployed, e.g. by model.apply(init) or reset_parameters() after wrapping. A "
+            "random initialisation drew no numbers for them here, so the parameters this rank "
+            "holds got other values than the unwrapped model would have. Fix: initialise before "
+            "wrapping, or inside `with model.gathered_parameters(modifier_rank=0):` (on every "
+            "rank, from the same seed), which equals the unwrapped model's", UserWarning,
+            stacklevel=4)
+
     def _forward_distributed(self, ctx: rdist.DistContext, args: tuple[Any, ...],
                              kwargs: dict[str, Any]) -> Any:
         if self._plan is None:
             validate.check_config(self.rannc_config, ctx.world_size)
         self._check_kept()
+        self._warn_released_writes()
         if self.optimizer is not None and self._held.opt_groups is not None:
             self._held.groups(self.module, self.optimizer)  # (prunes groups added since)
         leaves, layout = flatten_inputs(args, kwargs)
@@ -537,7 +562,7 @@ class RaNNCModule(nn.Module):
 
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
-        held = self._held_ids()
+        held = None if self._gathering else self._held_ids()
         for n, p in self.module.named_parameters(prefix, recurse, remove_duplicate):
             if held is None or id(p) in held:
                 yield n, p
@@ -757,6 +782,42 @@ class RaNNCModule(nn.Module):
             self._sync = prev
             for rt in self._runtimes.values():
                 rt.sync = prev
+
+    @contextlib.contextmanager
+    def gathered_parameters(self, modifier_rank: int | None = None) -> Iterator[None]:
+        """A block in which every parameter and buffer of the model has its whole current value
+        on this rank, as DeepSpeed's `GatheredParameters` gives under ZeRO-3; `parameters()`
+        lists them all. For code that reads or writes every parameter on every rank:
+
+            with model.gathered_parameters():              # an EMA of the weights
+                ema.update_parameters(model)               # torch.optim.swa_utils.AveragedModel
+            with model.gathered_parameters(modifier_rank=0):
+                model.module.classifier.apply(init)        # re-initialise layers after wrapping
+
+        Collective once deployed on several ranks: EVERY rank must enter it. When it ends the
+        parameters this rank does not hold are freed again. With `modifier_rank=r`, rank r's
+        values of every parameter and buffer then reach every rank (run the same writes on
+        every rank from the same seed, and the result equals the unwrapped model's; the
+        optimizer state is kept). Without it the block must not write into parameters: a write
+        raises on every rank when the block ends. The whole model is in this rank's memory for
+        the block. Before the first call, and in one process, every parameter is already here
+        and the block runs as it is.
+        """
+        check_modifier(modifier_rank, rdist.get_world_size())
+        rt = self._last_rt
+        if rt is None or rt.world_size < 2:
+            yield
+            return
+        validate.agree_on_collective(f"gathered_parameters(modifier_rank={modifier_rank})",
+                                     rt.device)
+        self._gathering += 1
+        try:
+            with health.phase("gathered_parameters", self._calls), \
+                    gathered(self.module, rt, self._held.released, modifier_rank):
+                yield
+        finally:
+            self._gathering -= 1
+            self._held.note_versions(self.module)
 
     def extra_repr(self) -> str:
         return f"module={type(self.module).__name__}, deployments={len(self._deployments)}"

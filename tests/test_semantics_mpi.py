@@ -378,3 +378,26 @@ def test_different_loss_gradients_on_the_ranks_give_ddp_gradients(
     the calls, as under DDP."""
     res = launches.result(case_of(request))
     _passed(res.stdout, "loss_grad", n)
+
+
+CASES["gathered_zero1"] = Case(3, ["--case", "gathered", "--replicas", "2,1", "--microbatches", "2",
+                                   "--batch", "7", "--schedule", "1f1b", "--zero-stage", "1"])
+CASES["gathered_zero_bubble"] = Case(2, ["--case", "gathered", "--partition-num", "2",
+                                         "--microbatches", "2", "--batch", "7", "--schedule",
+                                         "zero_bubble"])
+
+
+@pytest.mark.parametrize(("layout", "n"), [
+    pytest.param(s, n, marks=pytest.mark.cases(f"gathered_{s}"))
+    for s, n in (("zero1", 3), ("zero_bubble", 2))])
+def test_gathered_parameters_for_an_ema_and_reinitialisation(layout: str, n: int,
+                                                             launches: CaseLaunches) -> None:
+    """`model.gathered_parameters()` on transformers' BERT (3 ranks, 2 stages x [2, 1], 1F1B,
+    ZeRO-1; 2 ranks, zero-bubble): torch's AveragedModel and a hand-written EMA over
+    `model.parameters()` equal the unwrapped model's EMA on every rank (before: the wrapper
+    listed only the held parameters, and the EMA failed or paired other layers); layers
+    re-initialised after wrapping under modifier_rank=0 equal the unwrapped model's and
+    training stays exact (before: other random draws, silently); the same outside the block
+    warns at the next call, and a write without modifier_rank raises on every rank."""
+    res = launches.result(f"gathered_{layout}")
+    _passed(res.stdout, "gathered", n)

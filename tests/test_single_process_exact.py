@@ -305,3 +305,23 @@ def test_torch_encoder_in_eval_with_padding_warns_of_its_fast_path(nested: bool)
     torch.testing.assert_close(out[~pad], want[~pad], rtol=1e-5, atol=1e-6)
     if not nested:
         torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+
+
+def test_gathered_parameters_in_one_process_runs_the_block_as_it_is() -> None:
+    """In one process every parameter is here: the block runs as it is (re-initialising
+    through it equals the unwrapped model's), and a rank that does not exist is refused."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    ref = copy.deepcopy(model)
+    wrapped = rannc.RaNNCModule(model)
+    x = torch.randn(3, 4)
+    wrapped(x)
+    with wrapped.gathered_parameters(modifier_rank=0):
+        torch.manual_seed(1)
+        wrapped.module.apply(lambda m: nn.init.normal_(m.weight) if isinstance(m, nn.Linear) else None)
+    torch.manual_seed(1)
+    ref.apply(lambda m: nn.init.normal_(m.weight) if isinstance(m, nn.Linear) else None)
+    torch.testing.assert_close(wrapped(x), ref(x), rtol=0, atol=0)
+    with pytest.raises(rannc.RaNNCError, match=r"modifier_rank=1.*ranks are 0 to 0"):
+        with wrapped.gathered_parameters(modifier_rank=1):
+            pass
