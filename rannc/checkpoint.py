@@ -155,6 +155,20 @@ class OnRankZero(dict):  # type: ignore[type-arg]
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise self.refused("pickling (torch.save) of")
 
+    # Reading its entries: an EMA updated from `model.state_dict()` (timm's ModelEmaV2 zips its
+    # values, many hand-written ones loop over its items) updated nothing on these ranks,
+    # silently, and evaluated the initial weights there.
+    def _read_refused(self, *args: Any) -> Any:
+        inside = ("do it inside `with model.gathered_parameters():` on every rank, where "
+                  "state_dict() is the whole model on each, or " if self.what == "state_dict()" else "")
+        raise RaNNCError(
+            f"reading the entries of {self.what}'s result on rank {self.rank}: it gathers them "
+            "onto rank 0 only, and this rank's is empty (code updating an EMA from it would "
+            f"update nothing here). Fix: {inside}pass rank0_only=False to gather it onto every "
+            "rank")
+
+    __iter__ = keys = values = items = _read_refused  # type: ignore[assignment]
+
     def __deepcopy__(self, memo: dict[int, Any]) -> OnRankZero:
         return OnRankZero(self.what, self.rank)
 

@@ -587,11 +587,16 @@ class RaNNCModule(nn.Module):
         copy, on rank 0; the other ranks get an empty dict that refuses torch.save and loading
         (`checkpoint.OnRankZero`), or the same dict with `rank0_only=False`.
         Before the first call, and in one process, it is the module's own state_dict() on every
-        rank (no communication). `keep_vars` has no effect after deployment (entries are copies).
+        rank (no communication), and so it is inside `gathered_parameters()` (an EMA updated
+        from `model.state_dict()` there sees the whole model on every rank). `keep_vars` has no
+        effect after deployment (entries are copies).
         """
         rt = self._last_rt
         if rt is None:
             return self.module.state_dict(*args, **kwargs)
+        if self._gathering:  # (inside gathered_parameters(): the whole model is here)
+            with ckpt.own_state_dict_reads():
+                return self.module.state_dict(*args, **kwargs)
         if rt.world_size > 1 and _in_plain_hf_trainer_save():
             raise RaNNCError(
                 "transformers.Trainer saves a checkpoint from rank 0 alone, but a deployed "
@@ -606,7 +611,8 @@ class RaNNCModule(nn.Module):
         destination = kwargs.get("destination")
         if destination is None:
             return sd
-        destination.update(sd)  # a parent module collecting its children's entries
+        if not isinstance(sd, ckpt.OnRankZero):  # (which has nothing to add, and refuses reads)
+            destination.update(sd)  # a parent module collecting its children's entries
         return cast(dict[str, Any], destination)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,  # type: ignore[override]

@@ -720,7 +720,10 @@ def rank_zero_only_state(wrapped: Any, rank: int) -> None:
     else:
         assert sd == {} and copy.deepcopy(sd) == {}
         for what, do in (("torch.save", lambda: torch.save(sd, io.BytesIO())),
-                         ("load_state_dict", lambda: wrapped.load_state_dict(sd, strict=False))):
+                         ("load_state_dict", lambda: wrapped.load_state_dict(sd, strict=False)),
+                         # (an EMA zipping or looping over it updated nothing here, silently)
+                         ("values()", lambda: list(sd.values())), ("items()", lambda: list(sd.items())),
+                         ("iteration", lambda: list(sd))):
             try:
                 do()
             except rannc.RaNNCError as e:
@@ -1112,6 +1115,15 @@ def check_gathered(a: argparse.Namespace, rank: int, world: int) -> None:
     ref, wrapped, opts, (lo, hi) = trained_pair(model, a, rank, world)
     manual = [p.detach().clone() for p in ref.parameters()]  # (diffusers-style)
     ref_manual = [t.clone() for t in manual]
+    # (and from the state dict, as timm's ModelEmaV2 and many hand-written ones do)
+    shadow = {k: v.detach().clone() for k, v in ref.state_dict().items() if v.is_floating_point()}
+    ref_shadow = {k: v.clone() for k, v in shadow.items()}
+
+    def by_state(into: dict[str, torch.Tensor], m: nn.Module) -> None:
+        with torch.no_grad():
+            for k, v in m.state_dict().items():
+                if k in into:
+                    into[k].mul_(0.9).add_(v.detach(), alpha=0.1)
     total = len(list(ref.parameters()))
 
     def init(m: nn.Module) -> None:
@@ -1136,10 +1148,12 @@ def check_gathered(a: argparse.Namespace, rank: int, world: int) -> None:
                 params_close(p.detach(), q.detach(), f"rank {rank} gathered {name}")
             ema.update_parameters(wrapped)
             copied = copy.deepcopy(wrapped.module)  # (refused outside the block, when released)
+            by_state(shadow, wrapped)
             with torch.no_grad():
                 for e, p in zip(manual, wrapped.parameters(), strict=True):
                     e.lerp_(p, 0.1)
         ref_ema.update_parameters(ref)
+        by_state(ref_shadow, ref)
         with torch.no_grad():
             for e, p in zip(ref_manual, ref.parameters(), strict=True):
                 e.lerp_(p, 0.1)
@@ -1147,6 +1161,8 @@ def check_gathered(a: argparse.Namespace, rank: int, world: int) -> None:
             params_close(e.detach(), r.detach(), f"rank {rank} step {step} EMA {name}")
         for e, r in zip(manual, ref_manual, strict=True):
             params_close(e, r, f"rank {rank} step {step} manual EMA")
+        for k, r in ref_shadow.items():
+            params_close(shadow[k], r, f"rank {rank} step {step} state-dict EMA {k}")
         for (name, c), r in zip(copied.named_parameters(), ref.parameters(), strict=True):
             params_close(c.detach(), r.detach(), f"rank {rank} step {step} copy {name}")
     assert len(list(wrapped.parameters())) == len([p for p in model.parameters() if p.numel()])
