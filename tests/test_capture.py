@@ -1006,3 +1006,47 @@ def test_a_sequence_first_recurrent_layer_is_named() -> None:
     with warnings.catch_warnings():  # (LSTM lists its own weights again in forward: no warning)
         warnings.simplefilter("error", UserWarning)
         capture(_Recurrent(batch_first=True), (torch.randn(3, 5, 6),))
+
+
+class _PackedLSTM(nn.Module):
+    """An LSTM over packed sequences (older NLP code), or over the padded batch taking each
+    row's output at its last step: the rewrite the refusal names."""
+
+    def __init__(self, packed: bool) -> None:
+        super().__init__()
+        self.packed = packed
+        self.embed = nn.Embedding(20, 8)
+        self.rnn = nn.LSTM(8, 8, batch_first=True)
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        from torch.nn.utils.rnn import pack_padded_sequence
+
+        if self.packed:
+            seq = pack_padded_sequence(self.embed(x), lengths, batch_first=True, enforce_sorted=False)
+            _out, (h, _c) = self.rnn(seq)
+            return self.out(h[-1])
+        out, _state = self.rnn(self.embed(x))
+        return self.out(out[torch.arange(out.size(0)), lengths - 1])
+
+
+def test_a_packed_sequence_is_refused_naming_the_line_and_the_rewrite() -> None:
+    """Before: torch.export failed inside the LSTM ("zeros(): argument 'size' failed to unpack
+    the object ... FakeTensor"), naming only the LSTM. The rewrite it names gives the packed
+    model's outputs and captures."""
+    from torch.nn.utils.rnn import PackedSequence
+
+    real = PackedSequence.__dict__["__new__"]
+    x, lengths = torch.randint(0, 20, (4, 6)), torch.tensor([6, 3, 5, 2])
+    with pytest.raises(CaptureError, match=r"PackedSequence .*_PackedLSTM.forward \(.*test_capture.py:\d+\)"
+                       r".*lengths - 1") as info:
+        capture(_PackedLSTM(packed=True), (x, lengths))
+    assert info.value.module_path == "<root>"
+    assert PackedSequence.__dict__["__new__"] is real  # (put back after the capture)
+    torch.manual_seed(0)
+    packed = _PackedLSTM(packed=True)
+    padded = copy.deepcopy(packed)
+    padded.packed = False
+    cap = capture(padded, (x, lengths))
+    assert cap.graph.summary()
+    torch.testing.assert_close(padded(x, lengths), packed(x, lengths), rtol=1e-6, atol=1e-6)

@@ -229,8 +229,8 @@ def capture(
         with _keywords_in_signature(model, named), _layerdrop_draws(), functions.kept_whole(), \
                 hooks.tensor_hooks_refused(), hooks.reentrant_checkpoint_refused(), \
                 _conversions_that_change_nothing(), _data_as_detach(model), \
-                _torch_transformer_layers(model), attributes.recorded(model) as rec, \
-                _stored_tensors_returned(model, rec, written):
+                _torch_transformer_layers(model), _packed_sequences_refused(model), \
+                attributes.recorded(model) as rec, _stored_tensors_returned(model, rec, written):
             ep = torch.export.export(model, tuple(ex_args), dict(ex_kwargs),
                                      dynamic_shapes=dynamic_shapes, strict=False)
         reads = rec.result()
@@ -514,6 +514,39 @@ def _torch_transformer_layers(model: nn.Module) -> Iterator[None]:
     finally:
         transformer._detect_is_causal_mask = real
         nn.TransformerEncoder.forward = real_encoder  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def _packed_sequences_refused(model: nn.Module) -> Iterator[None]:
+    """While exporting: a `PackedSequence` made by the model's code (`pack_padded_sequence`
+    before an RNN) is refused naming the line, with an exact rewrite. Its batch size at each
+    time step comes from the lengths' values, which a graph cannot hold; torch.export failed
+    later inside the RNN with "zeros(): argument 'size' failed to unpack the object ...
+    FakeTensor", naming only the RNN. (The class attribute is process-wide while it is set;
+    nothing else runs Python during a capture.)"""
+    from torch.nn.utils.rnn import PackedSequence
+
+    names = {id(m): n for n, m in model.named_modules()}
+    real = PackedSequence.__dict__["__new__"]
+
+    def new(cls: type, *args: Any, **kwargs: Any) -> Any:
+        site = _innermost_module(reversed([f for f, _ in traceback.walk_stack(sys._getframe(1))]),
+                                 names)
+        if site is None:  # (torch's own code, not the model's)
+            return real.__get__(None, cls)(cls, *args, **kwargs)
+        raise CaptureError(
+            f"rannc cannot capture a PackedSequence (pack_padded_sequence, at {site[1]}): its "
+            "batch size at each time step comes from the lengths' values, which a graph cannot "
+            "hold. Fix: run the RNN on the padded batch and take each row's output at its last "
+            "step, `out[torch.arange(out.size(0)), lengths - 1]` (batch_first; for a "
+            "unidirectional RNN it equals the packed run's final hidden state h_n[-1]), and "
+            "leave the padded steps out of the loss", module_path=site[0])
+
+    PackedSequence.__new__ = staticmethod(new)  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        PackedSequence.__new__ = real  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
