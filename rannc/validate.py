@@ -47,6 +47,7 @@ from rannc.errors import (  # CallOrderError and output_type_error: re-exported,
     output_type_error,
 )
 from rannc.graph.capture import input_name
+from rannc.graph.row_mixing import interleaved
 from rannc.plans import check_replicas_divide
 
 if TYPE_CHECKING:  # (annotations only)
@@ -271,7 +272,21 @@ def check_outputs_combine(cap: CapturedModel, model_name: str) -> None:
     row-weighted mean, or their sum) as a number; one with other dimensions (a statistic per
     feature, `h.mean(0)`; a parameter returned; an output of a model that takes its batch in
     another dimension than 0) failed at the first call with torch's "output with shape []
-    doesn't match the broadcast shape"."""
+    doesn't match the broadcast shape". Nor may a batch output interleave its samples' rows
+    (`row_mixing.interleaved`: a (seq, batch, ...) tensor flattened to (seq * batch, ...)): the
+    pieces' rows are joined one sample after another, which scrambled it silently."""
+    mixed = interleaved(cap.graph)
+    for v in cap.graph.outputs:
+        if v is not None and v in mixed:
+            raise CaptureError(
+                f"{model_name}'s output {cap.output_label(v)} has shape "
+                f"{tuple(cap.graph.values[v].shape)} whose first dimension interleaves the "
+                "samples' rows: it was flattened from (seq, batch, ...) (sequence-first), so "
+                "its row i belongs to sample i % batch. On several ranks rannc computes the "
+                "model on pieces of the global batch and joins their rows sample after sample, "
+                "which would scramble it. Fix: flatten it batch-first, "
+                "x.transpose(0, 1).reshape(-1, ...) (rows sample after sample), or return it "
+                "unflattened")
     for v in cap.graph.outputs:
         if v is None:  # (a constant output: returned as it is)
             continue

@@ -137,3 +137,48 @@ def test_the_eval_graph_placed_on_the_deployed_stages_never_cuts_a_mixed_value(
         # each parameter stays on a stage of the trained plan that holds it
         for st in derived.stages:
             assert all(st.index in holders[p] for p in st.param_names)
+
+
+def test_an_attention_flattening_seq_and_batch_is_interleaved_and_never_cut() -> None:
+    """torch's nn.MultiheadAttention flattens (seq, batch, embed) to (seq * batch, embed) for
+    its output projection: those rows interleave the samples. Found so, and their view back
+    to (seq, batch, embed) is not; Hugging Face's attention (batch-major throughout) has none.
+    A plan of 4 stages over the torch encoder cuts none of them (before, a 3-rank plan cut
+    one: semantics_check `interleaved`)."""
+    from rannc.graph.row_mixing import interleaved, unsplittable
+
+    case, cap = _captured("torch_attention")
+    g = cap.graph
+    found = interleaved(g)
+    assert found and all(g.values[v].shape[0] == f"{zoo.SEQ}*batch" for v in found), found
+    assert {g.values[v].shape for v in found} <= {(f"{zoo.SEQ}*batch", 32)}
+    assert all("interleaved" in unsplittable(g)[v] for v in found)
+    assert not interleaved(_captured("bert")[1].graph)
+    case, cap = _captured("torch_encoder")
+    g = cap.graph
+    found = interleaved(g)
+    assert found
+    plan = rannc.plan(case.model, (), case.batch(16), cluster=rannc.Cluster.homogeneous(n=4, per_node=4),
+                      config=rannc.Config(partition_num=4, microbatches=2, blocks=64,
+                                          profiler="estimate"))
+    stages = split_graph(g, atomic_components(g), [list(st.components) for st in plan.stages])
+    assert not {v for st in stages for v in st.inputs} & found
+
+
+def test_an_output_interleaving_its_samples_is_refused() -> None:
+    """A sequence-first model returning (seq * batch, n) flattened rows: the pieces' rows
+    joined sample after sample scrambled it (3 ranks, 2 microbatches: outputs off by 0.9);
+    refused with the fix before planning."""
+    from rannc.validate import check_outputs_combine
+
+    class SeqFirstFlat(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = torch.nn.Linear(4, 5)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.a(x).transpose(0, 1).reshape(-1, 5)
+
+    cap = capture(SeqFirstFlat(), (torch.randn(3, 6, 4),))
+    with pytest.raises(rannc.CaptureError, match=r"interleaves the samples' rows.*transpose\(0, 1\)"):
+        check_outputs_combine(cap, "SeqFirstFlat")

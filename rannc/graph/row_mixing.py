@@ -23,7 +23,7 @@ follows the batch.
 
 from __future__ import annotations
 
-from rannc.graph.task_graph import TaskGraph, ValueKind
+from rannc.graph.task_graph import TaskGraph, Value, ValueKind
 
 # ops that order or scan along their dimension (on a 1-D batch tensor: along the batch)
 _ALONG_BATCH = frozenset(
@@ -75,6 +75,67 @@ def row_mixed(graph: TaskGraph) -> frozenset[str]:
     return frozenset(mixed)
 
 
+# ops that regroup a tensor's dimensions without moving its elements (row-major order)
+_REGROUP = frozenset(f"aten.{op}" for op in (
+    "view.default", "reshape.default", "_unsafe_view.default", "view_copy.default",
+    "_reshape_alias.default", "flatten.using_ints", "unflatten.int"))
+
+
+def interleaved(graph: TaskGraph) -> frozenset[str]:
+    """The batch values whose batch dimension holds several samples' rows interleaved.
+
+    torch's `nn.MultiheadAttention` (batch-first or not) works on (seq, batch, embed) and
+    flattens it to (seq * batch, embed) for its output projection: row i of that value belongs
+    to sample i % batch, not to sample i // seq. rannc splits a batch dimension of size
+    k * batch as k consecutive rows per sample, so a stage boundary there sent other samples'
+    rows to each replica and microbatch, silently (a 3-rank plan with replicas [2, 1]: loss
+    and gradients off by 1e-2). Tracked through the graph as each value's `outer`: how many
+    slices of the dimensions before the batch one were merged into the batch dimension ahead
+    of the samples (1: sample-major). A regrouping op sets it from the product of the
+    dimensions before the batch dimension in and out (a flatten of (seq, batch) gives seq; the
+    view back to (seq, batch, embed) gives 1 again); every other op passes on the largest of
+    its batch inputs'. One that cannot be expressed so (a sample-major dimension viewed as
+    (k, batch)) counts as interleaved too."""
+    outer: dict[str, float] = {}
+    out: set[str] = set()
+
+    def batch(v: str) -> bool:
+        val = graph.values[v]
+        return val.is_tensor and val.batch_dim is not None
+
+    for task in graph.tasks:
+        outs = [v for v in task.outputs if batch(v)]
+        ins = [v for v in task.inputs if batch(v)]
+        if not outs or not ins:
+            continue
+        if task.op in _REGROUP:
+            x = ins[0]
+            before, after = _before_batch(graph.values[x]), None
+            for y in outs:
+                after = _before_batch(graph.values[y])
+                o = outer.get(x, 1.0) * before / after if before and after else 0.0
+                outer[y] = o if o >= 1 and o == int(o) else 0.0
+        else:
+            o = max(outer.get(v, 1.0) for v in ins)
+            if any(outer.get(v, 1.0) == 0.0 for v in ins):
+                o = 0.0
+            for y in outs:
+                outer[y] = o
+        out.update(y for y in outs if outer[y] != 1.0)
+    return frozenset(out)
+
+
+def _before_batch(val: Value) -> int:
+    """The product of a value's dimensions before its batch dimension (0: not a number)."""
+    assert val.batch_dim is not None
+    n = 1
+    for d in val.shape[:val.batch_dim]:
+        if not isinstance(d, int):
+            return 0
+        n *= d
+    return n
+
+
 def unsplittable(graph: TaskGraph) -> dict[str, str]:
     """The activations that may not cross a stage boundary, each with why: a tensor without
     a batch dimension (nothing to split by rows), or a row-mixed one (`row_mixed`). The one
@@ -83,6 +144,10 @@ def unsplittable(graph: TaskGraph) -> dict[str, str]:
     for v in row_mixed(graph):
         out[v] = ("its rows are not its samples' own (it is computed from a sort, scan or "
                   "arange along the batch: rannc.graph.row_mixing)")
+    for v in interleaved(graph):
+        out.setdefault(v, "its batch dimension holds several samples' rows interleaved (a "
+                          "(seq * batch, ...) flattening, as nn.MultiheadAttention's: "
+                          "rannc.graph.row_mixing.interleaved)")
     for name, val in graph.values.items():
         if val.kind is ValueKind.ACTIVATION and val.is_tensor and val.batch_dim is None:
             out[name] = "it has no batch dimension"
@@ -101,4 +166,4 @@ def _from_values(expr: str | None) -> bool:
     return any(str(s) != "batch" for s in sympy.sympify(expr).free_symbols)
 
 
-__all__ = ["row_mixed", "unsplittable"]
+__all__ = ["interleaved", "row_mixed", "unsplittable"]

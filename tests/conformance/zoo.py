@@ -944,6 +944,34 @@ class TorchSeq2Seq(nn.Module):
                 "logits": logits}
 
 
+class TorchAttentionClassifier(nn.Module):
+    """`nn.MultiheadAttention` (batch-first, a padding mask) with a residual LayerNorm and a
+    masked mean over the tokens, as hand-written classifiers use it. Inside, the attention
+    flattens (seq, batch, embed) to (seq * batch, embed), whose rows interleave the samples: a
+    stage boundary there scrambled them (`rannc.graph.row_mixing.interleaved`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 32)
+        self.attn = nn.MultiheadAttention(32, 4, batch_first=True)
+        self.norm = nn.LayerNorm(32)
+        self.head = nn.Linear(32, LABELS)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.embed(input_ids)
+        a, weights = self.attn(h, h, h, key_padding_mask=attention_mask == 0)
+        h = self.norm(h + a)
+        keep = attention_mask.unsqueeze(-1).to(h.dtype)
+        logits = self.head((h * keep).sum(1) / keep.sum(1))
+        return {"loss": nn.functional.cross_entropy(logits, labels), "logits": logits,
+                "attentions": weights}
+
+
+def torch_attention() -> Case:
+    return Case(TorchAttentionClassifier(), _lm_batch(labels="class"))
+
+
 def torch_encoder() -> Case:
     return Case(TorchEncoderLM(), _lm_batch())
 
@@ -1032,6 +1060,7 @@ MODELS: dict[str, tuple[Callable[[], Case], str, bool]] = {
     "beit": (beit, "transformers", False),
     "levit": (levit, "transformers", True),
     "mobilevit": (mobilevit, "transformers", True),
+    "torch_attention": (torch_attention, "torch", False),
     "torch_encoder": (torch_encoder, "torch", False),
     "torch_transformer": (torch_transformer, "torch", False),
 }
