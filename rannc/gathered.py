@@ -14,8 +14,8 @@ wrong:
   a rank drew no random numbers for the parameters it released, so the ones it holds got
   other draws than the unwrapped model's, silently.
 
-Inside the block every released parameter has its shape and current value (each from the rank
-that owns it, `checkpoint.Holdings.source`), and so has every buffer; the wrapper's
+Inside the block every released parameter has its shape and current value (each from the
+first rank of the stage holding it), and so has every buffer (from the stage updating it); the wrapper's
 `parameters()` lists them all. When it ends they are released again. With `modifier_rank=r`,
 rank r's values of every parameter and buffer then reach every rank (the others' writes are
 replaced), so a re-initialisation run on every rank from the same seed equals the unwrapped
@@ -41,9 +41,9 @@ from rannc.errors import RaNNCError
 def gathered(model: nn.Module, rt: Any, released: dict[str, torch.Size],
              modifier_rank: int | None) -> Iterator[None]:
     """The block with every parameter and buffer of `model` whole and current on this rank
-    (a collective: every rank enters it). `rt` is a deployed runtime (its plan's owners name
-    each tensor's source); `released` the parameters this rank freed, by name, with their
-    shapes (`deploy.Holdings.released`)."""
+    (a collective: every rank enters it). `rt` is a deployed runtime (its plan names each
+    tensor's holders); `released` the parameters this rank freed, by name, with their shapes
+    (`deploy.Holdings.released`)."""
     world, rank = rt.world_size, rt.rank
     check_modifier(modifier_rank, world)
     h = ckpt.Holdings.of(model, rt)
