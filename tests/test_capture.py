@@ -1050,3 +1050,25 @@ def test_a_packed_sequence_is_refused_naming_the_line_and_the_rewrite() -> None:
     cap = capture(padded, (x, lengths))
     assert cap.graph.summary()
     torch.testing.assert_close(padded(x, lengths), packed(x, lengths), rtol=1e-6, atol=1e-6)
+
+
+class _OwnGenerator(nn.Module):
+    """Noise drawn from a generator the model keeps (sized by the input, or fixed)."""
+
+    def __init__(self, sized: bool) -> None:
+        super().__init__()
+        self.sized = sized
+        self.lin = nn.Linear(4, 4)
+        self.noise = torch.Generator().manual_seed(0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape if self.sized else (4,)
+        return self.lin(x + torch.randn(shape, generator=self.noise))
+
+
+@pytest.mark.parametrize("sized", [True, False])
+def test_a_generator_of_the_models_own_is_named_with_the_fix(sized: bool) -> None:
+    """Before: "SymIntArrayRef expected to contain only concrete integers" (noise sized by the
+    input) or "unsupported graph input kind CUSTOM_OBJ (lifted_custom_0)" (a fixed size)."""
+    with pytest.raises(CaptureError, match=r"torch.Generator .*default generator.*as an input"):
+        capture(_OwnGenerator(sized), (torch.randn(3, 4),))

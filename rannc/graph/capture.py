@@ -781,6 +781,12 @@ def _capture_error(model: nn.Module, e: BaseException,
                        "size), so rannc took them for batched inputs, whose rows it splits; pass "
                        "such a tensor with another first dimension (mask[None]) or hold it on "
                        "the model (register_buffer).")
+    generators = _generators(model)
+    if generators:
+        reason += (f" The model keeps a torch.Generator of its own ({', '.join(generators)}): "
+                   "torch.export cannot trace draws from one (`generator=`). Fix: draw from the "
+                   "default generator (seeded by torch.manual_seed), or make the noise outside "
+                   "forward() and pass it in as an input.")
     text = (
         f"rannc could not capture the model: torch.export failed in module '{path}' "
         f"[{where}]: {type(e).__name__}: {reason}\n"
@@ -791,6 +797,13 @@ def _capture_error(model: nn.Module, e: BaseException,
         "torch.cond or move it out of forward(); the original error is chained below."
     )
     return CaptureError(text, module_path=path)
+
+
+def _generators(model: nn.Module) -> list[str]:
+    """The `torch.Generator`s held as attributes of the model's modules, by path (a model
+    drawing its noise from its own generator; named only when a capture fails)."""
+    return [f"{path}.{attr}" if path else attr for path, m in model.named_modules()
+            for attr, v in vars(m).items() if isinstance(v, torch.Generator)]
 
 
 def _val_shape(val: Any) -> tuple[tuple[int | str, ...], int | None, int]:
@@ -1333,6 +1346,13 @@ def _from_exported(ep: ExportedProgram, layout: InputLayout, seconds: float,
             constants[name] = ep.constants[spec.target]  # type: ignore[index,assignment]
         elif spec.kind is InputKind.USER_INPUT:
             user_inputs.append(name if isinstance(spec.arg, TensorArgument) else None)
+        elif isinstance(ep.constants.get(spec.target), torch.Generator):  # type: ignore[arg-type]
+            raise CaptureError(
+                "rannc cannot capture draws from a torch.Generator of the model's own "
+                "(`torch.randn(..., generator=g)` in forward): torch.export lifts the generator "
+                "into the graph as an object, which rannc cannot place on a stage or replay "
+                "per call. Fix: draw from the default generator (seeded by torch.manual_seed), "
+                "or make the noise outside forward() and pass it in as an input")
         else:
             raise CaptureError(f"unsupported graph input kind {spec.kind.name} ({spec.target})")
     for i, leaf_is_tensor in enumerate(user_inputs):
