@@ -44,8 +44,7 @@ def gathered(model: nn.Module, rt: Any, released: dict[str, torch.Size],
     (a collective: every rank enters it). `rt` is a deployed runtime (its plan names each
     tensor's holders); `released` the parameters this rank freed, by name, with their shapes
     (`deploy.Holdings.released`)."""
-    world, rank = rt.world_size, rt.rank
-    check_modifier(modifier_rank, world)
+    world, rank = rt.world_size, rt.rank  # (`modifier_rank` checked by the caller: check_modifier)
     h = ckpt.Holdings.of(model, rt)
     names = list(h.tensors)  # canonical names: each tensor once, parameters first
     empty = {h.canonical[n]: shape for n, shape in released.items()}

@@ -437,9 +437,7 @@ def _data_as_detach(model: nn.Module) -> Iterator[None]:
         return self.detach()
 
     def assign(self: torch.Tensor, value: torch.Tensor) -> None:
-        # (from the caller: walk_stack(None) would skip it)
-        site = _innermost_module(reversed([f for f, _ in traceback.walk_stack(sys._getframe(1))]),
-                                 names)
+        site = _calling_module(names)
         if site is None:  # (torch's own code, not the model's)
             base.__set__(self, value)
             return
@@ -530,8 +528,7 @@ def _packed_sequences_refused(model: nn.Module) -> Iterator[None]:
     real = PackedSequence.__dict__["__new__"]
 
     def new(cls: type, *args: Any, **kwargs: Any) -> Any:
-        site = _innermost_module(reversed([f for f, _ in traceback.walk_stack(sys._getframe(1))]),
-                                 names)
+        site = _calling_module(names)
         if site is None:  # (torch's own code, not the model's)
             return real.__get__(None, cls)(cls, *args, **kwargs)
         raise CaptureError(
@@ -673,6 +670,14 @@ _BATCH_FIXED = "specialized it to be a constant"
 _SHAPES_LOG = "torch.fx.experimental.symbolic_shapes"
 
 
+def _calling_module(names: dict[int, str]) -> tuple[str, str] | None:
+    """`_innermost_module` of the stack of the function calling this one (a patched torch
+    function or attribute, called from the model's code or from torch's own)."""
+    # (from that caller's caller: walk_stack(None) would start at this frame's caller)
+    frames = [f for f, _ in traceback.walk_stack(sys._getframe(2))]
+    return _innermost_module(reversed(frames), names)
+
+
 def _innermost_module(frames: Iterator[Any], names: dict[int, str]) -> tuple[str, str] | None:
     """(module path, "Class.method (file:line)") of the innermost of `frames` (outermost
     first) running a method of one of the model's modules (`names`: id -> path)."""
@@ -784,9 +789,7 @@ def _capture_error(model: nn.Module, e: BaseException,
     generators = _generators(model)
     if generators:
         reason += (f" The model keeps a torch.Generator of its own ({', '.join(generators)}): "
-                   "torch.export cannot trace draws from one (`generator=`). Fix: draw from the "
-                   "default generator (seeded by torch.manual_seed), or make the noise outside "
-                   "forward() and pass it in as an input.")
+                   f"torch.export cannot trace draws from one (`generator=`). {_GENERATOR_FIX}.")
     text = (
         f"rannc could not capture the model: torch.export failed in module '{path}' "
         f"[{where}]: {type(e).__name__}: {reason}\n"
@@ -797,6 +800,10 @@ def _capture_error(model: nn.Module, e: BaseException,
         "torch.cond or move it out of forward(); the original error is chained below."
     )
     return CaptureError(text, module_path=path)
+
+
+_GENERATOR_FIX = ("Fix: draw from the default generator (seeded by torch.manual_seed), or make "
+                  "the noise outside forward() and pass it in as an input")
 
 
 def _generators(model: nn.Module) -> list[str]:
@@ -1351,8 +1358,7 @@ def _from_exported(ep: ExportedProgram, layout: InputLayout, seconds: float,
                 "rannc cannot capture draws from a torch.Generator of the model's own "
                 "(`torch.randn(..., generator=g)` in forward): torch.export lifts the generator "
                 "into the graph as an object, which rannc cannot place on a stage or replay "
-                "per call. Fix: draw from the default generator (seeded by torch.manual_seed), "
-                "or make the noise outside forward() and pass it in as an input")
+                f"per call. {_GENERATOR_FIX}")
         else:
             raise CaptureError(f"unsupported graph input kind {spec.kind.name} ({spec.target})")
     for i, leaf_is_tensor in enumerate(user_inputs):

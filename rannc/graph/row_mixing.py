@@ -23,7 +23,9 @@ follows the batch.
 
 from __future__ import annotations
 
-from rannc.graph.task_graph import TaskGraph, Value, ValueKind
+from collections.abc import Iterator
+
+from rannc.graph.task_graph import Task, TaskGraph, Value, ValueKind
 
 # ops that order or scan along their dimension (on a 1-D batch tensor: along the batch)
 _ALONG_BATCH = frozenset(
@@ -46,14 +48,7 @@ def row_mixed(graph: TaskGraph) -> frozenset[str]:
     # positions 0..n-1 of the rows (an arange as long as the batch, reshaped): gathering a
     # value's rows by them is the identity (Hugging Face's masks index by arange(batch))
     identity: set[str] = set()
-
-    def batch(v: str) -> bool:
-        val = graph.values[v]
-        return val.is_tensor and val.batch_dim is not None
-
-    for task in graph.tasks:
-        outs = [v for v in task.outputs if batch(v)]
-        ins = [v for v in task.inputs if batch(v)]
+    for task, ins, outs in _batch_tasks(graph):
         if task.op in _ARANGE or (task.op in _SHAPE and ins and ins[0] in identity):
             identity.update(outs)
             mixed.update(outs)
@@ -96,21 +91,14 @@ def interleaved(graph: TaskGraph) -> frozenset[str]:
     view back to (seq, batch, embed) gives 1 again); every other op passes on the largest of
     its batch inputs'. One that cannot be expressed so (a sample-major dimension viewed as
     (k, batch)) counts as interleaved too."""
-    outer: dict[str, float] = {}
+    outer: dict[str, float] = {}  # (0: not expressible so, counted as interleaved)
     out: set[str] = set()
-
-    def batch(v: str) -> bool:
-        val = graph.values[v]
-        return val.is_tensor and val.batch_dim is not None
-
-    for task in graph.tasks:
-        outs = [v for v in task.outputs if batch(v)]
-        ins = [v for v in task.inputs if batch(v)]
+    for task, ins, outs in _batch_tasks(graph):
         if not outs or not ins:
             continue
         if task.op in _REGROUP:
             x = ins[0]
-            before, after = _before_batch(graph.values[x]), None
+            before = _before_batch(graph.values[x])
             for y in outs:
                 after = _before_batch(graph.values[y])
                 o = outer.get(x, 1.0) * before / after if before and after else 0.0
@@ -123,6 +111,16 @@ def interleaved(graph: TaskGraph) -> frozenset[str]:
                 outer[y] = o
         out.update(y for y in outs if outer[y] != 1.0)
     return frozenset(out)
+
+
+def _batch_tasks(graph: TaskGraph) -> Iterator[tuple[Task, list[str], list[str]]]:
+    """Each task in order, with its batch inputs and outputs (tensors with a batch dimension)."""
+    def batch(v: str) -> bool:
+        val = graph.values[v]
+        return val.is_tensor and val.batch_dim is not None
+
+    for task in graph.tasks:
+        yield task, [v for v in task.inputs if batch(v)], [v for v in task.outputs if batch(v)]
 
 
 def _before_batch(val: Value) -> int:

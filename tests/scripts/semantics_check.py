@@ -62,6 +62,20 @@ def grads_close_then_step(wrapped: nn.Module, ref: nn.Module, opts: tuple[Any, A
         opt.zero_grad()
 
 
+def classifier_step(net: nn.Module, ref: nn.Module, opts: tuple[Any, ...], batch: int,
+                    rows: tuple[int, int], where: str) -> None:
+    """One training step of `tiny_bert_classifier` wrapped (on this rank's `rows` of a random
+    global batch) and unwrapped: logits and gradients equal, then both step."""
+    lo, hi = rows
+    ids, y = torch.randint(0, 64, (batch, 8)), torch.randint(0, 3, (batch,))
+    out = net(input_ids=ids[lo:hi], labels=y[lo:hi])
+    want = ref(input_ids=ids, labels=y)
+    close(out.logits, want.logits[lo:hi], f"{where} logits")
+    out.loss.backward()
+    want.loss.backward()
+    grads_close_then_step(net, ref, opts, where)
+
+
 def options(a: argparse.Namespace) -> dict[str, Any]:
     opts: dict[str, Any] = {"microbatches": a.microbatches or None, "schedule": a.schedule,
                             "checkpointing": a.checkpointing}
@@ -1003,13 +1017,7 @@ def check_optimizers(a: argparse.Namespace, rank: int, world: int) -> None:
     hi = lo + sizes[rank]
 
     def step(net: nn.Module, opts: tuple[Any, ...], where: str) -> None:
-        ids, y = torch.randint(0, 64, (a.batch, 8)), torch.randint(0, 3, (a.batch,))
-        out = net(input_ids=ids[lo:hi], labels=y[lo:hi])
-        want = ref(input_ids=ids, labels=y)
-        close(out.logits, want.logits[lo:hi], f"{where} logits")
-        out.loss.backward()
-        want.loss.backward()
-        grads_close_then_step(net, ref, opts, where)
+        classifier_step(net, ref, opts, a.batch, (lo, hi), where)
 
     for i in range(3):
         step(wrapped, (*mine, *theirs), f"rank {rank} step {i}")
@@ -1131,13 +1139,7 @@ def check_gathered(a: argparse.Namespace, rank: int, world: int) -> None:
             nn.init.normal_(m.weight, std=0.3)
 
     def train(step: int) -> None:
-        ids, y = torch.randint(0, 64, (a.batch, 8)), torch.randint(0, 3, (a.batch,))
-        out = wrapped(input_ids=ids[lo:hi], labels=y[lo:hi])
-        want = ref(input_ids=ids, labels=y)
-        close(out.logits, want.logits[lo:hi], f"rank {rank} step {step} logits")
-        out.loss.backward()
-        want.loss.backward()
-        grads_close_then_step(wrapped, ref, opts, f"rank {rank} step {step}")
+        classifier_step(wrapped, ref, opts, a.batch, (lo, hi), f"rank {rank} step {step}")
 
     for step in range(2):
         train(step)
