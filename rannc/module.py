@@ -18,6 +18,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import itertools
 import logging
 import os
 import sys
@@ -42,7 +43,7 @@ from rannc.config import Config
 from rannc.deploy import Holdings, OneProcess, capture_signature, deployment_plan, host_malloc
 from rannc.deploy import optimizer_state_factor as optimizer_state_factor  # (its old home)
 from rannc.derive import derive_plan
-from rannc.errors import RaNNCError
+from rannc.errors import CaptureError, RaNNCError
 from rannc.gathered import check_modifier, gathered
 from rannc.graph import attributes, leftovers
 from rannc.graph.capture import autocast_state, flatten_inputs
@@ -115,6 +116,7 @@ class RaNNCModule(nn.Module):
                 f"the model is already a RaNNCModule (around {type(model.module).__name__}); "
                 "wrapping it again would pipeline a pipeline. Fix: wrap the original model once, "
                 "RaNNCModule(model.module, optimizer, ...), or use the existing wrapper as is")
+        _refuse_lazy(model)
         # Registered as the child `module` (as DDP and FSDP do), so a parent (HF Trainer,
         # Accelerate, Lightning) sees its parameters; named_parameters() and state_dict() below
         # keep the original names, without a "module." prefix.
@@ -928,6 +930,26 @@ def _show_plan(plan: Plan) -> None:
         log.info("%s", plan.summary())
     else:
         print(plan.summary(), file=sys.stderr, flush=True)
+
+
+def _refuse_lazy(model: nn.Module) -> None:
+    """torch's lazy modules (nn.LazyLinear, nn.LazyConv2d, ...) hold uninitialized parameters
+    until their first call sets their shapes. rannc captures and partitions the model by its
+    parameters' shapes, and an optimizer built before that call holds parameters that are
+    replaced (torch.export failed with "Attempted to use an uninitialized parameter" and the
+    advice for control flow). Refused on every rank, as DistributedDataParallel refuses them."""
+    lazy = [(name or "<root>", type(m).__name__) for name, m in model.named_modules()
+            if any(nn.parameter.is_lazy(t) for t in itertools.chain(
+                m.parameters(recurse=False), m.buffers(recurse=False)))]
+    if lazy:
+        more = f" and {len(lazy) - 3} more" if len(lazy) > 3 else ""
+        raise CaptureError(
+            f"module(s) {', '.join(f'{n!r} ({c})' for n, c in lazy[:3])}{more} still hold "
+            "uninitialized parameters: torch's lazy modules set their shapes at their first "
+            "call, and rannc captures and partitions the model by its parameters' shapes. Fix: "
+            "call the model once on a sample batch before wrapping it (`with torch.no_grad(): "
+            "model(**batch)`), then build the optimizer and wrap the model, as "
+            "DistributedDataParallel requires")
 
 
 def _count_as_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -152,6 +152,8 @@ class CallAgreement:
         self._call: tuple[Any, ...] | None = (args, kwargs, leaves, layout, ctx, mode)
         self.rows = layout.batch or 0
         self.digest = call_digest(layout, leaves, mode)
+        # (not in the digest: a guess of the row layout holds whatever these values are)
+        self._values = whole_values_hash(leaves, layout.batch_leaves, ctx.device)
         self._device, self._world = ctx.device, ctx.world_size
         self._every: list[torch.Tensor] | None = None
         self._work: Any = None
@@ -168,7 +170,8 @@ class CallAgreement:
         """Post the all-gather, with up to CARRIED float64 sums of this rank's to add up."""
         assert self._every is None
         self._every, self._work = _gather_digest(self.rows, self.digest, self._device,
-                                                 self._world, async_op=True, carry=carry)
+                                                 self._world, async_op=True, carry=carry,
+                                                 values=self._values)
 
     @property
     def resolved(self) -> bool:
@@ -198,10 +201,14 @@ class CallAgreement:
             raise InputMismatchError(describe_mismatch(sigs, sizes))
         if any(isinstance(x, torch.Tensor) and x.device.type != ctx.device.type for x in leaves):
             check_devices(call_signature(args, kwargs, layout.batch_leaves), ctx.device)
+        if len(set(every[:, VALUES].tolist())) > 1:
+            hashes: list[Any] = [None] * ctx.world_size
+            dist.all_gather_object(hashes, _leaf_hashes(args, kwargs, leaves, layout))
+            raise InputMismatchError(describe_whole_mismatch(hashes, sizes, layout, args, kwargs))
         self._sizes = sizes
         self._call = None  # (the call's inputs need not outlive it)
         if bool((every[:, 2] == 1).all()):
-            self.carried = every[:, 3:].contiguous().view(torch.float64).sum(0)
+            self.carried = every[:, 3:VALUES].contiguous().view(torch.float64).sum(0)
         return sizes
 
 
@@ -221,16 +228,108 @@ def agree_on_call(args: Sequence[Any], kwargs: Mapping[str, Any], leaves: Sequen
     return post_call(args, kwargs, leaves, layout, ctx, mode).resolve()
 
 
+# Hugging Face's keyword for the global number of loss items (tokens not labelled -100): a loss
+# given it is sum / count, so its (microbatch, replica) pieces add up to the global loss.
+COUNT_KWARG = "num_items_in_batch"
+
 # How many float64 sums a call's agreement can carry (`CallAgreement.start`): a model's scalar
 # outputs (its loss, and a few more), beside the flag saying it carries them.
 CARRIED = 3
+# Where the agreement holds the hash of the call's whole (not split) tensor inputs' values.
+VALUES = 3 + CARRIED
+
+
+def whole_values_hash(leaves: Sequence[Any], batch_leaves: Sequence[bool],
+                      device: torch.device) -> torch.Tensor | None:
+    """A hash of the values of the call's tensor inputs that are not split by rows (dim 0
+    not the batch size: a mask shared by every row, a table, Hugging Face's
+    `num_items_in_batch`), computed on `device` without waiting for it; None when there is
+    none. rannc hands such an input whole to every stage that reads it, for every rank's rows,
+    so it must be the same on every rank: one that differs (labels or EmbeddingBag offsets of
+    the rank's own samples, where another input set the batch size) gave silently other
+    numbers than the model on the global batch."""
+    out: torch.Tensor | None = None
+    for i, (x, batched) in enumerate(zip(leaves, batch_leaves, strict=True)):
+        if batched or not isinstance(x, torch.Tensor) or x.layout != torch.strided \
+                or x.device.type == "meta":
+            continue
+        h = (_value_hash(x).to(device) % _PRIME) * (i + 1)
+        out = h if out is None else out + h
+    return out
+
+
+_PRIME = 2_147_483_647
+_HASHED = 1 << 16  # 8- or 16-bit words of a tensor hashed; a larger tensor's evenly spaced sample
+_WEIGHTS: dict[torch.device, torch.Tensor] = {}  # position weights 1 .. 65521, by device
+
+
+def _value_hash(x: torch.Tensor) -> torch.Tensor:
+    """A position-weighted sum of `x`'s bits as 16-bit (or 8-bit) integers: int64, 0-dim, on
+    x's device. Every term is below 2**32, so the sum cannot overflow. Beyond `_HASHED` words,
+    an evenly spaced sample of them (a whole 512 x 512 float mask cost 3.7 ms a call here, a
+    sample 0.1 ms): the inputs that differ by rank in practice (labels, offsets, counts) are
+    small, and a large shared mask that differs does so in many places."""
+    x = x.detach()
+    if x.is_complex():
+        x = torch.view_as_real(x)
+    flat = x.reshape(-1)
+    bits = flat.view(torch.uint8) if flat.element_size() == 1 else flat.view(torch.int16)
+    n = bits.numel()
+    if n > _HASHED:
+        bits = bits[:: -(-n // _HASHED)]
+    w = _WEIGHTS.get(x.device)
+    if w is None:
+        w = _WEIGHTS[x.device] = torch.arange(_HASHED, dtype=torch.int64, device=x.device) % 65521 + 1
+    return (bits.to(torch.int64) * w[:bits.numel()]).sum() + n
+
+
+def _leaf_hashes(args: Sequence[Any], kwargs: Mapping[str, Any], leaves: Sequence[Any],
+                 layout: InputLayout) -> list[tuple[str, str, int]]:
+    """(name, shape, hash) of each whole tensor input, to say which differ across ranks."""
+    sig = call_signature(args, kwargs, layout.batch_leaves)
+    return [(s.name, s.describe(), int(_value_hash(x))) for s, x, b in
+            zip(sig.leaves, leaves, layout.batch_leaves, strict=True)
+            if not b and isinstance(x, torch.Tensor) and x.layout == torch.strided
+            and x.device.type != "meta"]
+
+
+def describe_whole_mismatch(hashes: Sequence[list[tuple[str, str, int]]], sizes: Sequence[int],
+                            layout: InputLayout, args: Sequence[Any],
+                            kwargs: Mapping[str, Any]) -> str:
+    """Name the whole inputs whose values differ across ranks, with the fix."""
+    differ = [column[0] for column in zip(*hashes, strict=True)
+              if len({h for _n, _d, h in column}) > 1]
+    names = [name for name, _d, _h in differ]
+    if names == [COUNT_KWARG]:
+        return (f"{COUNT_KWARG} differs across ranks: it must be the count of loss items in the "
+                "GLOBAL batch, the same on every rank. Fix: sum the local counts over the ranks "
+                "(e.g. torch.distributed.all_reduce of (labels != -100).sum()) and pass that on "
+                "every rank")
+    sig = call_signature(args, kwargs, layout.batch_leaves)
+    first = next((s for s in sig.leaves if s.batched), None)
+    shown = ", ".join(f"{name!r} ({desc})" for name, desc, _h in differ[:4])
+    more = f" and {len(differ) - 4} more" if len(differ) > 4 else ""
+    batch = (f"rannc takes dim 0 of the first tensor input, {first.name!r}, as the batch "
+             f"(local sizes {list(sizes)})" if first is not None else
+             "rannc takes dim 0 of the first tensor input as the batch")
+    return (f"input(s) {shown}{more} differ across ranks in their values, but are not split by "
+            f"rows: {batch}, and a tensor whose dim 0 is another size goes whole to every stage "
+            "that reads it, for every rank's rows, so it must be the same on every rank. "
+            "Computed on each rank's own values, the result would silently differ from the "
+            "model on the global batch. Fix: if it holds one entry per sample (labels, "
+            "per-sample weights), give every such input the batch in dim 0, the same local "
+            "batch size as the first; for nn.EmbeddingBag, pass 2-D ids (B, bag length) padded "
+            "with its padding_idx instead of 1-D ids with offsets. If it is shared (a mask, a "
+            "table), pass the same values on every rank (e.g. torch.distributed.broadcast from "
+            "rank 0)")
 
 
 def _gather_digest(rows: int, digest: int, device: torch.device, world: int,
-                   async_op: bool = False,
-                   carry: Sequence[torch.Tensor] = ()) -> tuple[list[torch.Tensor], Any]:
+                   async_op: bool = False, carry: Sequence[torch.Tensor] = (),
+                   values: torch.Tensor | None = None) -> tuple[list[torch.Tensor], Any]:
     """The all-gather every rannc collective call starts with: [rows, digest of the call,
-    1 if it carries sums, CARRIED float64 sums as their bits]. One shape for every kind of call,
+    1 if it carries sums, CARRIED float64 sums as their bits, the hash of its whole tensor
+    inputs' values (`whole_values_hash`; 0 without)]. One shape for every kind of call,
     so ranks in different calls still meet here and compare, instead of pairing unrelated
     transfers (gloo aborted: "Received data size doesn't match"). Returns the gathered rows
     and, with `async_op`, the work to wait for."""
@@ -241,7 +340,9 @@ def _gather_digest(rows: int, digest: int, device: torch.device, world: int,
                                          for x in carry])
     head = torch.tensor([rows, digest, int(bool(carry))], dtype=torch.int64)
     mine = torch.cat([head, sums.view(torch.int64)]).to(device)
-    every = [torch.zeros(3 + CARRIED, dtype=torch.int64, device=device) for _ in range(world)]
+    mine = torch.cat([mine, values.reshape(1) if values is not None
+                      else torch.zeros(1, dtype=torch.int64, device=device)])
+    every = [torch.zeros(VALUES + 1, dtype=torch.int64, device=device) for _ in range(world)]
     work = dist.all_gather(every, mine, async_op=async_op)
     return every, work
 
@@ -394,11 +495,13 @@ def describe_mismatch(sigs: Sequence[CallSignature], sizes: Sequence[int]) -> st
     for i, leaf in enumerate(sigs[0].leaves):
         column = [s.leaves[i] for s in sigs]
         if any(x != leaf for x in column):
-            return _leaf_mismatch(column, sizes)
+            first = next((x.name for x in sigs[0].leaves if x.batched), None)
+            return _leaf_mismatch(column, sizes, first)
     return f"ranks called the model with different inputs. {_SAME_INPUTS}"  # digests collided
 
 
-def _leaf_mismatch(column: Sequence[LeafSignature], sizes: Sequence[int]) -> str:
+def _leaf_mismatch(column: Sequence[LeafSignature], sizes: Sequence[int],
+                   batch_from: str | None = None) -> str:
     name = column[0].name
     per = _by_rank([x.describe() for x in column])
     what = ("dtypes" if len({x.dtype for x in column}) > 1 else
@@ -412,6 +515,13 @@ def _leaf_mismatch(column: Sequence[LeafSignature], sizes: Sequence[int]) -> str
                    f"longest across ranks). The local batch sizes (B) were {list(sizes)}."),
         "values": "pass the same non-tensor value on every rank.",
     }[what]
+    if what == "shapes" and batch_from is not None and all(x.tensor and not x.batched
+                                                          for x in column):
+        # (its dim 0 differs from the batch size: a per-sample input rannc did not take for one)
+        fix += (f" If it holds one entry per sample (labels, offsets), it is not split by rows: "
+                f"rannc takes dim 0 of the first tensor input, {batch_from!r}, as the batch; give "
+                "every per-sample input that same dim 0 (for nn.EmbeddingBag, pass 2-D ids "
+                "(B, bag length) padded with its padding_idx instead of 1-D ids with offsets).")
     return (f"argument {name!r} differs across ranks in its {what}: {per}. Only the local batch "
             f"size (dim 0) may differ between ranks. Fix: {fix}")
 

@@ -8,6 +8,7 @@ afterwards. The rest run in this process.
 
 from __future__ import annotations
 
+import copy
 import re
 import warnings
 from pathlib import Path
@@ -89,6 +90,19 @@ CASES: dict[str, tuple[str, list[str]]] = {
     "output_without_rows": ("CaptureError", [
         "FeatureMean's output '[0]' has shape (16,) and no batch dimension", "only where it is "
         "a scalar", "Fix: return it per row", "batch_first=False"]),
+    "per_sample_input_not_batched": ("InputMismatchError", [
+        "argument 'args[1]' differs across ranks in its shapes: rank 0: a tensor [3] int64",
+        "rank 1: a tensor [5] int64", "If it holds one entry per sample (labels, offsets), it is "
+        "not split by rows: rannc takes dim 0 of the first tensor input, 'args[0]', as the batch",
+        "nn.EmbeddingBag, pass 2-D ids"]),
+    "whole_inputs_differ_across_ranks": ("InputMismatchError", [
+        "input(s) 'args[1]' (a tensor [4] int64 on cpu), 'args[2]' (a tensor [4] int64 on cpu)",
+        "differ across ranks in their values, but are not split by rows", "first tensor input, "
+        "'args[0]', as the batch (local sizes [", "nn.EmbeddingBag, pass 2-D ids",
+        "pass the same values on every rank"]),
+    "forced_stages_cannot_be_cut": ("PlanInfeasibleError", [
+        "no plan exists for the forced settings (partition_num=2)", "lost the batch dimension",
+        "Fix: force fewer stages"]),
     "meta_model_never_materialised": ("RaNNCError", [
         "of the model's parameters and buffers are on the meta device (e.g. a.weight",
         "never materialised", "model.to_empty(device='cpu')"]),
@@ -134,7 +148,7 @@ def test_cross_rank_bad_input_is_the_same_clear_error_on_every_rank(launch: str,
 @pytest.mark.layer("multi_rank")
 def test_job_still_trains_exactly_after_the_errors_with_a_bounded_capture_cache(launch: str) -> None:
     for when in ("after_errors_before_deployment", "after_errors_after_deployment",
-                 "plan_file_read_on_rank_0_only", "at_the_end"):
+                 "bags_padded", "plan_file_read_on_rank_0_only", "at_the_end"):
         for r in (0, 1):
             assert re.search(rf"^USABLE {when} rank {r} ok", launch, re.MULTILINE), launch
     assert "DONE rank 0" in launch and "DONE rank 1" in launch
@@ -203,6 +217,24 @@ def test_a_rannc_module_wrapped_again() -> None:
     with pytest.raises(rannc.RaNNCError, match=r"already a RaNNCModule \(around Linear\).*"
                                                r"Fix: wrap the original model once"):
         rannc.RaNNCModule(inner)
+
+
+def test_lazy_modules_are_refused_until_their_first_call() -> None:
+    """A lazy module's parameters have no shape before its first call: refused at wrapping
+    (before, torch.export's "uninitialized parameter" came with advice about control flow);
+    after one call of the model, wrapped and exact."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 6), nn.LazyLinear(3), nn.ReLU(), nn.LazyLinear(2))
+    with pytest.raises(rannc.errors.CaptureError,
+                       match=r"module\(s\) '1' \(LazyLinear\), '3' \(LazyLinear\) still hold "
+                             r"uninitialized parameters.*Fix: call the model once on a sample "
+                             r"batch before wrapping it"):
+        rannc.RaNNCModule(net)
+    x = torch.randn(5, 4)
+    with torch.no_grad():
+        net(x)
+    ref = copy.deepcopy(net)
+    torch.testing.assert_close(rannc.RaNNCModule(net)(x), ref(x), rtol=0, atol=0)
 
 
 def test_a_meta_model_called_with_real_inputs() -> None:

@@ -51,7 +51,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import math
 import time
 import warnings
 import weakref
@@ -94,7 +93,7 @@ from rannc.schedule import (
     make_schedule,
     validate,
 )
-from rannc.validate import CARRIED
+from rannc.validate import CARRIED, COUNT_KWARG
 
 if TYPE_CHECKING:
     from rannc.validate import CallAgreement
@@ -104,10 +103,6 @@ log = logging.getLogger(__name__)
 _BN_WARNED: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models warned about BatchNorm
 _MIXING_WARNED: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # ... about rows mixed (`_warn_mixing`)
 _WRITES_WARNED: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # ... about buffers forward writes
-
-# Hugging Face's keyword for the global number of loss items (tokens not labelled -100): a loss
-# given it is sum / count, so its (microbatch, replica) pieces add up to the global loss.
-COUNT_KWARG = "num_items_in_batch"
 
 
 class PipelineRuntime:
@@ -658,24 +653,21 @@ class PipelineRuntime:
         return {v for v in self.routes.scalar_outputs() if v in reached}
 
     def _check_count(self, leaves: Sequence[Any]) -> None:
-        """`num_items_in_batch` is the global count: the same on every rank (a rank passing its
-        own count would silently scale its pieces wrongly). Collective when the call passed it;
-        after the call's agreement, so that every rank runs the same collectives in the same
-        order even when the agreement raises."""
+        """`num_items_in_batch` is the global count of loss items: one number. That it is the
+        same on every rank (a rank passing its own count would silently scale its pieces
+        wrongly) the call's agreement checks with every whole input's values
+        (`validate.whole_values_hash`); its shape is in the agreement's digest, so this check
+        raises on every rank alike."""
         count = self._count_input()
         if count is None:
             return
         x = next(leaf for v, leaf in zip(self.cap.leaf_values, leaves, strict=True) if v == count)
-        c = float(x.detach().reshape(-1)[0]) if x.numel() == 1 else math.nan
-        both = torch.tensor([c, -c], dtype=torch.float64, device=self.device)
-        dist.all_reduce(both, op=dist.ReduceOp.MAX)
-        hi, lo = float(both[0]), -float(both[1])
-        if not hi == lo == c or x.numel() != 1:
+        if x.numel() != 1:
             raise InputMismatchError(
-                f"{COUNT_KWARG} differs across ranks (from {lo:g} to {hi:g}; or is not one "
-                "number): it must be the count of loss items in the GLOBAL batch, the same on "
-                "every rank. Fix: sum the local counts over the ranks (e.g. "
-                "torch.distributed.all_reduce of (labels != -100).sum()) and pass that on every rank")
+                f"{COUNT_KWARG} is a tensor of shape {tuple(x.shape)}: it must be one number, the "
+                "count of loss items in the GLOBAL batch, the same on every rank. Fix: sum the "
+                "local counts over the ranks (e.g. torch.distributed.all_reduce of "
+                "(labels != -100).sum()) and pass that on every rank")
 
     # -- backward --------------------------------------------------------------------------------
     @property

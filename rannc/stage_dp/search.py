@@ -466,6 +466,17 @@ def infeasible_error(infeasible: Infeasible, layouts: Sequence[tuple[int, int]],
                    + [lanes_memory_needed(*x) for x in infeasible.lanes], default=math.inf)
     need = smallest / (1.0 - config.mem_margin)
     have = mem.limit / (1.0 - config.mem_margin)
+    if math.isinf(need):  # (no split at all: one stage always exists unless a setting is forced)
+        forced = ", ".join(f"{name}={value}" for name, value in (
+            ("partition_num", config.partition_num), ("replicas", config.replicas),
+            ("microbatches", config.microbatches)) if value is not None)
+        return PlanInfeasibleError(
+            f"no plan exists for the forced settings ({forced or 'none'}): the model cannot be "
+            "split into that many stages. rannc cuts the model only where every value crossing "
+            "the cut can be sent row by row; values that mix the batch's rows, or that lost the "
+            "batch dimension (a reduction over rows, nn.EmbeddingBag with offsets), stay inside "
+            "one stage with everything between them. Fix: force fewer stages, or leave "
+            "partition_num and replicas to the planner", needed_bytes=need)
     return PlanInfeasibleError(
         f"no plan fits: the model needs at least {fmt_bytes(need)} per device (with "
         f"mem_margin {config.mem_margin}) but the devices have {fmt_bytes(have)} "

@@ -126,6 +126,87 @@ class OrderByRank(nn.Module):
         return (parts[0] * parts[1]).sum()
 
 
+class Bags(nn.Module):
+    """nn.EmbeddingBag over 1-D ids with offsets (a recommender's input), or over 2-D ids
+    padded with its padding_idx (`two_d`): the same bags, the same weights."""
+
+    PAD = 49
+
+    def __init__(self, two_d: bool = False) -> None:
+        super().__init__()
+        self.bag = nn.EmbeddingBag(50, 8, mode="mean", padding_idx=self.PAD if two_d else None)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, ids: torch.Tensor, offsets: torch.Tensor | None,
+                labels: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(self.head(self.bag(ids, offsets)), labels)
+
+
+def bags(rank: int) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """The global batch's bags (8 of 1 to 5 ids, below Bags.PAD) and labels, and this
+    rank's rows (`local_rows`)."""
+    g = torch.Generator().manual_seed(7)
+    lens = torch.randint(1, 6, (8,), generator=g)
+    rows = [torch.randint(0, Bags.PAD, (int(k),), generator=g) for k in lens]
+    return rows, torch.randint(0, 3, (8,), generator=g), torch.tensor(local_rows(rank))
+
+
+def flat(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """1-D ids and offsets of `rows`."""
+    lens = torch.tensor([len(r) for r in rows])
+    return torch.cat(rows), torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)[:-1]])
+
+
+def bags_with_offsets(rank: int) -> None:
+    """Each rank passes its own bags as 1-D ids with offsets (what it would pass to DDP):
+    rannc takes the ids' length for the batch, and the offsets and labels for inputs shared by
+    every rank. Every rank raises, naming them and the 2-D rewrite."""
+    rows, labels, (lo, hi) = bags(rank)
+    ids, offsets = flat(rows[lo:hi])
+    rannc.RaNNCModule(Bags(), profiler="estimate")(ids, offsets, labels[lo:hi])
+
+
+def bags_of_one_size(rank: int) -> None:
+    """As `bags_with_offsets`, 4 bags on each rank: the offsets' and labels' shapes agree,
+    their values differ."""
+    rows, labels, _ = bags(rank)
+    lo, hi = 4 * rank, 4 * rank + 4
+    ids, offsets = flat(rows[lo:hi])
+    rannc.RaNNCModule(Bags(), profiler="estimate")(ids, offsets, labels[lo:hi])
+
+
+def bags_padded(rank: int) -> None:
+    """The rewrite the error gives: 2-D ids padded with padding_idx, on 2 stages, equal to
+    the unwrapped 1-D model on the global batch (loss and gradients)."""
+    torch.manual_seed(5)
+    model = Bags(two_d=True)
+    ref = Bags()
+    ref.load_state_dict(model.state_dict())
+    rows, labels, (lo, hi) = bags(rank)
+    padded = nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=Bags.PAD)
+    wrapped = rannc.RaNNCModule(model, partition_num=2, profiler="estimate")
+    loss = wrapped(padded[lo:hi], None, labels[lo:hi])
+    loss.backward()
+    ids, offsets = flat(rows)
+    ref_loss = ref(ids, offsets, labels)
+    ref_loss.backward()
+    torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=RTOL, atol=ATOL)
+    want = dict(ref.named_parameters())
+    held = [n for n, p in wrapped.named_parameters() if p.numel()]
+    for n, p in wrapped.named_parameters():
+        assert p.grad is not None, n
+        torch.testing.assert_close(p.grad, want[n].grad, rtol=RTOL, atol=ATOL)
+    say(f"USABLE bags_padded rank {rank} ok ({len(held)} parameters checked)")
+
+
+def bags_split_forced(rank: int) -> None:
+    """The same bags on every rank (so the offsets agree): 2 stages forced, where every cut
+    would send the bags' embeddings, which have no batch dimension."""
+    rows, labels, _ = bags(0)
+    ids, offsets = flat(rows[:4])
+    rannc.RaNNCModule(Bags(), partition_num=2, profiler="estimate")(ids, offsets, labels[:4])
+
+
 def backward_twice(model: nn.Module, n: int) -> None:
     loss = model(torch.randn(n, WIDTH))
     loss.backward(retain_graph=True)
@@ -314,6 +395,10 @@ def main() -> None:
         FeatureMean(), profiler="estimate")(torch.randn(n, WIDTH)))
     case("meta_model_never_materialised", r, lambda: rannc.RaNNCModule(
         meta_net(), partition_num=2, profiler="estimate")(torch.randn(n, WIDTH)))
+    case("per_sample_input_not_batched", r, lambda: bags_with_offsets(r))
+    case("whole_inputs_differ_across_ranks", r, lambda: bags_of_one_size(r))
+    bags_padded(r)
+    case("forced_stages_cannot_be_cut", r, lambda: bags_split_forced(r))
 
     case("replicas_do_not_divide_ranks", r, lambda: rannc.RaNNCModule(
         Net(), replicas=[2, 1], profiler="estimate")(torch.randn(n, WIDTH)))
