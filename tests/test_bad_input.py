@@ -155,7 +155,8 @@ def test_job_still_trains_exactly_after_the_errors_with_a_bounded_capture_cache(
     # Five sequence lengths, max_captures=2: two runtimes kept (the planned one among them),
     # one warning saying to pad.
     for r in (0, 1):
-        assert re.search(rf"^CACHE rank {r} runtimes 2 planned kept True warnings 1 .*max_captures"
+        assert re.search(rf"^CACHE rank {r} runtimes 2 planned kept True hook warnings 0 "
+                         r"warnings 1 .*max_captures"
                          ".*pad inputs to a "
                          "few bucket lengths", launch, re.MULTILINE), launch
     # the 2-stage plan in rank 0's file, not a plan of its own or rank 1's stale file

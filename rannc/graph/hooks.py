@@ -32,13 +32,18 @@ from torch import nn
 from torch.nn.modules import module as _module
 
 from rannc.errors import CaptureError
+from rannc.graph.model_state import RANNC_OWN_HOOK
 
 TORCH_DIR = os.path.dirname(torch.__file__) + os.sep  # (code under it is torch's own)
 
 
 def _named(model: nn.Module, attrs: tuple[str, ...]) -> list[str]:
+    """The modules holding a hook in one of the tables `attrs`, other than rannc's own (its
+    guard against direct calls of a deployed model, `checkpoint.refuse_direct_calls`: before,
+    every capture after deployment, an eval call's, warned of a hook on the model itself)."""
     return [name or "(the model itself)" for name, m in model.named_modules()
-            if any(getattr(m, a, None) for a in attrs)]
+            if any(not getattr(h, RANNC_OWN_HOOK, False)
+                   for a in attrs for h in (getattr(m, a, None) or {}).values())]
 
 
 def check_module_hooks(model: nn.Module) -> None:
