@@ -43,13 +43,13 @@ from rannc.config import Config
 from rannc.deploy import Holdings, OneProcess, capture_signature, deployment_plan, host_malloc
 from rannc.deploy import optimizer_state_factor as optimizer_state_factor  # (its old home)
 from rannc.derive import derive_plan
-from rannc.errors import CaptureError, RaNNCError
+from rannc.errors import CaptureError, ConfigError, RaNNCError
 from rannc.gathered import check_modifier, gathered
 from rannc.graph import attributes, leftovers
 from rannc.graph.capture import autocast_state, flatten_inputs
 from rannc.graph.extract import run_chain
 from rannc.graph.model_state import model_state, replaced
-from rannc.optimizers import as_one
+from rannc.optimizers import as_one, members
 from rannc.pipeline.grads import Accumulation, BucketBuffers
 from rannc.pipeline.runtime import (
     COUNT_KWARG,
@@ -295,6 +295,13 @@ class RaNNCModule(nn.Module):
         """The configuration the first call plans with: grad_accumulation "auto" is "on" when
         that call is made under no_sync() (an accumulation's first micro-step), else "off"."""
         cfg = self.rannc_config
+        coupled = _coupling_optimizers(self.optimizer)
+        if coupled:
+            forced = _forced_split(cfg)
+            if forced:
+                raise ConfigError(_coupled_text(coupled, forced))
+            # (every rank holds every parameter: one stage, its replicas as DDP's)
+            cfg = dataclasses.replace(cfg, partition_num=1, zero_stage=0)
         if cfg.grad_accumulation != "auto":
             return cfg
         return dataclasses.replace(cfg, grad_accumulation="off" if self._sync else "on")
@@ -396,6 +403,10 @@ class RaNNCModule(nn.Module):
                 cfg = self._planning_config()
                 plan = deployment_plan(cfg, self.module, self.optimizer, cap, atomic, ctx, leaves,
                                        sizes, progress)
+                coupled = _coupling_optimizers(self.optimizer)
+                if coupled and (len(plan.stages) > 1 or plan.zero_stage):  # (a loaded plan)
+                    raise ConfigError(_coupled_text(coupled, f"the plan loaded ({len(plan.stages)} "
+                                                             f"stages, zero_stage {plan.zero_stage})"))
                 # (a loaded plan says nothing of it: taken as not counted)
                 self._planned_accumulation = cfg.grad_accumulation == "on" \
                     and not cfg.load_deployment
@@ -930,6 +941,37 @@ def _show_plan(plan: Plan) -> None:
         log.info("%s", plan.summary())
     else:
         print(plan.summary(), file=sys.stderr, flush=True)
+
+
+# torch's optimizers whose step couples every parameter: LBFGS's directions and line search are
+# dot products and norms over the concatenation of all its parameters' gradients.
+_COUPLING_OPTIMIZERS = (torch.optim.LBFGS,)
+
+
+def _coupling_optimizers(optimizer: torch.optim.Optimizer | None) -> list[str]:
+    return [type(o).__name__ for o in members(optimizer) if isinstance(o, _COUPLING_OPTIMIZERS)]
+
+
+def _forced_split(cfg: Config) -> str:
+    """The settings that force a rank to hold only part of the parameters or of their state."""
+    forced = []
+    if cfg.partition_num is not None and cfg.partition_num > 1:
+        forced.append(f"partition_num={cfg.partition_num}")
+    if cfg.replicas is not None and len(cfg.replicas) > 1:
+        forced.append(f"replicas={cfg.replicas}")
+    if cfg.zero_stage == 1:
+        forced.append("zero_stage=1")
+    return ", ".join(forced)
+
+
+def _coupled_text(coupled: list[str], how: str) -> str:
+    return (f"the optimizer {', '.join(sorted(set(coupled)))} computes its step from every "
+            "parameter together (its directions and line search are dot products over all of "
+            f"them), but {how} has each rank hold or step only part of them, so every rank "
+            "would step its own part on its own and silently differ from the unwrapped model. "
+            "Fix: leave partition_num, replicas and zero_stage unforced (rannc then plans one "
+            "stage, data parallel, for it, exact), or use an optimizer that steps each "
+            "parameter on its own (SGD, Adam, AdamW, ...)")
 
 
 def _refuse_lazy(model: nn.Module) -> None:

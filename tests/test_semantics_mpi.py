@@ -289,6 +289,19 @@ def test_two_optimizers_for_one_model(launches: CaseLaunches) -> None:
     _passed(res.stdout, "optimizers", 3)
 
 
+CASES["lbfgs"] = Case(3, ["--case", "lbfgs", "--batch", "7"])
+
+
+@pytest.mark.cases("lbfgs")
+def test_lbfgs_is_planned_on_one_stage_and_refused_on_a_forced_split(launches: CaseLaunches) -> None:
+    """torch.optim.LBFGS (its step couples every parameter) with a closure on transformers'
+    BERT, 3 ranks: planned on one stage, losses and parameters equal the unwrapped model's over
+    3 steps; partition_num=2 forced is a ConfigError on every rank naming LBFGS (before: each
+    rank stepped its own stage's parameters, silently other numbers)."""
+    res = launches.result("lbfgs")
+    _passed(res.stdout, "lbfgs", 3)
+
+
 CASES["param_hooks_gpipe"] = Case(3, ["--case", "param_hooks", "--replicas", "2,1", "--microbatches",
                                       "2", "--batch", "7", "--schedule", "gpipe"])
 CASES["param_hooks_zero_bubble"] = Case(3, ["--case", "param_hooks", "--partition-num", "3",
