@@ -148,7 +148,7 @@ def test_cross_rank_bad_input_is_the_same_clear_error_on_every_rank(launch: str,
 @pytest.mark.layer("multi_rank")
 def test_job_still_trains_exactly_after_the_errors_with_a_bounded_capture_cache(launch: str) -> None:
     for when in ("after_errors_before_deployment", "after_errors_after_deployment",
-                 "bags_padded", "plan_file_read_on_rank_0_only", "at_the_end"):
+                 "bags_padded", "inputs_returned", "plan_file_read_on_rank_0_only", "at_the_end"):
         for r in (0, 1):
             assert re.search(rf"^USABLE {when} rank {r} ok", launch, re.MULTILINE), launch
     assert "DONE rank 0" in launch and "DONE rank 1" in launch

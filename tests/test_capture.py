@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 import logging
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -580,6 +580,33 @@ def test_fixed_batch_size_error_explains_the_fix() -> None:
     with pytest.raises(CaptureError, match=r"fixes the batch size .*x\.size\(0\) or -1") as info:
         capture(_Outer(), (torch.randn(4, 4),))
     assert info.value.__cause__ is not None
+
+
+class _MeanByLen(nn.Module):
+    """A loss divided by the batch size, the way user code often writes it."""
+
+    def __init__(self, count: Callable[[torch.Tensor], Any]) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.count = count
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).pow(2).sum() / self.count(x)
+
+
+@pytest.mark.layer("single_process")
+def test_batch_size_made_a_python_number_names_len_and_the_fix() -> None:
+    """`/ len(x)` and `/ float(x.size(0))` fix the batch size to the call's (torch.export
+    turns the Python number into a guard): the error names them and the symbolic form, which
+    captures and computes the same loss."""
+    for count in (len, lambda x: float(x.size(0))):
+        with pytest.raises(CaptureError, match=r"makes a Python number of it \(len\(x\), "
+                                               r"float\(x.size\(0\)\).*`loss.sum\(\) / "
+                                               r"x.size\(0\)`, not `/ len\(x\)`"):
+            capture(_MeanByLen(count), (torch.randn(4, 4),))
+    model = _MeanByLen(lambda x: x.size(0))
+    x = torch.randn(5, 4)
+    torch.testing.assert_close(RaNNCModule(copy.deepcopy(model))(x), model(x), rtol=0, atol=0)
 
 
 # -- writes (mutations) ---------------------------------------------------------------------------

@@ -774,7 +774,10 @@ def _capture_error(model: nn.Module, e: BaseException,
     reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
     if _BATCH_FIXED in str(e):
         reason += (" The model's code fixes the batch size (e.g. x.view(4, -1) or a "
-                   "torch.zeros(4, ...)); derive it from the input with x.size(0) or -1.")
+                   "torch.zeros(4, ...)), or makes a Python number of it (len(x), "
+                   "float(x.size(0)), int(...), range(...): torch.export fixes such a number to "
+                   "this call's value); derive it from the input with x.size(0) or -1, and keep "
+                   "it a size in arithmetic (`loss.sum() / x.size(0)`, not `/ len(x)`).")
         first = _sequence_first(model, path)
         if first:
             reason = (f"{first} is sequence-first (batch_first=False): rannc takes dim 0 of every "
@@ -1277,6 +1280,33 @@ def _source_line(node: fx.Node) -> str:
     return f"{file}:{line}: {code.strip()}"
 
 
+def _inputs_returned_as_copies(gm: fx.GraphModule, specs: list[OutputSpec],
+                               user_inputs: set[str]) -> list[OutputSpec]:
+    """A model input the model returns as it is (`return {"logits": ..., "labels": labels}`)
+    becomes a copy the graph computes (`aten.clone`), so a stage computes it as any output and
+    every rank gets its own rows back (gradients, where the input requires them, flow through
+    the copy as through the identity). Before, on several ranks, the first call failed with
+    "model output labels is not computed by any stage". Called after `_write_back_mutations`:
+    the output node's arguments are then the user outputs, one per spec."""
+    (out_node,) = [n for n in gm.graph.nodes if n.op == "output"]
+    args = list(out_node.args[0])
+    copies: dict[fx.Node, fx.Node] = {}
+    for i, arg in enumerate(args):
+        if not (isinstance(arg, fx.Node) and arg.op == "placeholder" and arg.name in user_inputs
+                and isinstance(arg.meta.get("val"), torch.Tensor)):
+            continue
+        if arg not in copies:
+            with gm.graph.inserting_before(out_node):
+                copies[arg] = gm.graph.call_function(torch.ops.aten.clone.default, (arg,))
+            copies[arg].meta = dict(arg.meta)
+        args[i] = copies[arg]
+        specs[i] = OutputSpec(kind=specs[i].kind, arg=TensorArgument(name=copies[arg].name),
+                              target=specs[i].target)
+    if copies:
+        out_node.args = (tuple(args),)
+    return specs
+
+
 def _write_back_mutations(ep: ExportedProgram) -> list[OutputSpec]:
     """Turn the functionalised graph's buffer mutations back into explicit in-place writes;
     returns the user output specs.
@@ -1329,7 +1359,9 @@ def _from_exported(ep: ExportedProgram, layout: InputLayout, seconds: float,
         if node.op == "call_function" and _op_name(node) in _DROPPED_OPS and not node.users:
             gm.graph.erase_node(node)
     sig = ep.graph_signature
-    user_outputs = _write_back_mutations(ep)
+    user_outputs = _inputs_returned_as_copies(
+        gm, _write_back_mutations(ep), {str(getattr(spec.arg, "name", "")) for spec in
+                                        sig.input_specs if spec.kind is InputKind.USER_INPUT})
     if functional:
         _runnable_in_eager(gm)
     _drop_all_true_attention_masks(gm)

@@ -207,6 +207,37 @@ def bags_split_forced(rank: int) -> None:
     rannc.RaNNCModule(Bags(), partition_num=2, profiler="estimate")(ids, offsets, labels[:4])
 
 
+class ReturnsInputs(Net):
+    """Returns its inputs as they are beside the loss, as models do for metrics."""
+
+    def forward(self, x: torch.Tensor,  # type: ignore[override]
+                labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"loss": super().forward(x) + labels.float().mean(), "x": x, "labels": labels}
+
+
+def inputs_returned(rank: int) -> None:
+    """On 2 stages and 2 microbatches each rank gets its own rows of the returned inputs,
+    and the loss and gradients are the unwrapped model's (before: "model output x is not
+    computed by any stage (it is a input)" at the first call)."""
+    torch.manual_seed(6)
+    model = ReturnsInputs()
+    ref = copy.deepcopy(model)
+    wrapped = rannc.RaNNCModule(model, partition_num=2, microbatches=2, profiler="estimate")
+    g = torch.Generator().manual_seed(6)
+    x, labels = torch.randn(8, WIDTH, generator=g), torch.randint(0, 5, (8,), generator=g)
+    lo, hi = local_rows(rank)
+    out = wrapped(x[lo:hi], labels[lo:hi])
+    want = ref(x, labels)
+    assert torch.equal(out["x"], x[lo:hi]) and torch.equal(out["labels"], labels[lo:hi]), out
+    out["loss"].backward()
+    want["loss"].backward()
+    torch.testing.assert_close(out["loss"].detach(), want["loss"].detach(), rtol=RTOL, atol=ATOL)
+    grads = dict(ref.named_parameters())
+    for n, p in wrapped.named_parameters():
+        torch.testing.assert_close(p.grad, grads[n].grad, rtol=RTOL, atol=ATOL)
+    say(f"USABLE inputs_returned rank {rank} ok ({len(list(wrapped.parameters()))} parameters checked)")
+
+
 def backward_twice(model: nn.Module, n: int) -> None:
     loss = model(torch.randn(n, WIDTH))
     loss.backward(retain_graph=True)
@@ -400,6 +431,7 @@ def main() -> None:
     case("per_sample_input_not_batched", r, lambda: bags_with_offsets(r))
     case("whole_inputs_differ_across_ranks", r, lambda: bags_of_one_size(r))
     bags_padded(r)
+    inputs_returned(r)
     case("forced_stages_cannot_be_cut", r, lambda: bags_split_forced(r))
 
     case("replicas_do_not_divide_ranks", r, lambda: rannc.RaNNCModule(
