@@ -124,7 +124,7 @@ class RaNNCModule(nn.Module):
         # (several optimizers, e.g. Muon and AdamW: one `rannc.optimizers.OptimizerSet`)
         self.optimizer = as_one(optimizer)
         # Not `config`: that name is the wrapped model's (a Hugging Face model's `config`).
-        self.rannc_config = Config.resolve(config, **options)
+        self.rannc_config = _sync_for_sync_batch_norm(model, Config.resolve(config, **options))
         # The process group starts here, not at the first call: a DistributedSampler (or any
         # torch.distributed call) made right after wrapping needs it.
         if rdist.get_world_size() > 1:
@@ -972,6 +972,17 @@ def _coupled_text(coupled: list[str], how: str) -> str:
             "Fix: leave partition_num, replicas and zero_stage unforced (rannc then plans one "
             "stage, data parallel, for it, exact), or use an optimizer that steps each "
             "parameter on its own (SGD, Adam, AdamW, ...)")
+
+
+def _sync_for_sync_batch_norm(model: nn.Module, cfg: Config) -> Config:
+    """A model holding `nn.SyncBatchNorm` (converted for DDP, as detection and segmentation
+    recipes do) asks for statistics over every replica's rows: `batchnorm="sync"`, which is
+    exactly the BatchNorm of the unwrapped model on the global batch (said once, at INFO)."""
+    if cfg.batchnorm == "sync" or not any(isinstance(m, nn.SyncBatchNorm) for m in model.modules()):
+        return cfg
+    log.info("rannc: the model holds nn.SyncBatchNorm: batchnorm='sync' (statistics over the "
+             "global batch, as SyncBatchNorm under DDP), in place of %r", cfg.batchnorm)
+    return dataclasses.replace(cfg, batchnorm="sync")
 
 
 def _refuse_lazy(model: nn.Module) -> None:

@@ -105,6 +105,8 @@ BATCHNORM = [
     (3, ["--bn-mode", "local", "--replicas", "2,1", "--microbatches", "2", "--batch", "7"]),
     # one stage on every rank: the statistics ride in the loss's all-reduce over the world
     (3, ["--bn-mode", "local", "--partition-num", "1", "--microbatches", "2", "--batch", "9"]),
+    # nn.SyncBatchNorm (converted for DDP), the planner's layout: "sync" for it
+    (3, ["--bn-mode", "syncbn", "--microbatches", "0", "--batch", "7"]),
 ]
 
 

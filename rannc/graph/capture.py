@@ -24,6 +24,7 @@ import re
 import sys
 import time
 import traceback
+import types
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -230,6 +231,7 @@ def capture(
                 hooks.tensor_hooks_refused(), hooks.reentrant_checkpoint_refused(), \
                 _conversions_that_change_nothing(), _data_as_detach(model), \
                 _torch_transformer_layers(model), _packed_sequences_refused(model), \
+                _sync_batch_norms_as_batch_norms(model), \
                 attributes.recorded(model) as rec, _stored_tensors_returned(model, rec, written):
             ep = torch.export.export(model, tuple(ex_args), dict(ex_kwargs),
                                      dynamic_shapes=dynamic_shapes, strict=False)
@@ -389,6 +391,21 @@ class _LayerDropDraw:
     def __bool__(self) -> bool:
         raise CaptureError(f"rannc could not capture the model: {self.where} uses a random "
                            "draw (torch.rand([])) as a condition; a pipeline needs one graph.")
+
+
+@contextlib.contextmanager
+def _sync_batch_norms_as_batch_norms(model: nn.Module) -> Iterator[None]:
+    """While exporting, each `nn.SyncBatchNorm` runs as the BatchNorm it is over one process's
+    rows (`_BatchNorm.forward`): rannc's own BatchNorm handling then sums the statistics over
+    a stage's replicas (`Config.batchnorm="sync"`, which a model holding SyncBatchNorm runs
+    under: `rannc.module`). Traced as it is, SyncBatchNorm refused CPU tensors ("expected input
+    tensor to be on GPU") and on a GPU would put its own collectives in the graph."""
+    with contextlib.ExitStack() as stack:
+        for m in model.modules():
+            if isinstance(m, nn.SyncBatchNorm):
+                stack.enter_context(hooks.replaced_attribute(
+                    m, "forward", types.MethodType(nn.modules.batchnorm._BatchNorm.forward, m)))
+        yield
 
 
 @contextlib.contextmanager

@@ -391,21 +391,27 @@ def buffers_close(got: dict[str, Any], ref: nn.Module, names: list[str], what: s
 def resnet_pair(a: argparse.Namespace, rank: int, world: int
                 ) -> tuple[nn.Module, nn.Module, Any, tuple[Any, Any], tuple[int, int]]:
     """The tiny ResNet (seed 0), its unwrapped copy, the wrapped one with `a.bn_mode`, both
-    AdamW optimizers, and this rank's rows of a global batch of `a.batch`."""
+    AdamW optimizers, and this rank's rows of a global batch of `a.batch`. Mode "syncbn": the
+    model converted to nn.SyncBatchNorm (as for DDP) and wrapped with the default mode."""
     torch.manual_seed(0)
     model = tiny_resnet()
     ref = copy.deepcopy(model)
     sizes = local_sizes(a.batch, world)
     lo = sum(sizes[:rank])
+    mode = {} if a.bn_mode == "syncbn" else {"batchnorm": a.bn_mode}
+    if a.bn_mode == "syncbn":
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     opt_w = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)
     opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-4)
-    wrapped = rannc.RaNNCModule(model, opt_w, batchnorm=a.bn_mode, **options(a))
+    wrapped = rannc.RaNNCModule(model, opt_w, **mode, **options(a))
     return model, ref, wrapped, (opt_w, opt_r), (lo, lo + sizes[rank])
 
 
 def check_batchnorm(a: argparse.Namespace, rank: int, world: int) -> None:
-    """batchnorm="sync": outputs, loss, gradients, running statistics, and eval() outputs after
-    2 AdamW steps equal the unwrapped model's. "local" (the default): the outputs differ (each
+    """batchnorm="sync", and a model converted to nn.SyncBatchNorm (which runs under it;
+    before, its capture failed: "SyncBatchNorm expected input tensor to be on GPU"): outputs,
+    loss, gradients, running statistics, and eval() outputs after 2 AdamW steps equal the
+    unwrapped model's. "local" (the default): the outputs differ (each
     microbatch and replica normalises its own rows) but the running statistics of a BatchNorm
     whose input does not depend on another's are the unwrapped model's after a call."""
     n = a.batch
@@ -445,7 +451,8 @@ def check_batchnorm(a: argparse.Namespace, rank: int, world: int) -> None:
         x_new = torch.randn(n, 3, 16, 16)
         close(wrapped(pixel_values=x_new[lo:hi]).logits, ref(pixel_values=x_new).logits[lo:hi],
               f"rank {rank} eval logits")
-    print(f"PASS batchnorm sync rank {rank} microbatches {wrapped.plan.microbatches} "
+    assert wrapped.rannc_config.batchnorm == "sync", wrapped.rannc_config.batchnorm
+    print(f"PASS batchnorm {a.bn_mode} rank {rank} microbatches {wrapped.plan.microbatches} "
           f"replicas {[len(st.ranks) for st in wrapped.plan.stages]}", flush=True)
 
 
