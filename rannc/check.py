@@ -26,8 +26,9 @@ directory, or a ``.py`` file) and a callable in it taking no arguments. It retur
   forward takes the first step's batch again.
 * ``loss(output, inputs)`` (optional): the scalar each rank backpropagates, from ITS output
   rows and ITS input rows (a DDP-style per-rank loss). By default: the output's ``loss`` (a
-  Hugging Face ``ModelOutput``'s, or a dict's "loss") when it is a scalar -- the global loss, the
-  same on every rank -- else the mean of squares of every floating batch output.
+  Hugging Face ``ModelOutput``'s, or a dict's "loss") when it is a scalar, or the output itself
+  when the model returns one floating scalar -- the global loss, the same on every rank -- else
+  the mean of squares of every floating batch output.
 
 What is compared, each rank against a copy of the original model fed the whole global batch
 (fp32 tolerances ``rtol``/``atol``, as ``torch.testing.assert_close``):
@@ -319,6 +320,10 @@ def call(model: Any, batch: Batch) -> Any:
 
 
 def _scalar_loss(out: Any) -> torch.Tensor | None:
+    """The output's scalar `loss` (a ModelOutput's, a dict's), or the output itself where the
+    model returns one floating scalar (`return F.mse_loss(...)`)."""
+    if isinstance(out, torch.Tensor):
+        return out if out.dim() == 0 and out.is_floating_point() else None
     loss = None
     if isinstance(out, dict) or hasattr(out, "keys"):
         with contextlib.suppress(KeyError, TypeError):
@@ -329,8 +334,8 @@ def _scalar_loss(out: Any) -> torch.Tensor | None:
 
 
 def default_loss(out: Any, inputs: Batch) -> torch.Tensor:
-    """The output's scalar ``loss`` if it has one, else the mean of squares of its floating batch
-    outputs (summed over outputs)."""
+    """The output's scalar ``loss`` if it has one (or the output, where it is one floating
+    scalar), else the mean of squares of its floating batch outputs (summed over outputs)."""
     loss = _scalar_loss(out)
     if loss is not None:
         return loss

@@ -609,6 +609,17 @@ def test_batch_size_made_a_python_number_names_len_and_the_fix() -> None:
     torch.testing.assert_close(RaNNCModule(copy.deepcopy(model))(x), model(x), rtol=0, atol=0)
 
 
+@pytest.mark.layer("single_process")
+def test_a_torchscript_submodule_is_named_with_the_fix() -> None:
+    """torch.export cannot trace a ScriptModule (it failed with "Sub.forward() takes 2
+    positional arguments but 3 were given"; before that, reading the model's module tree
+    raised AttributeError: 'OrderedModuleDict' object has no attribute 'get')."""
+    net = nn.Sequential(nn.Linear(4, 4), torch.jit.script(nn.Sequential(nn.Linear(4, 4), nn.ReLU())))
+    with pytest.raises(CaptureError, match=r"module\(s\) '1' \(Sequential\) are TorchScript "
+                                           r"modules .*Fix: use the Python module"):
+        RaNNCModule(net)(torch.randn(3, 4))
+
+
 # -- writes (mutations) ---------------------------------------------------------------------------
 def _single_process_equal(case: Case, steps: int = 2) -> None:
     """RaNNCModule in one process equals the unwrapped model: outputs, gradients, buffers."""

@@ -217,6 +217,7 @@ def capture(
     device = _model_device(model)
     _warn_autocast_on_meta(device)
     hooks.check_module_hooks(model)
+    _refuse_script_modules(model)
     leaves = [_prepare_leaf(x, b, device) for x, b in zip(leaves, layout.batch_leaves, strict=True)]
     ex_args, ex_kwargs = pytree.tree_unflatten(leaves, layout.spec)
     named = _signature_naming(model, ex_kwargs)
@@ -391,6 +392,27 @@ class _LayerDropDraw:
     def __bool__(self) -> bool:
         raise CaptureError(f"rannc could not capture the model: {self.where} uses a random "
                            "draw (torch.rand([])) as a condition; a pipeline needs one graph.")
+
+
+def _refuse_script_modules(model: nn.Module) -> None:
+    """A TorchScript module inside the model (`torch.jit.script(m)`, `torch.jit.trace`)
+    cannot be traced by torch.export: it failed with "Sub.forward() takes 2 positional
+    arguments but 3 were given" and the advice for control flow. Named, with the fix.
+    (A scripted function, `@torch.jit.script def f(x)`, is traced as Python and is fine.)"""
+    scripted: list[tuple[str, str]] = []
+    for path, m in model.named_modules():
+        if isinstance(m, torch.jit.ScriptModule) and not any(
+                path.startswith(p + ".") or p == "<root>" for p, _ in scripted):  # (outermost)
+            scripted.append((path or "<root>", getattr(m, "original_name", type(m).__name__)))
+    if scripted:
+        more = f" and {len(scripted) - 3} more" if len(scripted) > 3 else ""
+        raise CaptureError(
+            f"rannc could not capture the model: module(s) "
+            f"{', '.join(f'{p!r} ({c})' for p, c in scripted[:3])}{more} are TorchScript modules "
+            "(torch.jit.script or torch.jit.trace), which torch.export cannot trace. Fix: use "
+            "the Python module they were made from (keep `m`, not `torch.jit.script(m)`); to "
+            "compile, `RaNNCModule(..., compile=True)` compiles each stage's graph",
+            module_path=scripted[0][0])
 
 
 @contextlib.contextmanager

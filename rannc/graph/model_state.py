@@ -26,6 +26,7 @@ import itertools
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -192,11 +193,11 @@ class ModelState:
             return
         self.checks += 1
         for parent, name, child in self._links:
-            if parent._modules.get(name) is not child:
+            if _entry(parent._modules, name) is not child:
                 self._build()
                 return
         for s in self._slots:
-            if getattr(s.owner, s.table).get(s.key) is not s.value:
+            if _entry(getattr(s.owner, s.table), s.key) is not s.value:
                 self._build()
                 return
 
@@ -226,6 +227,12 @@ class ModelState:
             for full, t in found.items():
                 owner_path, _, key = full.rpartition(".")
                 self._slots.append(_Slot(modules[owner_path], table, key, t))
+
+
+def _entry(table: Any, key: str) -> Any:
+    """`table.get(key)` for a module's `_modules`, `_parameters` or `_buffers`, also where it
+    is a TorchScript module's wrapper of them (no `get`)."""
+    return table[key] if key in table else None
 
 
 _STATES: weakref.WeakKeyDictionary[nn.Module, ModelState] = weakref.WeakKeyDictionary()

@@ -31,3 +31,24 @@ def batchnorm() -> Case:
             return self.net(x)
 
     return Case(Classifier(), batch, lambda out, inputs: nn.functional.cross_entropy(out, inputs[1]))
+
+
+@torch.jit.script
+def _gelu(x: torch.Tensor) -> torch.Tensor:
+    return x * 0.5 * (1.0 + torch.erf(x / 1.4142135623730951))
+
+
+class _Regressor(nn.Module):
+    """Returns its loss as a bare scalar, through a TorchScript function (traced as Python)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(self.b(_gelu(self.a(x))), y)
+
+
+def scalar_loss() -> Case:
+    """The model's output is its loss (before, the check asked for a loss function)."""
+    return Case(_Regressor(), lambda n: (torch.randn(n, 8), torch.randn(n, 4)))
