@@ -171,7 +171,9 @@ def test_a_loss_summed_over_rows_is_exact_and_a_contrastive_one_is_warned_about(
     6 pieces): loss and gradients equal the unwrapped model's (before: a sixth of them, the
     pieces' row-weighted mean). A contrastive term (in-batch pairs) is warned about once, by
     rank 0, naming where rows mix; the summed loss alone is not; a model updating buffers in
-    forward under no_grad is warned about (its buffers, and its output reading them)."""
+    forward under no_grad is warned about (its buffers, and its output reading them), and an
+    embedding with scale_grad_by_freq=True (its gradient counted per piece; before, silently:
+    up to 45x off on a row)."""
     res = launches.result("sum_loss")
     _passed(res.stdout, "sum_loss", 3)
     said = res.stderr.count("depends on several rows of the batch together")
@@ -179,6 +181,8 @@ def test_a_loss_summed_over_rows_is_exact_and_a_contrastive_one_is_warned_about(
     # (NoGradWrites reads its running mean before updating it: rows do not mix; its buffers:)
     assert res.stderr.count("buffer 'ema' and 1 more are updated in forward from the batch") == 1, \
         res.stderr
+    assert res.stderr.count("the embedding in module '0' scales its weight's gradient by each "
+                            "index's count in the batch") == 1, res.stderr
 
 
 for _schedule in ("gpipe", "zero_bubble"):

@@ -605,6 +605,9 @@ def check_sum_loss(a: argparse.Namespace, rank: int, world: int) -> None:
     from model_zoo import NoGradWrites
 
     rannc.RaNNCModule(NoGradWrites(), **options(a))(torch.randn(a.batch, 8)[lo:hi])
+    # an embedding scaling its gradient by each id's count in the batch: counted per piece
+    freq = nn.Sequential(nn.Embedding(64, 8, scale_grad_by_freq=True), nn.Flatten(), nn.Linear(64, 3))
+    rannc.RaNNCModule(freq, **options(a))(ids[lo:hi]).sum().backward()
 
 
 def check_recompute_writes(a: argparse.Namespace, rank: int, world: int) -> None:
