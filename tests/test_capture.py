@@ -4,6 +4,7 @@ device, error reporting, and the graph fingerprint."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import warnings
 from collections.abc import Callable, Iterator
@@ -618,6 +619,44 @@ def test_a_torchscript_submodule_is_named_with_the_fix() -> None:
     with pytest.raises(CaptureError, match=r"module\(s\) '1' \(Sequential\) are TorchScript "
                                            r"modules .*Fix: use the Python module"):
         RaNNCModule(net)(torch.randn(3, 4))
+
+
+@dataclasses.dataclass
+class _Batch:
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+@dataclasses.dataclass
+class _RegisteredBatch:
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+torch.export.register_dataclass(_RegisteredBatch)
+
+
+class _TakesABatchObject(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, b: Any) -> torch.Tensor:
+        return nn.functional.mse_loss(self.lin(b.x), b.y)
+
+
+@pytest.mark.layer("single_process")
+def test_a_batch_object_is_named_unless_registered_and_then_captured() -> None:
+    """A dataclass batch torch's pytree does not open was a constant to rannc: "a batch of 0
+    rows". Named with the fix; registered (torch.export.register_dataclass), it is captured
+    and exact (before, its dynamic shapes failed: "Node type mismatch; expected list")."""
+    x, y = torch.randn(5, 4), torch.randn(5, 3)
+    with pytest.raises(CaptureError, match=r"argument 'args\[0\]' is a dataclass \(_Batch\) "
+                                           r"holding tensors.*register_dataclass\(_Batch\)"):
+        RaNNCModule(_TakesABatchObject())(_Batch(x, y))
+    model = _TakesABatchObject()
+    got = RaNNCModule(copy.deepcopy(model))(_RegisteredBatch(x, y))
+    torch.testing.assert_close(got, model(_RegisteredBatch(x, y)), rtol=0, atol=0)
 
 
 # -- writes (mutations) ---------------------------------------------------------------------------

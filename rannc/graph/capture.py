@@ -13,7 +13,9 @@ input's dim 0 is taken to be batched along dim 0.
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import dataclasses
 import functools
 import inspect
 import itertools
@@ -189,6 +191,8 @@ def flatten_inputs(args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[list
     """Flatten a call's inputs (kwargs sorted by key) and describe their layout."""
     tree = (tuple(args), {k: kwargs[k] for k in sorted(kwargs)})
     leaves, spec = pytree.tree_flatten(tree)
+    if any(not isinstance(x, _PLAIN_LEAVES) and _holds_tensors(x) for x in leaves):
+        _refuse_opaque_inputs(tree)
     batch = next((x.shape[0] for x in leaves if isinstance(x, torch.Tensor) and x.dim() > 0), None)
     batch_leaves = tuple(
         isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch for x in leaves
@@ -201,6 +205,32 @@ def flatten_inputs(args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[list
         else:
             sig.append(("const", repr(x)))
     return leaves, InputLayout(spec, batch_leaves, tuple(sig), batch)
+
+
+_PLAIN_LEAVES = (torch.Tensor, int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
+
+
+def _holds_tensors(x: Any) -> bool:
+    """Whether `x`, an input leaf torch's pytree did not open, holds tensors in its attributes
+    (a dataclass or plain object used as a batch)."""
+    fields = getattr(x, "__dict__", None)
+    if isinstance(x, type) or not isinstance(fields, dict):
+        return False
+    return any(isinstance(v, torch.Tensor) for v in fields.values())
+
+
+def _refuse_opaque_inputs(tree: Any) -> None:
+    for path, x in pytree.tree_flatten_with_path(tree)[0]:
+        if not isinstance(x, _PLAIN_LEAVES) and _holds_tensors(x):
+            kind = "a dataclass" if dataclasses.is_dataclass(x) else "an object"
+            cls = type(x).__name__
+            raise CaptureError(
+                f"argument {input_name(path)!r} is {kind} ({cls}) holding tensors, which torch's "
+                "pytree does not open: rannc would take it for a constant, see no batch in it "
+                "and split nothing. Fix: register the class once before the first call, "
+                f"`torch.export.register_dataclass({cls})` (for a dataclass; other classes: "
+                "torch.utils._pytree.register_pytree_node), or pass its tensors as arguments "
+                "(`model(**vars(batch))`)")
 
 
 def capture(
@@ -618,8 +648,8 @@ def _dynamic_shapes(model: nn.Module, layout: InputLayout,
     (`named`: forward's signature with the keywords its `**kwargs` catches named, see
     _signature_naming; None: forward's own)."""
     batch = Dim("batch", min=1)
-    flags = [{0: batch} if b else None for b in layout.batch_leaves]
-    dyn_args, dyn_kwargs = pytree.tree_unflatten(flags, layout.spec)
+    flags = iter([{0: batch} if b else None for b in layout.batch_leaves])
+    dyn_args, dyn_kwargs = _shapes_tree(layout.spec, flags)
     sig = named if named is not None else inspect.signature(model.forward)
     try:
         bound = sig.bind(*dyn_args, **dyn_kwargs)
@@ -628,6 +658,27 @@ def _dynamic_shapes(model: nn.Module, layout: InputLayout,
             f"the inputs do not match {type(model).__name__}.forward's signature: {e}"
         ) from e
     return dict(bound.arguments)
+
+
+def _shapes_tree(spec: pytree.TreeSpec, leaves: Iterator[Any]) -> Any:
+    """`leaves` in the structure `spec`, as torch.export's dynamic_shapes wants it: the
+    built-in containers as they are, any other registered node (a dataclass registered with
+    torch.export.register_dataclass) as the list of its children (tree_unflatten made the
+    dataclass itself: "Node type mismatch; expected <class 'list'>")."""
+    if spec.is_leaf():
+        return next(leaves)
+    children = [_shapes_tree(spec.child(i), leaves) for i in range(spec.num_children)]
+    if spec.type not in _BUILT_IN_NODES:
+        return children
+    return pytree.tree_unflatten(children, pytree.TreeSpec(spec.type, spec.context,
+                                                           [pytree.treespec_leaf()] * len(children)))
+
+
+# the pytree node types torch.export takes in dynamic_shapes as they are (a namedtuple's spec
+# type is collections.namedtuple itself)
+_BUILT_IN_NODES: tuple[Any, ...] = (tuple, list, dict, collections.OrderedDict,
+                                    collections.defaultdict, collections.deque,
+                                    collections.namedtuple)
 
 
 def _signature_naming(model: nn.Module, kwargs: Mapping[str, Any]) -> inspect.Signature | None:
