@@ -47,7 +47,7 @@ from rannc.errors import (  # CallOrderError and output_type_error: re-exported,
     output_type_error,
 )
 from rannc.graph.capture import input_name
-from rannc.graph.row_mixing import interleaved
+from rannc.graph.row_mixing import interleaved, size_from_values
 from rannc.plans import check_replicas_divide
 
 if TYPE_CHECKING:  # (annotations only)
@@ -378,7 +378,17 @@ def check_outputs_combine(cap: CapturedModel, model_name: str) -> None:
     pieces' rows are joined one sample after another, which scrambled it silently."""
     mixed = interleaved(cap.graph)
     for v in cap.graph.outputs:
-        if v is not None and v in mixed:
+        if v is None:
+            continue
+        val = cap.graph.values[v]
+        if val.dtype == "sym_int" and size_from_values(val.sym_expr):
+            raise CaptureError(
+                f"{model_name}'s output {cap.output_label(v)} is a Python int computed from "
+                f"tensor values ({val.sym_expr}: .item(), .tolist(), a nonzero count): on "
+                "several ranks each piece of the global batch computes its own, and an int "
+                "cannot be combined from them. Fix: return it as a tensor (drop the .item(); a "
+                "count per row, or a scalar mean or sum, is combined exactly)")
+        if v in mixed:
             raise CaptureError(
                 f"{model_name}'s output {cap.output_label(v)} has shape "
                 f"{tuple(cap.graph.values[v].shape)} whose first dimension interleaves the "

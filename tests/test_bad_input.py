@@ -103,6 +103,9 @@ CASES: dict[str, tuple[str, list[str]]] = {
     "forced_stages_cannot_be_cut": ("PlanInfeasibleError", [
         "no plan exists for the forced settings (partition_num=2)", "lost the batch dimension",
         "Fix: force fewer stages"]),
+    "int_from_values_returned": ("CaptureError", [
+        "ReturnsSizes's output '['positive']' is a Python int computed from tensor values",
+        "an int cannot be combined from them", "Fix: return it as a tensor"]),
     "meta_model_never_materialised": ("RaNNCError", [
         "of the model's parameters and buffers are on the meta device (e.g. a.weight",
         "never materialised", "model.to_empty(device='cpu')"]),
@@ -148,7 +151,8 @@ def test_cross_rank_bad_input_is_the_same_clear_error_on_every_rank(launch: str,
 @pytest.mark.layer("multi_rank")
 def test_job_still_trains_exactly_after_the_errors_with_a_bounded_capture_cache(launch: str) -> None:
     for when in ("after_errors_before_deployment", "after_errors_after_deployment",
-                 "bags_padded", "inputs_returned", "plan_file_read_on_rank_0_only", "at_the_end"):
+                 "bags_padded", "inputs_returned", "sizes_returned", "plan_file_read_on_rank_0_only",
+                 "at_the_end"):
         for r in (0, 1):
             assert re.search(rf"^USABLE {when} rank {r} ok", launch, re.MULTILINE), launch
     assert "DONE rank 0" in launch and "DONE rank 1" in launch

@@ -149,13 +149,13 @@ def unsplittable(graph: TaskGraph) -> dict[str, str]:
     for name, val in graph.values.items():
         if val.kind is ValueKind.ACTIVATION and val.is_tensor and val.batch_dim is None:
             out[name] = "it has no batch dimension"
-        elif val.kind is ValueKind.ACTIVATION and val.dtype == "sym_int" and _from_values(val.sym_expr):
+        elif val.kind is ValueKind.ACTIVATION and val.dtype == "sym_int" and size_from_values(val.sym_expr):
             out[name] = ("it is a size computed from tensor values (.item(), .tolist()): a "
                          "stage receiving it could not know it")
     return out
 
 
-def _from_values(expr: str | None) -> bool:
+def size_from_values(expr: str | None) -> bool:
     """A size expression holding a symbol other than the batch's (torch's unbacked u0, ...)."""
     if not expr:
         return False
@@ -164,4 +164,4 @@ def _from_values(expr: str | None) -> bool:
     return any(str(s) != "batch" for s in sympy.sympify(expr).free_symbols)
 
 
-__all__ = ["interleaved", "row_mixed", "unsplittable"]
+__all__ = ["interleaved", "row_mixed", "size_from_values", "unsplittable"]

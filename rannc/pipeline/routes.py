@@ -169,8 +169,8 @@ class Routes:
     def _output_stages(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for v in self.graph.outputs:
-            if v is None:
-                continue
+            if v is None or self.graph.values[v].dtype == "sym_int":
+                continue  # (a size: the runtime gives its global value, `PipelineRuntime`)
             prods = [s for s, st in enumerate(self.stages) if v in st.outputs]
             if not prods:
                 raise RaNNCError(f"model output {v} is not computed by any stage (it is a "

@@ -559,8 +559,20 @@ class PipelineRuntime:
             self._call = call
         out = []
         for name, c in zip(self.graph.outputs, self.cap.output_constants, strict=True):
-            out.append(c if name is None else scalars[name] if name in scalars else batch_out[name])
+            out.append(c if name is None else scalars[name] if name in scalars
+                       else batch_out[name] if name in batch_out
+                       else self._global_size(name, call.layout.n_rows))
         return out
+
+    def _global_size(self, v: str, rows: int) -> int:
+        """A size the model returns (`x.size(0)`, `x.shape`'s entries): its value on the global
+        batch of `rows` rows, as the unwrapped model returns it (before, the first call failed
+        with "'int' object has no attribute 'detach'"). A size computed from tensor values is
+        refused before planning (`validate.check_outputs_combine`)."""
+        import sympy
+
+        expr = sympy.sympify(self.graph.values[v].sym_expr or "0")
+        return int(expr.subs({s: rows for s in expr.free_symbols}))
 
     def _warn_mixing(self) -> None:
         """Say once per model where an output depends on several rows together and the plan

@@ -238,6 +238,30 @@ def inputs_returned(rank: int) -> None:
     say(f"USABLE inputs_returned rank {rank} ok ({len(list(wrapped.parameters()))} parameters checked)")
 
 
+class ReturnsSizes(Net):
+    """Returns the batch's sizes beside the loss, or a count made a Python int (`counted`)."""
+
+    def __init__(self, counted: bool = False) -> None:
+        super().__init__()
+        self.counted = counted
+
+    def forward(self, x: torch.Tensor) -> dict[str, Any]:  # type: ignore[override]
+        out: dict[str, Any] = {"loss": super().forward(x), "n": x.size(0), "shape": x.shape}
+        if self.counted:
+            out["positive"] = (x > 0).sum().item()
+        return out
+
+
+def sizes_returned(rank: int) -> None:
+    """Sizes the model returns are their values on the global batch, as the unwrapped model's
+    (before: "'int' object has no attribute 'detach'" at the first call)."""
+    wrapped = rannc.RaNNCModule(ReturnsSizes(), partition_num=2, microbatches=2, profiler="estimate")
+    lo, hi = local_rows(rank)
+    out = wrapped(torch.randn(8, WIDTH)[lo:hi])
+    assert out["n"] == 8 and tuple(out["shape"]) == (8, WIDTH), out
+    say(f"USABLE sizes_returned rank {rank} ok (n {out['n']}, shape {tuple(out['shape'])})")
+
+
 def backward_twice(model: nn.Module, n: int) -> None:
     loss = model(torch.randn(n, WIDTH))
     loss.backward(retain_graph=True)
@@ -432,6 +456,9 @@ def main() -> None:
     case("whole_inputs_differ_across_ranks", r, lambda: bags_of_one_size(r))
     bags_padded(r)
     inputs_returned(r)
+    sizes_returned(r)
+    case("int_from_values_returned", r, lambda: rannc.RaNNCModule(
+        ReturnsSizes(counted=True), partition_num=2, profiler="estimate")(torch.randn(n, WIDTH)))
     case("forced_stages_cannot_be_cut", r, lambda: bags_split_forced(r))
 
     case("replicas_do_not_divide_ranks", r, lambda: rannc.RaNNCModule(
