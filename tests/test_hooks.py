@@ -170,3 +170,35 @@ def test_a_reentrant_checkpoint_in_forward_is_refused_with_the_fix() -> None:
     ref(x).backward()
     assert model.a.weight.grad is not None and ref.a.weight.grad is not None
     torch.testing.assert_close(model.a.weight.grad, ref.a.weight.grad, rtol=0, atol=0)
+
+
+def test_hugging_face_gradient_checkpointing_is_exact_without_a_hook_warning(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """`gradient_checkpointing_enable()` registers transformers' make_inputs_require_grads
+    forward hook on the embeddings (it computes nothing): every capture warned of it before.
+    The checkpointing itself is rannc's (said once at INFO); the model stays exact."""
+    import logging
+    import warnings
+
+    from conformance import zoo
+
+    case = zoo.llama()
+    case.model.gradient_checkpointing_enable()
+    ref, wrapped = _pair(case.model)
+    batch = case.batch(4)
+    with warnings.catch_warnings(record=True) as got, caplog.at_level(logging.INFO, "rannc"):
+        warnings.simplefilter("always")
+        out = wrapped(**batch)
+        wrapped.eval()
+        with torch.no_grad():
+            wrapped(**batch)  # (a second capture)
+    assert not [w for w in got if "hooks or pre-hooks" in str(w.message)], [str(w.message) for w in got]
+    assert caplog.text.count("gradient checkpointing (gradient_checkpointing_enable) is replaced "
+                             "by rannc's recomputation") == 1, caplog.text
+    want = ref(**batch)
+    torch.testing.assert_close(out.loss, want.loss, rtol=0, atol=0)
+    out.loss.backward()
+    want.loss.backward()
+    grads = dict(ref.named_parameters())
+    for n, p in wrapped.named_parameters():
+        torch.testing.assert_close(p.grad, grads[n].grad, rtol=0, atol=0, msg=n)

@@ -28,6 +28,7 @@ import time
 import traceback
 import types
 import warnings
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -248,6 +249,7 @@ def capture(
     _warn_autocast_on_meta(device)
     hooks.check_module_hooks(model)
     _refuse_script_modules(model)
+    _say_checkpointing_is_rannc_s(model)
     leaves = [_prepare_leaf(x, b, device) for x, b in zip(leaves, layout.batch_leaves, strict=True)]
     ex_args, ex_kwargs = pytree.tree_unflatten(leaves, layout.spec)
     named = _signature_naming(model, ex_kwargs)
@@ -422,6 +424,24 @@ class _LayerDropDraw:
     def __bool__(self) -> bool:
         raise CaptureError(f"rannc could not capture the model: {self.where} uses a random "
                            "draw (torch.rand([])) as a condition; a pipeline needs one graph.")
+
+
+_SAID_CHECKPOINTING: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def _say_checkpointing_is_rannc_s(model: nn.Module) -> None:
+    """A Hugging Face model with gradient checkpointing on (`gradient_checkpointing_enable()`)
+    recomputes nothing under rannc: torch.export traces the checkpointed layers' forward, and
+    rannc's own recomputation (`Config.checkpointing`) decides what is kept. Said once per
+    model, at INFO: the values are exact either way; the memory is rannc's plan's."""
+    if model in _SAID_CHECKPOINTING or not any(
+            getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
+        return
+    _SAID_CHECKPOINTING.add(model)
+    logging.getLogger(__name__).info(
+        "rannc: the model's own gradient checkpointing (gradient_checkpointing_enable) is "
+        "replaced by rannc's recomputation: checkpointing='auto' (the default) recomputes the "
+        "stages whose memory needs it, checkpointing='on' every stage")
 
 
 def _refuse_script_modules(model: nn.Module) -> None:

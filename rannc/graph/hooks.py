@@ -42,8 +42,18 @@ def _named(model: nn.Module, attrs: tuple[str, ...]) -> list[str]:
     guard against direct calls of a deployed model, `checkpoint.refuse_direct_calls`: before,
     every capture after deployment, an eval call's, warned of a hook on the model itself)."""
     return [name or "(the model itself)" for name, m in model.named_modules()
-            if any(not getattr(h, RANNC_OWN_HOOK, False)
+            if any(not getattr(h, RANNC_OWN_HOOK, False) and not _inputs_require_grads(h)
                    for a in attrs for h in (getattr(m, a, None) or {}).values())]
+
+
+def _inputs_require_grads(hook: Any) -> bool:
+    """Hugging Face's `make_inputs_require_grads` (`enable_input_require_grads()`, which
+    `gradient_checkpointing_enable()` calls): it marks the embeddings' output as requiring
+    grad, so that reentrant checkpointing of frozen layers passes gradients on. It computes
+    nothing; rannc refuses reentrant checkpointing and differentiates its own graph, so it is
+    nothing to warn about (every capture of a model with gradient checkpointing warned)."""
+    return getattr(hook, "__name__", "") in ("make_inputs_require_grads", "make_inputs_require_grad") and \
+        str(getattr(hook, "__module__", "")).startswith(("transformers.", "peft."))
 
 
 def check_module_hooks(model: nn.Module) -> None:
