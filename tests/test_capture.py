@@ -605,6 +605,9 @@ def test_batch_size_made_a_python_number_names_len_and_the_fix() -> None:
                                                r"float\(x.size\(0\)\).*`loss.sum\(\) / "
                                                r"x.size\(0\)`, not `/ len\(x\)`"):
             capture(_MeanByLen(count), (torch.randn(4, 4),))
+    with pytest.raises(CaptureError, match=r"Python SymFloat computed inside forward.*"
+                                           r"`t / x.size\(0\)`, not `t \* \(1.0 / x.size\(0\)\)`"):
+        capture(_MeanByLen(lambda x: x.size(0) * 1.0), (torch.randn(4, 4),))
     model = _MeanByLen(lambda x: x.size(0))
     x = torch.randn(5, 4)
     torch.testing.assert_close(RaNNCModule(copy.deepcopy(model))(x), model(x), rtol=0, atol=0)

@@ -1596,8 +1596,10 @@ def _make_value(name: str, val: Any, kind: ValueKind, producer: str | None,
         raise CaptureError(
             f"{name} is a Python {type(val).__name__} computed inside forward() (from a "
             "tensor's value, e.g. .item(), or a float of its shape); rannc's graph carries "
-            "tensors and integer sizes. Keep it a tensor (torch.where instead of an `if`), or "
-            "compute it from Python numbers (for a Hugging Face model a newer transformers may)")
+            "tensors and integer sizes. Keep it a tensor (torch.where instead of an `if`); "
+            "divide a tensor by a size instead of making a float of it (`t / x.size(0)`, not "
+            "`t * (1.0 / x.size(0))`); or compute it from Python numbers (for a Hugging Face "
+            "model a newer transformers may)")
     raise CaptureError(f"value {name} has unsupported type {type(val).__name__}")
 
 
