@@ -486,7 +486,10 @@ def _compare(case: Case, s: Settings, rank: int, world: int, checks: dict[str, C
     ref.eval()
     with torch.no_grad():
         local = input_rows(first, mine, n)
+        draws = torch.get_rng_state()
         got = call(wrapped, local)
+        if world == 1:  # (random ops in eval too: ViTMAE masks patches at random in eval())
+            torch.set_rng_state(draws)
         _compare_outputs(checks["eval outputs"], "eval", got,
                          rank_rows(call(ref, first), got, mine, n), tol)
     return _plan_text(wrapped, world)

@@ -125,7 +125,8 @@ def test_the_command_passes_a_model_and_fails_one_it_cannot_run_exactly() -> Non
 
 
 def test_the_command_in_one_process_exits_0() -> None:
-    rc, out = run_rannc_check(f"{TOYS}:mlp", f"{TOYS}:batchnorm", f"{TOYS}:scalar_loss", "--batch", "6")
+    rc, out = run_rannc_check(f"{TOYS}:mlp", f"{TOYS}:batchnorm", f"{TOYS}:scalar_loss",
+                              f"{TOYS}:noisy_eval", "--batch", "6")
     assert rc == 0, out
     assert parse_results(out)["scalar_loss"]["checks"][1]["compared"] > 0, out  # its loss compared
     assert all(d["passed"] and d["plan"] == "one process" for d in parse_results(out).values()), out

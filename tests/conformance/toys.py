@@ -52,3 +52,20 @@ class _Regressor(nn.Module):
 def scalar_loss() -> Case:
     """The model's output is its loss (before, the check asked for a loss function)."""
     return Case(_Regressor(), lambda n: (torch.randn(n, 8), torch.randn(n, 4)))
+
+
+class _Noisy(nn.Module):
+    """Draws noise in forward in eval() too (as ViTMAE's random patch masking does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x + torch.randn_like(x))
+
+
+def noisy_eval() -> tuple[nn.Module, object]:
+    """In one process the check compares random ops in eval() as in training (before, its
+    eval outputs failed: the reference drew after rannc's call)."""
+    return _Noisy(), lambda n: torch.randn(n, 8)
