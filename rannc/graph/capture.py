@@ -353,9 +353,10 @@ def _split_stored(cap: CapturedModel, written: list[tuple[str, str]]) -> None:
     """After an export whose forward also returned the tensors it stored
     (`_stored_tensors_returned`): the model's own output structure, and the stored ones as the
     last graph outputs (`CapturedModel.stored`). One that came out without rows (a symbol
-    other than the batch), or that the graph does not compute (a model input or parameter
-    stored as it is: on several ranks no stage would send it), is dropped from the outputs and
-    keeps its value, as before."""
+    other than the batch), or that the graph does not compute (a parameter stored as it is: on
+    several ranks no stage would send it; a model input stored as it is is a copy the graph
+    computes, `_inputs_returned_as_copies`), is dropped from the outputs and keeps its value,
+    as before."""
     if not written:
         return
     user, _stored = pytree.tree_unflatten(list(range(len(cap.graph.outputs))), cap.out_spec)

@@ -1343,9 +1343,11 @@ def check_sparse_grad(a: argparse.Namespace, rank: int, world: int) -> None:
 def check_stored(a: argparse.Namespace, rank: int, world: int) -> None:
     """Layers storing their auxiliary losses and gate probabilities on themselves (MoE style,
     `model_zoo.StoresAux`), the training loop adding the stored losses to its own: the stored
-    losses are the global batch's on every rank, the stored probabilities this rank's rows, and
-    gradients and parameters equal the unwrapped model's for the ranks' mean loss (before: the
-    stored losses stayed zero and the probabilities None)."""
+    losses are the global batch's on every rank, the stored probabilities and inputs this
+    rank's rows (the first layer's input is the model's own, returned as a copy the graph
+    computes since a26b122; before, None), and gradients and parameters equal the unwrapped
+    model's for the ranks' mean loss (before: the stored losses stayed zero and the
+    probabilities None)."""
     from model_zoo import StoresAux
 
     torch.manual_seed(0)
@@ -1362,10 +1364,7 @@ def check_stored(a: argparse.Namespace, rank: int, world: int) -> None:
         close(model.aux(), ref.aux(), f"{where} stored aux losses")
         for i, (got, want) in enumerate(zip(model.layers, ref.layers, strict=True)):
             close(got.probs, want.probs[lo:hi], f"{where} layer {i} stored probabilities")
-            if i:  # (the first layer's input is the model's: stored as it is, not a stage's)
-                close(got.seen.detach(), want.seen[lo:hi].detach(), f"{where} layer {i} input")
-            else:
-                assert got.seen is None, where
+            close(got.seen.detach(), want.seen[lo:hi].detach(), f"{where} layer {i} input")
         ref_loss = sum(ce(ref_out[p:q], y[p:q]) for p, q in ranges) / world + 0.1 * ref.aux()
         loss.backward()
         ref_loss.backward()
