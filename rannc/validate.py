@@ -250,12 +250,17 @@ def whole_values_hash(leaves: Sequence[Any], batch_leaves: Sequence[bool],
     numbers than the model on the global batch."""
     out: torch.Tensor | None = None
     for i, (x, batched) in enumerate(zip(leaves, batch_leaves, strict=True)):
-        if batched or not isinstance(x, torch.Tensor) or x.layout != torch.strided \
-                or x.device.type == "meta":
+        if not _whole(x, batched):
             continue
         h = (_value_hash(x).to(device) % _PRIME) * (i + 1)
         out = h if out is None else out + h
     return out
+
+
+def _whole(x: Any, batched: bool) -> bool:
+    """Whether input leaf `x` is a whole tensor whose values `whole_values_hash` reads."""
+    return (not batched and isinstance(x, torch.Tensor) and x.layout == torch.strided
+            and x.device.type != "meta")
 
 
 _PRIME = 2_147_483_647
@@ -288,9 +293,7 @@ def _leaf_hashes(args: Sequence[Any], kwargs: Mapping[str, Any], leaves: Sequenc
     """(name, shape, hash) of each whole tensor input, to say which differ across ranks."""
     sig = call_signature(args, kwargs, layout.batch_leaves)
     return [(s.name, s.describe(), int(_value_hash(x))) for s, x, b in
-            zip(sig.leaves, leaves, layout.batch_leaves, strict=True)
-            if not b and isinstance(x, torch.Tensor) and x.layout == torch.strided
-            and x.device.type != "meta"]
+            zip(sig.leaves, leaves, layout.batch_leaves, strict=True) if _whole(x, b)]
 
 
 def describe_whole_mismatch(hashes: Sequence[list[tuple[str, str, int]]], sizes: Sequence[int],
