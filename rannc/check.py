@@ -311,12 +311,17 @@ def rank_rows(want: Any, got: Any, rows: tuple[int, int], n: int) -> Any:
                                  w_spec)
 
 
-def call(model: Any, batch: Batch) -> Any:
-    if isinstance(batch, dict):
-        return model(**batch)
-    if isinstance(batch, (tuple, list)):
-        return model(*batch)
-    return model(batch)
+def call(model: Any, batch: Batch, unwrapped: bool = False) -> Any:
+    """`model` on `batch`; `unwrapped`: called as RaNNCModule calls the model it wraps (with
+    use_cache=False where its config asks for a key/value cache: `rannc.module.without_cache`)."""
+    args = () if isinstance(batch, dict) else tuple(batch) if isinstance(batch, (tuple, list)) \
+        else (batch,)
+    kwargs = batch if isinstance(batch, dict) else {}
+    if unwrapped:
+        from rannc.module import without_cache
+
+        kwargs = without_cache(model, kwargs, say=False)
+    return model(*args, **kwargs)
 
 
 def _scalar_loss(out: Any) -> torch.Tensor | None:
@@ -460,7 +465,7 @@ def _compare(case: Case, s: Settings, rank: int, world: int, checks: dict[str, C
                 out = call(wrapped, local)
                 if world == 1:  # in one process rannc draws what the model draws (dropout)
                     torch.set_rng_state(draws)
-                ref_out = call(ref, batch)
+                ref_out = call(ref, batch, unwrapped=True)
                 _compare_outputs(checks["outputs"], label, out, rank_rows(ref_out, out, mine, n),
                                  tol)
                 loss = loss_fn(out, local)
@@ -491,7 +496,7 @@ def _compare(case: Case, s: Settings, rank: int, world: int, checks: dict[str, C
         if world == 1:  # (random ops in eval too: ViTMAE masks patches at random in eval())
             torch.set_rng_state(draws)
         _compare_outputs(checks["eval outputs"], "eval", got,
-                         rank_rows(call(ref, first), got, mine, n), tol)
+                         rank_rows(call(ref, first, unwrapped=True), got, mine, n), tol)
     return _plan_text(wrapped, world)
 
 

@@ -18,6 +18,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import inspect
 import itertools
 import logging
 import os
@@ -245,6 +246,7 @@ class RaNNCModule(nn.Module):
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
         _check_not_compiled(self)
         kwargs = _count_as_tensor(args, kwargs)
+        kwargs = without_cache(self.module, kwargs)
         if rdist.get_world_size() > 1:
             ctx = rdist.init_process_group(self.rannc_config.timeout_s)  # and the phase's watchdog
             self._calls += 1
@@ -1017,6 +1019,40 @@ def _count_as_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str,
     device = next((t.device for t in pytree.tree_leaves((args, kwargs))
                    if isinstance(t, torch.Tensor)), None)
     return {**kwargs, COUNT_KWARG: torch.tensor(x, device=device)}
+
+
+_SAID_CACHE_OFF: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def without_cache(model: nn.Module, kwargs: dict[str, Any], say: bool = True) -> dict[str, Any]:
+    """`kwargs` with `use_cache=False` where a Hugging Face model's config asks for a key/value
+    cache (`config.use_cache`: True in most pretrained configs) and the call passes neither
+    `use_cache` nor a cache. Why: the cache is for generation, and its object is not a tensor
+    rannc can split by rows, so every decoder loaded as it comes failed to capture until its
+    user set use_cache=False by hand; transformers drops it the same way when it trains under
+    gradient checkpointing. The outputs are the same but for the cache (`past_key_values` is
+    None); said once per model, at INFO. A `use_cache=True` passed on purpose is kept (and
+    refused at capture with the fix). `rannc.check` calls the unwrapped model so too."""
+    if getattr(getattr(model, "config", None), "use_cache", None) is not True \
+            or "use_cache" in kwargs or kwargs.get("past_key_values") is not None \
+            or not _takes_keyword(model, "use_cache"):
+        return kwargs
+    if say and model not in _SAID_CACHE_OFF:
+        _SAID_CACHE_OFF.add(model)
+        log.info("rannc: calls %s with use_cache=False (its config.use_cache is True): a "
+                 "key/value cache is for generation, so the outputs hold no past_key_values, "
+                 "as under transformers' gradient checkpointing; set model.config.use_cache = "
+                 "False to say so yourself", type(model).__name__)
+    return {**kwargs, "use_cache": False}
+
+
+def _takes_keyword(model: nn.Module, name: str) -> bool:
+    """Whether `model.forward` names `name`, or takes **kwargs (PEFT's models pass them on)."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # a forward without a signature: leave its call as it is
+        return False
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 def _cached(cache: OrderedDict[tuple[Any, ...], Any], base: tuple[Any, ...],

@@ -142,6 +142,52 @@ def test_peft_prefix_tuning_is_refused_naming_its_prefix() -> None:
 
 
 @pytest.mark.layer("single_process")
+@pytest.mark.parametrize("peft_lora", [False, True], ids=["gpt2", "peft-lora-llama"])
+def test_configs_asking_for_a_cache_train_as_they_come(peft_lora: bool,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """A model whose config keeps transformers' default use_cache=True (every pretrained
+    decoder's) returned a DynamicCache, which failed to capture until the user set use_cache=False
+    by hand. rannc calls it with use_cache=False (said once, at INFO), exact to the unwrapped model
+    called so, also through PEFT's forward(**kwargs); a use_cache=True passed on purpose is still
+    refused with the fix."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    if peft_lora:
+        peft = pytest.importorskip("peft")
+        base = LlamaForCausalLM(LlamaConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
+        model: nn.Module = peft.get_peft_model(base, peft.LoraConfig(
+            task_type="CAUSAL_LM", r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    else:
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4,
+                                           n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
+                                           attn_pdrop=0.0))
+    assert model.config.use_cache is True
+    ref = __import__("copy").deepcopy(model)
+    wrapped = rannc.RaNNCModule(model)
+    ids = torch.randint(0, 64, (3, 8))
+    with caplog.at_level("INFO", logger="rannc"):
+        for _ in range(2):
+            out = wrapped(input_ids=ids, labels=ids)
+    want = ref(input_ids=ids, labels=ids, use_cache=False)
+    assert out.get("past_key_values") is None and ref(input_ids=ids).past_key_values is not None
+    torch.testing.assert_close(out.logits, want.logits, rtol=0, atol=0)
+    out.loss.backward()
+    want.loss.backward()
+    held = dict(ref.named_parameters())
+    for name, p in wrapped.named_parameters():
+        if p.requires_grad:
+            # (LoRA's gradients sum in another order: 8e-11 apart)
+            torch.testing.assert_close(p.grad, held[name].grad, rtol=1e-4, atol=1e-8)
+    said = [r.getMessage() for r in caplog.records if "use_cache=False" in r.getMessage()]
+    assert len(said) == 1 and "config.use_cache is True" in said[0], said
+    with pytest.raises(rannc.OutputTypeError, match="call it with use_cache=False"):
+        wrapped(input_ids=ids, use_cache=True)
+
+
+@pytest.mark.layer("single_process")
 def test_outer_torch_compile_says_to_use_compile_option() -> None:
     model = rannc.RaNNCModule(nn.Linear(4, 2))
     x = torch.randn(3, 4)

@@ -175,9 +175,10 @@ def phimoe() -> Case:
 def gpt2() -> Case:
     from transformers import GPT2Config, GPT2LMHeadModel
 
+    # (use_cache left at its default, True, here and in T5: rannc passes use_cache=False,
+    # rannc.module.without_cache)
     cfg = _cfg(GPT2Config, vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4,
-               resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
-               bos_token_id=1, eos_token_id=1)
+               resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=1)
     return Case(GPT2LMHeadModel(cfg), _lm_batch())
 
 
@@ -315,7 +316,7 @@ def t5() -> Case:
 
     cfg = _cfg(T5Config, vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2,
                num_heads=4, dropout_rate=0.0, relative_attention_num_buckets=8,
-               decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, use_cache=False)
+               decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
     return Case(T5ForConditionalGeneration(cfg), _seq2seq_batch())
 
 
