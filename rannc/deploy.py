@@ -192,6 +192,8 @@ class Holdings:
     step: Callable[[], int] = lambda: 0
     released: dict[str, torch.Size] = field(default_factory=dict)  # names freed: their shapes
     placeholder: nn.Parameter | None = None  # the optimizer's stand-in on a rank holding none
+    # (SparseAdam's: it steps sparse gradients only, so its stand-in has a sparse one)
+    sparse_placeholder: nn.Parameter | None = None
     owners: dict[str, int] | None = None  # first name -> owning rank, of the planned deployment
     runtime: Any = None
     # per optimizer (an OptimizerSet's each), its groups' parameter names before pruning
@@ -237,11 +239,17 @@ class Holdings:
                 # A rank holding none of an optimizer's parameters still runs the user's step of
                 # it; a GradScaler needs a gradient to check there. The stand-in has gradient 0
                 # (inf when another rank overflowed), so stepping it changes nothing that matters.
+                if isinstance(opt, torch.optim.SparseAdam):
+                    if self.sparse_placeholder is None:
+                        self.sparse_placeholder = nn.Parameter(torch.zeros(1, device=rt.device))
+                    opt.param_groups[0]["params"] = [self.sparse_placeholder]
+                    continue
                 if self.placeholder is None:
                     self.placeholder = nn.Parameter(torch.zeros(1, device=rt.device))
                 opt.param_groups[0]["params"] = [self.placeholder]
         for r in runtimes:
             r.placeholder = self.placeholder
+            r.sparse_placeholder = self.sparse_placeholder
             r.owners = self.owners
         self.note_versions(module)
         if released:
@@ -315,16 +323,16 @@ class Holdings:
 
     @contextlib.contextmanager
     def without_placeholder(self, optimizer: torch.optim.Optimizer | None) -> Iterator[None]:
-        """The optimizer without the stand-in parameter, for state dicts by parameter name."""
-        ph = self.placeholder
-        had = [o.param_groups[0] for o in optimizers.members(optimizer)
+        """The optimizer without the stand-in parameters, for state dicts by parameter name."""
+        had = [(o.param_groups[0], ph) for o in optimizers.members(optimizer)
+               for ph in (self.placeholder, self.sparse_placeholder)
                if ph is not None and o.param_groups and any(p is ph for p in o.param_groups[0]["params"])]
-        for g in had:
+        for g, ph in had:
             g["params"] = [p for p in g["params"] if p is not ph]
         try:
             yield
         finally:
-            for g in had:
+            for g, ph in had:
                 g["params"].append(ph)
 
     def note_versions(self, module: nn.Module) -> None:

@@ -328,8 +328,9 @@ def test_pure_data_parallelism_with_rows_on_every_replica_meets_no_more_after_th
         model[0](torch.randn(2, 4)).sum().backward()
         red.finish(sync=True, same_got=same_got)
         assert model[0].weight.grad is not None and model[1].weight.grad is None
-        # one bucket (the four parameters' 40 numbers), then the flags: [overflow, 4 names]
-        assert calls == ([40, 5] if flags else [40]), (everywhere, same_got, calls)
+        # one bucket (the four parameters' 40 numbers), then the flags: [overflow, 4 names got a
+        # gradient, 4 names got a sparse one]
+        assert calls == ([40, 9] if flags else [40]), (everywhere, same_got, calls)
 
 
 @pytest.mark.parametrize(("own", "used", "sums"), [(2.0, 2.0, 1), (0.0, 1.0, 2), (0.1, 0.1, 1)])

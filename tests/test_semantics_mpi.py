@@ -328,17 +328,27 @@ def test_parameter_gradient_hooks_run_once_on_the_whole_gradient(layout: str,
     _passed(res.stdout, "param_hooks", 3)
 
 
-CASES["sparse_grad"] = Case(3, ["--case", "sparse_grad", "--replicas", "2,1", "--microbatches", "2",
-                                "--batch", "7"])
+SPARSE_LAYOUTS = {
+    # 2 stages x [2, 1]: the embedding's stage replicated, the other rank holding none of it
+    "rep21": Case(3, ["--replicas", "2,1", "--microbatches", "2", "--batch", "7"]),
+    # one replica per stage, under the eager zero-bubble schedule (its early overflow check)
+    "pn2-zb": Case(2, ["--partition-num", "2", "--microbatches", "2", "--schedule", "zero_bubble",
+                       "--batch", "6"]),
+    # data parallelism alone (every rank holds every parameter)
+    "dp": Case(2, ["--replicas", "2", "--batch", "6"]),
+}
+for _lay, _c in SPARSE_LAYOUTS.items():
+    CASES[f"sparse_grad_{_lay}"] = Case(_c.ranks, ["--case", "sparse_grad", *_c.args])
 
 
-@pytest.mark.cases("sparse_grad")
-def test_a_sparse_gradient_is_summed_dense(launches: CaseLaunches) -> None:
-    """nn.Embedding(sparse=True) on 3 ranks (2 stages x [2, 1], 2 microbatches): gradients and
-    parameters equal the unwrapped model's over 3 SGD steps (before: a torch error at the first
-    backward, copying a sparse gradient into a bucket)."""
-    res = launches.result("sparse_grad")
-    _passed(res.stdout, "sparse_grad", 3)
+@pytest.mark.parametrize("layout", [pytest.param(lay, marks=pytest.mark.cases(f"sparse_grad_{lay}"))
+                                    for lay in SPARSE_LAYOUTS])
+def test_a_sparse_gradient_stays_sparse_for_sparse_adam(layout: str, launches: CaseLaunches) -> None:
+    """nn.Embedding(sparse=True) stepped by SparseAdam: its gradient is sparse over the rows the
+    global batch looked up, with the unwrapped model's values, and parameters follow over 3
+    steps (semantics_check.check_sparse_grad says what failed before)."""
+    res = launches.result(f"sparse_grad_{layout}")
+    _passed(res.stdout, "sparse_grad", SPARSE_LAYOUTS[layout].ranks)
 
 
 CASES["stored"] = Case(3, ["--case", "stored", "--replicas", "2,1", "--microbatches", "2",

@@ -46,7 +46,6 @@ Index conventions: k buckets; n parameter names; r ranks.
 from __future__ import annotations
 
 import math
-import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -161,7 +160,7 @@ class Accumulation:
             g, mark = p.grad, self.marks.get(n)
             if mark is not None and g is not None and mark[0]() is g and mark[1] == g._version:
                 continue  # (as the no_sync() backward left it)
-            if g is None or not bool(g.any()):
+            if g is None or not bool((g._values() if g.is_sparse else g).any()):
                 del self.pending[n]
                 self.marks.pop(n, None)
             else:
@@ -218,6 +217,9 @@ class _State:
     factor: Callable[[], torch.Tensor | None] | None = None
     # the loss gradient the bucket carries, until it is read (`LossSeed`)
     seed: LossSeed | None = None
+    # name -> the rows its sparse local gradients touched (`nn.Embedding(sparse=True)`): summed
+    # dense, the gradient is sparse again over every holder's rows (`_sparse_again`)
+    sparse: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class ParamHooks:
@@ -468,7 +470,7 @@ class GradReducer:
         if st is None:  # (no begin: nothing to reduce, but the ranks still meet)
             if sync:
                 self._share([p.grad for p in self.held.values() if p.grad is not None]
-                            + list(extra), set())
+                            + list(extra), set(), set())
                 self._mark_overflow(extra)
             return
         if not sync:
@@ -506,12 +508,15 @@ class GradReducer:
             if r is not None and hooks and self.held[n]._backward_hooks:
                 r = _run_tensor_hooks(self.held[n], r)
             final[n] = base if r is None else r if base is None else r.add_(base)
+        sparse = set(st.sparse)  # (alike on every holder where every rank got the same)
         if same_got and self.everywhere:
             got, self._overflow = st.got, (False, False)
         elif overflow is None:
-            got = self._share([g for g in final.values() if g is not None] + list(extra), st.got)
+            got, sparse = self._share([g for g in final.values() if g is not None] + list(extra),
+                                      st.got, sparse)
         else:
             got, self._overflow = st.got, overflow
+        self._sparse_again(final, st, sparse & got)
         for n, p in self.held.items():
             p.grad = final[n] if n in got else st.base[n]
         self._mark_overflow(extra)
@@ -521,29 +526,66 @@ class GradReducer:
                     for hook in list(p._post_accumulate_grad_hooks.values()):
                         hook(p)
 
-    def _share(self, check: Sequence[torch.Tensor], got: set[str]) -> set[str]:
+    def _share(self, check: Sequence[torch.Tensor], got: set[str],
+               sparse: set[str]) -> tuple[set[str], set[str]]:
         """One all-reduce (MAX) over the world of [this rank's gradients `check` are not all
-        finite, got-a-gradient flag per `shared` name]; returns every held name some holder
-        got a gradient for, and remembers whether some rank overflowed."""
+        finite, got-a-gradient flag per `shared` name, sparse-gradient flag per `shared` name];
+        returns every held name some holder got a gradient for, and every held name some holder
+        got a sparse one for (with `sparse`'s other names), and remembers whether some rank
+        overflowed."""
         # Where every rank holds every parameter, each gradient is the same sum on every rank
         # (what `.grad` held before too: an earlier sum), so a non-finite value in it shows on
         # every rank without a check: a pass over every gradient (a few % of a step) saved.
         bad = not self.everywhere and not_finite(check)
-        flags = torch.tensor([float(bad)] + [float(n in got) for n in self.shared],
-                             device=self.device)
+        k = len(self.shared)
+        flags = torch.tensor([float(bad)] + [float(n in got) for n in self.shared]
+                             + [float(n in sparse) for n in self.shared], device=self.device)
         with health.phase("gradient all-reduce"):
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         vals = flags.tolist()
         self._overflow = (vals[0] > 0, bad)
-        return got | {n for n, f in zip(self.shared, vals[1:], strict=True) if f > 0 and n in self.held}
+        held = [(n, g > 0, s > 0) for n, g, s in zip(self.shared, vals[1:k + 1], vals[k + 1:],
+                                                     strict=True) if n in self.held]
+        return got | {n for n, g, _ in held if g}, sparse | {n for n, _, s in held if s}
+
+    def _sparse_again(self, final: dict[str, torch.Tensor | None], st: _State,
+                      names: set[str]) -> None:
+        """The gradients of `names` (sparse ones: `nn.Embedding(sparse=True)`) were summed
+        dense; make each a sparse tensor again over the rows some holder's gradient touched,
+        as the unwrapped model's gradient is on the global batch (touched rows whose sum is zero
+        included: SparseAdam steps every row its gradient holds). A dense `.grad` made
+        SparseAdam fail ("does not support dense gradients"). One all-reduce (MAX) of a row mask
+        per group holding such a parameter, the names in the group's order on every holder."""
+        grouped: set[str] = set()
+        for grp in self.groups:
+            mine = [n for b in grp.buckets for n in b.names if n in names]
+            if not mine:
+                continue
+            grouped.update(mine)
+            sizes = [self.held[n].shape[0] for n in mine]
+            mask = torch.zeros(sum(sizes), device=self.device)
+            for piece, n in zip(mask.split(sizes), mine, strict=True):
+                rows = st.sparse.get(n)
+                if rows is not None:
+                    piece.index_fill_(0, rows, 1.0)
+            with health.phase("gradient all-reduce"):
+                dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=grp.group)
+            for piece, n in zip(mask.split(sizes), mine, strict=True):
+                final[n] = _rows_of(final[n], piece.nonzero().squeeze(1))
+        for n in names - grouped:
+            final[n] = _rows_of(final[n], torch.unique(st.sparse[n]))
 
     def _mark_overflow(self, extra: Sequence[torch.Tensor]) -> None:
-        """Some rank overflowed but not this one: make its first gradient say so."""
+        """Some rank overflowed but not this one: make its first gradient say so, and each of
+        `extra` (the stand-ins of optimizers holding nothing here: each one's GradScaler looks
+        at its own)."""
         anywhere, here = self._overflow
         if anywhere and not here:
-            grads = [p.grad for p in self.held.values() if p.grad is not None] + list(extra)
-            if grads:
-                grads[0].view(-1)[0] = math.inf
+            grads = [g._values() if g.is_sparse else g
+                     for g in [p.grad for p in self.held.values() if p.grad is not None][:1] + list(extra)]
+            for g in grads:
+                if g.numel():
+                    g.view(-1)[0] = math.inf
 
     def _keep_pending(self, st: _State) -> None:
         """no_sync(): this backward's local gradients join the pending local sums (reduced
@@ -577,17 +619,22 @@ class GradReducer:
         if b is not None:  # (a hook starts a bucket when its count reaches 0: no scan per hook)
             st.unready[id(b)] = st.unready.get(id(b), len(b.names)) - 1
         g = self.held[n].grad
-        if g is not None and g.is_sparse:
-            g = _densified(n, g)
+        pend = self.pending.pop(n, None)
+        prev = st.before[n]
+        if any(t is not None and t.is_sparse for t in (g, pend, prev)):
+            # summed dense over the holders (a bucket holds dense gradients), then sparse again
+            # over the rows they touched (`_sparse_again`); identities kept (`is` below)
+            st.sparse[n] = torch.cat([t._indices()[0] for t in (g, pend, prev)
+                                      if t is not None and t.is_sparse])
+            dense = {id(t): t.to_dense() for t in (g, pend, prev) if t is not None and t.is_sparse}
+            g, pend, prev = (dense.get(id(t), t) for t in (g, pend, prev))
         if g is not None and st.factor is not None:
             f = st.factor()
             if f is not None:
                 g.mul_(f.to(g.dtype))
-        pend = self.pending.pop(n, None)
         self.accumulation.marks.pop(n, None)
         if g is not None or pend is not None:
             st.got.add(n)
-        prev = st.before[n]
         if pend is not None and pend is prev:
             # `.grad` is the pending sum itself (`_keep_pending`): it is what gets summed over
             # the holders, and nothing of it is added back afterwards (left in place,
@@ -774,6 +821,7 @@ def not_finite(grads: Sequence[torch.Tensor]) -> bool:
     # finite fp16 gradients.
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for g in grads:
+        g = g._values() if g.is_sparse else g  # (an embedding's sparse gradient: its rows)
         if g.numel():
             groups.setdefault((g.device, g.dtype), []).append(g)
     found = []
@@ -785,22 +833,12 @@ def not_finite(grads: Sequence[torch.Tensor]) -> bool:
     return bool(found) and bool(torch.cat(found).any())
 
 
-_SPARSE_WARNED: set[str] = set()
-
-
-def _densified(name: str, g: torch.Tensor) -> torch.Tensor:
-    """A sparse gradient (`nn.Embedding(sparse=True)`) as a dense one: the buckets sum dense
-    gradients over the holders (before, copying a sparse one into a bucket failed: "copy_()
-    between dense and sparse Tensors is not implemented"). The memory model counts a dense
-    gradient per parameter already; `.grad` is then dense (torch's SGD, Adam and AdamW take
-    it; SparseAdam refuses dense gradients by name). Said once per parameter name."""
-    if name not in _SPARSE_WARNED:
-        _SPARSE_WARNED.add(name)
-        warnings.warn(
-            f"rannc: parameter '{name}' has a sparse gradient (nn.Embedding(sparse=True)); "
-            "summed over its holders on several ranks it becomes a dense gradient, so its "
-            ".grad is dense (torch.optim.SparseAdam needs sparse ones: use Adam or AdamW, or "
-            "sparse=False)", UserWarning, stacklevel=2)
-    return g.to_dense()
+def _rows_of(dense: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
+    """`dense`'s `rows` (sorted, unique) as a sparse COO tensor over dim 0, as an embedding's
+    sparse gradient is."""
+    if dense is None:
+        return None
+    return torch.sparse_coo_tensor(rows[None], dense.index_select(0, rows), dense.shape,
+                                   is_coalesced=True, check_invariants=False)
 
 __all__ = ["GradReducer", "LossSeed", "ParamGroup", "not_finite"]

@@ -203,6 +203,7 @@ class PipelineRuntime:
         self.planned_accumulation = planned_accumulation
         # a stand-in parameter in the optimizer of a rank that holds none (see _stand_in)
         self.placeholder: nn.Parameter | None = None
+        self.sparse_placeholder: nn.Parameter | None = None  # (SparseAdam's: a sparse gradient)
         # (digest, every rank's local batch size) of the last call: the guess for the next one.
         self._agreed: tuple[int, list[int]] | None = None
         # A call on a guessed layout is run again when the guess was wrong; that is exact only
@@ -951,10 +952,18 @@ class PipelineRuntime:
     def _stand_in(self) -> list[torch.Tensor]:
         """A rank holding no parameter answers the overflow check with its optimizer's stand-in
         (zero gradient, marked when another rank overflowed, so its GradScaler skips too)."""
-        if self.placeholder is None or not self.sync:
+        if not self.sync:
             return []
-        self.placeholder.grad = torch.zeros_like(self.placeholder)
-        return [self.placeholder.grad]
+        out = []
+        if self.placeholder is not None:
+            self.placeholder.grad = torch.zeros_like(self.placeholder)
+            out.append(self.placeholder.grad)
+        if self.sparse_placeholder is not None:  # (one explicit zero: a value to mark)
+            self.sparse_placeholder.grad = torch.sparse_coo_tensor(
+                torch.zeros((1, 1), dtype=torch.long, device=self.device),
+                torch.zeros(1, device=self.device), (1,), check_invariants=False)
+            out.append(self.sparse_placeholder.grad)
+        return out
 
     def first_names(self) -> dict[int, str]:
         """id of each parameter tensor -> its first name (the key of `owners`)."""
