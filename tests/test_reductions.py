@@ -154,3 +154,35 @@ def test_attention_along_the_batch_mixes_rows(batch_first: bool) -> None:
     else:
         ((_task, path, op),) = r.inexact.values()
         assert (path, op) == ("layers.0.self_attn", "scaled_dot_product_attention"), r.inexact
+
+
+class _Classify(nn.Module):
+    """Logits per token, the loss over the tokens whose label is not ignored."""
+
+    def __init__(self, **loss: object) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 5)
+        self.loss = loss
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.fc(x)  # (batch, seq, 5)
+        # shifted and padded as Hugging Face's causal-LM loss shifts its labels
+        target = F.pad(labels, (0, 1), value=-100)[:, 1:].contiguous().view(-1)
+        return F.cross_entropy(logits.view(-1, 5), target, **self.loss)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("loss", "found"), [
+    ({}, -100), ({"ignore_index": 3}, 3), ({"reduction": "sum"}, None), ({"reduction": "none"}, None)])
+def test_a_mean_over_kept_targets_of_an_input_is_found(loss: dict[str, object], found: int | None) -> None:
+    """A mean-reduced cross entropy whose targets are a model input reshaped, sliced and padded
+    is found with its ignore_index (the runtime looks at the rows' counts of kept targets); a
+    summed one (divided by num_items_in_batch) or an unreduced one is not."""
+    from rannc.graph.reductions import ignored_target_means
+
+    model = _Classify(**loss)
+    cap = capture(model, (torch.randn(4, 6, 4), torch.randint(0, 5, (4, 6))))
+    sites = ignored_target_means(cap.gm, cap.graph)
+    if found is None:
+        assert sites == []
+    else:
+        assert [(s.input, s.ignore_index) for s in sites] == [(cap.leaf_values[1], found)]

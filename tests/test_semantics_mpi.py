@@ -63,9 +63,13 @@ def test_num_items_in_batch_gives_the_global_token_mean(n: int, args: list[str],
                                                         request: pytest.FixtureRequest) -> None:
     """With num_items_in_batch (the global count; an int, then a tensor) the pieces of the loss
     sum: loss, logits rows, gradients and parameters after 2 AdamW steps equal the unwrapped
-    model's global token mean; a count differing across ranks raises on every rank."""
+    model's global token mean; a count differing across ranks raises on every rank. Without
+    the count the loss is the pieces' row-weighted mean, and rank 0 says so once."""
     res = launches.result(case_of(request))
     _passed(res.stdout, f"masked_lm {args[1]}", n)
+    said = res.stderr.count("is the mean over the targets of input 'labels' that are not -100, "
+                            "and its rows keep different numbers of them")
+    assert said == 1, res.stderr
 
 
 @pytest.mark.layer("pure")

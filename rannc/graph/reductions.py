@@ -278,6 +278,52 @@ def _divides_by_batch(inputs: tuple[str, ...], values: dict[str, Value]) -> bool
 
 
 
+# loss ops that skip the targets equal to their `ignore_index` (argument index, default) and,
+# reducing by their mean, divide by how many targets they kept
+_IGNORING = {"aten.cross_entropy_loss.default": (4, -100), "aten.nll_loss.default": (4, -100),
+             "aten.nll_loss_nd.default": (4, -100), "aten.nll_loss2d.default": (4, -100)}
+# ops through which a target keeps its rows' ignored entries (or adds as many to each row:
+# Hugging Face's causal-LM loss pads each row with one ignore_index before shifting)
+_TARGET_SHAPING = frozenset(f"aten.{op}" for op in (
+    "view.default", "_unsafe_view.default", "reshape.default", "slice.Tensor", "clone.default",
+    "contiguous.default", "_to_copy.default", "to.dtype", "to.dtype_layout", "to.device",
+    "alias.default", "flatten.using_ints", "constant_pad_nd.default", "pad.default",
+    "lift_fresh_copy.default"))
+
+
+@dataclass(frozen=True)
+class IgnoredTargets:
+    """A loss that is the mean over its kept targets of a model input (`labels`), skipping those
+    equal to `ignore_index`: its denominator is how many the rows hold, so where rows hold
+    different numbers, the row-weighted mean of per-piece means is not the global mean."""
+
+    task: str  # the loss op's task
+    input: str  # the model input its targets are
+    ignore_index: int
+
+
+def ignored_target_means(gm: fx.GraphModule, graph: TaskGraph) -> list[IgnoredTargets]:
+    """The mean-reduced losses of `graph` (captured as `gm`) whose targets are a model input
+    with a batch dimension, reshaped, sliced or padded (`IgnoredTargets`). A loss summed and
+    divided by `num_items_in_batch` reduces by its sum, so it is not among them."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    out = []
+    for task in graph.tasks:
+        site = _IGNORING.get(task.op)
+        node = nodes.get(task.name)
+        if site is None or node is None or _arg(node, _LOSSES[task.op][0], 1) != 1:
+            continue
+        target = _arg(node, 1, None)
+        while isinstance(target, fx.Node) and target.op == "call_function" \
+                and str(target.target) in _TARGET_SHAPING and target.args:
+            target = target.args[0]
+        v = graph.values.get(target.name) if isinstance(target, fx.Node) else None
+        if v is not None and v.kind is ValueKind.INPUT and v.batch_dim == 0:
+            out.append(IgnoredTargets(task.name, target.name,
+                                      int(_arg(node, site[0], site[1]))))
+    return out
+
+
 def per_call_writes(graph: TaskGraph, tasks: Iterable[int]) -> frozenset[str]:
     """The buffers that `tasks` write in place only from values that do not depend on the
     batch (a counter, spectral norm's power iteration on the weights): each microbatch of a

@@ -313,6 +313,12 @@ def check_masked_lm(a: argparse.Namespace, rank: int, world: int) -> None:
         assert "num_items_in_batch differs across ranks" in str(e), str(e)
     else:
         raise AssertionError("a count differing across ranks was accepted")
+    # without the count: the pieces' row-weighted mean, not the global token mean, which rank 0
+    # says once (its rows keep uneven numbers of labels; before, silently)
+    for _ in range(2):
+        out = wrapped(**mine)
+    want = ref(**batch, num_items_in_batch=count).loss
+    assert (out.loss - want).abs() > 1e-5, (out.loss, want)
     print(f"PASS masked_lm {a.model} rank {rank} stages {len(wrapped.plan.stages)} "
           f"schedule {wrapped.plan.schedule}", flush=True)
 
