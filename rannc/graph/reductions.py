@@ -232,8 +232,12 @@ def _kind(op: str, node: fx.Node | None, inputs: tuple[str, ...], ins: list[Kind
         # a reduction over the batch: of row-wise values only
         if len(from_rows) != sum(1 for _i, k in tensors if k is not Kind.CONST):
             return Kind.OTHER
+        # a mean over rows the data selected (`h[labels != -100]`: a size torch computed from
+        # the values) divides by how many each piece kept, not by its rows: no row-weighted
+        # mean of the pieces' means is the model's
+        counted = any(_UNBACKED.search(str(d)) for i, _k in tensors for d in values[i].shape)
         if op in _MEAN_OPS:
-            return Kind.MEAN
+            return Kind.OTHER if counted else Kind.MEAN
         if op in _SUM_OPS:
             return Kind.SUM
         if op in _LOSSES:
@@ -241,7 +245,7 @@ def _kind(op: str, node: fx.Node | None, inputs: tuple[str, ...], ins: list[Kind
             reduction = _arg(node, r_at, 1)
             weighted = w_at is not None and _arg(node, w_at, None) is not None
             if reduction == 1 and not weighted:
-                return Kind.MEAN
+                return Kind.OTHER if counted else Kind.MEAN
             if reduction == 2:
                 return Kind.SUM
         return Kind.OTHER

@@ -609,13 +609,15 @@ class PipelineRuntime:
         log.warning(
             "rannc: the model's output %s depends on several rows of the batch together (from "
             "%s in module '%s': e.g. a loss over pairs of samples, statistics over the batch "
-            "dimension, a softmax along it). The pipeline computes it on each piece of the "
-            "batch (plan: %d microbatches; stage %s has %d replicas), so it differs from the "
-            "model's value on the global batch, as under DDP, where each rank computes it on "
-            "its own rows. For the model's value, plan that stage with one replica and one "
-            "microbatch (replicas=[..., 1], microbatches=1), or compute it outside the model "
-            "from the rows every rank gets back. (rannc takes dim 0 of every input as the "
-            "batch: a model taking its batch in another dimension, sequence-first as "
+            "dimension, a softmax along it, a mean over the elements a mask selects). The "
+            "pipeline computes it on each piece of the batch (plan: %d microbatches; stage %s "
+            "has %d replicas), so it differs from the model's value on the global batch, as "
+            "under DDP, where each rank computes it on its own rows. For the model's value, "
+            "plan that stage with one replica and one microbatch (replicas=[..., 1], "
+            "microbatches=1), or compute it outside the model from the rows every rank gets "
+            "back; a mean over masked elements (`h[labels != -100]`) is exact as a sum divided "
+            "by the global batch's count, passed in as num_items_in_batch. (rannc takes dim 0 "
+            "of every input as the batch: a model taking its batch in another dimension, sequence-first as "
             "nn.TransformerEncoderLayer(batch_first=False), mixes its 'rows' in attention; give "
             "it batch-first inputs)", names, op, path or "(the model itself)",
             self.plan.microbatches, s, reps)
