@@ -1047,12 +1047,15 @@ def without_cache(model: nn.Module, kwargs: dict[str, Any], say: bool = True) ->
 
 
 def _takes_keyword(model: nn.Module, name: str) -> bool:
-    """Whether `model.forward` names `name`, or takes **kwargs (PEFT's models pass them on)."""
+    """Whether `model.forward` names `name` (a PEFT model's base model's: PEFT's forward
+    passes its **kwargs on). Not any **kwargs: most of transformers 5's forwards take them, an
+    encoder's too (BertForPreTraining: it returns no cache, and its user would be told of one)."""
+    base = getattr(model, "get_base_model", None)
+    target = base() if callable(base) else model
     try:
-        params = inspect.signature(model.forward).parameters
+        return name in inspect.signature(target.forward).parameters
     except (TypeError, ValueError):  # a forward without a signature: leave its call as it is
         return False
-    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 def _cached(cache: OrderedDict[tuple[Any, ...], Any], base: tuple[Any, ...],

@@ -185,6 +185,14 @@ def test_configs_asking_for_a_cache_train_as_they_come(peft_lora: bool,
     assert len(said) == 1 and "config.use_cache is True" in said[0], said
     with pytest.raises(rannc.OutputTypeError, match="call it with use_cache=False"):
         wrapped(input_ids=ids, use_cache=True)
+    # an encoder's config has use_cache too, but its forward names none: called as it is
+    from transformers import BertConfig, BertForMaskedLM
+
+    from rannc.module import without_cache
+
+    bert = BertForMaskedLM(BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
+                                      num_attention_heads=4, intermediate_size=64))
+    assert bert.config.use_cache and without_cache(bert, {"input_ids": ids}) == {"input_ids": ids}
 
 
 @pytest.mark.layer("single_process")
