@@ -656,9 +656,11 @@ class PipelineRuntime:
                 "the mean over the global batch's kept targets (as under DDP, where each rank "
                 "averages its own): loss and gradients differ slightly from the model's on the "
                 "global batch. For the exact value pass num_items_in_batch, the global batch's "
-                "count of kept targets, the same on every rank (Hugging Face's losses divide "
-                "their sum by it; rannc.hf.RaNNCTrainer passes it; README: 'Losses averaged over "
-                "a data-dependent count')", task.module_path or "(the model itself)",
+                "count of kept targets, the same on every rank, to a model whose loss divides "
+                "its sum by it (transformers' causal- and masked-LM losses do; "
+                "rannc.hf.RaNNCTrainer passes it), or compute the loss outside the model from "
+                "the rows of logits every rank gets back (README: 'Losses averaged over a "
+                "data-dependent count')", task.module_path or "(the model itself)",
                 site.input, site.ignore_index, least, most, self.plan.microbatches, s, reps)
             return
 
