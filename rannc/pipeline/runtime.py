@@ -198,9 +198,11 @@ class PipelineRuntime:
             self._warn_frequency_scaled_grads()
         # (the mean losses over targets whose rows may hold uneven numbers of ignored ones, on
         # stages the plan runs on pieces: rank 0 looks at its rows, `_warn_uneven_ignored`)
+        # (a call that passed num_items_in_batch to a loss ignoring it is told so above)
         self._ignored = [(site, s, reps) for site in reductions.ignored_target_means(captured.gm, self.graph)
                          for s, reps in [self._pieces_of(site.task)] if s is not None
-                         and self.plan.microbatches * reps > 1] if rank == 0 else []
+                         and self.plan.microbatches * reps > 1] \
+            if rank == 0 and self._count_input() is None else []
         self._ignored_calls = 0
         if self._count_input() is not None and not by_count and rank == 0:
             log.warning("rannc: the call passed %s, but no scalar output of the model is computed "
