@@ -109,11 +109,13 @@ def plan(model: object, args: tuple[object, ...] = (), kwargs: dict[str, object]
     from rannc.atomic.components import atomic_components
     from rannc.dist import get_rank
     from rannc.graph.capture import capture, flatten_inputs
+    from rannc.module import without_cache
     from rannc.profile.device import measure_local_device
     from rannc.progress import progress_for
 
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"rannc.plan needs a torch.nn.Module, got {type(model).__name__}")
+    kwargs = without_cache(model, dict(kwargs or {}))  # (as RaNNCModule calls it)
     cfg = config if config is not None else Config()
     if cluster is None:
         n = cfg.dry_run_np or 1

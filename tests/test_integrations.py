@@ -183,6 +183,11 @@ def test_configs_asking_for_a_cache_train_as_they_come(peft_lora: bool,
             torch.testing.assert_close(p.grad, held[name].grad, rtol=1e-4, atol=1e-8)
     said = [r.getMessage() for r in caplog.records if "use_cache=False" in r.getMessage()]
     assert len(said) == 1 and "config.use_cache is True" in said[0], said
+    # rannc.plan calls it as RaNNCModule does (before: the same capture error)
+    planned = rannc.plan(ref, (), {"input_ids": ids, "labels": ids},
+                         cluster=rannc.Cluster.homogeneous(n=2, per_node=2),
+                         config=rannc.Config(partition_num=2, profiler="estimate"))
+    assert len(planned.stages) == 2
     with pytest.raises(rannc.OutputTypeError, match="call it with use_cache=False"):
         wrapped(input_ids=ids, use_cache=True)
     # an encoder's config has use_cache too, but its forward names none: called as it is
