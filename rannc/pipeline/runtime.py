@@ -196,15 +196,16 @@ class PipelineRuntime:
             self._warn_mixing()
             self._warn_buffer_writes()
             self._warn_frequency_scaled_grads()
+        count = self._count_input()
         # (the mean losses over targets whose rows may hold uneven numbers of ignored ones, on
-        # stages the plan runs on pieces: rank 0 looks at its rows, `_warn_uneven_ignored`)
-        # (a call that passed num_items_in_batch to a loss ignoring it is told so above)
+        # stages the plan runs on pieces: rank 0 looks at its rows, `_warn_uneven_ignored`; a
+        # call that passed num_items_in_batch to a loss ignoring it is told so below instead)
         self._ignored = [(site, s, reps) for site in reductions.ignored_target_means(captured.gm, self.graph)
                          for s, reps in [self._pieces_of(site.task)] if s is not None
                          and self.plan.microbatches * reps > 1] \
-            if rank == 0 and self._count_input() is None else []
+            if rank == 0 and count is None else []
         self._ignored_calls = 0
-        if self._count_input() is not None and not by_count and rank == 0:
+        if count is not None and not by_count and rank == 0:
             log.warning("rannc: the call passed %s, but no scalar output of the model is computed "
                         "from it (its loss ignores it), so scalar outputs are combined as a "
                         "row-weighted mean over microbatches and replicas, not a sum; compute "
@@ -595,11 +596,9 @@ class PipelineRuntime:
         value on the global batch."""
         if not self.reductions.inexact or self.model in _MIXING_WARNED:
             return
-        index = {t: s for s, st in enumerate(self.stages) for t in st.tasks}
         split = []
         for out, (task, path, op) in self.reductions.inexact.items():
-            s = index.get(self.graph.task_index(task)) if task else None
-            reps = len(self.plan.stages[s].ranks) if s is not None else 1
+            s, reps = self._pieces_of(task) if task else (None, 1)
             if self.plan.microbatches * reps > 1:
                 split.append((out, path, op, s, reps))
         if not split:
