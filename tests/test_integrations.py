@@ -4,6 +4,7 @@ Multi-rank checks run tests/scripts/hf_check.py under torchrun (see its docstrin
 
 from __future__ import annotations
 
+import copy
 import time
 from pathlib import Path
 
@@ -165,7 +166,7 @@ def test_configs_asking_for_a_cache_train_as_they_come(peft_lora: bool,
                                            n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
                                            attn_pdrop=0.0))
     assert model.config.use_cache is True
-    ref = __import__("copy").deepcopy(model)
+    ref = copy.deepcopy(model)
     wrapped = rannc.RaNNCModule(model)
     ids = torch.randint(0, 64, (3, 8))
     with caplog.at_level("INFO", logger="rannc"):
