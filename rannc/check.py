@@ -313,12 +313,12 @@ def rank_rows(want: Any, got: Any, rows: tuple[int, int], n: int) -> Any:
 
 def call(model: Any, batch: Batch, unwrapped: bool = False) -> Any:
     """`model` on `batch`; `unwrapped`: called as RaNNCModule calls the model it wraps (with
-    use_cache=False where its config asks for a key/value cache: `rannc.module.without_cache`)."""
+    use_cache=False where its config asks for a key/value cache: `rannc.calls.without_cache`)."""
     args = () if isinstance(batch, dict) else tuple(batch) if isinstance(batch, (tuple, list)) \
         else (batch,)
     kwargs = batch if isinstance(batch, dict) else {}
     if unwrapped:
-        from rannc.module import without_cache
+        from rannc.calls import without_cache
 
         kwargs = without_cache(model, kwargs, say=False)
     return model(*args, **kwargs)

@@ -18,7 +18,6 @@ import contextlib
 import copy
 import dataclasses
 import functools
-import inspect
 import itertools
 import logging
 import os
@@ -40,6 +39,7 @@ from rannc import amp, health, validate
 from rannc import checkpoint as ckpt
 from rannc import clip as rclip
 from rannc import dist as rdist
+from rannc.calls import without_cache
 from rannc.config import Config
 from rannc.deploy import Holdings, OneProcess, capture_signature, deployment_plan, host_malloc
 from rannc.deploy import optimizer_state_factor as optimizer_state_factor  # (its old home)
@@ -1019,43 +1019,6 @@ def _count_as_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str,
     device = next((t.device for t in pytree.tree_leaves((args, kwargs))
                    if isinstance(t, torch.Tensor)), None)
     return {**kwargs, COUNT_KWARG: torch.tensor(x, device=device)}
-
-
-_SAID_CACHE_OFF: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-
-
-def without_cache(model: nn.Module, kwargs: dict[str, Any], say: bool = True) -> dict[str, Any]:
-    """`kwargs` with `use_cache=False` where a Hugging Face model's config asks for a key/value
-    cache (`config.use_cache`: True in most pretrained configs) and the call passes neither
-    `use_cache` nor a cache. Why: the cache is for generation, and its object is not a tensor
-    rannc can split by rows, so every decoder loaded as it comes failed to capture until its
-    user set use_cache=False by hand; transformers drops it the same way when it trains under
-    gradient checkpointing. The outputs are the same but for the cache (`past_key_values` is
-    None); said once per model, at INFO. A `use_cache=True` passed on purpose is kept (and
-    refused at capture with the fix). `rannc.check` calls the unwrapped model so too."""
-    if getattr(getattr(model, "config", None), "use_cache", None) is not True \
-            or "use_cache" in kwargs or kwargs.get("past_key_values") is not None \
-            or not _takes_keyword(model, "use_cache"):
-        return kwargs
-    if say and model not in _SAID_CACHE_OFF:
-        _SAID_CACHE_OFF.add(model)
-        log.info("rannc: calls %s with use_cache=False (its config.use_cache is True): a "
-                 "key/value cache is for generation, so the outputs hold no past_key_values, "
-                 "as under transformers' gradient checkpointing; set model.config.use_cache = "
-                 "False to say so yourself", type(model).__name__)
-    return {**kwargs, "use_cache": False}
-
-
-def _takes_keyword(model: nn.Module, name: str) -> bool:
-    """Whether `model.forward` names `name` (a PEFT model's base model's: PEFT's forward
-    passes its **kwargs on). Not any **kwargs: most of transformers 5's forwards take them, an
-    encoder's too (BertForPreTraining: it returns no cache, and its user would be told of one)."""
-    base = getattr(model, "get_base_model", None)
-    target = base() if callable(base) else model
-    try:
-        return name in inspect.signature(target.forward).parameters
-    except (TypeError, ValueError):  # a forward without a signature: leave its call as it is
-        return False
 
 
 def _cached(cache: OrderedDict[tuple[Any, ...], Any], base: tuple[Any, ...],

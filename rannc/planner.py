@@ -107,9 +107,9 @@ def plan(model: object, args: tuple[object, ...] = (), kwargs: dict[str, object]
     import torch
 
     from rannc.atomic.components import atomic_components
+    from rannc.calls import without_cache
     from rannc.dist import get_rank
     from rannc.graph.capture import capture, flatten_inputs
-    from rannc.module import without_cache
     from rannc.profile.device import measure_local_device
     from rannc.progress import progress_for
 

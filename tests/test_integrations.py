@@ -194,7 +194,7 @@ def test_configs_asking_for_a_cache_train_as_they_come(peft_lora: bool,
     # an encoder's config has use_cache too, but its forward names none: called as it is
     from transformers import BertConfig, BertForMaskedLM
 
-    from rannc.module import without_cache
+    from rannc.calls import without_cache
 
     bert = BertForMaskedLM(BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
                                       num_attention_heads=4, intermediate_size=64))

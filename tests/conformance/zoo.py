@@ -176,7 +176,7 @@ def gpt2() -> Case:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     # (use_cache left at its default, True, here and in T5: rannc passes use_cache=False,
-    # rannc.module.without_cache)
+    # rannc.calls.without_cache)
     cfg = _cfg(GPT2Config, vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4,
                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=1)
     return Case(GPT2LMHeadModel(cfg), _lm_batch())
