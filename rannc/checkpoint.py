@@ -131,6 +131,8 @@ def holders(rt: PipelineRuntime, canonical: Mapping[str, str]) -> dict[str, tupl
 
 # -- a gathered state dict -----------------------------------------------------------------------
 
+OPTIMIZER_STATE_DICT = "optimizer.state_dict()"  # torch's own call, gathered once deployed (deploy.py)
+
 class OnRankZero(dict):  # type: ignore[type-arg]
     """What a gathered state dict is on a rank other than 0 (`rank0_only=True`): empty, and
     refusing to be saved or loaded. Why: a script saving on every rank (harmless under DDP,
@@ -143,14 +145,22 @@ class OnRankZero(dict):  # type: ignore[type-arg]
         super().__init__()
         self.what, self.rank = what, rank
 
+    def _whole(self) -> tuple[str, str]:
+        """What this is (the model, the optimizer), and how to have the whole of it on every
+        rank (torch's own `optimizer.state_dict()` takes no argument)."""
+        if self.what == OPTIMIZER_STATE_DICT:
+            return "optimizer", "call model.optimizer_state_dict(rank0_only=False)"
+        return "model", "pass rank0_only=False"
+
     def refused(self, doing: str) -> RaNNCError:
+        whole, every_rank = self._whole()
+        call = self.what if whole == "optimizer" else f"model.{self.what}"
         return RaNNCError(
-            f"{doing} {self.what}'s result on rank {self.rank}: it gathers the whole model onto "
+            f"{doing} {self.what}'s result on rank {self.rank}: it gathers the whole {whole} onto "
             "rank 0 only, and this rank's is empty (saved to rank 0's path it would overwrite "
-            f"the checkpoint). Fix: save on rank 0 alone (`sd = model.{self.what}` on every "
-            "rank, then `if rannc.get_rank() == 0: torch.save(sd, path)`), or pass "
-            "rank0_only=False to have the whole of it on every rank (to keep a copy in memory "
-            "and load it back)")
+            f"the checkpoint). Fix: save on rank 0 alone (`sd = {call}` on every rank, then "
+            f"`if rannc.get_rank() == 0: torch.save(sd, path)`), or {every_rank} to have the "
+            "whole of it on every rank (to keep a copy in memory and load it back)")
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise self.refused("pickling (torch.save) of")
@@ -164,10 +174,12 @@ class OnRankZero(dict):  # type: ignore[type-arg]
         raise RaNNCError(
             f"reading the entries of {self.what}'s result on rank {self.rank}: it gathers them "
             "onto rank 0 only, and this rank's is empty (code updating an EMA from it would "
-            f"update nothing here). Fix: {inside}pass rank0_only=False to gather it onto every "
-            "rank")
+            f"update nothing here). Fix: {inside}{self._whole()[1]} to gather it onto every rank")
 
     __iter__ = keys = values = items = _read_refused  # type: ignore[assignment]
+
+    def copy(self) -> OnRankZero:  # (torch's optimizer.load_state_dict copies what it loads first)
+        return OnRankZero(self.what, self.rank)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> OnRankZero:
         return OnRankZero(self.what, self.rank)
@@ -216,6 +228,11 @@ def own_state_dict_reads() -> Iterator[None]:
         yield
     finally:
         _OWN_READS[0] -= 1
+
+
+def reading_own() -> bool:
+    """Whether rannc itself is reading this rank's own state (`own_state_dict_reads`)."""
+    return _OWN_READS[0] > 0
 
 
 def refuse_partial_reads(model: nn.Module, released: Mapping[str, Any], rank: int) -> None:
@@ -465,6 +482,16 @@ def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
     if not {"state", "param_groups"} <= set(state_dict):
         raise RaNNCError("an optimizer state dict by name has 'state' and 'param_groups' (from "
                          "RaNNCModule.optimizer_state_dict())")
+    optimizer.load_state_dict(local_layout(optimizer, state_dict, group_names(model, optimizer),
+                                           only))
+
+
+def local_layout(optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any],
+                 names: Sequence[Sequence[str | None]],
+                 only: Collection[str] | None = None) -> dict[str, Any]:
+    """A by-name optimizer state dict in torch's layout over this rank's (possibly pruned)
+    param groups, whose parameters' names are `names` (None: a stand-in, which gets no state);
+    with `only`, the state of those parameters alone."""
     saved_groups = state_dict["param_groups"]
     if len(saved_groups) != len(optimizer.param_groups):
         raise RaNNCError(f"the optimizer state dict has {len(saved_groups)} param group(s), the "
@@ -473,15 +500,14 @@ def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
     state: dict[int, Any] = {}
     groups = []
     i = 0
-    for g_idx, (saved, names) in enumerate(zip(saved_groups, group_names(model, optimizer),
-                                               strict=True)):
-        extra = set(names) - set(saved["params"])
+    for g_idx, (saved, group_names_) in enumerate(zip(saved_groups, names, strict=True)):
+        extra = {n for n in group_names_ if n is not None} - set(saved["params"])
         if extra:
             raise RaNNCError(f"param group {g_idx} of the optimizer holds {sorted(extra)[:3]}, "
                              "which the saved param group does not")
         idx = []
-        for n in names:
-            if n in by_name and (only is None or n in only):
+        for n in group_names_:
+            if n is not None and n in by_name and (only is None or n in only):
                 state[i] = by_name[n]
             idx.append(i)
             i += 1
@@ -491,7 +517,30 @@ def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
         groups.append({**hyper, "params": idx})
         if "param_names" in cur:
             groups[-1]["param_names"] = list(cur["param_names"])
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    return {"state": state, "param_groups": groups}
+
+
+def to_torch_layout(by_name: Mapping[str, Any]) -> dict[str, Any]:
+    """A by-name optimizer state dict (`gather_optimizer_state`) in torch's own layout, the
+    unwrapped optimizer's `state_dict()`: parameters numbered in the order of the param groups
+    as given, state keyed by those numbers."""
+    index: dict[str, int] = {}
+    for g in by_name["param_groups"]:
+        for n in g["params"]:
+            index.setdefault(n, len(index))
+    return {"state": {index[n]: st for n, st in by_name["state"].items()},
+            "param_groups": [{**_hyper(g), "params": [index[n] for n in g["params"]]}
+                             for g in by_name["param_groups"]]}
+
+
+def from_torch_layout(state_dict: Mapping[str, Any], groups: Sequence[Sequence[str]]) -> dict[str, Any]:
+    """torch's layout of an optimizer over the param groups as given (`groups`: their
+    parameters' names), as a by-name optimizer state dict."""
+    numbered = [n for names in groups for n in names]
+    return {"state": {numbered[int(i)]: st for i, st in state_dict["state"].items()
+                      if int(i) < len(numbered)},
+            "param_groups": [{**_hyper(g), "params": list(names)}
+                             for g, names in zip(state_dict["param_groups"], groups, strict=True)]}
 
 
 
@@ -734,7 +783,8 @@ def _local_states(stateful: Mapping[str, Any]) -> tuple[dict[str, Any], str | No
     is read without unpickling arbitrary objects."""
     out: dict[str, Any] = {}
     for key, obj in stateful.items():
-        entry = ("stateful", obj.state_dict()) if isinstance(obj, Stateful) else ("value", obj)
+        with own_state_dict_reads():  # (each rank stores its own: an optimizer's is not gathered)
+            entry = ("stateful", obj.state_dict()) if isinstance(obj, Stateful) else ("value", obj)
         buf = io.BytesIO()
         try:
             torch.save(entry[1], buf)

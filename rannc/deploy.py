@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -229,6 +230,7 @@ class Holdings:
         if optimizer is not None:
             if self.opt_groups is None:  # the names before pruning, for optimizer_state_dict()
                 self.opt_groups = [ckpt.group_names(module, o) for o in optimizers.members(optimizer)]
+                self._state_dict_hooks(module, optimizer)
             for p in released + (rt.not_stepped() if rt is self.runtime else []):
                 optimizer.state.pop(p, None)  # (ZeRO-1: state another holder keeps)
             for group in optimizer.param_groups:
@@ -284,6 +286,65 @@ class Holdings:
             for group in added:
                 _prune(group, [id(p) not in released for p in group["params"]])
         return [names for named in self.opt_groups for names in named]
+
+    def _state_dict_hooks(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """torch's own `optimizer.state_dict()` / `load_state_dict()` of each optimizer, once its
+        parameters are spread over the ranks, in the unwrapped optimizer's layout.
+
+        Why: each rank's optimizer steps only the parameters it holds, so its own state dict
+        covered those alone, numbered over its pruned groups. The common checkpoint
+        (`if rank == 0: torch.save({"model": model.state_dict(), "optimizer":
+        optimizer.state_dict()}, path)`: torchrun's, Accelerate's and Lightning's pattern) saved
+        rank 0's part of the optimizer and lost the rest without a word; loading it back failed
+        on torch's group sizes or, where two ranks' stages were alike, gave one rank another
+        rank's moments. Now, as `model.state_dict()`: `state_dict()` is a collective every rank
+        calls, the whole optimizer's state lands on rank 0 in the layout of the optimizer as the
+        user built it (loadable into the unwrapped optimizer; the other ranks get a dict that
+        refuses saving and loading, naming the fix), and `load_state_dict()` of that layout,
+        on every rank, takes each rank's part. A dict in this rank's pruned layout (rannc's own
+        loads, a file saved per rank) is loaded as it is."""
+        me, mod, whole = weakref.ref(self), weakref.ref(module), weakref.ref(optimizer)
+
+        def deployed() -> tuple[Holdings, nn.Module, Any] | None:
+            h, m, opt = me(), mod(), whole()
+            if h is None or m is None or opt is None or h.runtime is None \
+                    or h.runtime.world_size < 2:
+                return None
+            h.groups(m, opt)  # (records a param group added since deployment)
+            return h, m, opt
+
+        def gathered(opt: torch.optim.Optimizer, state_dict: dict[str, Any],
+                     k: int) -> dict[str, Any] | None:
+            here = deployed()
+            if here is None or ckpt.reading_own():  # (save_checkpoint's keywords: per rank)
+                return None
+            h, m, _ = here
+            validate.agree_on_collective(ckpt.OPTIMIZER_STATE_DICT, h.runtime.device)
+            assert h.opt_groups is not None
+            by_name = ckpt.gather_optimizer_state(m, opt, h.runtime, h.opt_groups[k], rank0_only=True)
+            if isinstance(by_name, ckpt.OnRankZero):
+                return ckpt.OnRankZero(ckpt.OPTIMIZER_STATE_DICT, by_name.rank)
+            return ckpt.to_torch_layout(by_name)
+
+        def scattered(opt: torch.optim.Optimizer, state_dict: dict[str, Any],
+                      k: int) -> dict[str, Any] | None:
+            ckpt.refuse_rank_zero_only(state_dict)
+            here = deployed()
+            if here is None or "param_groups" not in state_dict:
+                return None
+            h, m, _ = here
+            assert h.opt_groups is not None
+            given = h.opt_groups[k]
+            if [len(g["params"]) for g in state_dict["param_groups"]] != [len(n) for n in given]:
+                return None  # this rank's own layout (or a mismatch torch names)
+            name_of = {id(p): n for n, p in m.named_parameters()}
+            names = [[name_of.get(id(p)) for p in g["params"]] for g in opt.param_groups]
+            return ckpt.local_layout(opt, ckpt.from_torch_layout(state_dict, given), names,
+                                     h.stepped_names())
+
+        for k, opt in enumerate(optimizers.members(optimizer)):
+            opt.register_state_dict_post_hook(functools.partial(gathered, k=k))
+            opt.register_load_state_dict_pre_hook(functools.partial(scattered, k=k))
 
     def _zero_hooks(self, optimizer: torch.optim.Optimizer) -> None:
         """ZeRO-1 on the user's own optimizer: for its step, the gradients of the parameters

@@ -657,8 +657,10 @@ class RaNNCModule(nn.Module):
         from a rank holding it and lands on rank 0 (others get an empty dict that refuses
         torch.save and loading; every rank with `rank0_only=False`). Load it with
         `load_optimizer_state_dict()`, also into another plan or number of ranks. The
-        optimizer's own `state_dict()` stays per rank: it covers the parameters that rank holds,
-        by index into its pruned param groups.
+        optimizer's own `optimizer.state_dict()` is gathered the same way, in torch's layout of
+        the optimizer as built (numbered parameters: loadable into the unwrapped optimizer), and
+        its `load_state_dict()` of that layout on every rank takes each rank's part
+        (`deploy.Holdings._state_dict_hooks`).
         """
         opt = self._need_optimizer()
         groups = self._held.groups(self.module, opt)

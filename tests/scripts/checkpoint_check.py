@@ -161,6 +161,34 @@ def check_gathered_optimizer_state(run: Run) -> None:
     assert osd["param_groups"][0]["lr"] == 1e-2
 
 
+def check_torch_optimizer_state(run: Run, want: dict[str, Any], out_dir: Path) -> Path:
+    """torch's own `optimizer.state_dict()`, called on every rank, is the unwrapped optimizer's
+    (`want`) on rank 0, by index, and rank 0 saves it; the other ranks' refuses saving and
+    loading. Returns the file (after a barrier)."""
+    osd = run.opt.state_dict()
+    path = out_dir / f"{run.name}-optimizer.pt"
+    if run.rank == 0:
+        assert list(osd["state"]) == list(want["state"]), (list(osd["state"]), list(want["state"]))
+        for i, st in want["state"].items():
+            for k, v in st.items():
+                torch.testing.assert_close(osd["state"][i][k], v, rtol=RTOL, atol=ATOL,
+                                           msg=lambda m, i=i, k=k: f"state {i}.{k}: {m}")
+        assert [g["params"] for g in osd["param_groups"]] == [g["params"] for g in want["param_groups"]]
+        assert osd["param_groups"][0]["lr"] == want["param_groups"][0]["lr"]
+        torch.save(osd, path)
+    else:
+        for refused in (lambda: torch.save(osd, out_dir / "never.pt"),
+                        lambda: run.opt.load_state_dict(osd)):
+            try:
+                refused()
+            except rannc.RaNNCError as e:
+                assert "optimizer.state_dict()" in str(e), e
+            else:
+                raise AssertionError(f"rank {run.rank}'s optimizer.state_dict() was used")
+    dist.barrier()
+    return path
+
+
 def phase_save(run: Run, out_dir: Path) -> None:
     init = make_case(run.name, batch=BATCH, seed=7).model.state_dict()
     run.model.load_state_dict(init)  # before the first call: into the module as usual
@@ -173,14 +201,21 @@ def phase_save(run: Run, out_dir: Path) -> None:
     osd2 = run.model.optimizer_state_dict(rank0_only=False)
     ref_sd2 = copy.deepcopy(run.ref.state_dict())
     ref_osd2 = copy.deepcopy(run.ref_opt.state_dict())
+    torch_layout = check_torch_optimizer_state(run, ref_osd2, out_dir)
     run.step()
-    run.opt.load_state_dict(run.opt.state_dict())  # the optimizer's own, per rank, still works
     res = run.model.load_state_dict(sd2)  # after deployment: each rank copies what it holds
     assert not res.missing_keys and not res.unexpected_keys, res
     run.model.load_optimizer_state_dict(osd2)
     run.ref.load_state_dict(ref_sd2)
-    run.ref_opt.load_state_dict(ref_osd2)
+    run.ref_opt.load_state_dict(copy.deepcopy(ref_osd2))
     run.step()  # step 3 again from the restored state: equals the reference
+    run.check_params()
+    # and again from torch's own layout, read from rank 0's file on every rank
+    run.model.load_state_dict(sd2)
+    run.opt.load_state_dict(torch.load(torch_layout, weights_only=True))
+    run.ref.load_state_dict(ref_sd2)
+    run.ref_opt.load_state_dict(copy.deepcopy(ref_osd2))
+    run.step()
     run.check_params()
     print(f"PASS state_dict {run.name} rank {run.rank}", flush=True)
     target = out_dir / run.name

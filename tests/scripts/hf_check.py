@@ -4,7 +4,8 @@
     torchrun --nproc-per-node 2 tests/scripts/hf_check.py --out DIR --plain    # plain Trainer save
 
 Default mode: (1) Accelerate `prepare(model, opt, loader)` returns the RaNNCModule itself (no
-DDP) and 4 SGD steps equal the unwrapped model's on the global batch; (2) rannc.hf.RaNNCTrainer
+DDP) and 4 SGD steps equal the unwrapped model's on the global batch, and Accelerate's
+save_state / load_state resume it exactly; (2) rannc.hf.RaNNCTrainer
 trains a tiny GPT-2 for 6 steps (2 stages, checkpoints at steps 3 and 6): the loss goes down, and a
 fresh model resumed from checkpoint-3 ends with the same parameters as the uninterrupted run;
 (3) RaNNCTrainer with unevenly masked labels (-100) equals the unwrapped model on the global batch;
@@ -41,32 +42,58 @@ def gpt2(seed: int = 0) -> torch.nn.Module:
     return make_case("gpt2", batch=2).model
 
 
-def check_accelerate(rank: int) -> None:
+def check_accelerate(rank: int, out: str) -> None:
+    """4 steps as above; then Accelerate's own checkpoint: `save_state` (every rank calls it,
+    rank 0 writes: the model's and the optimizer's state_dict() are gathered onto it) and
+    `load_state` into the deployed model (step 5 again) and into a fresh one (step 5): both
+    equal the reference's step 5. SGD with momentum: the optimizer has state to lose."""
     from accelerate import Accelerator
 
     torch.manual_seed(0)
     data = torch.randint(0, 97, (4, 10))
     model = gpt2()
     ref = copy.deepcopy(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     wrapped = rannc.RaNNCModule(model, opt, partition_num=2, timeout_s=60)
     loader = torch.utils.data.DataLoader(data, batch_size=2)  # accelerate shards it by rank
     acc = Accelerator(cpu=True)
     m, o, dl = acc.prepare(wrapped, opt, loader)
     assert m is wrapped, type(m)  # not wrapped in DistributedDataParallel
+
+    def train_step(m: Any, o: Any) -> torch.Tensor:
+        batch = data[2 * rank:2 * rank + 2]
+        loss = m(input_ids=batch, labels=batch).loss
+        acc.backward(loss)
+        o.step()
+        o.zero_grad()
+        return loss.detach()
+
     for _ in range(4):
         for batch in dl:
             assert batch.shape[0] == 2 and torch.equal(batch, data[2 * rank:2 * rank + 2])
-            loss = m(input_ids=batch, labels=batch).loss
-            acc.backward(loss)
-            o.step()
-            o.zero_grad()
+            loss = train_step(m, o)
             ref_loss = ref(input_ids=data, labels=data).loss
             ref_loss.backward()
             ref_opt.step()
             ref_opt.zero_grad()
             torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL)
+    acc.save_state(out + "-accelerate", safe_serialization=False)  # (see the README)
+    with torch.no_grad():
+        want = ref(input_ids=data, labels=data).loss  # step 5's
+    ref(input_ids=data, labels=data).loss.backward()
+    ref_opt.step()  # (the reference after step 5)
+    train_step(m, o)
+    acc.load_state(out + "-accelerate")  # into the deployed model: back to step 4
+    torch.testing.assert_close(train_step(m, o), want, rtol=RTOL, atol=ATOL)
+    assert_same_state(rank, wrapped.state_dict(), ref)
+    model2 = gpt2(seed=5)  # other weights: the checkpoint must bring them back
+    opt2 = torch.optim.SGD(model2.parameters(), lr=0.1, momentum=0.9)
+    acc2 = Accelerator(cpu=True)
+    m2, o2 = acc2.prepare(rannc.RaNNCModule(model2, opt2, partition_num=2, timeout_s=60), opt2)
+    acc2.load_state(out + "-accelerate")  # before the first call
+    torch.testing.assert_close(train_step(m2, o2), want, rtol=RTOL, atol=ATOL)
+    assert_same_state(rank, m2.state_dict(), ref)
     print(f"PASS accelerate rank {rank}", flush=True)
 
 
@@ -316,7 +343,7 @@ def main() -> None:
     if a.plain:
         check_plain_trainer_save(a.out)
         return
-    check_accelerate(rank)
+    check_accelerate(rank, a.out)
     check_trainer(rank, a.out)
     check_trainer(rank, a.out + "-optimizers", two_optimizers, "trainer-optimizers")
     check_trainer_masked_labels(rank, a.out + "-masked")
