@@ -458,15 +458,16 @@ def agree_on_graph(graph: TaskGraph, sizes: Sequence[int], device: torch.device)
 def describe_call_order(calls: Sequence[CallSignature | str]) -> str:
     """Which rank made which call, when they differ in kind (a forward or a named collective)."""
     names = [c if isinstance(c, str) else "forward (a call of the model)" for c in calls]
+    what = "optimizer" if "optimizer.state_dict()" in names else "model"
     return (f"ranks made different rannc calls at the same time ({_by_rank(names)}); each is a "
             "collective, so every rank must make the same calls in the same order. Fix: a rank "
             "that leaves the training loop early (a smaller last batch, a break on one rank) "
             "must not skip steps the others run: stop every rank at the same step, then call "
             "state_dict() / save_checkpoint() on every rank" + (
                 ". A save on rank 0 only, as DDP scripts write it (`if rank == 0: "
-                "torch.save(model.state_dict(), path)`), calls state_dict() on one rank: call "
-                "it on every rank (it gathers the model onto rank 0) and save on rank 0 only: "
-                "`sd = model.state_dict(); if rank == 0: torch.save(sd, path)`"
+                f"torch.save({what}.state_dict(), path)`), calls state_dict() on one rank: call "
+                f"it on every rank (it gathers the {what} onto rank 0) and save on rank 0 only: "
+                f"`sd = {what}.state_dict(); if rank == 0: torch.save(sd, path)`"
                 if any("state_dict" in n for n in names) else ""))
 
 

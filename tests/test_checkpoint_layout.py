@@ -311,3 +311,39 @@ def test_an_aside_copy_of_the_old_layout_is_found(tmp_path: Path) -> None:
     os.rename(Path(rannc.latest_checkpoint(tmp_path / "new") or ""), tmp_path / "ck.old-1234")
     assert rannc.latest_checkpoint(tmp_path / "ck") == str(tmp_path / "ck.old-1234")
     m.load_checkpoint(tmp_path / "ck")
+
+
+@pytest.mark.layer("pure")
+def test_torch_layout_of_an_optimizer_by_name_loads_into_the_unwrapped_optimizer() -> None:
+    """`to_torch_layout` numbers the parameters over the param groups as built, as the unwrapped
+    optimizer's own state_dict() does (so it loads there), and `from_torch_layout` names them
+    back; a parameter without state (not yet stepped) is numbered all the same."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    opt = torch.optim.AdamW([{"params": [net[0].weight, net[1].weight], "lr": 0.1},
+                             {"params": [net[0].bias, net[1].bias], "weight_decay": 0.0}])
+    net(torch.randn(5, 3)).sum().backward()
+    net[1].bias.grad = None  # (no state for it)
+    opt.step()
+    names = [["0.weight", "1.weight"], ["0.bias", "1.bias"]]
+    want = opt.state_dict()
+    by_name = ckpt.from_torch_layout(want, names)
+    assert set(by_name["state"]) == {"0.weight", "1.weight", "0.bias"}
+    assert [g["params"] for g in by_name["param_groups"]] == names
+    got = ckpt.to_torch_layout(by_name)
+    assert got["param_groups"] == want["param_groups"]
+    assert list(got["state"]) == [0, 1, 2] and torch.equal(got["state"][2]["exp_avg"],
+                                                            want["state"][2]["exp_avg"])
+    fresh = torch.optim.AdamW(opt.param_groups)
+    fresh.load_state_dict(got)
+    assert torch.equal(fresh.state[net[0].bias]["exp_avg_sq"], opt.state[net[0].bias]["exp_avg_sq"])
+
+
+@pytest.mark.layer("pure")
+def test_a_call_order_error_names_the_optimizer_save_it_caught() -> None:
+    from rannc.validate import describe_call_order
+
+    msg = describe_call_order(["optimizer.state_dict()", "forward (a call of the model)"])
+    assert "rank 0: optimizer.state_dict()" in msg
+    assert "`sd = optimizer.state_dict(); if rank == 0: torch.save(sd, path)`" in msg
+    assert "`sd = model.state_dict();" in describe_call_order(["state_dict()", "x"])
