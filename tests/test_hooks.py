@@ -202,3 +202,35 @@ def test_hugging_face_gradient_checkpointing_is_exact_without_a_hook_warning(
     grads = dict(ref.named_parameters())
     for n, p in wrapped.named_parameters():
         torch.testing.assert_close(p.grad, grads[n].grad, rtol=0, atol=0, msg=n)
+
+
+def test_hugging_face_output_capturing_hooks_are_exact_without_a_hook_warning() -> None:
+    """transformers installs its output-capturing forward hooks on a model's layers the first
+    time a call asks for hidden states (Segformer's segmentation head asks in every call); each
+    later capture warned of them, though what they collect is returned by forward, so it is in
+    the graph. Exact, hidden states too, with no hook warning."""
+    import warnings
+
+    from transformers import SegformerConfig, SegformerForSemanticSegmentation
+
+    torch.manual_seed(0)
+    cfg = SegformerConfig(num_channels=3, num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1],
+                          hidden_sizes=[16, 32], patch_sizes=[7, 3], strides=[4, 2],
+                          num_attention_heads=[1, 2], mlp_ratios=[2, 2], decoder_hidden_size=32,
+                          num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                          classifier_dropout_prob=0.0, drop_path_rate=0.0)
+    ref, wrapped = _pair(SegformerForSemanticSegmentation(cfg))
+    batch = {"pixel_values": torch.randn(2, 3, 32, 32), "labels": torch.randint(0, 3, (2, 32, 32)),
+             "output_hidden_states": True}
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        out = wrapped(**batch)
+        wrapped.eval()
+        with torch.no_grad():
+            wrapped(**batch)  # (a second capture)
+    assert not [w for w in got if "hooks or pre-hooks" in str(w.message)], [str(w.message) for w in got]
+    assert any(m._forward_hooks for m in wrapped.module.modules())  # (transformers' own, installed)
+    want = ref(**batch)
+    torch.testing.assert_close(out.loss, want.loss, rtol=0, atol=0)
+    for h, w in zip(out.hidden_states, want.hidden_states, strict=True):
+        torch.testing.assert_close(h, w, rtol=0, atol=0)

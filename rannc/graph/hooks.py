@@ -43,7 +43,7 @@ def _named(model: nn.Module, attrs: tuple[str, ...]) -> list[str]:
     every capture after deployment, an eval call's, warned of a hook on the model itself)."""
     return [name or "(the model itself)" for name, m in model.named_modules()
             if any(not getattr(h, RANNC_OWN_HOOK, False) and not _inputs_require_grads(h)
-                   for a in attrs for h in (getattr(m, a, None) or {}).values())]
+                   and not _output_recorder(h) for a in attrs for h in (getattr(m, a, None) or {}).values())]
 
 
 def _inputs_require_grads(hook: Any) -> bool:
@@ -54,6 +54,17 @@ def _inputs_require_grads(hook: Any) -> bool:
     nothing to warn about (every capture of a model with gradient checkpointing warned)."""
     return getattr(hook, "__name__", "") in ("make_inputs_require_grads", "make_inputs_require_grad") and \
         str(getattr(hook, "__module__", "")).startswith(("transformers.", "peft."))
+
+
+def _output_recorder(hook: Any) -> bool:
+    """Hugging Face's output-capturing hooks (`transformers.utils.output_capturing`), which it
+    installs on a model's layers the first time a call asks for hidden states or attentions
+    (Segformer's segmentation head asks in every call). Each appends its module's output to the
+    collector of the call in progress, and forward returns what was collected: in a capture,
+    the trace's values, so those outputs are the graph's and exact; outside such a call the
+    hook does nothing. Every capture after the first call warned of them."""
+    return getattr(hook, "__name__", "") == "output_capturing_hook" and \
+        str(getattr(hook, "__module__", "")).startswith("transformers.")
 
 
 def check_module_hooks(model: nn.Module) -> None:
