@@ -214,8 +214,6 @@ class Holdings:
             self.owners = parameter_owners(module, rt.plan, rt.rank)
             self.runtime = rt
             rt.owners = self.owners
-            if rt.plan.zero_stage and optimizer is not None:
-                self._zero_hooks(optimizer)
         held = {id(p) for r in runtimes for p in r.held.values()}
         params = dict(module.named_parameters(remove_duplicate=False))
         read = {id(params[n]) for r in runtimes for n in r.plan.holders()}
@@ -229,8 +227,12 @@ class Holdings:
                 ckpt.refuse_copies(n, p, rt.rank)
         if optimizer is not None:
             if self.opt_groups is None:  # the names before pruning, for optimizer_state_dict()
+                # (the first release with an optimizer: the planned deployment's, or a later one
+                # for an optimizer built after wrapping, `RaNNCModule._adopt`)
                 self.opt_groups = [ckpt.group_names(module, o) for o in optimizers.members(optimizer)]
                 self._state_dict_hooks(module, optimizer)
+                if self.runtime.plan.zero_stage:
+                    self._zero_hooks(optimizer)
             for p in released + (rt.not_stepped() if rt is self.runtime else []):
                 optimizer.state.pop(p, None)  # (ZeRO-1: state another holder keeps)
             for group in optimizer.param_groups:

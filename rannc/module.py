@@ -155,6 +155,7 @@ class RaNNCModule(nn.Module):
         # the gradient reduction and the optimizer hold from then on (`_check_kept`)
         self._deployed: dict[str, torch.Tensor] | None = None
         rclip.register(self)  # torch.nn.utils.clip_grad_norm_ recognises model.parameters()
+        _watch_late_optimizers(self)  # (an optimizer built after wrapping: `_adopt`)
         me = weakref.ref(self)
         # What this rank holds once deployed (released parameters, pruned optimizer groups,
         # ZeRO-1's step hooks) and the planned deployment's runtime (`rannc.deploy`).
@@ -684,6 +685,54 @@ class RaNNCModule(nn.Module):
             raise RaNNCError("no optimizer: pass it as RaNNCModule(model, optimizer)")
         return self.optimizer
 
+    def _called(self) -> bool:
+        """Whether the model was called (captured) since it was wrapped."""
+        return bool(self._calls or self._deployments)
+
+    def _adopt(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether `optimizer`, at one of its steps, steps parameters of this model (called at
+        least once); one built after wrapping and not passed to RaNNCModule (DDP's habit:
+        `model = RaNNCModule(model); opt = AdamW(model.parameters())`) becomes the model's
+        optimizer, pruned and checkpointed as if it had been passed (`_late_optimizer_step`).
+
+        Why: such an optimizer trained exactly (the parameters another rank holds have no
+        gradient here, and torch's optimizers skip them), but its `state_dict()` held this
+        rank's part of its state alone (rank 0 saving it lost the rest: on resume those
+        parameters' Adam moments started again from zero, silently), and `save_checkpoint`
+        saved no optimizer state (in one process too). Said once at INFO."""
+        if not self._called():
+            return False
+        if self.optimizer is not None and optimizer in members(self.optimizer):
+            return True
+        mine = {id(p) for p in self.module.parameters()}
+        if not any(id(p) in mine for g in optimizer.param_groups for p in g["params"]):
+            return False
+        name = type(optimizer).__name__
+        if self.optimizer is not None:  # (warned, not refused: it may wrap the one given)
+            warnings.warn(
+                f"rannc: an optimizer ({name}) that was not passed to RaNNCModule steps "
+                f"parameters of the wrapped model, beside the one that was "
+                f"({type(self.optimizer).__name__}): rannc prunes, checkpoints and shards the "
+                "optimizers it was given alone, so this one's state_dict() holds this rank's "
+                "part of its state only. Fix: pass every optimizer, as a list: "
+                "RaNNCModule(model, [opt1, opt2])", stacklevel=3)
+            return True
+        coupled = _coupling_optimizers(optimizer)
+        if coupled and self._last_rt is not None and self._last_rt.world_size > 1:
+            raise RaNNCError(
+                f"{coupled[0]} computes its step from all parameters together, and this rank "
+                "holds only some of them: it was built after wrapping, so the plan did not keep "
+                "every parameter on every rank. Fix: pass it to RaNNCModule(model, optimizer)")
+        self.optimizer = as_one(optimizer)
+        rt = self._last_rt
+        if rt is not None and rt.world_size > 1:
+            self._held.release(self.module, self.optimizer, self._runtimes.values(), rt)
+        log.info("rannc: the %s built after wrapping steps this model's parameters: it is pruned "
+                 "to the parameters each rank holds, and its state_dict() and the model's "
+                 "checkpoints hold its whole state, as if it had been passed to RaNNCModule "
+                 "(pass it there to have the plan count its state's memory)", name)
+        return True
+
     def save_checkpoint(self, path: str | os.PathLike[str], **stateful: Any) -> None:
         """Save a sharded checkpoint (torch.distributed.checkpoint) into directory `path`:
         every parameter, persistent buffer and optimizer state, keyed by original names, each
@@ -950,6 +999,33 @@ def _show_plan(plan: Plan) -> None:
 # torch's optimizers whose step couples every parameter: LBFGS's directions and line search are
 # dot products and norms over the concatenation of all its parameters' gradients.
 _COUPLING_OPTIMIZERS = (torch.optim.LBFGS,)
+
+
+# Every RaNNCModule, for `_late_optimizer_step`; the optimizers it has looked at, with the
+# number of called modules it looked at them against (a module called since: look again).
+_WRAPPERS: weakref.WeakSet[RaNNCModule] = weakref.WeakSet()
+_LOOKED_AT: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+_LATE_HOOK: list[Any] = []
+
+
+def _watch_late_optimizers(module: RaNNCModule) -> None:
+    """Look at every optimizer's steps (torch's global step pre-hook, registered once) for one
+    built over a called module's parameters after wrapping (`RaNNCModule._adopt`)."""
+    _WRAPPERS.add(module)
+    if not _LATE_HOOK:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        _LATE_HOOK.append(register_optimizer_step_pre_hook(_late_optimizer_step))
+
+
+def _late_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    called = [m for m in list(_WRAPPERS) if m._called()]
+    if _LOOKED_AT.get(optimizer) == len(called):  # (one lookup a step, once looked at)
+        return
+    for m in called:
+        if m._adopt(optimizer):
+            break
+    _LOOKED_AT[optimizer] = len(called)
 
 
 def _coupling_optimizers(optimizer: torch.optim.Optimizer | None) -> list[str]:

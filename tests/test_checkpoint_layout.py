@@ -347,3 +347,39 @@ def test_a_call_order_error_names_the_optimizer_save_it_caught() -> None:
     assert "rank 0: optimizer.state_dict()" in msg
     assert "`sd = optimizer.state_dict(); if rank == 0: torch.save(sd, path)`" in msg
     assert "`sd = model.state_dict();" in describe_call_order(["state_dict()", "x"])
+
+
+def test_loading_optimizer_state_into_a_model_without_an_optimizer_says_so(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """An optimizer built after wrapping is not the model's at load time (it becomes so at its
+    first step, on several ranks): its saved state would silently not be loaded."""
+    m, opt = _model()
+    _step(m, opt)
+    m.save_checkpoint(tmp_path / "ck")
+    torch.manual_seed(0)
+    late = rannc.RaNNCModule(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh()))
+    with caplog.at_level(logging.WARNING, "rannc"):
+        late.load_checkpoint(tmp_path / "ck")
+    assert "holds optimizer state, and this model was given no optimizer" in caplog.text, caplog.text
+    assert "RaNNCModule(model, optimizer)" in caplog.text
+
+
+def test_an_optimizer_built_after_wrapping_is_checkpointed(tmp_path: Path,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """DDP's habit, `m = RaNNCModule(model); opt = Adam(m.parameters())`: at its first step the
+    optimizer becomes the model's (said at INFO), so save_checkpoint holds its state (before:
+    none, without a word) and a model given its optimizer resumes it."""
+    torch.manual_seed(0)
+    m = rannc.RaNNCModule(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)))
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    with caplog.at_level(logging.INFO, "rannc"):
+        for _ in range(2):
+            _step(m, opt)
+    assert m.optimizer is opt and caplog.text.count("built after wrapping") == 1, caplog.text
+    m.save_checkpoint(tmp_path / "ck")
+    torch.manual_seed(3)
+    model2 = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    opt2 = torch.optim.Adam(model2.parameters(), lr=1e-2)
+    rannc.RaNNCModule(model2, opt2).load_checkpoint(tmp_path / "ck")
+    for p, q in zip(opt.param_groups[0]["params"], opt2.param_groups[0]["params"], strict=True):
+        assert torch.equal(opt.state[p]["exp_avg"], opt2.state[q]["exp_avg"])

@@ -271,6 +271,21 @@ def test_a_param_group_added_after_deployment(launches: CaseLaunches) -> None:
     _passed(res.stdout, "param_groups", 3)
 
 
+CASES["late_optimizer"] = Case(3, ["--case", "late_optimizer", "--replicas", "2,1", "--microbatches",
+                                   "2", "--batch", "7", "--schedule", "1f1b", "--zero-stage", "1"])
+
+
+@pytest.mark.cases("late_optimizer")
+def test_an_optimizer_built_after_wrapping(launches: CaseLaunches) -> None:
+    """transformers' BERT wrapped first, its AdamW built after on `model.parameters()` (DDP's
+    habit), on 3 ranks (2 stages x [2, 1], 1F1B, ZeRO-1): exact; `optimizer.state_dict()` on
+    rank 0 equals the unwrapped optimizer's (before: rank 0's own parameters' state alone), and
+    it and a checkpoint (before: no optimizer state) both resume exactly
+    (semantics_check.check_late_optimizer)."""
+    res = launches.result("late_optimizer")
+    _passed(res.stdout, "late_optimizer", 3)
+
+
 CASES["dtype_change"] = Case(3, ["--case", "dtype_change", "--replicas", "2,1", "--microbatches", "2",
                                  "--batch", "7"])
 

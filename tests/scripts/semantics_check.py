@@ -963,6 +963,62 @@ def check_param_groups(a: argparse.Namespace, rank: int, world: int) -> None:
     print(f"PASS param_groups rank {rank}", flush=True)
 
 
+def check_late_optimizer(a: argparse.Namespace, rank: int, world: int) -> None:
+    """An optimizer built after wrapping, as DDP scripts build it (`model = RaNNCModule(model);
+    opt = AdamW(model.parameters())`), not passed to RaNNCModule: training is exact, and at its
+    first step it becomes the model's optimizer (pruned to what each rank holds; ZeRO-1's step
+    hooks). Its `state_dict()`, called on every rank, is the unwrapped optimizer's on rank 0
+    (before: each rank's held its own parameters' state alone, so rank 0's save lost the rest
+    without a word); `optimizer_state_dict()` and `save_checkpoint` hold its state by name
+    (before: no optimizer, so a checkpoint saved none). Both resume exactly: torch's layout
+    loaded on every rank into a new model's late optimizer before its first call, and the
+    checkpoint into a model given its optimizer."""
+    torch.manual_seed(0)
+    model = tiny_bert_classifier()
+    ref = copy.deepcopy(model)
+    wrapped = rannc.RaNNCModule(model, **options(a))
+    opt_w = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    sizes = local_sizes(a.batch, world)
+    rows = (sum(sizes[:rank]), sum(sizes[:rank + 1]))
+    for i in range(3):
+        classifier_step(wrapped, ref, (opt_w, opt_r), a.batch, rows, f"rank {rank} step {i}")
+    assert world == 1 or wrapped.optimizer is opt_w, wrapped.optimizer
+    assert all(p.numel() for g in opt_w.param_groups for p in g["params"]), "a released parameter"
+    state_by_name_is(wrapped, ref, [opt_r], rank)
+    where = shared_dir(rank)
+    osd = opt_w.state_dict()
+    want = opt_r.state_dict()
+    if rank == 0:
+        assert list(osd["state"]) == list(want["state"]), (list(osd["state"]), list(want["state"]))
+        for i, st in want["state"].items():
+            for k, v in st.items():
+                close(osd["state"][i][k], v, f"optimizer.state_dict() state {i} {k}")
+        torch.save(osd, f"{where}/optimizer.pt")
+    model_sd = wrapped.state_dict(rank0_only=False)
+    wrapped.save_checkpoint(f"{where}/ckpt")  # (barrier: rank 0's file is written)
+    ref_sd, ref_osd = copy.deepcopy(ref.state_dict()), copy.deepcopy(opt_r.state_dict())
+    for resume in ("torch layout", "checkpoint"):
+        torch.manual_seed(5)
+        model2 = tiny_bert_classifier()  # (other weights: what is loaded must replace them)
+        if resume == "torch layout":
+            wrapped2 = rannc.RaNNCModule(model2, **options(a))
+            opt2 = torch.optim.AdamW(wrapped2.parameters(), lr=1e-2)
+            wrapped2.load_state_dict(model_sd)
+            opt2.load_state_dict(torch.load(f"{where}/optimizer.pt", weights_only=True))
+        else:
+            opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
+            wrapped2 = rannc.RaNNCModule(model2, opt2, **options(a))
+            wrapped2.load_checkpoint(f"{where}/ckpt")
+        ref.load_state_dict(ref_sd)
+        opt_r.load_state_dict(copy.deepcopy(ref_osd))
+        torch.manual_seed(7)
+        for i in range(2):
+            classifier_step(wrapped2, ref, (opt2, opt_r), a.batch, rows,
+                            f"rank {rank} resumed from the {resume}, step {i}")
+    print(f"PASS late_optimizer rank {rank}", flush=True)
+
+
 def check_dtype_change(a: argparse.Namespace, rank: int, world: int) -> None:
     """A Llama trained in float32, then converted with `model.to(torch.bfloat16)` after
     deployment (a backward in it, then evaluation in it), then back to float32 and trained on:
@@ -1406,7 +1462,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
                                                 "per_call_writes", "composed", "save_pretrained",
                                                 "sparse_grad", "stored", "param_groups",
                                                 "dtype_change", "optimizers", "param_hooks",
-                                                "gathered", "interleaved", "lbfgs"])
+                                                "gathered", "interleaved", "lbfgs",
+                                                "late_optimizer"])
     p.add_argument("--bn-mode", default="sync", help="batchnorm: local or sync")
     p.add_argument("--model", default="llama", help="masked_lm: llama or roberta")
     p.add_argument("--replicas", default="")
@@ -1436,7 +1493,7 @@ def run(a: argparse.Namespace, ctx: rdist.DistContext) -> None:
      "dtype_change": check_dtype_change,
      "optimizers": check_optimizers, "param_hooks": check_param_hooks,
      "gathered": check_gathered, "interleaved": check_interleaved,
-     "lbfgs": check_lbfgs}[a.case](a, ctx.rank, ctx.world_size)
+     "lbfgs": check_lbfgs, "late_optimizer": check_late_optimizer}[a.case](a, ctx.rank, ctx.world_size)
 
 
 def main() -> None:
