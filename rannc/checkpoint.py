@@ -1040,8 +1040,9 @@ def load_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer | None,
         # (an optimizer built after wrapping becomes the model's only at its first step,
         # RaNNCModule._adopt: too late for this load)
         log.warning("rannc: %s holds optimizer state, and this model was given no optimizer, so "
-                    "that state is not loaded. To resume it, build the optimizer first and pass "
-                    "it when wrapping: RaNNCModule(model, optimizer)", where)
+                    "that state is not loaded. To resume it, pass the optimizer when wrapping "
+                    "(RaNNCModule(model, optimizer)), or give it to the model before loading: "
+                    "model.take_optimizer(optimizer)", where)
     if optimizer is not None and load_opt and not strict:
         load_opt = _optimizer_covered(where, meta["optimizer"]["param_groups"],
                                       group_names(model, optimizer))

@@ -178,6 +178,15 @@ class RaNNCTrainer(Trainer):
             cols: Any = names + list({"label", "label_ids", *self.label_names})
             self._signature_columns = cols
 
+    def create_optimizer(self, model: Any = None) -> Any:
+        """Trainer's own optimizer, where the RaNNCModule was given none: it becomes the model's
+        at once (`RaNNCModule.take_optimizer`), so the plan counts its state and a resumed
+        checkpoint's optimizer state loads into it before the first step."""
+        opt = super().create_optimizer(model)
+        if self._wrapped.optimizer is None:
+            self._wrapped.take_optimizer(opt)
+        return opt
+
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         # Every rank gathers (collectives); Trainer then writes on rank 0.
         self._rannc_model = self._wrapped.state_dict()

@@ -682,8 +682,29 @@ class RaNNCModule(nn.Module):
 
     def _need_optimizer(self) -> torch.optim.Optimizer:
         if self.optimizer is None:
-            raise RaNNCError("no optimizer: pass it as RaNNCModule(model, optimizer)")
+            raise RaNNCError("no optimizer: pass it as RaNNCModule(model, optimizer), or give "
+                             "the model one built after wrapping: model.take_optimizer(optimizer)")
         return self.optimizer
+
+    def take_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make `optimizer`, built after wrapping, the model's, as if it had been passed to
+        `RaNNCModule(model, optimizer)`: before the first call the plan counts its state; after
+        it (on several ranks) it is pruned to the parameters each rank holds. An optimizer
+        built on the model's parameters after wrapping becomes the model's at its first step
+        without this call; call it to load its state (`load_checkpoint`,
+        `load_optimizer_state_dict`) before that step."""
+        if self.optimizer is not None and optimizer in members(self.optimizer):
+            return
+        if self.optimizer is not None:
+            raise RaNNCError(f"take_optimizer: the model has an optimizer already "
+                             f"({type(self.optimizer).__name__}); pass every optimizer as a list "
+                             "when wrapping: RaNNCModule(model, [opt1, opt2])")
+        if not self._called():
+            self.optimizer = as_one(optimizer)
+            return
+        if not self._adopt(optimizer):
+            raise RaNNCError(f"take_optimizer: the {type(optimizer).__name__} steps none of the "
+                             "model's parameters")
 
     def _called(self) -> bool:
         """Whether the model was called (captured) since it was wrapped."""

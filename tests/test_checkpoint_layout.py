@@ -361,7 +361,11 @@ def test_loading_optimizer_state_into_a_model_without_an_optimizer_says_so(
     with caplog.at_level(logging.WARNING, "rannc"):
         late.load_checkpoint(tmp_path / "ck")
     assert "holds optimizer state, and this model was given no optimizer" in caplog.text, caplog.text
-    assert "RaNNCModule(model, optimizer)" in caplog.text
+    assert "RaNNCModule(model, optimizer)" in caplog.text and "take_optimizer" in caplog.text
+    opt = torch.optim.Adam(late.parameters(), lr=1e-2)
+    late.take_optimizer(opt)
+    late.load_checkpoint(tmp_path / "ck")
+    assert all(opt.state[p]["step"] == 1 for p in late.parameters())
 
 
 def test_an_optimizer_built_after_wrapping_is_checkpointed(tmp_path: Path,

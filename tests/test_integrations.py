@@ -24,7 +24,8 @@ SCRIPT = Path(__file__).resolve().parent / "scripts" / "hf_check.py"
 def test_accelerate_prepare_and_trainer_checkpoint_resume(tmp_path: Path) -> None:
     pytest.importorskip("accelerate")
     res = run_torchrun(SCRIPT, 2, ["--out", str(tmp_path / "run")], timeout=360)
-    for what in ("accelerate", "trainer", "trainer-optimizers", "trainer-masked", "trainer-ragged",
+    for what in ("accelerate", "trainer", "trainer-optimizers", "trainer-own-optimizer",
+                 "trainer-masked", "trainer-ragged",
                  "trainer-ragged8", "trainer-bf16"):
         assert res.stdout.count(f"PASS {what} rank") == 2, res.stdout + res.stderr
     assert (tmp_path / "run" / "checkpoint-6" / "model.safetensors").is_file()

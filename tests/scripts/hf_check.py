@@ -128,7 +128,8 @@ def two_optimizers(model: torch.nn.Module) -> list[Any]:
 def check_trainer(rank: int, out: str, optimizers: Any = adamw, name: str = "trainer") -> None:
     """RaNNCTrainer on 2 stages: 6 steps, a checkpoint at step 3, and a run resumed from it
     ends with the same model. `optimizers`: the model's optimizer (or a list of them: an
-    OptimizerSet that Trainer steps and checkpoints as one)."""
+    OptimizerSet that Trainer steps and checkpoints as one; None: Trainer builds its own, which
+    RaNNCTrainer gives the model, so the resumed run loads its state)."""
     from rannc.hf import RaNNCTrainer
 
     model = gpt2()
@@ -347,6 +348,7 @@ def main() -> None:
     check_accelerate(rank, a.out)
     check_trainer(rank, a.out)
     check_trainer(rank, a.out + "-optimizers", two_optimizers, "trainer-optimizers")
+    check_trainer(rank, a.out + "-own", lambda m: None, "trainer-own-optimizer")
     check_trainer_masked_labels(rank, a.out + "-masked")
     check_trainer_ragged(rank, a.out + "-ragged")
     check_trainer_ragged(rank, a.out + "-ragged8", multiple=8)
