@@ -738,6 +738,19 @@ class RaNNCModule(nn.Module):
                 "part of its state only. Fix: pass every optimizer, as a list: "
                 "RaNNCModule(model, [opt1, opt2])", stacklevel=3)
             return True
+        names = {id(p): n for n, p in self.module.named_parameters(remove_duplicate=False)}
+        if self._held.released and not any(names.get(id(p)) in self._held.released
+                                           for g in optimizer.param_groups for p in g["params"]):
+            # Built after the first call, on the parameters this rank holds (what
+            # model.parameters() yields once deployed): each rank's covers other parameters, so
+            # there is no whole optimizer to gather. (The same on every rank that released any.)
+            warnings.warn(
+                f"rannc: the {name} was built on the parameters this rank holds, after the "
+                "model's first call: each rank's covers other parameters, so its state_dict() "
+                "holds this rank's part of its state only, and the model's checkpoints hold "
+                "none of it. Fix: build it before the first call (on model.parameters(): every "
+                "parameter) and pass it: RaNNCModule(model, optimizer)", stacklevel=3)
+            return True
         coupled = _coupling_optimizers(optimizer)
         if coupled and self._last_rt is not None and self._last_rt.world_size > 1:
             raise RaNNCError(

@@ -1016,6 +1016,17 @@ def check_late_optimizer(a: argparse.Namespace, rank: int, world: int) -> None:
         for i in range(2):
             classifier_step(wrapped2, ref, (opt2, opt_r), a.batch, rows,
                             f"rank {rank} resumed from the {resume}, step {i}")
+    # built after the first call, on what model.parameters() yields then (this rank's): warned
+    wrapped3 = rannc.RaNNCModule(tiny_bert_classifier(), **options(a))
+    ids, y = torch.randint(0, 64, (a.batch, 8)), torch.randint(0, 3, (a.batch,))
+    wrapped3(input_ids=ids[rows[0]:rows[1]], labels=y[rows[0]:rows[1]]).loss.backward()
+    late = torch.optim.AdamW(wrapped3.parameters(), lr=1e-2)
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        late.step()
+    said = [w for w in got if "built on the parameters this rank holds" in str(w.message)]
+    assert len(said) == (world > 1) and wrapped3.optimizer is (None if world > 1 else late), \
+        [str(w.message) for w in got]
     print(f"PASS late_optimizer rank {rank}", flush=True)
 
 
