@@ -5,6 +5,8 @@ forward hook's side effects ran once, on a fake tensor."""
 from __future__ import annotations
 
 import copy
+import logging
+import warnings
 from typing import Any
 
 import pytest
@@ -172,27 +174,32 @@ def test_a_reentrant_checkpoint_in_forward_is_refused_with_the_fix() -> None:
     torch.testing.assert_close(model.a.weight.grad, ref.a.weight.grad, rtol=0, atol=0)
 
 
+def _train_then_eval(wrapped: nn.Module, batch: dict[str, Any]) -> tuple[Any, list[str]]:
+    """A training call, then an evaluation call under no_grad (a second capture): the first
+    call's outputs, and the warnings both gave."""
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        out = wrapped(**batch)
+        wrapped.eval()
+        with torch.no_grad():
+            wrapped(**batch)
+    return out, [str(w.message) for w in got]
+
+
 def test_hugging_face_gradient_checkpointing_is_exact_without_a_hook_warning(
         caplog: pytest.LogCaptureFixture) -> None:
     """`gradient_checkpointing_enable()` registers transformers' make_inputs_require_grads
     forward hook on the embeddings (it computes nothing): every capture warned of it before.
     The checkpointing itself is rannc's (said once at INFO); the model stays exact."""
-    import logging
-    import warnings
-
     from conformance import zoo
 
     case = zoo.llama()
     case.model.gradient_checkpointing_enable()
     ref, wrapped = _pair(case.model)
     batch = case.batch(4)
-    with warnings.catch_warnings(record=True) as got, caplog.at_level(logging.INFO, "rannc"):
-        warnings.simplefilter("always")
-        out = wrapped(**batch)
-        wrapped.eval()
-        with torch.no_grad():
-            wrapped(**batch)  # (a second capture)
-    assert not [w for w in got if "hooks or pre-hooks" in str(w.message)], [str(w.message) for w in got]
+    with caplog.at_level(logging.INFO, "rannc"):
+        out, said = _train_then_eval(wrapped, batch)
+    assert not [m for m in said if "hooks or pre-hooks" in m], said
     assert caplog.text.count("gradient checkpointing (gradient_checkpointing_enable) is replaced "
                              "by rannc's recomputation") == 1, caplog.text
     want = ref(**batch)
@@ -209,8 +216,6 @@ def test_hugging_face_output_capturing_hooks_are_exact_without_a_hook_warning() 
     time a call asks for hidden states (Segformer's segmentation head asks in every call); each
     later capture warned of them, though what they collect is returned by forward, so it is in
     the graph. Exact, hidden states too, with no hook warning."""
-    import warnings
-
     from transformers import SegformerConfig, SegformerForSemanticSegmentation
 
     torch.manual_seed(0)
@@ -222,13 +227,8 @@ def test_hugging_face_output_capturing_hooks_are_exact_without_a_hook_warning() 
     ref, wrapped = _pair(SegformerForSemanticSegmentation(cfg))
     batch = {"pixel_values": torch.randn(2, 3, 32, 32), "labels": torch.randint(0, 3, (2, 32, 32)),
              "output_hidden_states": True}
-    with warnings.catch_warnings(record=True) as got:
-        warnings.simplefilter("always")
-        out = wrapped(**batch)
-        wrapped.eval()
-        with torch.no_grad():
-            wrapped(**batch)  # (a second capture)
-    assert not [w for w in got if "hooks or pre-hooks" in str(w.message)], [str(w.message) for w in got]
+    out, said = _train_then_eval(wrapped, batch)
+    assert not [m for m in said if "hooks or pre-hooks" in m], said
     assert any(m._forward_hooks for m in wrapped.module.modules())  # (transformers' own, installed)
     want = ref(**batch)
     torch.testing.assert_close(out.loss, want.loss, rtol=0, atol=0)
