@@ -725,8 +725,8 @@ class RaNNCModule(nn.Module):
             return False
         if self.optimizer is not None and optimizer in members(self.optimizer):
             return True
-        mine = {id(p) for p in self.module.parameters()}
-        if not any(id(p) in mine for g in optimizer.param_groups for p in g["params"]):
+        names = {id(p): n for n, p in self.module.named_parameters(remove_duplicate=False)}
+        if not any(id(p) in names for g in optimizer.param_groups for p in g["params"]):
             return False
         name = type(optimizer).__name__
         if self.optimizer is not None:  # (warned, not refused: it may wrap the one given)
@@ -738,7 +738,6 @@ class RaNNCModule(nn.Module):
                 "part of its state only. Fix: pass every optimizer, as a list: "
                 "RaNNCModule(model, [opt1, opt2])", stacklevel=3)
             return True
-        names = {id(p): n for n, p in self.module.named_parameters(remove_duplicate=False)}
         if self._held.released and not any(names.get(id(p)) in self._held.released
                                            for g in optimizer.param_groups for p in g["params"]):
             # Built after the first call, on the parameters this rank holds (what
@@ -751,15 +750,16 @@ class RaNNCModule(nn.Module):
                 "none of it. Fix: build it before the first call (on model.parameters(): every "
                 "parameter) and pass it: RaNNCModule(model, optimizer)", stacklevel=3)
             return True
+        rt = self._last_rt
+        split = rt is not None and rt.world_size > 1
         coupled = _coupling_optimizers(optimizer)
-        if coupled and self._last_rt is not None and self._last_rt.world_size > 1:
+        if coupled and split:
             raise RaNNCError(
                 f"{coupled[0]} computes its step from all parameters together, and this rank "
                 "holds only some of them: it was built after wrapping, so the plan did not keep "
                 "every parameter on every rank. Fix: pass it to RaNNCModule(model, optimizer)")
         self.optimizer = as_one(optimizer)
-        rt = self._last_rt
-        if rt is not None and rt.world_size > 1:
+        if split:
             self._held.release(self.module, self.optimizer, self._runtimes.values(), rt)
         log.info("rannc: the %s built after wrapping steps this model's parameters: it is pruned "
                  "to the parameters each rank holds, and its state_dict() and the model's "
