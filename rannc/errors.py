@@ -86,10 +86,10 @@ def output_type_error(model_name: str, error: BaseException) -> OutputTypeError 
             f"{model_name}.forward returns (in its output) a {kind}, a key/value cache for "
             "generation, which is not a tensor, a number or a pytree of them. Fix: call it "
             "with use_cache=False, or without use_cache (rannc then passes use_cache=False "
-            "where model.config.use_cache asks for a cache). A cache the model was given "
-            "(past_key_values: PEFT's prefix tuning passes its prefix as one) comes back "
-            "whatever use_cache says: such a model is not supported (for PEFT, prompt tuning "
-            "or LoRA train under rannc).")
+            "where model.config.use_cache, or its language model's, asks for a cache). A "
+            "cache the model was given (past_key_values: PEFT's prefix tuning passes its "
+            "prefix as one) comes back whatever use_cache says: such a model is not supported "
+            "(for PEFT, prompt tuning or LoRA train under rannc).")
     return OutputTypeError(
         f"{model_name}.forward returns (in its output) a {kind}, which is not a tensor, a number or a pytree "
         "(tuple, list, dict, dataclass registered with torch.utils._pytree, Hugging Face "

@@ -203,6 +203,42 @@ def test_configs_asking_for_a_cache_train_as_they_come(peft_lora: bool,
 
 
 @pytest.mark.layer("single_process")
+def test_a_vision_language_model_asking_for_a_cache_trains_as_it_comes(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A vision-language model's config (PaliGemma's, Llava's, Gemma 3's: a config of configs)
+    has no use_cache of its own; its language model's asks for a cache, which forward returned,
+    so it failed to capture (OutputTypeError) until its user passed use_cache=False. rannc now
+    passes it, said once naming that config; CLIP, whose text model keeps no cache, is called
+    as it is."""
+    from conformance.zoo import paligemma
+    from transformers import CLIPConfig, CLIPModel
+
+    from rannc.calls import without_cache
+
+    torch.manual_seed(0)
+    case = paligemma()
+    model = case.model
+    assert getattr(model.config, "use_cache", None) is None and model.config.text_config.use_cache
+    ref = copy.deepcopy(model)
+    batch = case.batch(3)
+    with caplog.at_level("INFO", logger="rannc"):
+        out = rannc.RaNNCModule(model)(**batch)
+    want = ref(**batch, use_cache=False)
+    assert ref(**batch).past_key_values is not None and out.get("past_key_values") is None
+    torch.testing.assert_close(out.logits, want.logits, rtol=0, atol=0)
+    torch.testing.assert_close(out.loss, want.loss, rtol=0, atol=0)
+    said = [r.getMessage() for r in caplog.records if "use_cache=False" in r.getMessage()]
+    assert len(said) == 1 and "config.text_config.use_cache is True" in said[0], said
+    clip = CLIPModel(CLIPConfig(text_config=dict(vocab_size=64, hidden_size=32, num_hidden_layers=1,
+                                                 num_attention_heads=4, intermediate_size=64),
+                                vision_config=dict(image_size=32, patch_size=8, hidden_size=32,
+                                                   num_hidden_layers=1, num_attention_heads=4,
+                                                   intermediate_size=64)))
+    ids = {"input_ids": torch.randint(0, 64, (2, 8))}
+    assert without_cache(clip, ids) == ids
+
+
+@pytest.mark.layer("single_process")
 def test_outer_torch_compile_says_to_use_compile_option() -> None:
     model = rannc.RaNNCModule(nn.Linear(4, 2))
     x = torch.randn(3, 4)

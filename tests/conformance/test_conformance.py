@@ -104,7 +104,7 @@ CI_MODELS: dict[str, tuple[str, ...]] = {
     "3r-rep21-m2-gpipe": ("mistral", "qwen2", "gpt2", "roberta", "whisper", "convnext", "resnet",
                           "gemma3", "olmo2", "funnel", "deit", "m2m100", "squeezebert",
                           "mobilebert", "mbart", "yoso", "mamba2", "gpt_oss", "jetmoe",
-                          "torch_transformer", "torch_attention"),
+                          "torch_transformer", "torch_attention", "llama_masked", "paligemma"),
     "3r-rep12-m3-scp": ("phi", "gpt_neox", "albert", "swin", "bloom", "deberta_v2", "starcoder2",
                         "stablelm", "wav2vec2", "dinov2", "switch", "speech_to_text", "beit"),
     "2r-auto": ("mixtral", "opt", "qwen3", "electra", "gptj", "timm_vit", "qwen2_moe",

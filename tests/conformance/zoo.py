@@ -4,9 +4,8 @@ for `rannc.check` (`python -m rannc.check conformance.zoo:llama --ranks 2 ...`).
 Every config: hidden 32-64, 2 layers, vocabulary 64, sequences of 12, images 32x32, dropout 0
 (so the reference and the wrapped run need no common RNG), no KV cache. Batches carry the
 model's natural full labels (no -100), so the row-weighted mean rannc gives scalar outputs
-equals the global mean.
-TODO(num_items_in_batch): add masked-label (-100) cases once rannc honours Hugging Face's
-`num_items_in_batch`; they are exact only through that path.
+equals the global mean; `llama_masked` masks a different number of labels in each row (-100)
+and passes Hugging Face's `num_items_in_batch`, the path that is exact for such labels.
 
 A factory whose library is missing (torchvision, timm) raises `Unavailable`; the suite skips it.
 """
@@ -108,6 +107,24 @@ def llama() -> Case:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     return Case(LlamaForCausalLM(_cfg(LlamaConfig, **_DEC, num_key_value_heads=2)), _lm_batch())
+
+
+def llama_masked() -> Case:
+    """Llama with labels masked (-100) at random, a different count in each row, as a padding
+    collator or a prompt mask gives, and `num_items_in_batch` (the global batch's count of
+    labelled tokens after the shift, as Trainer passes it): the loss is the global token mean
+    only so (each piece's own mean weighted by rows is not)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokens = _lm_batch()
+
+    def batch(n: int) -> dict[str, torch.Tensor]:
+        out = tokens(n)
+        labels = out["labels"]
+        labels[torch.rand(labels.shape) < 0.4] = -100
+        out["num_items_in_batch"] = (labels[:, 1:] != -100).sum()
+        return out
+    return Case(LlamaForCausalLM(_cfg(LlamaConfig, **_DEC, num_key_value_heads=2)), batch)
 
 
 @_sequences
@@ -727,6 +744,40 @@ def clip_vision() -> Case:
     return Case(CLIPForImageClassification(cfg), _image_batch())
 
 
+def paligemma() -> Case:
+    """A vision-language model: SigLIP's image tokens projected into Gemma's input embeddings
+    (masked_scatter at the image token's places), a prefix-LM mask (token_type_ids), the
+    image and prompt unlabelled (-100, the same count in every row). Its config keeps
+    transformers' defaults, so its language model's config asks for a key/value cache (the
+    top config has no use_cache of its own): rannc calls it without one."""
+    from transformers import (
+        GemmaConfig,
+        PaliGemmaConfig,
+        PaliGemmaForConditionalGeneration,
+        SiglipVisionConfig,
+    )
+
+    image_token, image_tokens, seq = VOCAB - 1, 16, SEQ + 16
+    vision = SiglipVisionConfig(image_size=IMAGE, patch_size=8, hidden_size=32, num_hidden_layers=2,
+                                num_attention_heads=4, intermediate_size=64)
+    text = GemmaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                       max_position_embeddings=64)
+    cfg = _cfg(PaliGemmaConfig, vision_config=vision, text_config=text,
+               image_token_index=image_token, projection_dim=32)
+
+    def batch(n: int) -> dict[str, torch.Tensor]:
+        ids = torch.randint(2, image_token, (n, seq))
+        ids[:, :image_tokens] = image_token
+        prefix = image_tokens + 4  # the image and a prompt of 4 tokens, attended both ways
+        labels = ids.clone()
+        labels[:, :prefix] = -100
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                "token_type_ids": (torch.arange(seq) >= prefix).long().expand(n, seq).clone(),
+                "pixel_values": torch.randn(n, 3, IMAGE, IMAGE), "labels": labels}
+    return Case(PaliGemmaForConditionalGeneration(cfg), batch)
+
+
 @_sequences
 def recurrent_gemma() -> Case:
     """Griffin: RG-LRU recurrent blocks and local attention."""
@@ -989,6 +1040,7 @@ def torch_transformer() -> Case:
 # name -> (factory, source library, uses BatchNorm)
 MODELS: dict[str, tuple[Callable[[], Case], str, bool]] = {
     "llama": (llama, "transformers", False),
+    "llama_masked": (llama_masked, "transformers", False),
     "mistral": (mistral, "transformers", False),
     "qwen2": (qwen2, "transformers", False),
     "qwen3": (qwen3, "transformers", False),
@@ -1047,6 +1099,7 @@ MODELS: dict[str, tuple[Callable[[], Case], str, bool]] = {
     "deit": (deit, "transformers", False),
     "segformer": (segformer, "transformers", False),
     "clip_vision": (clip_vision, "transformers", False),
+    "paligemma": (paligemma, "transformers", False),
     "recurrent_gemma": (recurrent_gemma, "transformers", False),
     "jamba": (jamba, "transformers", False),
     "esm": (esm, "transformers", False),
