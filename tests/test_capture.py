@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib
 import logging
 import warnings
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -512,9 +514,66 @@ def test_fixed_batch_size_error_names_the_module() -> None:
         capture(_Outer(), (torch.randn(4, 4),))
     assert info.value.module_path == "body.1"
     assert "'body.1'" in str(info.value) and "_FixesBatch.forward" in str(info.value)
+    assert "`return self.linear(x).view(4, -1)  # the batch size is hard-coded`" in str(info.value)
     # the shape environment's logger is as it was (nothing printed, nothing left attached)
     log = logging.getLogger("torch.fx.experimental.symbolic_shapes")
     assert not any(type(h).__name__ == "Watch" for h in log.handlers)
+
+
+def _pairs_loss(logits: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits, torch.arange(len(logits)))  # CLIP's contrastive loss
+
+
+@pytest.mark.layer("single_process")
+def test_fixed_batch_size_in_a_function_the_model_calls_quotes_its_line() -> None:
+    """The line that pins the batch may be in a function forward calls (transformers' CLIP
+    computes its loss so): the error quotes that line, not only the module's call of it."""
+
+    class Pairs(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.lin(x)
+            return _pairs_loss(y @ y.t())
+
+    with pytest.raises(CaptureError) as info:
+        capture(Pairs(), (torch.randn(4, 4),))
+    line = _pairs_loss.__code__.co_firstlineno + 1
+    assert "Pairs.forward (" in str(info.value)
+    assert (f"the line {__file__}:{line}: `return F.cross_entropy(logits, "
+            "torch.arange(len(logits)))  # CLIP's contrastive loss`") in str(info.value)
+    assert "installed package" not in str(info.value)
+
+
+@pytest.mark.layer("single_process")
+def test_fixed_batch_size_in_an_installed_package_says_it_is_not_the_users_code(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the pinning line is a library's (transformers' CLIP loss, Llava's `list(features)`),
+    "derive it from the input" is no fix the user can make: the error says whose code it is."""
+    package = tmp_path / "site-packages" / "somelib"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(
+        "import torch\n\n"
+        "def pairs_loss(logits):\n"
+        "    return torch.nn.functional.cross_entropy(logits, torch.arange(len(logits)))\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site-packages"))
+    somelib = importlib.import_module("somelib")
+
+    class Pairs(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.lin(x)
+            return somelib.pairs_loss(y @ y.t())
+
+    with pytest.raises(CaptureError, match=r"somelib/__init__.py:4: `return torch.nn.functional"
+                                           r".*That code is in an installed package \(somelib\), "
+                                           r"not in yours"):
+        capture(Pairs(), (torch.randn(4, 4),))
 
 
 def test_fixed_batch_size_in_a_hugging_face_style_buffer_names_the_module() -> None:

@@ -19,9 +19,11 @@ import dataclasses
 import functools
 import inspect
 import itertools
+import linecache
 import logging
 import math
 import operator
+import os
 import re
 import sys
 import time
@@ -824,6 +826,11 @@ def _specialising_site(model: nn.Module, e: BaseException,
             stack = [frame for frame, _ in traceback.walk_stack(None)]  # innermost first
             site = _innermost_module(reversed(stack), names)
             if site is not None:
+                line = _model_code_line(stack)
+                if line and line[0] not in site[1]:  # a function it calls (CLIP's loss)
+                    site = (site[0], f"{site[1]}, the line {line[0]}: `{line[1]}`")
+                elif line:
+                    site = (site[0], f"{site[1]}: `{line[1]}`")
                 sites.append(site)
 
     log = logging.getLogger(_SHAPES_LOG)
@@ -840,6 +847,23 @@ def _specialising_site(model: nn.Module, e: BaseException,
         log.propagate = saved[1]
         log.handlers = saved[2]
     return sites[0] if sites else None
+
+
+_NOT_MODEL_CODE = tuple(os.path.dirname(m.__file__ or "") + os.sep for m in (torch, logging))
+_RANNC_CODE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def _model_code_line(stack: Sequence[Any]) -> tuple[str, str] | None:
+    """("file:line", its source) of the innermost of `stack` (innermost first) in the model's
+    own code: not torch's, rannc's or the logging module's (whose frames lie between the
+    model's line and the logged guard)."""
+    for frame in stack:
+        name = frame.f_code.co_filename
+        if name.startswith((*_NOT_MODEL_CODE, _RANNC_CODE)) or name.startswith("<"):
+            continue
+        source = linecache.getline(name, frame.f_lineno).strip()
+        return f"{name}:{frame.f_lineno}", source
+    return None
 
 
 def _sequence_first(model: nn.Module, path: str | None) -> str:
@@ -889,6 +913,12 @@ def _capture_error(model: nn.Module, e: BaseException,
                    "float(x.size(0)), int(...), range(...): torch.export fixes such a number to "
                    "this call's value); derive it from the input with x.size(0) or -1, and keep "
                    "it a size in arithmetic (`loss.sum() / x.size(0)`, not `/ len(x)`).")
+        package = re.search(r"[/\\](?:site|dist)-packages[/\\]([^/\\]+)", where)
+        if package:
+            reason += (f" That code is in an installed package ({package.group(1)}), not in yours: "
+                       "rannc cannot capture the model while that line runs in forward (where "
+                       "it computes a loss, call the model without asking for it and compute "
+                       "the loss from the outputs).")
         first = _sequence_first(model, path)
         if first:
             reason = (f"{first} is sequence-first (batch_first=False): rannc takes dim 0 of every "
