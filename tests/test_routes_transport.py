@@ -109,6 +109,42 @@ def test_outputs_and_gradient_edges() -> None:
         assert r.sends_grad_back(v, t, frozenset({v}))
 
 
+class SideTower(nn.Module):
+    """A batch output, and an auxiliary loss from a tower of its own computed first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.side1, self.side2 = nn.Linear(4, 4), nn.Linear(4, 1)
+        self.l1, self.l2, self.l3 = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s = torch.tanh(self.side1(x))
+        h = self.l3(torch.relu(self.l2(torch.relu(self.l1(x)))))
+        return h, self.side2(s).pow(2).mean()
+
+
+def test_gradient_edges_follow_the_outputs_a_backward_is_seeded_from() -> None:
+    """A backward seeded from some outputs sends gradients only along the edges they depend
+    on: a tower feeding only the auxiliary loss gets none back when the step leaves that loss
+    out (its parameters keep .grad None; zeros would let weight decay and momentum move them),
+    and all of them when both outputs are back-propagated."""
+    model = SideTower()
+    cap = capture(copy.deepcopy(model), (torch.randn(6, 4),), {})
+    atomic = atomic_components(cap.graph)
+    n = len(atomic.components)
+    r = Routes(cap.graph, split_graph(cap.graph, atomic, [list(range(n // 2)),
+                                                          list(range(n // 2, n))]))
+    out, aux = (v for v in cap.graph.outputs if v is not None)
+    assert r.out_stage[aux] == 1  # (the tower's head on the second stage, the tower on the first)
+    both = r.grad_edges_from(frozenset({out, aux}))
+    assert both == r.grad_edges and len(both) >= 2
+    only_out = r.grad_edges_from(frozenset({out}))
+    only_aux = r.grad_edges_from(frozenset({aux}))
+    assert only_out and only_aux and only_out | only_aux == both
+    assert not only_out & only_aux  # the tower's output travels for the auxiliary loss alone
+    assert r.grad_edges_from(frozenset()) == frozenset()
+
+
 def test_channels_cover_every_route_once() -> None:
     r = routes()
     ch = r.channels()

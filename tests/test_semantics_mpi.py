@@ -466,3 +466,23 @@ def test_a_value_interleaving_samples_is_not_cut(launches: CaseLaunches) -> None
     (before: the plan cut at the attention's (seq * batch, embed) value, loss off by 2.4e-3)."""
     res = launches.result("interleaved")
     _passed(res.stdout, "interleaved", 3)
+
+
+CASES["unused_loss"] = Case(3, ["--case", "unused_loss", "--replicas", "2,1", "--microbatches", "2",
+                                "--batch", "7", "--schedule", "gpipe"])
+CASES["unused_loss_eager"] = Case(3, ["--case", "unused_loss", "--replicas", "2,1",
+                                      "--microbatches", "2", "--batch", "7", "--schedule", "1f1b"])
+
+
+@pytest.mark.cases("unused_loss", "unused_loss_eager")
+def test_a_loss_left_out_leaves_its_parameters_without_a_gradient(launches: CaseLaunches) -> None:
+    """transformers' GPT2DoubleHeadsModel (its LM loss and its multiple-choice loss apart,
+    steps back-propagating one, the other, both) and a model with an auxiliary scalar beside
+    its batch output, trained on the batch output: a parameter only the left-out loss reaches
+    keeps .grad None, as in PyTorch, and SGD with momentum and weight decay leaves it as the
+    unwrapped model's does; before, it got zeros (seeded with the scalar's zero gradient),
+    which the optimizer decayed and moved. Fill-drain and 1F1B (the eager line, its late pass,
+    its buckets summed in forward where replicas share a stage), replicas [2, 1] on 3 ranks
+    (semantics_check.check_unused_loss)."""
+    _passed(launches.result("unused_loss").stdout, "unused_loss", 3)
+    _passed(launches.result("unused_loss_eager").stdout, "unused_loss", 3)

@@ -49,6 +49,9 @@ class Call:
     micro: dict[tuple[int, int], Micro]  # (stage, microbatch) -> its state
     grad_inputs: frozenset[str] = frozenset()  # model inputs whose rows get gradients back
     used: set[str] = field(default_factory=set)  # batch outputs some rank back-propagates from
+    # the model outputs seeding the backward pass running (None: every float one): gradients
+    # travel only along what they depend on (`Routes.grad_edges_from`)
+    grad_from: frozenset[str] | None = None
     stash: dict[str, torch.Tensor] | None = None  # eager: gradients for a unit loss gradient
     input_stash: dict[str, torch.Tensor] = field(default_factory=dict)  # eager: likewise
     reducing: bool = False  # eager: the gradient reducer's buckets started in forward()
@@ -340,7 +343,9 @@ class Executor:
             total = g if total is None else total + g
         if self.routes.out_stage.get(v) == s:
             if val.batch_dim is None:
-                seed = torch.ones((), dtype=torch.float64) if scalar_g is None else scalar_g[v]
+                seed = torch.ones((), dtype=torch.float64) if scalar_g is None else scalar_g.get(v)
+                if seed is None:  # no rank back-propagated through it: .grad stays None
+                    return total
                 w = self.piece_weight(v, rows, call.layout)
                 g = (seed * w).to(getattr(torch, val.dtype)).reshape(())
             elif scalar_g is None or v not in call.used:
@@ -356,8 +361,14 @@ class Executor:
         microbatch m: (key, (rank, rows) of its senders) per reading stage."""
         if not self.routes.is_float(v) or not self.routes.moves(v):
             return []
+        edges = self._grad_edges(call)
         return [(Key(v, m, Kind.GRAD, t), self.replicas(t, m, call.layout))
-                for t in self.routes.consumers(v, st.index) if (v, t) in self.routes.grad_edges]
+                for t in self.routes.consumers(v, st.index) if (v, t) in edges]
+
+    def _grad_edges(self, call: Call) -> frozenset[tuple[str, int]] | set[tuple[str, int]]:
+        """The activations' gradient edges of the backward pass running in `call`."""
+        return self.routes.grad_edges if call.grad_from is None \
+            else self.routes.grad_edges_from(call.grad_from)
 
     def _send_input_grads(self, call: Call, st: Stage, m: int, model_inputs: bool = False) -> None:
         """Stage input gradients back to their senders: a model input's to the ranks owning
@@ -365,11 +376,15 @@ class Executor:
         mic = call.micro[(st.index, m)]
         if mic.in_grads is None:
             return
+        edges = self._grad_edges(call)
         for i, (v, g) in enumerate(zip(st.inputs, mic.in_grads, strict=True)):
             if g is None:
                 continue
             src = self.routes.supplier(v, st.index)
             if model_inputs and src != OWNERS:
+                continue
+            if src != OWNERS and (v, st.index) not in edges:  # (what this pass's seeds reach)
+                mic.in_grads[i] = None
                 continue
             dests = self._owners(call) if src == OWNERS else self.replicas(src, m, call.layout)
             call.transport.send_rows(g, Key(v, m, Kind.GRAD, st.index), mic.rows, dests)
@@ -418,12 +433,14 @@ class Executor:
         also got a gradient, its contribution goes through a fill-drain backward that
         recomputes each microbatch from its saved stage inputs (gradients add)."""
         self.send_output_grads(call, grad_of)
-        zero = {v: torch.zeros((), dtype=torch.float64) for v in self.routes.scalar_outputs()}
+        call.grad_from = frozenset(call.used)
         for st, m in self._backward_order():
             mic = call.micro[(st.index, m)]
             if mic.empty:
                 continue
-            mic.out_grads = [self._output_grad(call, st, v, m, zero) for v in st.outputs]
+            # (the scalar outputs seed nothing here: the eager line ran for the loss; seeded
+            # with 0, a parameter only they reach got a zero .grad where PyTorch leaves None)
+            mic.out_grads = [self._output_grad(call, st, v, m, {}) for v in st.outputs]
             st.late_backward(mic, call.grad_inputs)
             self._send_input_grads(call, st, m)
 

@@ -62,6 +62,7 @@ class Routes:
                     s = self._find_supplier(v, t)
                     self._suppliers[(v, t)] = s
                     self._consumers.setdefault((v, s), []).append(t)
+        self._edges_from: dict[frozenset[str], frozenset[tuple[str, int]]] = {}
         self.grad_edges, self.input_edges = self._gradient_edges()
         self._check_boundaries()
 
@@ -146,23 +147,41 @@ class Routes:
                 return s
         raise RaNNCError(f"no stage before {t} supplies value {v}")
 
+    def grad_edges_from(self, outputs: frozenset[str]) -> frozenset[tuple[str, int]]:
+        """The activations' gradient edges (`grad_edges`) a backward seeded from the model
+        outputs `outputs` alone sends along: those whose reading task has an output one of
+        `outputs` depends on. Both ends of each edge know which outputs seed the pass (the
+        ranks agree on it before it starts), so a value only an output the step leaves out
+        reads (a side tower feeding an auxiliary loss) sends no zeros back, and its producer's
+        parameters keep `.grad` None, as in PyTorch."""
+        got = self._edges_from.get(outputs)
+        if got is None:
+            got = self._edges_from[outputs] = frozenset(self._edges(outputs) & self.grad_edges)
+        return got
+
+    def _edges(self, outputs: frozenset[str] | set[str]) -> set[tuple[str, int]]:
+        """The moved float values (v, t) stage t has a task reading, with an output one of the
+        model outputs `outputs` depends on."""
+        g = self.graph
+        live = {v for v in outputs if is_float(g.values[v])}
+        for task in reversed(g.tasks):
+            if any(o in live for o in task.outputs):
+                live.update(v for v in task.inputs if is_float(g.values[v]))
+        return {(v, t) for t, st in enumerate(self.stages) for i in st.tasks
+                for v in g.tasks[i].inputs
+                if v in st.inputs and self.receives(v, t) and is_float(g.values[v])
+                and any(o in live for o in g.tasks[i].outputs)}
+
     def _gradient_edges(self) -> tuple[set[tuple[str, int]], set[tuple[str, int]]]:
         """The moved values (v, t) whose gradient stage t can send back: stage t has a task
         reading v with an output some float model output depends on. Both ends read this
         fixed set, so a value only a dead branch reads (a BatchNorm that no output uses, kept
         for its statistics) sends nothing back, and its producer's parameters keep `.grad`
         None as in the original model, where zeros would let weight decay move them.
-        Returned apart: the activations', always sent, and the float model inputs', sent to
-        the ranks owning the rows only in calls where those inputs require grad."""
-        g = self.graph
-        live = {v for v in self.out_stage if is_float(g.values[v])}
-        for task in reversed(g.tasks):
-            if any(o in live for o in task.outputs):
-                live.update(v for v in task.inputs if is_float(g.values[v]))
-        edges = {(v, t) for t, st in enumerate(self.stages) for i in st.tasks
-                 for v in g.tasks[i].inputs
-                 if v in st.inputs and self.receives(v, t) and is_float(g.values[v])
-                 and any(o in live for o in g.tasks[i].outputs)}
+        Returned apart: the activations', sent where the outputs seeding the backward depend
+        on them (`grad_edges_from`), and the float model inputs', sent to the ranks owning the
+        rows only in calls where those inputs require grad."""
+        edges = self._edges(set(self.out_stage))
         acts = {(v, t) for v, t in edges if self.is_activation(v)}
         return acts, edges - acts
 

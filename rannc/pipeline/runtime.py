@@ -524,6 +524,7 @@ class PipelineRuntime:
         for p in self.held.values():
             p.grad = None
         last = self._last_final(call, acts)
+        call.grad_from = frozenset({self._loss})  # (the line's one seed)
         try:
             self.executor.run(call, acts, scalars,
                               arm=last if last is not None and call.reducing else None)
@@ -830,14 +831,16 @@ class PipelineRuntime:
             arm = last if last is not None and self.sync else None
             if agreed is not None:
                 self.executor.send_output_grads(call, grad_of)
+                call.grad_from = frozenset(agreed.seeds) | frozenset(call.used)
                 self.executor.run(call, rest, {}, agreed.seeds, arm=arm)
             else:
                 assert seed is not None
+                call.grad_from = frozenset({self._loss})
                 self.executor.run(call, rest, {}, {self._loss: seed}, arm=arm)
             in_grads = self.executor.receive_input_grads(call)
         else:
             assert agreed is not None
-            in_grads = self._commit_eager(call, grad_of, agreed.seeds[self._loss])
+            in_grads = self._commit_eager(call, grad_of, agreed.seeds.get(self._loss))
         same = self.acc.same_got = self.acc.same_got and call.layout.every_replica_computes()
         self.grads.user_hooks = self.param_hooks.resume() and self.sync
         with torch.profiler.record_function("rannc reduce gradients"):
@@ -899,10 +902,13 @@ class PipelineRuntime:
     def _post_loss_gradients(self, call: Call,
                              grad_of: dict[str, torch.Tensor | None]) -> _PostedLossGradients:
         """One all-reduce, started without waiting: the scalar outputs' gradients (averaged, as
-        DDP) and, per batch output, whether any rank back-propagates through it (unused ones
-        send no zeros around); see `_early_overflow` for what else it may carry."""
+        DDP), per scalar output whether any rank back-propagates through it at all, and, per
+        batch output, whether any rank back-propagates a non-zero gradient through it (unused
+        ones send no zeros around); see `_early_overflow` for what else it may carry."""
         scalar_names, batch_names = self._loss_outputs
         vec = [_grad_or_zero(grad_of.get(v)) for v in scalar_names]
+        vec += [torch.tensor(float(grad_of.get(v) is not None), dtype=torch.float64)
+                for v in scalar_names]
         vec += [torch.tensor(float(_nonzero(grad_of.get(v))), dtype=torch.float64)
                 for v in batch_names]
         early = self._early_overflow(call)
@@ -919,16 +925,22 @@ class PipelineRuntime:
                         batch_names: list[str], early: tuple[bool, bool] | None) -> _LossGradients:
         """What the loss gradients' all-reduce (`flat`, summed) agreed on; sets `call.used`."""
         w = float(self.world_size)
-        seeds = {v: x / w for v, x in zip(scalar_names, flat, strict=False)}
         n_s, n_b = len(scalar_names), len(batch_names)
-        call.used = {v for v, x in zip(batch_names, flat[n_s:n_s + n_b], strict=True) if x > 0}
+        # A scalar output no rank back-propagated through (a second loss the step leaves out,
+        # GPT2DoubleHeadsModel's mc_loss beside its loss) seeds nothing: seeded with 0, the
+        # parameters only it reaches got zeros where PyTorch leaves .grad None, and AdamW
+        # then decayed them and moved them by their momentum.
+        seeds = {v: x / w for v, x, reached in zip(scalar_names, flat[:n_s], flat[n_s:2 * n_s],
+                                                   strict=True) if reached > 0}
+        call.used = {v for v, x in zip(batch_names, flat[2 * n_s:2 * n_s + n_b], strict=True)
+                     if x > 0}
         # Under an eager schedule without gradients to reduce across ranks, the gradients are
         # the stash itself when the loss gradient is 1, nothing was accumulated before and no
         # late pass runs: then every rank knows from this all-reduce whether some rank's are not
         # finite, and the gradient reducer need not meet the others again.
         overflow: tuple[bool, bool] | None = None
-        if early is not None and not call.used and bool(seeds[self._loss] == 1) \
-                and float(flat[-1]) == 0:
+        if early is not None and not call.used and self._loss in seeds \
+                and bool(seeds[self._loss] == 1) and float(flat[-1]) == 0:
             overflow = (float(flat[-2]) > 0, early[0])
         return _LossGradients(seeds, overflow)
 
@@ -943,11 +955,19 @@ class PipelineRuntime:
         # (reducing in forward() needs the backward before synchronised: nothing pending)
         same = call.layout.every_replica_computes()
         self.grads.user_hooks = self.param_hooks.resume()
+        before = {n: p.grad for n, p in self.held.items()}
         with torch.profiler.record_function("rannc reduce gradients"):
             self.grads.rebase()  # (.grad may have been zeroed or replaced since forward())
             self.grads.finish(True, self._stand_in(), None, scale, same_got=same)
         g = scale()
         in_grads = {v: x if g is None else x * g.to(x.dtype) for v, x in call.input_stash.items()}
+        if self._loss not in posted.resolve().seeds:
+            # No rank back-propagated through the loss (a loss computed from a batch output
+            # instead): the line's sums, scaled by 0, are not the step's; .grad keeps what it
+            # held, as PyTorch leaves a parameter no backward reaches (`_commit_eager`).
+            for n, p in self.held.items():
+                p.grad = before[n]
+            in_grads = {}
         if call.used:
             self._log_late_pass()
             self.grads.begin()
@@ -971,19 +991,24 @@ class PipelineRuntime:
             self._late_logged = True
 
     def _commit_eager(self, call: Call, grad_of: dict[str, torch.Tensor | None],
-                      g: torch.Tensor) -> dict[str, torch.Tensor]:
+                      g: torch.Tensor | None) -> dict[str, torch.Tensor]:
         """An eager schedule's backward(): the gradients stashed in forward() for a unit loss
         gradient, scaled by the real one, and the late pass for batch outputs' gradients."""
         assert call.stash is not None
         # The usual loss.backward() brings a gradient of exactly 1: the stashed gradients
         # are then the gradients (x * 1.0 is x, bit for bit), without a multiply and a new
         # tensor per parameter and step.
-        unit = bool(g == 1)
-        for n, p in self.held.items():
-            st = call.stash.get(n)
-            if st is not None:
-                p.grad = st if unit else st * g.to(st.dtype)
-        in_grads = {v: x if unit else x * g.to(x.dtype) for v, x in call.input_stash.items()}
+        # No rank back-propagated through the loss (g None: a loss computed from the outputs
+        # instead): its line's gradients are not the step's; .grad keeps what it held, as
+        # PyTorch leaves a parameter no backward reached.
+        in_grads: dict[str, torch.Tensor] = {}
+        if g is not None:
+            unit = bool(g == 1)
+            for n, p in self.held.items():
+                st = call.stash.get(n)
+                if st is not None:
+                    p.grad = st if unit else st * g.to(st.dtype)
+            in_grads = {v: x if unit else x * g.to(x.dtype) for v, x in call.input_stash.items()}
         if call.used:
             self._log_late_pass()
             self.executor.late_pass(call, grad_of)
@@ -1271,7 +1296,7 @@ class _Correction:
 
     def __call__(self) -> torch.Tensor | None:
         if not self._known:
-            agreed = self.posted.resolve().seeds[self.loss]
+            agreed = self.posted.resolve().seed(self.loss)
             self._factor = None if bool(agreed == self.used) else agreed / self.used
             self._known = True
         return self._factor
@@ -1280,10 +1305,16 @@ class _Correction:
 @dataclass(frozen=True, slots=True)
 class _LossGradients:
     """What the ranks agreed on at the start of backward(): the seeds of the scalar outputs'
-    backward, and the overflow where already known (`_early_overflow`)."""
+    backward (none for one no rank back-propagated through), and the overflow where already
+    known (`_early_overflow`)."""
 
     seeds: dict[str, torch.Tensor]
     overflow: tuple[bool, bool] | None
+
+    def seed(self, v: str) -> torch.Tensor:
+        """v's seed, 0 where no rank back-propagated through it (a line already run for the
+        loss, an eager one's, is scaled by it)."""
+        return self.seeds.get(v, torch.zeros((), dtype=torch.float64))
 
 
 def _nonzero(g: torch.Tensor | None) -> bool:

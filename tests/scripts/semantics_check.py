@@ -1030,6 +1030,81 @@ def check_late_optimizer(a: argparse.Namespace, rank: int, world: int) -> None:
     print(f"PASS late_optimizer rank {rank}", flush=True)
 
 
+class SideHead(nn.Module):
+    """A batch output, and a scalar one (an auxiliary loss) from a tower of its own computed
+    first, so the first stage computes the tower and a later one its head: the tower's
+    output crosses stages and its gradient travels back only when the step uses that loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.side = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16))
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                                  nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+        self.out = nn.Linear(16, 4)
+        self.aux = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        s = self.side(x)
+        return {"out": self.out(self.body(x)), "aux": self.aux(s).pow(2).mean()}
+
+
+def check_unused_loss(a: argparse.Namespace, rank: int, world: int) -> None:
+    """A scalar output the step does not back-propagate through leaves the parameters only it
+    reaches without a gradient (None), as PyTorch does; before, they got zeros, so the
+    optimizer's weight decay shrank them and their momentum moved them where the unwrapped
+    model leaves them. transformers' GPT2DoubleHeadsModel returns its LM loss and its multiple-choice loss
+    apart: steps back-propagate one, the other, then both. A model with an auxiliary scalar
+    beside a batch output from a tower of its own, trained on the batch output alone (under
+    1F1B: the eager line, run for the scalar, is not the step's; the late pass seeded it with
+    zeros too; and the later stage sent zeros back for the tower's output, which no longer
+    travels when the step's outputs do not depend on it), then on both."""
+    from transformers import GPT2Config, GPT2DoubleHeadsModel
+
+    sizes = local_sizes(a.batch, world)
+    lo, hi = sum(sizes[:rank]), sum(sizes[:rank + 1])
+    torch.manual_seed(0)
+    gpt = GPT2DoubleHeadsModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4,
+                                          n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0,
+                                          attn_pdrop=0.0, summary_first_dropout=0.0))
+    for model, losses in ((gpt, ("loss", "mc_loss", "both", "loss")),
+                          (SideHead(), ("out", "out", "both"))):
+        ref = copy.deepcopy(model)
+        wrapped = rannc.RaNNCModule(model, **options(a))
+        # (SGD: AdamW would turn the rounding noise of GPT-2's key biases' gradients, zero in
+        # exact arithmetic, into steps of its learning rate)
+        opts = (torch.optim.SGD(wrapped.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1),
+                torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1))
+        for i, which in enumerate(losses):
+            what = f"rank {rank} {type(model).__name__} step {i} ({which})"
+            if isinstance(model, SideHead):
+                x, t = torch.randn(a.batch, 8), torch.randn(a.batch, 4)
+                out, want = wrapped(x[lo:hi]), ref(x)
+                close(out["out"], want["out"][lo:hi], f"{what} out")
+                mse = ((out["out"] - t[lo:hi]) ** 2).mean() * (hi - lo) / a.batch * world
+                ref_mse = ((want["out"] - t) ** 2).mean()
+                got_loss = mse + out["aux"] if which == "both" else mse
+                want_loss = ref_mse + want["aux"] if which == "both" else ref_mse
+            else:
+                ids = torch.randint(0, 64, (a.batch, 2, 8))
+                batch = {"input_ids": ids, "mc_token_ids": torch.full((a.batch, 2), 7),
+                         "labels": ids, "mc_labels": torch.randint(0, 2, (a.batch,))}
+                out = wrapped(**{k: v[lo:hi] for k, v in batch.items()})
+                want = ref(**batch)
+                close(out.mc_logits, want.mc_logits[lo:hi], f"{what} mc_logits")
+                close(out.mc_loss, want.mc_loss, f"{what} mc_loss")
+                pick = {"loss": ("loss",), "mc_loss": ("mc_loss",), "both": ("loss", "mc_loss")}
+                got_loss = sum(out[k] for k in pick[which])
+                want_loss = sum(want[k] for k in pick[which])
+            got_loss.backward()
+            want_loss.backward()
+            grads_or_none_then_step(wrapped, ref, opts, what)
+            ref_names = dict(ref.named_parameters())
+            for name, p in wrapped.named_parameters():
+                if p.numel():
+                    params_close(p.detach(), ref_names[name].detach(), f"{what} param {name}")
+    print(f"PASS unused_loss rank {rank}", flush=True)
+
+
 def check_dtype_change(a: argparse.Namespace, rank: int, world: int) -> None:
     """A Llama trained in float32, then converted with `model.to(torch.bfloat16)` after
     deployment (a backward in it, then evaluation in it), then back to float32 and trained on:
@@ -1474,7 +1549,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
                                                 "sparse_grad", "stored", "param_groups",
                                                 "dtype_change", "optimizers", "param_hooks",
                                                 "gathered", "interleaved", "lbfgs",
-                                                "late_optimizer"])
+                                                "late_optimizer", "unused_loss"])
     p.add_argument("--bn-mode", default="sync", help="batchnorm: local or sync")
     p.add_argument("--model", default="llama", help="masked_lm: llama or roberta")
     p.add_argument("--replicas", default="")
@@ -1504,7 +1579,8 @@ def run(a: argparse.Namespace, ctx: rdist.DistContext) -> None:
      "dtype_change": check_dtype_change,
      "optimizers": check_optimizers, "param_hooks": check_param_hooks,
      "gathered": check_gathered, "interleaved": check_interleaved,
-     "lbfgs": check_lbfgs, "late_optimizer": check_late_optimizer}[a.case](a, ctx.rank, ctx.world_size)
+     "lbfgs": check_lbfgs, "late_optimizer": check_late_optimizer,
+     "unused_loss": check_unused_loss}[a.case](a, ctx.rank, ctx.world_size)
 
 
 def main() -> None:
