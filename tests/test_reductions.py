@@ -134,6 +134,28 @@ def test_hugging_face_models_own_losses_are_exact_means() -> None:
     assert len(r.summed) == 1 and not r.inexact, (r.summed, r.inexact)
 
 
+def test_selected_tokens_viewed_back_per_row_are_rows() -> None:
+    """BartForSequenceClassification takes each row's end-of-sentence tokens as
+    `hidden[eos_mask].view(batch, -1, hidden)` (every row has as many: it checks): a dimension
+    `(u1//batch)` is each row's own count, not a second batch dimension; its loss and logits
+    were taken for a batch x batch value (a warning on several ranks that the results are not
+    the model's, while they were)."""
+    from transformers import BartConfig, BartForSequenceClassification
+
+    torch.manual_seed(0)
+    model = BartForSequenceClassification(BartConfig(
+        vocab_size=64, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32,
+        max_position_embeddings=16, num_labels=3, eos_token_id=2, pad_token_id=1))
+    ids = torch.randint(3, 64, (4, 8))
+    ids[:, -1] = 2
+    cap = capture(model, (), {"input_ids": ids, "labels": torch.randint(0, 3, (4,))})
+    assert any("u" in str(d) and "batch" in str(d) for v in cap.graph.values.values()
+               if v.is_tensor for d in v.shape)  # (the view it is about is in the graph)
+    r = analyse(cap.gm, cap.graph)
+    assert not r.summed and not r.inexact, (r.summed, r.inexact)
+
+
 def test_the_batch_size_in_the_arithmetic_is_per_piece() -> None:
     """`x.shape[0]` is each piece's own: a sum divided by it is a mean; a mean divided by it, a
     tensor made of it, or rows scaled by it are not the model's values."""

@@ -210,7 +210,7 @@ def _kind(op: str, node: fx.Node | None, inputs: tuple[str, ...], ins: list[Kind
             return Kind.MIXED  # (rows combined with statistics of the batch)
         if sized and op in _ARITHMETIC:
             return Kind.MIXED  # (rows scaled by the batch size)
-        if sum("batch" in str(d) for d in values[out].shape) > 1:
+        if sum(_follows_batch(d) for d in values[out].shape) > 1:
             return Kind.MIXED  # (a batch x batch value: pairs of rows)
         if op in _ALONG_DIM and inputs and batch(inputs[0]):
             dim = _arg(node, 1, None)
@@ -269,6 +269,15 @@ def _kind(op: str, node: fx.Node | None, inputs: tuple[str, ...], ins: list[Kind
             return live[0] if op.startswith("aten.mul") else Kind.OTHER
         return live[0]
     return Kind.OTHER
+
+
+def _follows_batch(d: Any) -> bool:
+    """Whether dimension size `d` grows with the batch. Not a count the data decided split
+    over the rows (`(u1//batch)`: BART's classification head views the end-of-sentence
+    tokens it selected as (batch, -1, hidden), each row's own, which a pair count would take
+    for a batch x batch value)."""
+    s = str(d)
+    return "batch" in s and not _UNBACKED.search(s)
 
 
 def _divides_by_batch(inputs: tuple[str, ...], values: dict[str, Value]) -> bool:
