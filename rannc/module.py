@@ -161,6 +161,8 @@ class RaNNCModule(nn.Module):
         # ZeRO-1's step hooks) and the planned deployment's runtime (`rannc.deploy`).
         self._held = Holdings(step=lambda: m._calls if (m := me()) is not None else 0)
         self._gathering = 0  # gathered_parameters() blocks open: parameters() lists them all
+        self._loading_as: str | None = None  # the key prefix a parent's load_state_dict gives
+        self.register_load_state_dict_post_hook(_loaded_through_a_parent)
 
     module: nn.Module  # the wrapped model (as `DistributedDataParallel.module`)
 
@@ -649,6 +651,21 @@ class RaNNCModule(nn.Module):
         missing, unexpected = ckpt.load_held_state(self.module, self._last_rt, state_dict, strict)
         return _IncompatibleKeys(missing, unexpected)
 
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str,
+                              local_metadata: dict[str, Any], strict: bool,
+                              missing_keys: list[str], unexpected_keys: list[str],
+                              error_msgs: list[str]) -> None:
+        """A parent module's load_state_dict (a LightningModule holding the RaNNCModule; what
+        its `state_dict()` gave, the entries under `prefix` + their original names): loaded
+        as `load_state_dict` loads them (after deployment, each rank its own part). torch
+        then visits `self.module` with `prefix + "module."`, under which nothing is, and
+        would call every entry missing: `_loaded_through_a_parent` takes those back."""
+        ours = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+        result = self.load_state_dict(ours, strict=False)  # (the parent reports, with `prefix`)
+        missing_keys.extend(prefix + k for k in result.missing_keys)
+        unexpected_keys.extend(prefix + k for k in result.unexpected_keys)
+        self._loading_as = prefix
+
     def optimizer_state_dict(self, rank0_only: bool = True) -> dict[str, Any]:
         """The optimizer's state for the whole model, keyed by ORIGINAL PARAMETER NAMES:
         `{"state": {name: {"exp_avg": ..., ...}}, "param_groups": [{hyper-parameters...,
@@ -951,6 +968,17 @@ class _BackwardOnce:
                 "(retain_graph=True): the pipelined model runs its backward once per forward, "
                 "across ranks. Fix: add the losses and call backward() once "
                 "((loss_a + loss_b).backward()), or call the model again for another backward")
+
+
+def _loaded_through_a_parent(model: nn.Module, keys: _IncompatibleKeys) -> None:
+    """After a parent's load_state_dict visited a RaNNCModule (`_load_from_state_dict`): the
+    wrapped module's entries, which torch looked for under `<prefix>module.` and called
+    missing, were loaded under `<prefix>`; take them out of the missing keys."""
+    if not isinstance(model, RaNNCModule) or model._loading_as is None:
+        return
+    prefix, model._loading_as = model._loading_as, None
+    inner = prefix + "module."
+    keys.missing_keys[:] = [k for k in keys.missing_keys if not k.startswith(inner)]
 
 
 def _generate_refused(model_name: str, *args: Any, **kwargs: Any) -> Any:

@@ -170,3 +170,34 @@ def test_compiled_stages_profiler_ranges_and_plan_table_mpi() -> None:
     res = run_mpi(SCRIPT, 2, ["--compile"], timeout=360)
     assert res.stdout.count("PASS compile") == 2, res.stdout + res.stderr
     assert res.stderr.count("rannc plan: 2 stage(s)") == 1, res.stderr
+
+
+def test_a_parent_module_saves_and_loads_through_the_wrapper() -> None:
+    """A module holding a RaNNCModule (a LightningModule) gets its entries under the unwrapped
+    names (`net.0.weight`, not `net.module.0.weight`) and loads them back with its own
+    load_state_dict, strict: before, torch looked for them under `net.module.` and called
+    them missing and the given ones unexpected. A missing entry is named with the parent's
+    prefix, as torch names it. (On several ranks: tests/scripts/lightning_check.py.)"""
+
+    class Parent(nn.Module):
+        def __init__(self, net: nn.Module) -> None:
+            super().__init__()
+            self.net, self.head = net, nn.Linear(1, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.net(x))
+
+    torch.manual_seed(0)
+    plain = Parent(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)))
+    wrapped = Parent(rannc.RaNNCModule(copy.deepcopy(plain.net)))
+    wrapped(torch.randn(3, 4)).sum().backward()  # (deployed in one process)
+    assert sorted(wrapped.state_dict()) == sorted(plain.state_dict())
+    torch.manual_seed(1)
+    new = {k: torch.randn_like(v) for k, v in plain.state_dict().items()}
+    assert not wrapped.load_state_dict(new).missing_keys
+    for k, v in wrapped.state_dict().items():
+        torch.testing.assert_close(v, new[k], rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "net.0.bias"'):
+        wrapped.load_state_dict({k: v for k, v in new.items() if k != "net.0.bias"})
+    got = wrapped.load_state_dict({**new, "net.9.weight": torch.ones(1)}, strict=False)
+    assert got.unexpected_keys == ["net.9.weight"] and not got.missing_keys

@@ -1,66 +1,132 @@
-"""Lightning holding a RaNNCModule, on 2 ranks (torchrun or mpiexec): README's recipe.
+"""Lightning holding a RaNNCModule, on 2 ranks (torchrun or mpiexec), with
+`rannc.lightning.RaNNCStrategy`: README's recipe.
 
-    torchrun --nproc-per-node 2 tests/scripts/lightning_check.py
+    torchrun --nproc-per-node 2 tests/scripts/lightning_check.py DIR
 
-A LightningModule holds the RaNNCModule (2 stages) and returns rannc's optimizer; Lightning runs
-with SingleDeviceStrategy (rannc does the distribution; Lightning's DDP would all-reduce again)
-and the user's DistributedSampler. After 4 SGD steps each rank's held parameters equal those of
-the unwrapped model trained on the global batches. Prints "PASS lightning rank R".
+A LightningModule holds the RaNNCModule (2 stages) and returns rannc's optimizer (SGD with
+momentum and weight decay); Lightning puts its own DistributedSampler in the loader and
+accumulates 2 micro-batches a step under the RaNNCModule's no_sync(). After an epoch (4 steps) each rank's
+held parameters equal those of the unwrapped model trained on the global batches; the
+checkpoint Lightning's default callback saved (rank 0 alone writes it) holds the whole model
+under the unwrapped LightningModule's names and the whole optimizer in torch's layout, equal
+to the unwrapped ones; `validate` logs the unwrapped model's loss on every rank; and a new
+model resumed from that checkpoint (`fit(ckpt_path=...)`) trains its second epoch exactly. Prints
+"PASS lightning rank R".
 """
 
 from __future__ import annotations
 
 import copy
+import glob
+import os
+import sys
 from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch import nn
 
 import rannc
+from rannc.lightning import RaNNCStrategy
 
 
 class Lit(L.LightningModule):
-    def __init__(self, net: rannc.RaNNCModule, opt: torch.optim.Optimizer) -> None:
+    def __init__(self, net: nn.Module, opt: torch.optim.Optimizer) -> None:
         super().__init__()
         self.net, self.opt = net, opt
 
     def training_step(self, batch: torch.Tensor, i: int) -> torch.Tensor:
-        return self.net(batch).square().mean()  # this rank's rows: DDP's gradient semantics
+        loss = self.net(batch).square().mean()  # this rank's rows: DDP's gradient semantics
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: torch.Tensor, i: int) -> None:
+        self.log("val_loss", self.net(batch).square().mean(), sync_dist=True)
 
     def configure_optimizers(self) -> Any:
         return self.opt
 
 
+def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+
+
+def trainer(root: str, epochs: int, **kw: Any) -> L.Trainer:
+    return L.Trainer(strategy=RaNNCStrategy(), accelerator="cpu", devices=rannc.get_world_size(),
+                     max_epochs=epochs, accumulate_grad_batches=2, logger=False,
+                     enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
+                     **kw)
+
+
+def close(got: Any, want: Any, what: str) -> None:
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{what}: {m}")
+
+
 def main() -> None:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
-    ref = copy.deepcopy(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    root = sys.argv[1]
+    model, opt = build(0)
+    ref, ref_opt = copy.deepcopy(model), None
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
     net = rannc.RaNNCModule(model, opt, partition_num=2, timeout_s=60)
     rank, world = rannc.get_rank(), rannc.get_world_size()
-    data = torch.randn(16, 8)
-    sampler = torch.utils.data.DistributedSampler(data, shuffle=False)  # right after wrapping
-    loader = torch.utils.data.DataLoader(data, batch_size=2, sampler=sampler)
-    trainer = L.Trainer(strategy=SingleDeviceStrategy("cpu"), use_distributed_sampler=False,
-                        max_steps=4, enable_checkpointing=False, logger=False,
-                        enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(Lit(net, opt), loader)
-    assert trainer.global_step == 4
+    data = torch.randn(32, 8, generator=torch.Generator().manual_seed(1))  # (alike on every rank)
+    loader = torch.utils.data.DataLoader(data, batch_size=2)  # Lightning's sampler goes in
+    first = trainer(root, 1, limit_val_batches=0)
+    lit = Lit(net, opt)
+    first.fit(lit, loader)  # (one epoch: 8 micro-batches of 2 rows a rank, 4 steps)
+    assert first.global_step == 4 and first.global_rank == rank and first.world_size == world
 
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    for step in range(4):
-        # Step s: rank r had rows r, r + world, ... of sampler's stride, two of them.
-        rows = torch.cat([data[torch.arange(r, 16, world)][2 * step:2 * step + 2] for r in range(world)])
-        ref(rows).square().mean().backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+    def ref_epoch(epoch: int) -> None:
+        # Lightning's DistributedSampler shuffles (seed 0, then the epoch), a part per rank
+        parts = []
+        for r in range(world):
+            sampler = torch.utils.data.DistributedSampler(data, world, r, shuffle=True, seed=0)
+            sampler.set_epoch(epoch)
+            parts.append(list(sampler))
+        for step in range(4):
+            for micro in (2 * step, 2 * step + 1):
+                rows = torch.cat([data[p[2 * micro:2 * micro + 2]] for p in parts])
+                (ref(rows).square().mean() / 2).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+
+    ref_epoch(0)
     held = dict(net.named_parameters())
     assert held and len(held) < len(dict(ref.named_parameters()))
     for n, q in ref.named_parameters():
         if n in held:
-            torch.testing.assert_close(held[n], q, rtol=1e-5, atol=1e-6, msg=n)
+            close(held[n], q, f"rank {rank} step 4 {n}")
+    (path,) = glob.glob(os.path.join(root, "checkpoints", "*.ckpt"))  # the default callback's
+    saved = torch.load(path, weights_only=False)
+    want = {f"net.{k}": v for k, v in ref.state_dict().items()}
+    assert sorted(saved["state_dict"]) == sorted(want), sorted(saved["state_dict"])
+    for k, v in want.items():
+        close(saved["state_dict"][k], v, f"checkpoint {k}")
+    ref_osd = ref_opt.state_dict()
+    (osd,) = saved["optimizer_states"]
+    assert osd["param_groups"][0]["params"] == ref_osd["param_groups"][0]["params"]
+    for i, st in ref_osd["state"].items():
+        close(osd["state"][i]["momentum_buffer"], st["momentum_buffer"], f"checkpoint momentum {i}")
+    # loads into the LightningModule around the unwrapped model (strict)
+    Lit(copy.deepcopy(ref), ref_opt).load_state_dict(saved["state_dict"])
+
+    val = torch.utils.data.DataLoader(data[:16], batch_size=2)
+    (metrics,) = trainer(root, 1).validate(lit, val, verbose=False)
+    with torch.no_grad():
+        close(torch.tensor(metrics["val_loss"]), ref(data[:16]).square().mean(), "validate")
+
+    model2, opt2 = build(7)  # other weights and no momentum: the checkpoint must replace them
+    lit2 = Lit(rannc.RaNNCModule(model2, opt2, partition_num=2, timeout_s=60), opt2)
+    second = trainer(root, 2, limit_val_batches=0)
+    second.fit(lit2, loader, ckpt_path=path)
+    assert second.global_step == 8
+    ref_epoch(1)
+    held = dict(lit2.net.named_parameters())
+    for n, q in ref.named_parameters():
+        if n in held:
+            close(held[n], q, f"rank {rank} resumed, step 8 {n}")
     print(f"PASS lightning rank {rank}", flush=True)
 
 
