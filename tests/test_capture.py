@@ -524,24 +524,27 @@ def _pairs_loss(logits: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits, torch.arange(len(logits)))  # CLIP's contrastive loss
 
 
+class _Pairs(nn.Module):
+    """A linear layer, and a loss over its rows' pairs computed by a function it calls."""
+
+    def __init__(self, loss: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.loss = loss
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        return self.loss(y @ y.t())
+
+
 @pytest.mark.layer("single_process")
 def test_fixed_batch_size_in_a_function_the_model_calls_quotes_its_line() -> None:
     """The line that pins the batch may be in a function forward calls (transformers' CLIP
     computes its loss so): the error quotes that line, not only the module's call of it."""
-
-    class Pairs(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = nn.Linear(4, 4)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            y = self.lin(x)
-            return _pairs_loss(y @ y.t())
-
     with pytest.raises(CaptureError) as info:
-        capture(Pairs(), (torch.randn(4, 4),))
+        capture(_Pairs(_pairs_loss), (torch.randn(4, 4),))
     line = _pairs_loss.__code__.co_firstlineno + 1
-    assert "Pairs.forward (" in str(info.value)
+    assert "_Pairs.forward (" in str(info.value)
     assert (f"the line {__file__}:{line}: `return F.cross_entropy(logits, "
             "torch.arange(len(logits)))  # CLIP's contrastive loss`") in str(info.value)
     assert "installed package" not in str(info.value)
@@ -560,20 +563,10 @@ def test_fixed_batch_size_in_an_installed_package_says_it_is_not_the_users_code(
         "    return torch.nn.functional.cross_entropy(logits, torch.arange(len(logits)))\n")
     monkeypatch.syspath_prepend(str(tmp_path / "site-packages"))
     somelib = importlib.import_module("somelib")
-
-    class Pairs(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = nn.Linear(4, 4)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            y = self.lin(x)
-            return somelib.pairs_loss(y @ y.t())
-
     with pytest.raises(CaptureError, match=r"somelib/__init__.py:4: `return torch.nn.functional"
                                            r".*That code is in an installed package \(somelib\), "
                                            r"not in yours"):
-        capture(Pairs(), (torch.randn(4, 4),))
+        capture(_Pairs(somelib.pairs_loss), (torch.randn(4, 4),))
 
 
 def test_fixed_batch_size_in_a_hugging_face_style_buffer_names_the_module() -> None:
