@@ -185,6 +185,11 @@ class OnRankZero(dict):  # type: ignore[type-arg]
         return OnRankZero(self.what, self.rank)
 
 
+# The key under which a parent module's state dict holds a RaNNCModule's `OnRankZero` (on the
+# ranks other than 0, where the parent's dict would otherwise be a part of the model)
+GATHERED_ON_RANK_ZERO = "<gathered onto rank 0>"
+
+
 def refuse_rank_zero_only(state: Mapping[str, Any]) -> None:
     """Loading what a rank other than 0 got from a gathered state dict is refused (above)."""
     if isinstance(state, OnRankZero):

@@ -629,8 +629,15 @@ class RaNNCModule(nn.Module):
         destination = kwargs.get("destination")
         if destination is None:
             return sd
-        if not isinstance(sd, ckpt.OnRankZero):  # (which has nothing to add, and refuses reads)
-            destination.update(sd)  # a parent module collecting its children's entries
+        # a parent module collecting its children's entries (a LightningModule's state_dict())
+        if not isinstance(sd, ckpt.OnRankZero):
+            destination.update(sd)
+        else:
+            # The parent's dict on this rank would hold the rest of the model without these
+            # entries: saved to rank 0's path, it would overwrite the whole checkpoint with a
+            # part, without a word. The refusing dict goes in as one entry, so that saving or
+            # loading the parent's dict here is refused, naming the fix.
+            destination[kwargs.get("prefix", "") + ckpt.GATHERED_ON_RANK_ZERO] = sd
         return cast(dict[str, Any], destination)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,  # type: ignore[override]
@@ -661,6 +668,7 @@ class RaNNCModule(nn.Module):
         then visits `self.module` with `prefix + "module."`, under which nothing is, and
         would call every entry missing: `_loaded_through_a_parent` takes those back."""
         ours = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+        ckpt.refuse_rank_zero_only(ours.get(ckpt.GATHERED_ON_RANK_ZERO, {}))
         result = self.load_state_dict(ours, strict=False)  # (the parent reports, with `prefix`)
         missing_keys.extend(prefix + k for k in result.missing_keys)
         unexpected_keys.extend(prefix + k for k in result.unexpected_keys)

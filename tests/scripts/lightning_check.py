@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import glob
+import io
 import os
 import sys
 from typing import Any
@@ -111,6 +112,19 @@ def main() -> None:
         close(osd["state"][i]["momentum_buffer"], st["momentum_buffer"], f"checkpoint momentum {i}")
     # loads into the LightningModule around the unwrapped model (strict)
     Lit(copy.deepcopy(ref), ref_opt).load_state_dict(saved["state_dict"])
+    # the LightningModule's own state_dict() (every rank) is the whole model on rank 0; on the
+    # others saving or loading it is refused (a part of the model saved to rank 0's path)
+    sd = lit.state_dict()
+    if rank == 0:
+        assert sorted(sd) == sorted(want), sorted(sd)
+    else:
+        for doing, act in (("pickling", lambda: torch.save(sd, io.BytesIO())),
+                           ("loading", lambda: lit.load_state_dict(sd))):
+            try:
+                act()
+                raise AssertionError(f"{doing} rank {rank}'s part of the model was not refused")
+            except rannc.RaNNCError as e:
+                assert "save on rank 0 alone" in str(e), str(e)
 
     val = torch.utils.data.DataLoader(data[:16], batch_size=2)
     (metrics,) = trainer(root, 1).validate(lit, val, verbose=False)
