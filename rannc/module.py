@@ -624,6 +624,10 @@ class RaNNCModule(nn.Module):
         if args:
             raise RaNNCError("after deployment state_dict() takes only keyword arguments "
                              "(destination=, prefix=, keep_vars=, rank0_only=)")
+        if rank0_only and rt.world_size > 1 and _in_safetensors_load():
+            # safetensors' load_model (Accelerate's load_state) reads the model's state_dict()
+            # on every rank to find its tied weights before loading: each rank needs the whole
+            rank0_only = False
         validate.agree_on_collective("state_dict()", rt.device)
         sd = ckpt.gather_state_dict(self.module, rt, rank0_only, prefix=kwargs.get("prefix", ""))
         destination = kwargs.get("destination")
@@ -1041,6 +1045,17 @@ def _in_plain_hf_trainer_save() -> bool:
         me = f.f_locals.get("self")
         if (f.f_code.co_name == "_save" and "transformers" in f.f_code.co_filename
                 and me is not None and not getattr(me, "_rannc_trainer", False)):
+            return True
+        f = f.f_back  # type: ignore[assignment]
+    return False
+
+
+def _in_safetensors_load() -> bool:
+    """Whether the caller is safetensors' `load_model` (every rank runs it: Accelerate's
+    `load_state` of a safetensors checkpoint)."""
+    f = sys._getframe(2)
+    while f is not None:
+        if f.f_code.co_name == "load_model" and "safetensors" in f.f_code.co_filename:
             return True
         f = f.f_back  # type: ignore[assignment]
     return False

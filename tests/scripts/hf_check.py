@@ -88,6 +88,11 @@ def check_accelerate(rank: int, out: str) -> None:
     acc.load_state(out + "-accelerate")  # into the deployed model: back to step 4
     torch.testing.assert_close(train_step(m, o), want, rtol=RTOL, atol=ATOL)
     assert_same_state(rank, wrapped.state_dict(), ref)
+    # safetensors into the deployed model too (safetensors reads the model's state_dict() on
+    # every rank: before, the other ranks got rank 0's gathered dict's refusal)
+    acc.load_state(out + "-accelerate-safe")  # back to step 4
+    torch.testing.assert_close(train_step(m, o), want, rtol=RTOL, atol=ATOL)
+    assert_same_state(rank, wrapped.state_dict(), ref)
     model2 = gpt2(seed=5)  # other weights: the checkpoint must bring them back
     opt2 = torch.optim.SGD(model2.parameters(), lr=0.1, momentum=0.9)
     acc2 = Accelerator(cpu=True)
