@@ -106,7 +106,8 @@ CI_MODELS: dict[str, tuple[str, ...]] = {
                           "mobilebert", "mbart", "yoso", "mamba2", "gpt_oss", "jetmoe",
                           "torch_transformer", "torch_attention", "llama_masked", "paligemma"),
     "3r-rep12-m3-scp": ("phi", "gpt_neox", "albert", "swin", "bloom", "deberta_v2", "starcoder2",
-                        "stablelm", "wav2vec2", "dinov2", "switch", "speech_to_text", "beit"),
+                        "stablelm", "wav2vec2", "dinov2", "switch", "speech_to_text", "beit",
+                        "bert2gpt2"),
     "2r-auto": ("mixtral", "opt", "qwen3", "electra", "gptj", "timm_vit", "qwen2_moe",
                 "gpt_bigcode", "codegen", "mamba", "segformer", "clip_vision"),
     # The schedules' and options' layouts below take a few models each, every one also in

@@ -358,6 +358,25 @@ def _seq2seq_batch() -> Callable[[int], dict[str, torch.Tensor]]:
     return batch
 
 
+@_sequences
+def bert2gpt2() -> Case:
+    """A warm-started sequence-to-sequence model: transformers' EncoderDecoderModel, a BERT
+    encoder and a GPT-2 decoder with cross-attention, its config a config of configs whose
+    decoder's asks for a key/value cache (rannc calls it without one)."""
+    from transformers import BertConfig, EncoderDecoderConfig, EncoderDecoderModel, GPT2Config
+
+    enc = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                     max_position_embeddings=32)
+    dec = GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, add_cross_attention=True,
+                     is_decoder=True)
+    cfg = _cfg(EncoderDecoderConfig.from_encoder_decoder_configs, encoder_config=enc,
+               decoder_config=dec)
+    cfg.decoder_start_token_id, cfg.pad_token_id = 1, 0
+    return Case(EncoderDecoderModel(cfg), _seq2seq_batch())
+
+
 def whisper() -> Case:
     from transformers import WhisperConfig, WhisperForConditionalGeneration
 
@@ -1064,6 +1083,7 @@ MODELS: dict[str, tuple[Callable[[], Case], str, bool]] = {
     "t5": (t5, "transformers", False),
     "bart": (bart, "transformers", False),
     "whisper": (whisper, "transformers", False),
+    "bert2gpt2": (bert2gpt2, "transformers", False),
     "vit": (vit, "transformers", False),
     "swin": (swin, "transformers", False),
     "convnext": (convnext, "transformers", False),
