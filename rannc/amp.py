@@ -16,28 +16,12 @@ apply.
 
 from __future__ import annotations
 
-import os
 import sys
-from types import FrameType
 from typing import Any
 
 import torch
 
-_ACCELERATE_DIR = f"{os.sep}accelerate{os.sep}"
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def called_from_accelerate() -> bool:
-    """Whether the caller was called from Accelerate's code, directly or through up to two
-    frames between (a property setter runs under nn.Module.__setattr__)."""
-    frame: FrameType | None = sys._getframe(2)
-    for _ in range(3):
-        if frame is None:
-            return False
-        if _ACCELERATE_DIR in frame.f_code.co_filename:
-            return True
-        frame = frame.f_back
-    return False
 
 
 def prepared_autocast() -> tuple[str, torch.dtype] | None:
@@ -65,4 +49,4 @@ def outputs_to_fp32(out: Any) -> Any:
     return convert_to_fp32(out)
 
 
-__all__ = ["called_from_accelerate", "outputs_to_fp32", "prepared_autocast"]
+__all__ = ["outputs_to_fp32", "prepared_autocast"]

@@ -35,7 +35,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
-from rannc import amp, health, validate
+from rannc import amp, callers, health, validate
 from rannc import checkpoint as ckpt
 from rannc import clip as rclip
 from rannc import dist as rdist
@@ -89,13 +89,13 @@ class RaNNCModule(nn.Module):
     # then applies to the calls (`rannc.amp`), as it would have wrapped a prepared forward.
     @property
     def _is_accelerate_prepared(self) -> bool:
-        if amp.called_from_accelerate():
+        if callers.called_from_accelerate():
             self.__dict__["_accelerate_prepared"] = True
         return True
 
     @_is_accelerate_prepared.setter
     def _is_accelerate_prepared(self, value: bool) -> None:
-        if amp.called_from_accelerate():
+        if callers.called_from_accelerate():
             self.__dict__["_accelerate_prepared"] = True
     # Hugging Face Trainer reads this (through the wrapper it would find the wrapped model's, or
     # forward's **kwargs): True makes it pass num_items_in_batch, the global label count, and
@@ -236,7 +236,7 @@ class RaNNCModule(nn.Module):
 
     # -- running -----------------------------------------------------------
     # Dynamo must not trace rannc's capture, planning and collectives (it crashed inside them):
-    # the outer torch.compile runs this eagerly, and _check_not_compiled says what to do instead.
+    # the outer torch.compile runs this eagerly, and _NO_OUTER_COMPILE says what to do instead.
     @torch.compiler.disable
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         mixed = amp.prepared_autocast() if self.__dict__.get("_accelerate_prepared") else None
@@ -247,7 +247,8 @@ class RaNNCModule(nn.Module):
         return amp.outputs_to_fp32(out)
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
-        _check_not_compiled(self)
+        if callers.called_through_compile(self):
+            raise RaNNCError(_NO_OUTER_COMPILE)
         kwargs = _count_as_tensor(args, kwargs)
         kwargs = without_cache(self.module, kwargs)
         if rdist.get_world_size() > 1:
@@ -615,7 +616,7 @@ class RaNNCModule(nn.Module):
         if self._gathering:  # (inside gathered_parameters(): the whole model is here)
             with ckpt.own_state_dict_reads():
                 return self.module.state_dict(*args, **kwargs)
-        if rt.world_size > 1 and _in_plain_hf_trainer_save():
+        if rt.world_size > 1 and callers.in_plain_hf_trainer_save():
             raise RaNNCError(
                 "transformers.Trainer saves a checkpoint from rank 0 alone, but a deployed "
                 "RaNNCModule's state_dict() is a collective every rank must join (each holds only "
@@ -624,7 +625,7 @@ class RaNNCModule(nn.Module):
         if args:
             raise RaNNCError("after deployment state_dict() takes only keyword arguments "
                              "(destination=, prefix=, keep_vars=, rank0_only=)")
-        if rank0_only and rt.world_size > 1 and _in_safetensors_load():
+        if rank0_only and rt.world_size > 1 and callers.in_safetensors_load():
             # safetensors' load_model (Accelerate's load_state) reads the model's state_dict()
             # on every rank to find its tied weights before loading: each rank needs the whole
             rank0_only = False
@@ -1021,44 +1022,6 @@ _NO_OUTER_COMPILE = (
     "torch.compile(RaNNCModule(...)) is not supported: Dynamo cannot trace rannc's capture, "
     "planning and communication. Compile the stages instead: RaNNCModule(model, opt, "
     "compile=True) (or RANNC_COMPILE=1) runs torch.compile on each stage's graph.")
-
-
-def _check_not_compiled(module: RaNNCModule) -> None:
-    """Raise when `module` is called through `torch.compile(module)` (its OptimizedModule is a
-    few frames up: forward is Dynamo-disabled, so nothing is traced and this runs eagerly)."""
-    from torch._dynamo.eval_frame import OptimizedModule
-
-    f = sys._getframe(2)
-    for _ in range(12):  # OptimizedModule.__call__ .. _call_impl .. forward .. this: ~8 frames
-        if f is None:
-            return
-        me = f.f_locals.get("self")
-        if isinstance(me, OptimizedModule) and me._orig_mod is module:
-            raise RaNNCError(_NO_OUTER_COMPILE)
-        f = f.f_back  # type: ignore[assignment]
-
-
-def _in_plain_hf_trainer_save() -> bool:
-    """Whether the caller is Hugging Face Trainer's rank-0 save (not rannc.hf.RaNNCTrainer's)."""
-    f = sys._getframe(2)
-    while f is not None:
-        me = f.f_locals.get("self")
-        if (f.f_code.co_name == "_save" and "transformers" in f.f_code.co_filename
-                and me is not None and not getattr(me, "_rannc_trainer", False)):
-            return True
-        f = f.f_back  # type: ignore[assignment]
-    return False
-
-
-def _in_safetensors_load() -> bool:
-    """Whether the caller is safetensors' `load_model` (every rank runs it: Accelerate's
-    `load_state` of a safetensors checkpoint)."""
-    f = sys._getframe(2)
-    while f is not None:
-        if f.f_code.co_name == "load_model" and "safetensors" in f.f_code.co_filename:
-            return True
-        f = f.f_back  # type: ignore[assignment]
-    return False
 
 
 def _compile_stage(gm: fx.GraphModule) -> Any:
