@@ -289,3 +289,15 @@ def test_lightning_recipe_trains_checkpoints_and_resumes_exactly(tmp_path: Path)
     res = run_torchrun(Path(__file__).resolve().parent / "scripts" / "lightning_check.py", 2,
                        args=[tmp_path], timeout=240)
     assert res.stdout.count("PASS lightning rank") == 2, res.stdout + res.stderr
+
+
+@pytest.mark.timeout(300)
+def test_lightning_gan_with_manual_optimization_and_two_optimizers(tmp_path: Path) -> None:
+    """Lightning's GAN recipe under RaNNCStrategy on 2 ranks: manual optimization, a generator and
+    a discriminator each a RaNNCModule with its own optimizer, composed, and toggle_optimizer
+    freezing the other's parameters for a step: an epoch exact against the unwrapped pair
+    (tests/scripts/lightning_check.py gan)."""
+    pytest.importorskip("lightning")
+    res = run_torchrun(Path(__file__).resolve().parent / "scripts" / "lightning_check.py", 2,
+                       args=[str(tmp_path), "gan"], timeout=240)
+    assert res.stdout.count("PASS gan rank") == 2, res.stdout + res.stderr

@@ -10,8 +10,18 @@ held parameters equal those of the unwrapped model trained on the global batches
 checkpoint Lightning's default callback saved (rank 0 alone writes it) holds the whole model
 under the unwrapped LightningModule's names and the whole optimizer in torch's layout, equal
 to the unwrapped ones; `validate` logs the unwrapped model's loss on every rank; and a new
-model resumed from that checkpoint (`fit(ckpt_path=...)`) trains its second epoch exactly. Prints
-"PASS lightning rank R".
+model resumed from that checkpoint (`fit(ckpt_path=...)`) trains its second epoch exactly;
+`test` and `predict` give the unwrapped model's loss and outputs. Prints "PASS lightning rank R".
+
+    torchrun --nproc-per-node 2 tests/scripts/lightning_check.py DIR gan
+
+Lightning's GAN recipe: manual optimization (`automatic_optimization = False`,
+`manual_backward`), two optimizers (Adam for the generator, SGD with momentum for the
+discriminator), `toggle_optimizer` (which sets requires_grad False on the other model's
+parameters for a step), the generator and the discriminator each a RaNNCModule of 2 stages and
+composed (`D(G(z))`); the discriminator's real and fake batches go in one call, as rannc's error
+for two calls before one backward says. An epoch (4 steps of each) exact against the unwrapped
+pair. Prints "PASS gan rank R".
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ from typing import Any
 
 import lightning as L
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import rannc
@@ -44,8 +55,107 @@ class Lit(L.LightningModule):
     def validation_step(self, batch: torch.Tensor, i: int) -> None:
         self.log("val_loss", self.net(batch).square().mean(), sync_dist=True)
 
+    def test_step(self, batch: torch.Tensor, i: int) -> None:
+        self.log("test_loss", self.net(batch).square().mean(), sync_dist=True)
+
+    def predict_step(self, batch: torch.Tensor, i: int) -> torch.Tensor:
+        return self.net(batch)
+
     def configure_optimizers(self) -> Any:
         return self.opt
+
+
+class GAN(L.LightningModule):
+    def __init__(self, g: nn.Module, d: nn.Module, opt_g: torch.optim.Optimizer,
+                 opt_d: torch.optim.Optimizer) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.g, self.d, self.opt_g, self.opt_d = g, d, opt_g, opt_d
+
+    def training_step(self, batch: list[torch.Tensor], i: int) -> None:
+        real, z = batch
+        n = len(z)
+        opt_g, opt_d = self.optimizers()
+        self.toggle_optimizer(opt_g)
+        g_loss = F.binary_cross_entropy_with_logits(self.d(self.g(z)), torch.ones(n, 1))
+        self.manual_backward(g_loss)
+        opt_g.step()
+        opt_g.zero_grad()
+        self.untoggle_optimizer(opt_g)
+        self.toggle_optimizer(opt_d)
+        out = self.d(torch.cat([real, self.g(z).detach()]))
+        d_loss = (F.binary_cross_entropy_with_logits(out[:n], torch.ones(n, 1))
+                  + F.binary_cross_entropy_with_logits(out[n:], torch.zeros(n, 1))) / 2
+        self.manual_backward(d_loss)
+        opt_d.step()
+        opt_d.zero_grad()
+        self.untoggle_optimizer(opt_d)
+        self.log_dict({"g_loss": g_loss, "d_loss": d_loss}, sync_dist=True)
+
+    def configure_optimizers(self) -> Any:
+        return [self.opt_g, self.opt_d]
+
+
+def gan_pair() -> tuple[nn.Module, nn.Module, torch.optim.Optimizer, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    g = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 8))
+    d = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
+    return (g, d, torch.optim.Adam(g.parameters(), lr=0.01),
+            torch.optim.SGD(d.parameters(), lr=0.1, momentum=0.9))
+
+
+def shuffled_parts(data: Any, world: int, epoch: int) -> list[list[int]]:
+    """Each rank's indices from Lightning's DistributedSampler (shuffled: seed 0, then the epoch)."""
+    parts = []
+    for r in range(world):
+        sampler = torch.utils.data.DistributedSampler(data, world, r, shuffle=True, seed=0)
+        sampler.set_epoch(epoch)
+        parts.append(list(sampler))
+    return parts
+
+
+def gan(root: str) -> None:
+    g, d, opt_g, opt_d = gan_pair()
+    ref_g, ref_d, ref_opt_g, ref_opt_d = gan_pair()
+    rank, world = rannc.get_rank(), rannc.get_world_size()
+    gen = torch.Generator().manual_seed(1)
+    real, z = torch.randn(16, 8, generator=gen), torch.randn(16, 4, generator=gen)
+    data = list(zip(real, z, strict=True))
+    lit = GAN(rannc.RaNNCModule(g, opt_g, partition_num=2, timeout_s=60),
+              rannc.RaNNCModule(d, opt_d, partition_num=2, timeout_s=60), opt_g, opt_d)
+    fit = L.Trainer(strategy=RaNNCStrategy(), accelerator="cpu", devices=world, max_epochs=1,
+                    logger=False, enable_progress_bar=False, enable_model_summary=False,
+                    default_root_dir=root)
+    fit.fit(lit, torch.utils.data.DataLoader(data, batch_size=2))
+    assert fit.global_step == 8, fit.global_step  # (each optimizer's steps count)
+
+    def only(trained: nn.Module, frozen: nn.Module) -> None:
+        for p in trained.parameters():
+            p.requires_grad_(True)
+        for p in frozen.parameters():
+            p.requires_grad_(False)
+
+    bce = F.binary_cross_entropy_with_logits
+    parts = shuffled_parts(data, world, 0)
+    for step in range(4):
+        # each rank back-propagates its rows' mean: the gradient is the average over the ranks
+        rows = [p[2 * step:2 * step + 2] for p in parts]
+        only(ref_g, ref_d)
+        sum(bce(ref_d(ref_g(z[r])), torch.ones(2, 1)) / world for r in rows).backward()
+        ref_opt_g.step()
+        ref_opt_g.zero_grad()
+        only(ref_d, ref_g)
+        sum((bce(ref_d(real[r]), torch.ones(2, 1)) + bce(ref_d(ref_g(z[r])), torch.zeros(2, 1)))
+            / (2 * world) for r in rows).backward()
+        ref_opt_d.step()
+        ref_opt_d.zero_grad()
+    for name, mine, ref in (("g", lit.g, ref_g), ("d", lit.d, ref_d)):
+        held = dict(mine.named_parameters())
+        assert held
+        for n, q in ref.named_parameters():
+            if n in held:
+                close(held[n], q, f"rank {rank} {name}.{n}")
+    print(f"PASS gan rank {rank}", flush=True)
 
 
 def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -80,12 +190,7 @@ def main() -> None:
     assert first.global_step == 4 and first.global_rank == rank and first.world_size == world
 
     def ref_epoch(epoch: int) -> None:
-        # Lightning's DistributedSampler shuffles (seed 0, then the epoch), a part per rank
-        parts = []
-        for r in range(world):
-            sampler = torch.utils.data.DistributedSampler(data, world, r, shuffle=True, seed=0)
-            sampler.set_epoch(epoch)
-            parts.append(list(sampler))
+        parts = shuffled_parts(data, world, epoch)
         for step in range(4):
             for micro in (2 * step, 2 * step + 1):
                 rows = torch.cat([data[p[2 * micro:2 * micro + 2]] for p in parts])
@@ -128,8 +233,14 @@ def main() -> None:
 
     val = torch.utils.data.DataLoader(data[:16], batch_size=2)
     (metrics,) = trainer(root, 1).validate(lit, val, verbose=False)
+    (tested,) = trainer(root, 1).test(lit, val, verbose=False)
+    preds = trainer(root, 1).predict(lit, val)
     with torch.no_grad():
         close(torch.tensor(metrics["val_loss"]), ref(data[:16]).square().mean(), "validate")
+        close(torch.tensor(tested["test_loss"]), ref(data[:16]).square().mean(), "test")
+        # predict's sampler does not shuffle: rank r has rows r, r + world, ...
+        mine = list(range(rank, 16, world))
+        close(torch.cat(preds), ref(data[:16][mine]), f"rank {rank} predict")
 
     model2, opt2 = build(7)  # other weights and no momentum: the checkpoint must replace them
     lit2 = Lit(rannc.RaNNCModule(model2, opt2, partition_num=2, timeout_s=60), opt2)
@@ -145,4 +256,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[2:] == ["gan"]:
+        gan(sys.argv[1])
+    else:
+        main()
