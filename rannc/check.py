@@ -340,11 +340,15 @@ def _scalar_loss(out: Any) -> torch.Tensor | None:
 
 def default_loss(out: Any, inputs: Batch) -> torch.Tensor:
     """The output's scalar ``loss`` if it has one (or the output, where it is one floating
-    scalar), else the mean of squares of its floating batch outputs (summed over outputs)."""
+    scalar), else the mean of squares of its floating batch outputs (summed over outputs), in
+    float32 or the outputs' wider dtype (a float64 check's loss is float64: rounded to float32
+    its value differed with the rows each rank summed, by 1.5e-8, which the check then took
+    for the model's)."""
     loss = _scalar_loss(out)
     if loss is not None:
         return loss
-    terms = [x.float().pow(2).mean() for x in pytree.tree_leaves(out)
+    terms = [x.to(torch.promote_types(x.dtype, torch.float32)).pow(2).mean()
+             for x in pytree.tree_leaves(out)
              if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dim() > 0]
     if not terms:
         raise TypeError("the model's output has no scalar 'loss' and no floating batch output; "

@@ -17,6 +17,7 @@ from rannc.check import (
     CheckResult,
     Settings,
     _parser,
+    default_loss,
     in_dtype,
     parse_results,
     rank_rows,
@@ -93,6 +94,17 @@ def test_float64_casts_the_model_and_the_floating_inputs_and_tightens_the_tolera
     assert settings_from(_parser().parse_args(["toys:mlp"])).rtol == 1e-4
     with pytest.raises(ValueError, match="float16"):
         in_dtype(toys.batchnorm(), "float16")
+
+
+@pytest.mark.layer("pure")
+def test_the_default_loss_keeps_float64_outputs_in_float64() -> None:
+    """A float64 check's default loss (the mean of squares of the batch outputs) is float64: in
+    float32 it differed with the rows each rank summed (by 1.5e-8 for diffusers' UNet2DModel on
+    3 ranks), which the check took for the model's error. Half outputs are summed in float32."""
+    x = torch.randn(5, 3, dtype=torch.float64)
+    assert default_loss({"a": x}, None).dtype == torch.float64
+    assert default_loss({"a": x.half()}, None).dtype == torch.float32
+    assert default_loss((x.float(),), None).dtype == torch.float32
 
 
 @pytest.mark.layer("single_process")
