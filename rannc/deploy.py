@@ -49,10 +49,12 @@ log = logging.getLogger(__name__)
 
 
 def capture_signature(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                      progress: Progress) -> tuple[CapturedModel, AtomicPartition]:
-    """The captured graph of `module(*args, **kwargs)` and its atomic components (phase 1)."""
+                      progress: Progress, small_pieces: bool = False
+                      ) -> tuple[CapturedModel, AtomicPartition]:
+    """The captured graph of `module(*args, **kwargs)` and its atomic components (phase 1);
+    `small_pieces`: for a pipeline (see `capture`)."""
     with progress.phase("capture"):
-        cap = capture(module, args, kwargs)
+        cap = capture(module, args, kwargs, small_pieces=small_pieces)
     with progress.phase("atomic components"):
         atomic = atomic_components(cap.graph)
     return cap, atomic

@@ -47,7 +47,7 @@ from rannc.derive import derive_plan
 from rannc.errors import CaptureError, ConfigError, RaNNCError
 from rannc.gathered import check_modifier, gathered
 from rannc.graph import attributes, leftovers
-from rannc.graph.capture import autocast_state, flatten_inputs
+from rannc.graph.capture import CapturedModel, autocast_state, flatten_inputs
 from rannc.graph.extract import run_chain
 from rannc.graph.model_state import model_state, replaced
 from rannc.optimizers import as_one, members
@@ -258,9 +258,12 @@ class RaNNCModule(nn.Module):
                 return self._forward_distributed(ctx, args, kwargs)
         leaves, layout = flatten_inputs(args, kwargs)
         base = self._capture_base(layout)
-        key = _cached(self._deployments, base, lambda d: d.captured.reads)
+        rows = layout.batch or 1
+        key = _cached(self._deployments, base, lambda d: d.captured.reads,
+                      fits=lambda d: d.captured.fits(rows))
         if key is None:
             changes = self._changed_reads(self._deployments, base, lambda d: d.captured.reads)
+            other = _other_rows(self._deployments, base, lambda d: d.captured, rows)
             first = not self._deployments
             mark = leftovers.Mark()
             validate.check_capturable(self.module, leaves, [layout.batch or 0], first)
@@ -268,7 +271,8 @@ class RaNNCModule(nn.Module):
                                             progress_for(self.rannc_config.progress, 0))
             if not first:
                 log.info("rannc: %s; captured again (%s)",
-                         _why_again(changes, self._deployments, base), cap.graph.summary())
+                         other or _why_again(changes, self._deployments, base),
+                         cap.graph.summary())
             log.info("rannc: captured %s, %d atomic components, in %.2f s", cap.graph.summary(),
                      len(atomic.components), cap.seconds)
             dep = OneProcess.of(cap, atomic, _compile_stage if self.rannc_config.compile else None)
@@ -278,7 +282,7 @@ class RaNNCModule(nn.Module):
                                              NO_PROGRESS)
             # (the tree as the capture left it: a model may register its hooks in its first
             # forward, as transformers' output recorders do)
-            key = (*self._capture_base(layout), cap.reads.values())
+            key = (*self._capture_base(layout), (cap.reads.values(), cap.batch_rows))
             self._deployments[key] = dep
             self._leftovers[key] = mark.new(cap.gm)
             self._bound_cache(self._deployments, pinned=None)
@@ -402,11 +406,12 @@ class RaNNCModule(nn.Module):
             validate.check_capturable(self.module, leaves, sizes, self._plan is None)
             progress = progress_for(self.rannc_config.progress, ctx.rank)
             with self._held.shaped_params(self.module):
-                cap, atomic = capture_signature(self.module, args, kwargs, progress)
+                cap, atomic = capture_signature(self.module, args, kwargs, progress,
+                                                small_pieces=True)
             validate.agree_on_graph(cap.graph, sizes, ctx.device)
             validate.check_outputs_combine(cap, type(self.module).__name__)
             if self._plan is None:
-                cfg = self._planning_config()
+                cfg = _pieces_within(self._planning_config(), cap, sum(sizes))
                 plan = deployment_plan(cfg, self.module, self.optimizer, cap, atomic, ctx, leaves,
                                        sizes, progress)
                 coupled = _coupling_optimizers(self.optimizer)
@@ -441,7 +446,7 @@ class RaNNCModule(nn.Module):
                 host_malloc(self.rannc_config, ctx.device, plan.stages_of_rank(ctx.rank))
             # (the tree as the capture left it: a model may register its hooks in its first
             # forward, as transformers' output recorders do)
-            key = (*self._capture_base(layout), cap.reads.values())
+            key = (*self._capture_base(layout), (cap.reads.values(), cap.batch_rows))
             self._runtimes[key] = rt
             self._held.release(self.module, self.optimizer, self._runtimes.values(), rt)
             self._owned = None
@@ -1148,15 +1153,55 @@ def _count_as_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str,
 
 
 def _cached(cache: OrderedDict[tuple[Any, ...], Any], base: tuple[Any, ...],
-            reads_of: Callable[[Any], attributes.Reads]) -> tuple[Any, ...] | None:
+            reads_of: Callable[[Any], attributes.Reads],
+            fits: Callable[[Any], bool] = lambda entry: True) -> tuple[Any, ...] | None:
     """The key of the capture in `cache` for a call keyed `base` whose Python values read
-    still hold (`graph/attributes.py`), the most recently used first; None: capture again.
-    (A key is `base` and the values its capture read: captures of one input signature with
-    other values, e.g. a dropout's p set back, stay cached beside each other.)"""
+    still hold (`graph/attributes.py`) and that `fits` the call, the most recently used first;
+    None: capture again. (A key is `base`, then the values its capture read and the batch
+    rows it holds for: captures of one input signature with other values, e.g. a dropout's p
+    set back, or of a model branching on the batch size, stay cached beside each other.)"""
     for key in reversed(cache):
-        if key[:-1] == base and reads_of(cache[key]).hold():
+        if key[:-1] == base and reads_of(cache[key]).hold() and fits(cache[key]):
             return key
     return None
+
+
+def _pieces_within(cfg: Config, cap: CapturedModel, n_rows: int) -> Config:
+    """The planning configuration with enough microbatches that every piece of a global batch
+    of `n_rows` rows stays within the rows `cap`'s graph holds for, where the model's code
+    branches on the batch size (`CapturedModel.batch_rows`; the runtime checks every call's
+    pieces). Sufficient whatever the replicas: a piece holds at most a microbatch's rows."""
+    hi = cap.batch_rows[1]
+    if hi is None or n_rows <= hi:
+        return cfg
+    need = -(-n_rows // hi)
+    if cfg.microbatches is not None:
+        if cfg.microbatches < need:
+            raise ConfigError(
+                f"the model's code branches on the batch size ({cap.rows_site}), and rannc's graph "
+                f"holds the branch for {_rows_text(cap.batch_rows)} rows; microbatches="
+                f"{cfg.microbatches} would run the global batch of {n_rows} rows in pieces of up "
+                f"to {-(-n_rows // cfg.microbatches)} rows. Fix: microbatches={need} or more, or "
+                "leave microbatches unset (the planner then takes enough)")
+        return cfg
+    return dataclasses.replace(cfg, min_pipeline=max(cfg.min_pipeline, need),
+                               max_pipeline=max(cfg.max_pipeline, need))
+
+
+def _other_rows(cache: OrderedDict[tuple[Any, ...], Any], base: tuple[Any, ...],
+                captured: Callable[[Any], CapturedModel], rows: int) -> str:
+    """Why a call of `rows` rows captures again where a capture of its signature holds for
+    other batch sizes only (the model's code branches on the batch size), or ''."""
+    for key in reversed(cache):
+        cap = captured(cache[key])
+        if key[:-1] == base and cap.reads.hold() and not cap.fits(rows):
+            return (f"a batch of {rows} rows, for which the model's code takes another branch "
+                    f"than for the {_rows_text(cap.batch_rows)} rows captured ({cap.rows_site})")
+    return ""
+
+
+def _rows_text(rows: tuple[int, int | None]) -> str:
+    return f"{rows[0]} to {rows[1]}" if rows[1] is not None else f"{rows[0]} or more"
 
 
 # what each part of `_capture_base` is, for `_why_again`

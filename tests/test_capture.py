@@ -1204,3 +1204,54 @@ def test_a_generator_of_the_models_own_is_named_with_the_fix(sized: bool) -> Non
     input) or "unsupported graph input kind CUSTOM_OBJ (lifted_custom_0)" (a fixed size)."""
     with pytest.raises(CaptureError, match=r"torch.Generator .*default generator.*as an input"):
         capture(_OwnGenerator(sized), (torch.randn(3, 4),))
+
+
+class _Branch(nn.Module):
+    """Computes other values from 8 rows on: a branch on the batch size (diffusers' upsampling
+    has one at 64 rows, `contiguous()` first)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        if x.shape[0] >= 8:
+            y = y * 2
+        return y
+
+
+@pytest.mark.layer("single_process")
+def test_a_branch_on_the_batch_size_captures_the_batchs_branch_and_its_range() -> None:
+    """torch.export refused such a model ("Constraints violated (batch)"): the graph is now the
+    branch of the batch's size, for the range of sizes that take it, and names the line; for a
+    pipeline's pieces (small_pieces), the branch below where the batch is above it."""
+    line = f"_Branch.forward ({__file__}:"
+    small = capture(_Branch(), (torch.randn(4, 4),))
+    assert small.batch_rows == (1, 7) and line in small.rows_site \
+        and small.rows_site.endswith("`if x.shape[0] >= 8:`"), small.rows_site
+    assert small.fits(7) and not small.fits(8)
+    big = capture(_Branch(), (torch.randn(10, 4),))
+    assert big.batch_rows[0] == 8 and big.fits(8) and not big.fits(7), big.batch_rows
+    pieces = capture(_Branch(), (torch.randn(10, 4),), small_pieces=True)
+    assert pieces.batch_rows == (1, 7)
+    assert len(big.graph.tasks) == len(pieces.graph.tasks) + 1  # (the product by 2)
+    assert capture(nn.Linear(4, 4), (torch.randn(4, 4),)).batch_rows == (1, None)
+
+
+@pytest.mark.layer("single_process")
+def test_one_process_runs_each_batch_size_through_its_branch(caplog: pytest.LogCaptureFixture) -> None:
+    """In one process the graph of a call is its batch's branch: batches on both sides of the
+    model's branch are exactly the unwrapped model's, each branch captured once and kept."""
+    torch.manual_seed(0)
+    model = _Branch()
+    ref = copy.deepcopy(model)
+    wrapped = RaNNCModule(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with caplog.at_level(logging.INFO, logger="rannc"):
+        for n in (4, 10, 3, 12):
+            x = torch.randn(n, 4)
+            torch.testing.assert_close(wrapped(x), ref(x), rtol=0, atol=0)
+    assert len(wrapped._deployments) == 2
+    assert caplog.text.count("captured again") == 1
+    assert "a batch of 10 rows, for which the model's code takes another branch than for the " \
+           "1 to 7 rows captured" in caplog.text

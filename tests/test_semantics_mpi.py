@@ -486,3 +486,19 @@ def test_a_loss_left_out_leaves_its_parameters_without_a_gradient(launches: Case
     (semantics_check.check_unused_loss)."""
     _passed(launches.result("unused_loss").stdout, "unused_loss", 3)
     _passed(launches.result("unused_loss_eager").stdout, "unused_loss", 3)
+
+
+CASES["batch_branch"] = Case(3, ["--case", "batch_branch", "--replicas", "2,1", "--microbatches", "0",
+                                 "--batch", "24", "--schedule", "1f1b"])
+
+
+@pytest.mark.cases("batch_branch")
+def test_a_model_branching_on_the_batch_size_runs_its_pieces_branch(launches: CaseLaunches) -> None:
+    """A model whose code branches on the batch size at 8 rows (as diffusers' upsampling does at
+    64), each rank's batch of 8 rows: captured (before: torch.export's "Constraints violated
+    (batch)") for the pieces' branch, the planner taking enough microbatches (pieces of at
+    most 7 rows), rank 0 warning once that the global batch takes the other branch; exact
+    against the unwrapped model on the global batch, replicas [2, 1] on 3 ranks under 1F1B. A
+    later batch whose pieces would take the other branch is refused on every rank, forced
+    microbatches too few at planning (semantics_check.check_batch_branch)."""
+    _passed(launches.result("batch_branch").stdout, "batch_branch", 3)

@@ -31,7 +31,7 @@ import traceback
 import types
 import warnings
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -124,6 +124,16 @@ class CapturedModel:
     # (module path, name) of each tensor forward stores on a module, the last len(stored)
     # graph outputs (None: dropped, see `_split_stored`); `store` assigns them after a call
     stored: tuple[tuple[str, str] | None, ...] = ()
+    # the rows (inclusive; None: no bound) a batch may have for this graph to be the model's:
+    # the model's code branches on the batch size (diffusers' upsampling, `if x.shape[0] >=
+    # 64`), and the graph holds the branch taken for these sizes; `rows_site` names that line
+    batch_rows: tuple[int, int | None] = (1, None)
+    rows_site: str = ""
+
+    def fits(self, rows: int) -> bool:
+        """Whether a batch (or a piece of it) of `rows` rows takes this graph's branches."""
+        lo, hi = self.batch_rows
+        return rows >= lo and (hi is None or rows <= hi)
 
     def store(self, model: nn.Module, values: Sequence[Any]) -> None:
         """Assign the stored tensors' values of a call (the last `len(self.stored)` graph
@@ -237,9 +247,15 @@ def _refuse_opaque_inputs(tree: Any) -> None:
 
 
 def capture(
-    model: nn.Module, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None
+    model: nn.Module, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,
+    small_pieces: bool = False,
 ) -> CapturedModel:
-    """Capture `model(*args, **kwargs)` as a TaskGraph, with the batch dim symbolic."""
+    """Capture `model(*args, **kwargs)` as a TaskGraph, with the batch dim symbolic.
+
+    Where the model's code branches on the batch size, the graph is that of this batch's
+    branch, for the range of sizes that take it (`CapturedModel.batch_rows`); with
+    `small_pieces` (a pipeline, which runs the batch in pieces), that of the branch for the
+    sizes below the threshold where this batch is above it."""
     kwargs = dict(kwargs or {})
     leaves, layout = flatten_inputs(args, kwargs)
     if not any(layout.batch_leaves):
@@ -255,7 +271,8 @@ def capture(
     leaves = [_prepare_leaf(x, b, device) for x, b in zip(leaves, layout.batch_leaves, strict=True)]
     ex_args, ex_kwargs = pytree.tree_unflatten(leaves, layout.spec)
     named = _signature_naming(model, ex_kwargs)
-    dynamic_shapes = _dynamic_shapes(model, layout, named)
+    rows: tuple[int, int | None] = (1, None)
+    dynamic_shapes = _dynamic_shapes(model, layout, named, rows)
     t0 = time.perf_counter()
     reads = attributes.NONE
     written: list[tuple[str, str]] = []  # (module path, name) of the outputs forward() stored
@@ -272,11 +289,32 @@ def capture(
                                      dynamic_shapes=dynamic_shapes, strict=False)
         reads = rec.result()
         return ep
-    try:
-        ep = export()
-    except Exception as e:  # torch.export raises many types; all become a CaptureError
-        site = _specialising_site(model, e, export) if _BATCH_FIXED in str(e) else None
-        raise _capture_error(model, e, site, _coincident_batch_inputs(args, kwargs, layout)) from e
+    rows_site = ""
+    for _ in range(_RANGE_TRIES):
+        try:
+            ep = export()
+            break
+        except Exception as e:  # torch.export raises many types; all become a CaptureError
+            narrowed = _guarded_rows(e)
+            if narrowed is None or narrowed == rows:
+                site = _specialising_site(model, e, export) if _BATCH_FIXED in str(e) else None
+                raise _capture_error(model, e, site,
+                                     _coincident_batch_inputs(args, kwargs, layout)) from e
+            if not rows_site:
+                found = _guard_site(model, export, _is_range_guard)
+                rows_site = found[1] if found else "(a line of the model's code)"
+            rows = narrowed
+            if small_pieces and rows[0] > 2:
+                # this batch is on the large side of the branch; the pipeline's pieces are
+                # smaller: capture the branch below from the batch's first rows
+                leaves = [x[:rows[0] - 1] if b and isinstance(x, torch.Tensor) else x
+                          for x, b in zip(leaves, layout.batch_leaves, strict=True)]
+                ex_args, ex_kwargs = pytree.tree_unflatten(leaves, layout.spec)
+                rows = (1, rows[0] - 1)
+            dynamic_shapes = _dynamic_shapes(model, layout, named, rows)
+    else:
+        raise CaptureError(f"rannc could not capture the model: its code branches on the batch "
+                           f"size in more than {_RANGE_TRIES} places ({rows_site}, rows {rows})")
     _refuse_writes_into_inputs_or_parameters(ep)
     _refuse_collectives(ep.graph_module)
     functional = _writes_through_a_view(ep.graph_module) or _batching_transforms(ep.graph_module)
@@ -290,8 +328,33 @@ def capture(
     seconds = time.perf_counter() - t0
     cap = _from_exported(ep, layout, seconds, functional)
     cap.reads = reads
+    cap.batch_rows, cap.rows_site = rows, rows_site
     _split_stored(cap, written)
     return cap
+
+
+# how often capture narrows the batch's range (one per branch on the batch size met)
+_RANGE_TRIES = 4
+
+
+def _guarded_rows(e: BaseException) -> tuple[int, int | None] | None:
+    """The batch sizes torch.export found the model's code to hold for (the range of its
+    suggested `Dim('batch', min=, max=)`), where it branches on the batch size; None for any
+    other failure (a size pinned to a constant is `_BATCH_FIXED`)."""
+    fix = re.search(r"batch = Dim\('batch'([^)]*)\)", str(e))
+    if fix is None or _BATCH_FIXED in str(e):
+        return None
+    lo = re.search(r"min=(\d+)", fix.group(1))
+    hi = re.search(r"max=(\d+)", fix.group(1))
+    if lo is None and hi is None:
+        return None
+    return (max(1, int(lo.group(1))) if lo else 1, int(hi.group(1)) if hi else None)
+
+
+def _is_range_guard(msg: str) -> bool:
+    """A shape-environment log line adding a guard that compares a size with a number."""
+    found = re.search(r"eval (.*) \[guard added\]", msg)
+    return found is not None and re.search(r"[<>]", found.group(1)) is not None
 
 
 @contextlib.contextmanager
@@ -665,12 +728,13 @@ def _layerdrop_draws() -> Iterator[None]:
         torch.rand = real
 
 
-def _dynamic_shapes(model: nn.Module, layout: InputLayout,
-                    named: inspect.Signature | None) -> dict[str, Any]:
+def _dynamic_shapes(model: nn.Module, layout: InputLayout, named: inspect.Signature | None,
+                    rows: tuple[int, int | None]) -> dict[str, Any]:
     """torch.export's dynamic_shapes: dim 0 symbolic for every batched leaf, by parameter name
     (`named`: forward's signature with the keywords its `**kwargs` catches named, see
-    _signature_naming; None: forward's own)."""
-    batch = Dim("batch", min=1)
+    _signature_naming; None: forward's own), in the range `rows`."""
+    batch = Dim("batch", min=rows[0], max=rows[1]) if rows[1] is not None else \
+        Dim("batch", min=rows[0])
     flags = iter([{0: batch} if b else None for b in layout.batch_leaves])
     dyn_args, dyn_kwargs = _shapes_tree(layout.spec, flags)
     sig = named if named is not None else inspect.signature(model.forward)
@@ -815,13 +879,24 @@ def _specialising_site(model: nn.Module, e: BaseException,
         return None
     eq = re.compile(rf"Eq\(\w+, {constant.group(1)}\)")  # with "[guard added]"
     replaced = re.compile(rf"set_replacement \S+ = {constant.group(1)}\b")
+    return _guard_site(model, export, lambda msg: bool(("[guard added]" in msg and eq.search(msg))
+                                                       or replaced.search(msg)))
+
+
+def _guard_site(model: nn.Module, export: Any,
+                wanted: Callable[[str], bool]) -> tuple[str, str] | None:
+    """(module path, "Class.method (file:line): `the line`") where the model's code made the
+    shape environment log the first message that is `wanted`: `export` once more (which may
+    fail again, as expected) with the log at INFO, shown to no one."""
     names = {id(m): n for n, m in model.named_modules()}
     sites: list[tuple[str, str]] = []
 
     class Watch(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
+            if sites:
+                return
             msg = record.getMessage()
-            if sites or not (("[guard added]" in msg and eq.search(msg)) or replaced.search(msg)):
+            if not wanted(msg):
                 return
             stack = [frame for frame, _ in traceback.walk_stack(None)]  # innermost first
             site = _innermost_module(reversed(stack), names)

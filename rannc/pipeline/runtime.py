@@ -114,6 +114,10 @@ _FREQ_SCALED = {"aten.embedding.default": 3, "aten._embedding_bag.default": 3,
 _WRITES_WARNED: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # ... about buffers forward writes
 
 
+# the lines branching on the batch size whose pieces' branch `_check_batch_rows` warned about
+_WARNED_ROWS: set[str] = set()
+
+
 class PipelineRuntime:
     def __init__(self, model: nn.Module, captured: CapturedModel, atomic: AtomicPartition,
                  plan: Plan, rank: int, world_size: int, device: torch.device,
@@ -302,6 +306,42 @@ class PipelineRuntime:
                         f"({len(per)} replicas, rows {per}) without rows; pass at least "
                         "one row per replica")
 
+    def _check_batch_rows(self, layout: RowLayout) -> None:
+        """Where the model's code branches on the batch size, the graph holds one branch, for
+        the rows `cap.batch_rows`: every piece (a microbatch's rows on a replica) must take it
+        (the same check on every rank). The planner takes enough microbatches for the global
+        batch it planned for; a later, larger batch may not fit. Where the global batch itself
+        takes the other branch, the unwrapped model would run that one: said once, on rank 0."""
+        cap = self.cap
+        if cap.batch_rows == (1, None):
+            return
+        pieces = sorted({b - a for stage in layout.rows for per in stage for a, b in per if b > a})
+        wrong = [n for n in pieces if not cap.fits(n)]
+        lo, hi = cap.batch_rows
+        span = f"{lo} to {hi}" if hi is not None else f"{lo} or more"
+        if wrong:
+            need = -(-layout.n_rows // hi) if hi is not None else None
+            fix = (f"microbatches={need} or more (Config.microbatches, or a plan made for this "
+                   "batch size), or smaller batches" if need is not None
+                   else "larger batches")
+            raise RaNNCError(
+                f"the model's code branches on the batch size ({cap.rows_site}), and rannc's graph "
+                f"holds the branch for {span} rows, but this call runs pieces of {wrong} rows (a "
+                f"global batch of {layout.n_rows} rows in {self.plan.microbatches} microbatches, "
+                f"replicas {[len(st.ranks) for st in self.plan.stages]}), which would take the "
+                f"other branch. Fix: {fix}")
+        if not cap.fits(layout.n_rows) and cap.rows_site not in _WARNED_ROWS and self.rank == 0:
+            _WARNED_ROWS.add(cap.rows_site)  # (once per line: a train and an eval capture)
+            warnings.warn(
+                f"rannc: the model's code branches on the batch size ({cap.rows_site}). The "
+                f"pipeline runs the global batch of {layout.n_rows} rows in pieces of up to "
+                f"{pieces[-1]} rows, which take the branch for {span} rows, where the unwrapped "
+                "model on the whole batch takes the other. Where the two branches compute the "
+                "same values (a workaround for speed or memory, as diffusers' upsampling's "
+                "`contiguous()` for 64 rows or more) nothing differs; otherwise the results "
+                "are those of the model run on batches of the pieces' size", UserWarning,
+                stacklevel=2)
+
     def _schedule(self, name: str) -> Schedule:
         rc = [st.recomputed_components > 0 for st in self.plan.stages]
         try:
@@ -460,6 +500,7 @@ class PipelineRuntime:
     def _forward(self, leaves: Sequence[Any], sizes: Sequence[int], guess: Guess | None) -> list[Any]:
         layout = RowLayout(sizes, self.plan.microbatches, [s.shares for s in self.plan.stages])
         self._check_sync_rows(layout)
+        self._check_batch_rows(layout)
         buffers: dict[str, torch.Tensor] = {}
         if self._bn.sites:
             buffers = model_state(self.model).buffers()
@@ -903,13 +944,15 @@ class PipelineRuntime:
                              grad_of: dict[str, torch.Tensor | None]) -> _PostedLossGradients:
         """One all-reduce, started without waiting: the scalar outputs' gradients (averaged, as
         DDP), per scalar output whether any rank back-propagates through it at all, and, per
-        batch output, whether any rank back-propagates a non-zero gradient through it (unused
-        ones send no zeros around); see `_early_overflow` for what else it may carry."""
+        batch output, whether any rank back-propagates through it (unused ones send no zeros
+        around; a gradient of zeros counts: PyTorch then gives the parameters behind it zero
+        gradients, not None, which weight decay and momentum see); see `_early_overflow` for
+        what else it may carry."""
         scalar_names, batch_names = self._loss_outputs
         vec = [_grad_or_zero(grad_of.get(v)) for v in scalar_names]
         vec += [torch.tensor(float(grad_of.get(v) is not None), dtype=torch.float64)
                 for v in scalar_names]
-        vec += [torch.tensor(float(_nonzero(grad_of.get(v))), dtype=torch.float64)
+        vec += [torch.tensor(float(grad_of.get(v) is not None), dtype=torch.float64)
                 for v in batch_names]
         early = self._early_overflow(call)
         vec += [torch.tensor(float(x), dtype=torch.float64) for x in early or ()]
@@ -1315,10 +1358,6 @@ class _LossGradients:
         """v's seed, 0 where no rank back-propagated through it (a line already run for the
         loss, an eager one's, is scaled by it)."""
         return self.seeds.get(v, torch.zeros((), dtype=torch.float64))
-
-
-def _nonzero(g: torch.Tensor | None) -> bool:
-    return g is not None and bool(g.detach().ne(0).any())
 
 
 def _grad_or_zero(g: torch.Tensor | None) -> torch.Tensor:

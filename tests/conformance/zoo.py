@@ -7,7 +7,7 @@ model's natural full labels (no -100), so the row-weighted mean rannc gives scal
 equals the global mean; `llama_masked` masks a different number of labels in each row (-100)
 and passes Hugging Face's `num_items_in_batch`, the path that is exact for such labels.
 
-A factory whose library is missing (torchvision, timm) raises `Unavailable`; the suite skips it.
+A factory whose library is missing (torchvision, timm, diffusers) raises `Unavailable`; the suite skips it.
 """
 
 from __future__ import annotations
@@ -1057,6 +1057,78 @@ def torch_transformer() -> Case:
 
 
 # name -> (factory, source library, uses BatchNorm)
+
+
+# -- diffusers: the models diffusion training runs (a conditional UNet as Stable Diffusion's, its
+# VAE, a DiT). Their upsampling branches on the batch size (`contiguous()` from 64 rows on), which
+# torch.export refused until 2026-12-08 ("Constraints violated (batch)").
+def _diffusers() -> Any:
+    try:
+        import diffusers
+    except Exception as e:  # noqa: BLE001 - any import failure means skip
+        raise Unavailable(f"diffusers does not load: {type(e).__name__}: {e}") from e
+    return diffusers
+
+
+DIFFUSION_IMAGE = 16  # (latents: small images)
+
+
+def _noisy_latents(channels: int, cond: tuple[int, int] | None = None) -> Callable[[int], Any]:
+    def batch(n: int) -> dict[str, torch.Tensor]:
+        b = {"sample": torch.randn(n, channels, DIFFUSION_IMAGE, DIFFUSION_IMAGE),
+             "timestep": torch.randint(0, 1000, (n,))}
+        if cond is not None:
+            b["encoder_hidden_states"] = torch.randn(n, *cond)
+        return b
+    return batch
+
+
+def sd_unet() -> Case:
+    """diffusers' UNet2DConditionModel as Stable Diffusion's: ResNet blocks with the timestep
+    embedding, cross-attention to text states, down- and upsampling (its upsampling's branch
+    on the batch size), skip connections across the U."""
+    torch.manual_seed(0)
+    model = _diffusers().UNet2DConditionModel(
+        sample_size=DIFFUSION_IMAGE, in_channels=4, out_channels=4, block_out_channels=(16, 32),
+        layers_per_block=1, down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), norm_num_groups=8,
+        cross_attention_dim=24, attention_head_dim=8)
+    return Case(model, _noisy_latents(4, (5, 24)))
+
+
+def sd_vae() -> Case:
+    """diffusers' AutoencoderKL (Stable Diffusion's VAE): encoder, a diagonal Gaussian's mode
+    (sample_posterior=False), decoder with upsampling; GroupNorm and a mid-block attention."""
+    torch.manual_seed(0)
+    model = _diffusers().AutoencoderKL(
+        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(16, 32), latent_channels=4,
+        norm_num_groups=8, sample_size=DIFFUSION_IMAGE)
+
+    def batch(n: int) -> dict[str, Any]:
+        return {"sample": torch.randn(n, 3, DIFFUSION_IMAGE, DIFFUSION_IMAGE), "sample_posterior": False}
+    return Case(model, batch)
+
+
+def dit() -> Case:
+    """diffusers' DiTTransformer2DModel: patches, adaptive LayerNorm from the timestep and class
+    label embeddings, a transformer, unpatchify. Its class labels' dropout (for classifier-free
+    guidance: a random draw per row, which on several ranks each rank draws for its own rows,
+    as any dropout) is off, as the zoo's dropout is."""
+    torch.manual_seed(0)
+    model = _diffusers().DiTTransformer2DModel(
+        num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=8, num_layers=2,
+        sample_size=8, patch_size=2, num_embeds_ada_norm=1000, norm_num_groups=8)
+    for m in model.modules():
+        if hasattr(m, "dropout_prob"):  # (diffusers' LabelEmbedding)
+            m.dropout_prob = 0.0
+
+    def batch(n: int) -> dict[str, torch.Tensor]:
+        return {"hidden_states": torch.randn(n, 4, 8, 8), "timestep": torch.randint(0, 1000, (n,)),
+                "class_labels": torch.randint(0, 1000, (n,))}
+    return Case(model, batch)
+
+
 MODELS: dict[str, tuple[Callable[[], Case], str, bool]] = {
     "llama": (llama, "transformers", False),
     "llama_masked": (llama_masked, "transformers", False),
@@ -1137,4 +1209,7 @@ MODELS: dict[str, tuple[Callable[[], Case], str, bool]] = {
     "torch_attention": (torch_attention, "torch", False),
     "torch_encoder": (torch_encoder, "torch", False),
     "torch_transformer": (torch_transformer, "torch", False),
+    "sd_unet": (sd_unet, "diffusers", False),
+    "sd_vae": (sd_vae, "diffusers", False),
+    "dit": (dit, "diffusers", False),
 }

@@ -1057,7 +1057,10 @@ def check_unused_loss(a: argparse.Namespace, rank: int, world: int) -> None:
     beside a batch output from a tower of its own, trained on the batch output alone (under
     1F1B: the eager line, run for the scalar, is not the step's; the late pass seeded it with
     zeros too; and the later stage sent zeros back for the tower's output, which no longer
-    travels when the step's outputs do not depend on it), then on both."""
+    travels when the step's outputs do not depend on it), on `0 * out.sum()` (a gradient of
+    zeros through the batch output: PyTorch gives the parameters behind it zero gradients,
+    which weight decay and momentum see; before, rannc took such an output for unused and
+    left them None), then on both."""
     from transformers import GPT2Config, GPT2DoubleHeadsModel
 
     sizes = local_sizes(a.batch, world)
@@ -1067,7 +1070,7 @@ def check_unused_loss(a: argparse.Namespace, rank: int, world: int) -> None:
                                           n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0,
                                           attn_pdrop=0.0, summary_first_dropout=0.0))
     for model, losses in ((gpt, ("loss", "mc_loss", "both", "loss")),
-                          (SideHead(), ("out", "out", "both"))):
+                          (SideHead(), ("out", "out", "zero", "both"))):
         ref = copy.deepcopy(model)
         wrapped = rannc.RaNNCModule(model, **options(a))
         # (SGD: AdamW would turn the rounding noise of GPT-2's key biases' gradients, zero in
@@ -1084,6 +1087,8 @@ def check_unused_loss(a: argparse.Namespace, rank: int, world: int) -> None:
                 ref_mse = ((want["out"] - t) ** 2).mean()
                 got_loss = mse + out["aux"] if which == "both" else mse
                 want_loss = ref_mse + want["aux"] if which == "both" else ref_mse
+                if which == "zero":  # (DDP's trick for unused outputs: zero gradients, not None)
+                    got_loss, want_loss = 0 * out["out"].sum(), 0 * want["out"].sum()
             else:
                 ids = torch.randint(0, 64, (a.batch, 2, 8))
                 batch = {"input_ids": ids, "mc_token_ids": torch.full((a.batch, 2), 7),
@@ -1540,6 +1545,82 @@ def check_stored(a: argparse.Namespace, rank: int, world: int) -> None:
     print(f"PASS stored rank {rank}", flush=True)
 
 
+class BatchBranch(nn.Module):
+    """Branches on the batch size, as diffusers' upsampling does at 64 rows (`contiguous()`
+    first): from 8 rows on it computes the same values another way."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(6, 16), nn.Linear(16, 16), nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        if x.shape[0] >= 8:
+            h = (h * 2.0) / 2.0
+        return self.c(torch.tanh(self.b(h)))
+
+
+def check_batch_branch(a: argparse.Namespace, rank: int, world: int) -> None:
+    """A model whose code branches on the batch size (torch.export found it holds for 1 to 7
+    rows, or 8 and more): before, rannc could not capture it (diffusers' UNets and VAE:
+    "Constraints violated (batch)"). The pipeline's graph is the branch of its pieces' size
+    (each rank's own 8 rows are on the other side of it: captured from its first 7), the
+    planner takes enough
+    microbatches for pieces of at most 7 rows, and rank 0 warns once that the global batch
+    takes the other branch; the results equal the unwrapped model's on the global batch. A
+    later, larger batch whose pieces would take the other branch is refused on every rank
+    (and the model goes on after it); forced microbatches too few are refused naming enough."""
+    torch.manual_seed(0)
+    model = BatchBranch()
+    ref = copy.deepcopy(model)
+    opts = (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+            torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9))
+    wrapped = rannc.RaNNCModule(model, opts[0], **options(a))
+
+    def step(batch: int, i: int) -> None:
+        sizes = local_sizes(batch, world)
+        lo = sum(sizes[:rank])
+        x = torch.randn(batch, 6, generator=torch.Generator().manual_seed(i))
+        out, want = wrapped(x[lo:lo + sizes[rank]]), ref(x)
+        close(out, want[lo:lo + sizes[rank]], f"rank {rank} step {i} outputs")
+        out.square().mean().backward()
+        want.square().mean().backward()  # (the ranks' rows are even: the global mean)
+        grads_close_then_step(wrapped, ref, opts, f"rank {rank} step {i}")
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for i in range(2):
+            step(a.batch, i)
+    said = [str(w.message) for w in seen if "branches on the batch size" in str(w.message)]
+    if rank == 0:
+        assert len(said) == 1 and "`if x.shape[0] >= 8:`" in said[0] \
+            and "branch for 1 to 7 rows" in said[0], said
+    else:
+        assert not said, said
+    plan = wrapped.plan
+    assert plan is not None and plan.microbatches >= 2, plan.summary()
+    try:
+        step(8 * a.batch, 9)
+    except rannc.RaNNCError as e:
+        assert "branches on the batch size" in str(e) and "Fix: microbatches=" in str(e), e
+    else:
+        raise AssertionError("pieces beyond the captured branch's rows were not refused")
+    wrapped.zero_grad()
+    ref.zero_grad()
+    step(a.batch, 2)  # (nothing left waiting: the model goes on)
+    forced = BatchBranch()
+    try:
+        one = rannc.RaNNCModule(forced, torch.optim.SGD(forced.parameters(), lr=0.1),
+                                **{**options(a), "microbatches": 1})
+        one(torch.randn(local_sizes(a.batch, world)[rank], 6))
+    except rannc.errors.ConfigError as e:
+        assert "microbatches=1 would run the global batch" in str(e) \
+            and f"Fix: microbatches={-(-a.batch // 7)} or more" in str(e), e
+    else:
+        raise AssertionError("microbatches=1 over the captured branch's rows was not refused")
+    print(f"PASS batch_branch rank {rank}", flush=True)
+
+
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--case", required=True, choices=["input_grad", "masked_lm", "batchnorm", "unused_count",
@@ -1549,7 +1630,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
                                                 "sparse_grad", "stored", "param_groups",
                                                 "dtype_change", "optimizers", "param_hooks",
                                                 "gathered", "interleaved", "lbfgs",
-                                                "late_optimizer", "unused_loss"])
+                                                "late_optimizer", "unused_loss", "batch_branch"])
     p.add_argument("--bn-mode", default="sync", help="batchnorm: local or sync")
     p.add_argument("--model", default="llama", help="masked_lm: llama or roberta")
     p.add_argument("--replicas", default="")
@@ -1580,7 +1661,8 @@ def run(a: argparse.Namespace, ctx: rdist.DistContext) -> None:
      "optimizers": check_optimizers, "param_hooks": check_param_hooks,
      "gathered": check_gathered, "interleaved": check_interleaved,
      "lbfgs": check_lbfgs, "late_optimizer": check_late_optimizer,
-     "unused_loss": check_unused_loss}[a.case](a, ctx.rank, ctx.world_size)
+     "unused_loss": check_unused_loss,
+     "batch_branch": check_batch_branch}[a.case](a, ctx.rank, ctx.world_size)
 
 
 def main() -> None:
