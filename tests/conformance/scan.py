@@ -16,14 +16,18 @@ from typing import Any
 import transformers as T
 from conformance.zoo import (
     _DEC,
+    DIFFUSION_IMAGE,
     IMAGE,
     LABELS,
     VOCAB,
     _cfg,
+    _diffusers,
     _image_batch,
     _lm_batch,
+    _noisy_latents,
     _seq2seq_batch,
     _sequences,
+    sd_unet,
 )
 
 from rannc.check import Case
@@ -679,6 +683,105 @@ def lilt() -> Case:
         return b
 
     return Case(T.LiltForSequenceClassification(cfg), batch)
+
+
+# -- diffusers (the scan of 2026-12-08; the suite holds sd_unet, sd_vae and dit) ------------------
+def unet2d() -> Case:
+    """UNet2DModel, unconditional, with attention blocks."""
+    import torch
+
+    torch.manual_seed(0)
+    return Case(_diffusers().UNet2DModel(
+        sample_size=DIFFUSION_IMAGE, in_channels=3, out_channels=3, block_out_channels=(16, 32),
+        layers_per_block=1, down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+        up_block_types=("AttnUpBlock2D", "UpBlock2D"), norm_num_groups=8, attention_head_dim=8),
+        _noisy_latents(3))
+
+
+def sdxl_unet() -> Case:
+    """UNet2DConditionModel as SDXL's: text-time added embeddings (a nested dict input), linear
+    projections, two transformer layers in a block."""
+    import torch
+
+    torch.manual_seed(0)
+    model = _diffusers().UNet2DConditionModel(
+        sample_size=DIFFUSION_IMAGE, in_channels=4, out_channels=4, block_out_channels=(16, 32),
+        layers_per_block=1, down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), norm_num_groups=8,
+        cross_attention_dim=24, attention_head_dim=8, addition_embed_type="text_time",
+        addition_time_embed_dim=8, projection_class_embeddings_input_dim=12 + 6 * 8,
+        transformer_layers_per_block=(1, 2), use_linear_projection=True)
+    base = _noisy_latents(4, (5, 24))
+
+    def batch(n):
+        b = base(n)
+        b["added_cond_kwargs"] = {"text_embeds": torch.randn(n, 12), "time_ids": torch.randn(n, 6)}
+        return b
+    return Case(model, batch)
+
+
+def controlnet() -> Case:
+    """ControlNetModel: the UNet's encoder and a conditioning image's embedding, zero-initialised
+    output convolutions (its outputs are zeros at first)."""
+    import torch
+
+    torch.manual_seed(0)
+    model = _diffusers().ControlNetModel(
+        in_channels=4, block_out_channels=(16, 32), layers_per_block=1,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), norm_num_groups=8,
+        cross_attention_dim=24, attention_head_dim=8, conditioning_embedding_out_channels=(8, 8))
+    base = _noisy_latents(4, (5, 24))
+
+    def batch(n):
+        b = base(n)
+        b["controlnet_cond"] = torch.randn(n, 3, 2 * DIFFUSION_IMAGE, 2 * DIFFUSION_IMAGE)
+        return b
+    return Case(model, batch)
+
+
+def sd3() -> Case:
+    """SD3Transformer2DModel (MMDiT: joint attention over image and text tokens)."""
+    import torch
+
+    torch.manual_seed(0)
+    model = _diffusers().SD3Transformer2DModel(
+        sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8,
+        num_attention_heads=2, joint_attention_dim=24, caption_projection_dim=16,
+        pooled_projection_dim=12, out_channels=4, pos_embed_max_size=16)
+
+    def batch(n):
+        return {"hidden_states": torch.randn(n, 4, 8, 8), "timestep": torch.randint(0, 1000, (n,)),
+                "encoder_hidden_states": torch.randn(n, 5, 24), "pooled_projections": torch.randn(n, 12)}
+    return Case(model, batch)
+
+
+def flux() -> Case:
+    """FluxTransformer2DModel: double- and single-stream blocks, rotary positions from ids."""
+    import torch
+
+    torch.manual_seed(0)
+    model = _diffusers().FluxTransformer2DModel(
+        patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=8,
+        num_attention_heads=2, joint_attention_dim=24, pooled_projection_dim=12,
+        guidance_embeds=False, axes_dims_rope=(2, 2, 4))
+
+    def batch(n):
+        return {"hidden_states": torch.randn(n, 16, 16), "timestep": torch.rand(n),
+                "encoder_hidden_states": torch.randn(n, 5, 24), "pooled_projections": torch.randn(n, 12),
+                "img_ids": torch.zeros(16, 3), "txt_ids": torch.zeros(5, 3)}
+    return Case(model, batch)
+
+
+def unet_lora() -> Case:
+    """The suite's sd_unet frozen, with peft LoRA adapters on its attention (`add_adapter`), as
+    LoRA fine-tuning of Stable Diffusion trains it."""
+    from peft import LoraConfig
+
+    case = sd_unet()
+    case.model.requires_grad_(False)
+    case.model.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian",
+                                      target_modules=["to_k", "to_q", "to_v", "to_out.0"]))
+    return case
 
 
 NAMES = sorted(
