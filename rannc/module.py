@@ -1179,7 +1179,7 @@ def _pieces_within(cfg: Config, cap: CapturedModel, n_rows: int) -> Config:
         if cfg.microbatches < need:
             raise ConfigError(
                 f"the model's code branches on the batch size ({cap.rows_site}), and rannc's graph "
-                f"holds the branch for {_rows_text(cap.batch_rows)} rows; microbatches="
+                f"holds the branch for {cap.rows_text()} rows; microbatches="
                 f"{cfg.microbatches} would run the global batch of {n_rows} rows in pieces of up "
                 f"to {-(-n_rows // cfg.microbatches)} rows. Fix: microbatches={need} or more, or "
                 "leave microbatches unset (the planner then takes enough)")
@@ -1196,12 +1196,8 @@ def _other_rows(cache: OrderedDict[tuple[Any, ...], Any], base: tuple[Any, ...],
         cap = captured(cache[key])
         if key[:-1] == base and cap.reads.hold() and not cap.fits(rows):
             return (f"a batch of {rows} rows, for which the model's code takes another branch "
-                    f"than for the {_rows_text(cap.batch_rows)} rows captured ({cap.rows_site})")
+                    f"than for the {cap.rows_text()} rows captured ({cap.rows_site})")
     return ""
-
-
-def _rows_text(rows: tuple[int, int | None]) -> str:
-    return f"{rows[0]} to {rows[1]}" if rows[1] is not None else f"{rows[0]} or more"
 
 
 # what each part of `_capture_base` is, for `_why_again`

@@ -135,6 +135,11 @@ class CapturedModel:
         lo, hi = self.batch_rows
         return rows >= lo and (hi is None or rows <= hi)
 
+    def rows_text(self) -> str:
+        """`batch_rows` in words: "1 to 63", "64 or more"."""
+        lo, hi = self.batch_rows
+        return f"{lo} to {hi}" if hi is not None else f"{lo} or more"
+
     def store(self, model: nn.Module, values: Sequence[Any]) -> None:
         """Assign the stored tensors' values of a call (the last `len(self.stored)` graph
         outputs, in order) to their modules' attributes, as the model's forward does."""

@@ -317,8 +317,8 @@ class PipelineRuntime:
             return
         pieces = sorted({b - a for stage in layout.rows for per in stage for a, b in per if b > a})
         wrong = [n for n in pieces if not cap.fits(n)]
-        lo, hi = cap.batch_rows
-        span = f"{lo} to {hi}" if hi is not None else f"{lo} or more"
+        hi = cap.batch_rows[1]
+        span = cap.rows_text()
         if wrong:
             need = -(-layout.n_rows // hi) if hi is not None else None
             fix = (f"microbatches={need} or more (Config.microbatches, or a plan made for this "
