@@ -6,8 +6,10 @@ one walk of the stack (`frames`), so none keeps its own loop.
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
+import traceback
 from collections.abc import Iterator
 from types import FrameType
 from typing import Any
@@ -17,12 +19,7 @@ _ACCELERATE_DIR = f"{os.sep}accelerate{os.sep}"
 
 def frames(first: FrameType | None, limit: int | None = None) -> Iterator[FrameType]:
     """`first` and the frames that called it, outwards: at most `limit` of them."""
-    f = first
-    n = 0
-    while f is not None and (limit is None or n < limit):
-        yield f
-        f = f.f_back
-        n += 1
+    return itertools.islice((f for f, _ in traceback.walk_stack(first)), limit)
 
 
 def called_from_accelerate() -> bool:

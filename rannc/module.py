@@ -1171,10 +1171,9 @@ def _pieces_within(cfg: Config, cap: CapturedModel, n_rows: int) -> Config:
     of `n_rows` rows stays within the rows `cap`'s graph holds for, where the model's code
     branches on the batch size (`CapturedModel.batch_rows`; the runtime checks every call's
     pieces). Sufficient whatever the replicas: a piece holds at most a microbatch's rows."""
-    hi = cap.batch_rows[1]
-    if hi is None or n_rows <= hi:
+    need = cap.microbatches_for(n_rows)
+    if need == 1:
         return cfg
-    need = -(-n_rows // hi)
     if cfg.microbatches is not None:
         if cfg.microbatches < need:
             raise ConfigError(
@@ -1192,12 +1191,12 @@ def _other_rows(cache: OrderedDict[tuple[Any, ...], Any], base: tuple[Any, ...],
                 captured: Callable[[Any], CapturedModel], rows: int) -> str:
     """Why a call of `rows` rows captures again where a capture of its signature holds for
     other batch sizes only (the model's code branches on the batch size), or ''."""
-    for key in reversed(cache):
-        cap = captured(cache[key])
-        if key[:-1] == base and cap.reads.hold() and not cap.fits(rows):
-            return (f"a batch of {rows} rows, for which the model's code takes another branch "
-                    f"than for the {cap.rows_text()} rows captured ({cap.rows_site})")
-    return ""
+    key = _cached(cache, base, lambda entry: captured(entry).reads)
+    cap = captured(cache[key]) if key is not None else None
+    if cap is None or cap.fits(rows):
+        return ""
+    return (f"a batch of {rows} rows, for which the model's code takes another branch than for "
+            f"the {cap.rows_text()} rows captured ({cap.rows_site})")
 
 
 # what each part of `_capture_base` is, for `_why_again`

@@ -135,6 +135,12 @@ class CapturedModel:
         lo, hi = self.batch_rows
         return rows >= lo and (hi is None or rows <= hi)
 
+    def microbatches_for(self, n_rows: int) -> int:
+        """The fewest microbatches that keep every piece of a batch of `n_rows` rows within
+        the rows this graph holds for (a piece holds at most a microbatch's rows)."""
+        hi = self.batch_rows[1]
+        return 1 if hi is None else -(-n_rows // hi)
+
     def rows_text(self) -> str:
         """`batch_rows` in words: "1 to 63", "64 or more"."""
         lo, hi = self.batch_rows

@@ -317,13 +317,11 @@ class PipelineRuntime:
             return
         pieces = sorted({b - a for stage in layout.rows for per in stage for a, b in per if b > a})
         wrong = [n for n in pieces if not cap.fits(n)]
-        hi = cap.batch_rows[1]
         span = cap.rows_text()
         if wrong:
-            need = -(-layout.n_rows // hi) if hi is not None else None
-            fix = (f"microbatches={need} or more (Config.microbatches, or a plan made for this "
-                   "batch size), or smaller batches" if need is not None
-                   else "larger batches")
+            fix = (f"microbatches={cap.microbatches_for(layout.n_rows)} or more "
+                   "(Config.microbatches, or a plan made for this batch size), or smaller batches"
+                   if cap.batch_rows[1] is not None else "larger batches")
             raise RaNNCError(
                 f"the model's code branches on the batch size ({cap.rows_site}), and rannc's graph "
                 f"holds the branch for {span} rows, but this call runs pieces of {wrong} rows (a "
